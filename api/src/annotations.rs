@@ -1,0 +1,728 @@
+//! Pod annotations (`memguard.io/…`): the keys, and their parsing into a training config.
+//!
+//! The CLI's `estimate` flags are the same keys without the prefix, and go through the same
+//! parser ([`TrainingAnnotations::parse_keys`]), so a pod and a command line can never disagree.
+
+use memguard_estimator::{
+    Bytes, ConfigError, Device, LoraTargets, Method, ModelShape, Optimizer, Parallelism,
+    Precision, TrainingConfig, catalog, parse_bytes, parse_count,
+};
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// Prefix of every memguard annotation.
+pub const PREFIX: &str = "memguard.io/";
+
+/// Catalog model name, e.g. `llama-3-8b`.
+pub const MODEL: &str = "memguard.io/model";
+/// Total parameters (`7e9`, `7B`, `125M`).
+pub const MODEL_PARAMS: &str = "memguard.io/model-params";
+/// Storage bits of the base weights (4, 8, 16, 32).
+pub const MODEL_BITS: &str = "memguard.io/model-bits";
+/// Model width.
+pub const HIDDEN_SIZE: &str = "memguard.io/hidden-size";
+/// Transformer blocks.
+pub const NUM_LAYERS: &str = "memguard.io/num-layers";
+/// Attention heads.
+pub const NUM_HEADS: &str = "memguard.io/num-heads";
+/// Key/value heads (GQA).
+pub const NUM_KV_HEADS: &str = "memguard.io/num-kv-heads";
+/// Width of one FFN branch.
+pub const INTERMEDIATE_SIZE: &str = "memguard.io/intermediate-size";
+/// Vocabulary size.
+pub const VOCAB_SIZE: &str = "memguard.io/vocab-size";
+/// Gated FFN (SwiGLU): `true|false`.
+pub const FFN_GATED: &str = "memguard.io/ffn-gated";
+/// Input and output embeddings tied: `true|false`.
+pub const TIE_EMBEDDINGS: &str = "memguard.io/tie-embeddings";
+/// MoE experts per layer.
+pub const NUM_EXPERTS: &str = "memguard.io/num-experts";
+/// MoE experts per token.
+pub const EXPERTS_PER_TOKEN: &str = "memguard.io/experts-per-token";
+/// Per-device batch size.
+pub const BATCH_SIZE: &str = "memguard.io/batch-size";
+/// Sequence length.
+pub const SEQ_LENGTH: &str = "memguard.io/seq-length";
+/// Gradient accumulation steps.
+pub const GRAD_ACCUMULATION: &str = "memguard.io/grad-accumulation";
+/// `full|lora|qlora|dora`.
+pub const METHOD: &str = "memguard.io/method";
+/// LoRA rank.
+pub const LORA_RANK: &str = "memguard.io/lora-rank";
+/// Adapted layers.
+pub const LORA_LAYERS: &str = "memguard.io/lora-layers";
+/// Adapted projections: `q,k,v,o,gate,up,down` or `all-linear`.
+pub const LORA_TARGETS: &str = "memguard.io/lora-targets";
+/// QLoRA double quantization: `true|false`.
+pub const DOUBLE_QUANT: &str = "memguard.io/double-quant";
+/// `adamw|adam|sgd|sgd-momentum|adafactor|adamw-8bit`.
+pub const OPTIMIZER: &str = "memguard.io/optimizer";
+/// `true|false`.
+pub const GRAD_CHECKPOINTING: &str = "memguard.io/grad-checkpointing";
+/// `true|false`.
+pub const FLASH_ATTENTION: &str = "memguard.io/flash-attention";
+/// `fp32|bf16-mixed|fp16-mixed|bf16|fp16`.
+pub const PRECISION: &str = "memguard.io/precision";
+/// `cuda|cpu|metal`; default: `cuda` when the trainer requests a GPU, else `cpu`.
+pub const DEVICE: &str = "memguard.io/device";
+/// `none|ddp|fsdp|zero1|zero2|zero3`.
+pub const PARALLELISM: &str = "memguard.io/parallelism";
+/// Devices in data parallelism.
+pub const WORLD_SIZE: &str = "memguard.io/world-size";
+/// Memory per GPU (`80GiB`, `24G`), overriding the policy's product table.
+pub const GPU_MEMORY: &str = "memguard.io/gpu-memory";
+/// Fraction of the memory the plan may use, in (0, 1].
+pub const SAFETY_RATIO: &str = "memguard.io/safety-ratio";
+/// Name of the trainer container.
+pub const CONTAINER: &str = "memguard.io/container";
+/// The user's own env variables to rewrite: `batch-size=PER_DEVICE_TRAIN_BATCH_SIZE,…`.
+pub const ENV_MAP: &str = "memguard.io/env-map";
+/// Output: compact JSON summary of the estimate and plan (written by the webhook).
+pub const ESTIMATE: &str = "memguard.io/estimate";
+/// Output: why the webhook left the pod unchanged (written by the webhook).
+pub const ERROR: &str = "memguard.io/error";
+
+/// Every input key, for unknown-key detection and documentation.
+pub const INPUT_KEYS: &[&str] = &[
+    MODEL,
+    MODEL_PARAMS,
+    MODEL_BITS,
+    HIDDEN_SIZE,
+    NUM_LAYERS,
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    INTERMEDIATE_SIZE,
+    VOCAB_SIZE,
+    FFN_GATED,
+    TIE_EMBEDDINGS,
+    NUM_EXPERTS,
+    EXPERTS_PER_TOKEN,
+    BATCH_SIZE,
+    SEQ_LENGTH,
+    GRAD_ACCUMULATION,
+    METHOD,
+    LORA_RANK,
+    LORA_LAYERS,
+    LORA_TARGETS,
+    DOUBLE_QUANT,
+    OPTIMIZER,
+    GRAD_CHECKPOINTING,
+    FLASH_ATTENTION,
+    PRECISION,
+    DEVICE,
+    PARALLELISM,
+    WORLD_SIZE,
+    GPU_MEMORY,
+    SAFETY_RATIO,
+    CONTAINER,
+    ENV_MAP,
+];
+
+/// Output keys the webhook writes; accepted on input so a re-invocation does not trip over them.
+pub const OUTPUT_KEYS: &[&str] = &[ESTIMATE, ERROR];
+
+/// The shape keys required when no catalog `model` is given.
+const REQUIRED_SHAPE_KEYS: &[&str] = &[HIDDEN_SIZE, NUM_LAYERS, NUM_HEADS, VOCAB_SIZE];
+
+/// A problem with one annotation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnnotationError {
+    /// The key without the `memguard.io/` prefix (also the CLI flag name).
+    pub key: String,
+    /// What is wrong, for a person.
+    pub message: String,
+}
+
+impl fmt::Display for AnnotationError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.key, self.message)
+    }
+}
+
+impl std::error::Error for AnnotationError {}
+
+impl AnnotationError {
+    fn new(key: &str, message: impl Into<String>) -> Self {
+        AnnotationError {
+            key: key.strip_prefix(PREFIX).unwrap_or(key).to_string(),
+            message: message.into(),
+        }
+    }
+}
+
+/// A training knob the plan can change, and the user may map to their own env variable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Knob {
+    /// Per-device batch size.
+    BatchSize,
+    /// Gradient accumulation steps.
+    GradAccumulation,
+    /// Gradient checkpointing on/off.
+    GradCheckpointing,
+    /// Sequence length.
+    SeqLength,
+    /// LoRA rank.
+    LoraRank,
+    /// Adapted layers.
+    LoraLayers,
+}
+
+impl Knob {
+    /// Every knob.
+    pub const ALL: [Knob; 6] = [
+        Knob::BatchSize,
+        Knob::GradAccumulation,
+        Knob::GradCheckpointing,
+        Knob::SeqLength,
+        Knob::LoraRank,
+        Knob::LoraLayers,
+    ];
+
+    /// The name used in `env-map` (the annotation key without prefix).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Knob::BatchSize => "batch-size",
+            Knob::GradAccumulation => "grad-accumulation",
+            Knob::GradCheckpointing => "grad-checkpointing",
+            Knob::SeqLength => "seq-length",
+            Knob::LoraRank => "lora-rank",
+            Knob::LoraLayers => "lora-layers",
+        }
+    }
+
+    /// The `MEMGUARD_*` variable carrying this knob.
+    pub const fn env(self) -> &'static str {
+        match self {
+            Knob::BatchSize => crate::env::BATCH_SIZE,
+            Knob::GradAccumulation => crate::env::GRAD_ACCUMULATION,
+            Knob::GradCheckpointing => crate::env::GRAD_CHECKPOINTING,
+            Knob::SeqLength => crate::env::SEQ_LENGTH,
+            Knob::LoraRank => crate::env::LORA_RANK,
+            Knob::LoraLayers => crate::env::LORA_LAYERS,
+        }
+    }
+
+    /// The knob's value in `cfg`, as an env value.
+    pub fn value(self, cfg: &TrainingConfig) -> String {
+        match self {
+            Knob::BatchSize => cfg.batch_size.to_string(),
+            Knob::GradAccumulation => cfg.grad_accumulation.to_string(),
+            Knob::GradCheckpointing => cfg.grad_checkpointing.to_string(),
+            Knob::SeqLength => cfg.seq_length.to_string(),
+            Knob::LoraRank => cfg.lora_rank.to_string(),
+            Knob::LoraLayers => cfg.adapted_layers().to_string(),
+        }
+    }
+
+    fn parse(s: &str) -> Option<Knob> {
+        Knob::ALL.into_iter().find(|k| k.name() == s)
+    }
+}
+
+/// `env-map`: the user's own variables to rewrite in place, knob → variable name.
+pub type EnvMap = BTreeMap<Knob, String>;
+
+/// Everything the annotations say, parsed and validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainingAnnotations {
+    /// The training config (device set only when `device` was given; see [`Self::device_given`]).
+    pub config: TrainingConfig,
+    /// Whether `device` was given explicitly (otherwise the webhook infers it from resources).
+    pub device_given: bool,
+    /// `gpu-memory`, when given.
+    pub gpu_memory: Option<Bytes>,
+    /// `safety-ratio`, when given.
+    pub safety_ratio: Option<f64>,
+    /// `container`, when given.
+    pub container: Option<String>,
+    /// `env-map` entries.
+    pub env_map: EnvMap,
+}
+
+/// Whether a pod's annotations carry any memguard input at all.
+pub fn has_training_input(annotations: &BTreeMap<String, String>) -> bool {
+    annotations.keys().any(|k| INPUT_KEYS.contains(&k.as_str()))
+}
+
+impl TrainingAnnotations {
+    /// Parses pod annotations. Keys outside `memguard.io/` are ignored; unknown `memguard.io/`
+    /// keys are errors (a typo must not silently fall back to a default). Returns every error.
+    pub fn parse(annotations: &BTreeMap<String, String>) -> Result<Self, Vec<AnnotationError>> {
+        let mut keys = BTreeMap::new();
+        let mut errors = Vec::new();
+        for (key, value) in annotations {
+            let Some(short) = key.strip_prefix(PREFIX) else {
+                continue;
+            };
+            if OUTPUT_KEYS.contains(&key.as_str()) {
+                continue;
+            }
+            if !INPUT_KEYS.contains(&key.as_str()) {
+                errors.push(AnnotationError::new(key, unknown_key_message(short)));
+                continue;
+            }
+            keys.insert(short.to_string(), value.clone());
+        }
+        match Self::parse_keys(&keys) {
+            Ok(parsed) if errors.is_empty() => Ok(parsed),
+            Ok(_) => Err(errors),
+            Err(more) => {
+                errors.extend(more);
+                Err(errors)
+            }
+        }
+    }
+
+    /// Parses keys without the prefix (`batch-size` → `4`): the CLI's flags and annotations alike.
+    pub fn parse_keys(keys: &BTreeMap<String, String>) -> Result<Self, Vec<AnnotationError>> {
+        let mut p = Parser {
+            keys,
+            errors: Vec::new(),
+        };
+
+        let model = p.model_shape();
+        let mut config = TrainingConfig::new(model.unwrap_or_else(placeholder_shape));
+        if let Some(v) = p.parse_with(MODEL_BITS, |s| {
+            s.trim()
+                .parse::<u32>()
+                .map_err(|_| format!("`{s}` is not one of 4, 8, 16, 32"))
+        }) {
+            config.model_bits = Some(v);
+        }
+        if let Some(v) = p.enum_value::<Precision>(PRECISION) {
+            config.precision = v;
+        }
+        if let Some(v) = p.enum_value::<Method>(METHOD) {
+            config.method = v;
+        }
+        if let Some(v) = p.count(LORA_RANK) {
+            config.lora_rank = v;
+        }
+        config.lora_layers = p.count(LORA_LAYERS);
+        if let Some(v) = p.enum_value::<LoraTargets>(LORA_TARGETS) {
+            config.lora_targets = v;
+        }
+        if let Some(v) = p.boolean(DOUBLE_QUANT) {
+            config.double_quant = v;
+        }
+        if let Some(v) = p.enum_value::<Optimizer>(OPTIMIZER) {
+            config.optimizer = v;
+        }
+        if let Some(v) = p.count(BATCH_SIZE) {
+            config.batch_size = v;
+        }
+        if let Some(v) = p.count(SEQ_LENGTH) {
+            config.seq_length = v;
+        }
+        if let Some(v) = p.count(GRAD_ACCUMULATION) {
+            config.grad_accumulation = v;
+        }
+        if let Some(v) = p.boolean(GRAD_CHECKPOINTING) {
+            config.grad_checkpointing = v;
+        }
+        if let Some(v) = p.boolean(FLASH_ATTENTION) {
+            config.flash_attention = v;
+        }
+        let device = p.enum_value::<Device>(DEVICE);
+        if let Some(v) = device {
+            config.device = v;
+        }
+        if let Some(v) = p.enum_value::<Parallelism>(PARALLELISM) {
+            config.parallelism = v;
+        }
+        if let Some(v) = p.count(WORLD_SIZE) {
+            config.world_size = v;
+        }
+        let gpu_memory = p.parse_with(GPU_MEMORY, |s| {
+            let b = parse_bytes(s).map_err(|e| e.to_string())?;
+            if b == Bytes::ZERO {
+                return Err("must be more than 0".into());
+            }
+            Ok(b)
+        });
+        let safety_ratio = p.parse_with(SAFETY_RATIO, |s| {
+            let r: f64 = s
+                .trim()
+                .parse()
+                .map_err(|_| format!("`{s}` is not a number"))?;
+            if r > 0.0 && r <= 1.0 {
+                Ok(r)
+            } else {
+                Err(format!("{r} is not in (0, 1]"))
+            }
+        });
+        let container = p.get(CONTAINER).map(|s| s.trim().to_string());
+        let env_map = p.env_map().unwrap_or_default();
+
+        // Config-level checks (heads dividing hidden size, rank 0, …) name the same keys.
+        if p.errors.is_empty() {
+            if let Err(errs) = config.validate() {
+                p.errors.extend(
+                    errs.into_iter()
+                        .map(|e: ConfigError| AnnotationError::new(e.field(), config_message(&e))),
+                );
+            }
+        }
+        if p.errors.is_empty() {
+            Ok(TrainingAnnotations {
+                config,
+                device_given: device.is_some(),
+                gpu_memory,
+                safety_ratio,
+                container,
+                env_map,
+            })
+        } else {
+            Err(p.errors)
+        }
+    }
+}
+
+/// The message of a config error without its leading `field: `.
+fn config_message(e: &ConfigError) -> String {
+    let full = e.to_string();
+    let prefix = format!("{}: ", e.field());
+    full.strip_prefix(&prefix).unwrap_or(&full).to_string()
+}
+
+/// A shape that never reaches the estimator: used only to keep parsing when the model is bad.
+fn placeholder_shape() -> ModelShape {
+    ModelShape {
+        name: None,
+        params: None,
+        hidden_size: 1,
+        num_layers: 1,
+        num_heads: 1,
+        num_kv_heads: 1,
+        intermediate_size: 1,
+        vocab_size: 1,
+        ffn_gated: true,
+        num_experts: 1,
+        experts_per_token: 1,
+        tie_embeddings: false,
+        lm_head: true,
+    }
+}
+
+/// "unknown key" with a suggestion when a known key is one or two edits away.
+fn unknown_key_message(short: &str) -> String {
+    let best = INPUT_KEYS
+        .iter()
+        .map(|k| k.trim_start_matches(PREFIX))
+        .map(|k| (edit_distance(short, k), k))
+        .min();
+    match best {
+        Some((d, k)) if d <= 2 || k.replace('-', "") == short.replace(['-', '_'], "") => {
+            format!("unknown key (did you mean `{k}`?)")
+        }
+        _ => "unknown key".to_string(),
+    }
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let cost = usize::from(ca != *cb);
+            cur.push((prev[j] + cost).min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+struct Parser<'a> {
+    keys: &'a BTreeMap<String, String>,
+    errors: Vec<AnnotationError>,
+}
+
+impl Parser<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.keys
+            .get(key.trim_start_matches(PREFIX))
+            .map(String::as_str)
+    }
+
+    fn parse_with<T>(
+        &mut self,
+        key: &str,
+        f: impl FnOnce(&str) -> Result<T, String>,
+    ) -> Option<T> {
+        let value = self.get(key)?.to_string();
+        match f(&value) {
+            Ok(v) => Some(v),
+            Err(message) => {
+                self.errors.push(AnnotationError::new(key, message));
+                None
+            }
+        }
+    }
+
+    fn count(&mut self, key: &str) -> Option<u64> {
+        self.parse_with(key, |s| {
+            let n = parse_count(s).map_err(|e| e.to_string())?;
+            if n == 0 {
+                Err("must be at least 1".into())
+            } else {
+                Ok(n)
+            }
+        })
+    }
+
+    fn boolean(&mut self, key: &str) -> Option<bool> {
+        self.parse_with(key, |s| match s.trim().to_ascii_lowercase().as_str() {
+            "true" => Ok(true),
+            "false" => Ok(false),
+            _ => Err(format!("`{s}` is not `true` or `false`")),
+        })
+    }
+
+    fn enum_value<T: std::str::FromStr<Err = ConfigError>>(&mut self, key: &str) -> Option<T> {
+        self.parse_with(key, |s| s.parse::<T>().map_err(|e| config_message(&e)))
+    }
+
+    /// The model: a catalog entry with any shape keys overriding it, or the shape keys alone.
+    fn model_shape(&mut self) -> Option<ModelShape> {
+        let base = match self.get(MODEL) {
+            Some(name) => match catalog::lookup(name) {
+                Some(shape) => Some(shape),
+                None => {
+                    self.errors.push(AnnotationError::new(
+                        MODEL,
+                        format!("unknown model `{name}` (see `memguard estimate --list-models`)"),
+                    ));
+                    return None;
+                }
+            },
+            None => {
+                let missing: Vec<&str> = REQUIRED_SHAPE_KEYS
+                    .iter()
+                    .filter(|k| self.get(k).is_none())
+                    .map(|k| k.trim_start_matches(PREFIX))
+                    .collect();
+                if !missing.is_empty() {
+                    self.errors.push(AnnotationError::new(
+                        MODEL,
+                        format!(
+                            "give a catalog model, or the shape: missing {}",
+                            missing.join(", ")
+                        ),
+                    ));
+                }
+                None
+            }
+        };
+        let mut shape = base.unwrap_or_else(|| {
+            let mut s = placeholder_shape();
+            s.name = None;
+            s
+        });
+        let from_catalog = shape.name.is_some();
+        let hidden = self.count(HIDDEN_SIZE);
+        let layers = self.count(NUM_LAYERS);
+        let heads = self.count(NUM_HEADS);
+        let kv_heads = self.count(NUM_KV_HEADS);
+        let intermediate = self.count(INTERMEDIATE_SIZE);
+        let vocab = self.count(VOCAB_SIZE);
+        let experts = self.count(NUM_EXPERTS);
+        let per_token = self.count(EXPERTS_PER_TOKEN);
+        let gated = self.boolean(FFN_GATED);
+        let tied = self.boolean(TIE_EMBEDDINGS);
+        let params = self.count(MODEL_PARAMS);
+        let shape_overridden = [hidden, layers, heads, intermediate, experts]
+            .iter()
+            .any(Option::is_some);
+        if let Some(v) = hidden {
+            shape.hidden_size = v;
+        }
+        if let Some(v) = layers {
+            shape.num_layers = v;
+        }
+        if let Some(v) = heads {
+            shape.num_heads = v;
+        }
+        shape.num_kv_heads = match (kv_heads, from_catalog) {
+            (Some(v), _) => v,
+            (None, true) if heads.is_none() => shape.num_kv_heads,
+            _ => shape.num_heads,
+        };
+        if let Some(v) = intermediate {
+            shape.intermediate_size = v;
+        } else if !from_catalog {
+            // A plain transformer's FFN is 4h wide; SwiGLU models keep ~8h/3 per branch.
+            shape.intermediate_size = if gated.unwrap_or(true) {
+                (shape.hidden_size * 8 / 3).max(1)
+            } else {
+                shape.hidden_size * 4
+            };
+        }
+        if let Some(v) = vocab {
+            shape.vocab_size = v;
+        }
+        if let Some(v) = experts {
+            shape.num_experts = v;
+        }
+        if let Some(v) = per_token {
+            shape.experts_per_token = v;
+        } else if experts.is_some() && !from_catalog {
+            shape.experts_per_token = shape.num_experts.min(2);
+        }
+        if let Some(v) = gated {
+            shape.ffn_gated = v;
+        }
+        if let Some(v) = tied {
+            shape.tie_embeddings = v;
+        }
+        // A catalog count no longer describes an overridden shape: derive it instead.
+        if let Some(p) = params {
+            shape.params = Some(p);
+        } else if shape_overridden {
+            shape.params = None;
+        }
+        if shape_overridden {
+            shape.name = shape.name.map(|n| format!("{n} (modified)"));
+        }
+        Some(shape)
+    }
+
+    fn env_map(&mut self) -> Option<EnvMap> {
+        self.parse_with(ENV_MAP, |s| {
+            let mut map = EnvMap::new();
+            for entry in s.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+                let (knob, var) = entry
+                    .split_once('=')
+                    .ok_or_else(|| format!("`{entry}` is not `knob=VARIABLE`"))?;
+                let knob = Knob::parse(knob.trim()).ok_or_else(|| {
+                    format!(
+                        "unknown knob `{}` (expected one of: {})",
+                        knob.trim(),
+                        Knob::ALL.map(Knob::name).join(", ")
+                    )
+                })?;
+                let var = var.trim();
+                if !is_env_name(var) {
+                    return Err(format!("`{var}` is not a valid environment variable name"));
+                }
+                if var.starts_with("MEMGUARD_") {
+                    return Err(format!("`{var}`: MEMGUARD_* variables are memguard's own"));
+                }
+                map.insert(knob, var.to_string());
+            }
+            Ok(map)
+        })
+    }
+}
+
+/// `[A-Za-z_][A-Za-z0-9_]*`: what shells and Kubernetes accept without surprises.
+fn is_env_name(s: &str) -> bool {
+    let mut chars = s.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn annotations(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn parses_a_catalog_model_with_training_keys() {
+        let a = TrainingAnnotations::parse(&annotations(&[
+            (MODEL, "llama-3-8b"),
+            (METHOD, "lora"),
+            (BATCH_SIZE, "8"),
+            (SEQ_LENGTH, "4096"),
+            (GRAD_CHECKPOINTING, "true"),
+            (GPU_MEMORY, "80GiB"),
+            (SAFETY_RATIO, "0.9"),
+            (ENV_MAP, "batch-size=PER_DEVICE_TRAIN_BATCH_SIZE"),
+            ("other.io/ignored", "x"),
+        ]))
+        .expect("valid");
+        assert_eq!(a.config.method, Method::Lora);
+        assert_eq!(a.config.batch_size, 8);
+        assert_eq!(a.config.seq_length, 4096);
+        assert!(a.config.grad_checkpointing);
+        assert_eq!(a.gpu_memory, Some(Bytes::gib(80)));
+        assert_eq!(a.safety_ratio, Some(0.9));
+        assert_eq!(
+            a.env_map.get(&Knob::BatchSize).map(String::as_str),
+            Some("PER_DEVICE_TRAIN_BATCH_SIZE")
+        );
+        assert!(!a.device_given);
+    }
+
+    #[test]
+    fn collects_every_error_not_just_the_first() {
+        let errs = TrainingAnnotations::parse(&annotations(&[
+            (MODEL, "llama-3-8b"),
+            (BATCH_SIZE, "many"),
+            (OPTIMIZER, "adamx"),
+            (SAFETY_RATIO, "1.5"),
+            ("memguard.io/batchsize", "4"),
+        ]))
+        .expect_err("invalid");
+        let mut keys: Vec<&str> = errs.iter().map(|e| e.key.as_str()).collect();
+        assert!(errs[0].message.contains("did you mean `batch-size`"));
+        keys.sort();
+        assert_eq!(keys, ["batch-size", "batchsize", "optimizer", "safety-ratio"]);
+    }
+
+    #[test]
+    fn shape_without_model_needs_the_core_keys() {
+        let errs =
+            TrainingAnnotations::parse(&annotations(&[(HIDDEN_SIZE, "4096")])).expect_err("bad");
+        assert_eq!(errs.len(), 1);
+        assert!(errs[0].message.contains("num-layers, num-heads, vocab-size"));
+    }
+
+    #[test]
+    fn heads_not_dividing_hidden_size_names_the_key() {
+        let errs = TrainingAnnotations::parse(&annotations(&[
+            (HIDDEN_SIZE, "1000"),
+            (NUM_LAYERS, "4"),
+            (NUM_HEADS, "3"),
+            (VOCAB_SIZE, "32000"),
+        ]))
+        .expect_err("bad");
+        assert_eq!(errs[0].key, "num-heads");
+    }
+
+    #[test]
+    fn rejects_bad_env_map_entries() {
+        for bad in ["batch=X", "batch-size", "batch-size=1X", "batch-size=MEMGUARD_X"] {
+            let errs = TrainingAnnotations::parse(&annotations(&[
+                (MODEL, "llama-3-8b"),
+                (ENV_MAP, bad),
+            ]))
+            .expect_err(bad);
+            assert_eq!(errs[0].key, "env-map", "{bad}");
+        }
+    }
+
+    #[test]
+    fn unknown_model_is_an_error() {
+        let errs = TrainingAnnotations::parse(&annotations(&[(MODEL, "gpt-9")])).expect_err("bad");
+        assert_eq!(errs[0].key, "model");
+    }
+
+    #[test]
+    fn output_keys_are_not_unknown() {
+        assert!(
+            TrainingAnnotations::parse(&annotations(&[
+                (MODEL, "llama-3-8b"),
+                (ESTIMATE, "{}"),
+                (ERROR, "x"),
+            ]))
+            .is_ok()
+        );
+    }
+}

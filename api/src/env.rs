@@ -1,0 +1,40 @@
+//! Environment variables memguard writes into the trainer container (and the sidecar reads).
+
+/// Recommended per-device batch size.
+pub const BATCH_SIZE: &str = "MEMGUARD_BATCH_SIZE";
+/// Recommended gradient accumulation steps (batch × accumulation = the user's effective batch).
+pub const GRAD_ACCUMULATION: &str = "MEMGUARD_GRAD_ACCUMULATION";
+/// `true` when gradient checkpointing should be on.
+pub const GRAD_CHECKPOINTING: &str = "MEMGUARD_GRAD_CHECKPOINTING";
+/// Recommended sequence length.
+pub const SEQ_LENGTH: &str = "MEMGUARD_SEQ_LENGTH";
+/// Recommended LoRA rank (adapter methods only).
+pub const LORA_RANK: &str = "MEMGUARD_LORA_RANK";
+/// Recommended number of adapted layers (adapter methods only).
+pub const LORA_LAYERS: &str = "MEMGUARD_LORA_LAYERS";
+/// The estimated peak of the final config, in bytes.
+pub const ESTIMATE_BYTES: &str = "MEMGUARD_ESTIMATE_BYTES";
+/// The budget the plan aimed at, in bytes.
+pub const BUDGET_BYTES: &str = "MEMGUARD_BUDGET_BYTES";
+/// Path of the signal file on the shared volume.
+pub const SIGNAL_FILE: &str = "MEMGUARD_SIGNAL_FILE";
+/// URL of the sidecar's trainer API (e.g. `http://127.0.0.1:9091`).
+pub const SIDECAR_URL: &str = "MEMGUARD_SIDECAR_URL";
+/// The trainer's memory limit in bytes, passed to the sidecar through the downward API.
+pub const TRAINER_MEMORY_LIMIT: &str = "MEMGUARD_TRAINER_MEMORY_LIMIT";
+/// The trainer container's name, passed to the sidecar.
+pub const TRAINER_CONTAINER: &str = "MEMGUARD_TRAINER_CONTAINER";
+
+/// Every variable the webhook may write into the trainer, for docs and checks.
+pub const TRAINER_VARS: &[&str] = &[
+    BATCH_SIZE,
+    GRAD_ACCUMULATION,
+    GRAD_CHECKPOINTING,
+    SEQ_LENGTH,
+    LORA_RANK,
+    LORA_LAYERS,
+    ESTIMATE_BYTES,
+    BUDGET_BYTES,
+    SIGNAL_FILE,
+    SIDECAR_URL,
+];

@@ -1,0 +1,34 @@
+//! Labels, names and paths that the webhook, the chart and the sidecar must agree on.
+
+/// The opt-in label the webhook's objectSelector matches.
+pub const ENABLED_LABEL: &str = "memguard.io/enabled";
+/// The value of [`ENABLED_LABEL`] that opts a pod in.
+pub const ENABLED_VALUE: &str = "true";
+/// Name of the injected sidecar container.
+pub const SIDECAR_CONTAINER: &str = "memguard-sidecar";
+/// Name of the shared `emptyDir` volume holding the signal file.
+pub const SIGNAL_VOLUME: &str = "memguard-signal";
+/// Where the shared volume is mounted in the trainer and the sidecar.
+pub const SIGNAL_DIR: &str = "/var/run/memguard";
+/// The signal file on the shared volume.
+pub const SIGNAL_FILE: &str = "/var/run/memguard/signal.json";
+/// Default pod-local trainer API address of the sidecar.
+pub const SIDECAR_LISTEN: &str = "127.0.0.1:9091";
+/// Default sidecar metrics address (serves only `/metrics` and `/healthz`).
+pub const SIDECAR_METRICS_LISTEN: &str = "0.0.0.0:9092";
+/// Name of the sidecar's metrics port.
+pub const SIDECAR_METRICS_PORT_NAME: &str = "mg-metrics";
+/// Path the webhook serves admission reviews on.
+pub const WEBHOOK_PATH: &str = "/mutate";
+/// Default HTTPS port of the webhook.
+pub const WEBHOOK_PORT: u16 = 8443;
+/// Default plain-HTTP metrics port of the webhook.
+pub const WEBHOOK_METRICS_PORT: u16 = 9090;
+/// Default termination-message path (Kubernetes' own default).
+pub const TERMINATION_LOG: &str = "/dev/termination-log";
+/// The API group of memguard's CRDs.
+pub const GROUP: &str = "memguard.io";
+/// Extended resource name of NVIDIA GPUs.
+pub const NVIDIA_GPU_RESOURCE: &str = "nvidia.com/gpu";
+/// Node label naming the GPU product (GPU feature discovery).
+pub const NVIDIA_GPU_PRODUCT_LABEL: &str = "nvidia.com/gpu.product";

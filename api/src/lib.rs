@@ -1,0 +1,19 @@
+//! The memguard contract, shared by every part: annotation keys and their parsing, the
+//! environment variables written into the trainer, the signal schema between sidecar and
+//! trainer, the termination summary, and (feature `crd`) the CRD types.
+//!
+//! Every shared string is a named constant here, once. Keep these names stable.
+#![deny(missing_docs)]
+
+pub mod annotations;
+pub mod env;
+pub mod labels;
+pub mod signal;
+pub mod summary;
+
+#[cfg(feature = "crd")]
+pub mod crd;
+
+pub use annotations::{AnnotationError, EnvMap, Knob, TrainingAnnotations};
+pub use signal::{Level, Pressure, Report, Signal};
+pub use summary::Summary;

@@ -1,0 +1,182 @@
+//! The signal from sidecar to trainer (file on the shared volume and `GET /v1/signal`), and the
+//! report from trainer to sidecar (`POST /v1/report`).
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::time::SystemTime;
+
+/// Schema version of [`Signal`]. Bump only on an incompatible change; readers check it.
+pub const SIGNAL_VERSION: u32 = 1;
+
+/// How close the trainer is to its limit.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Level {
+    /// Comfortably within limits.
+    #[default]
+    Ok,
+    /// Approaching the limit: nothing to do yet.
+    Warn,
+    /// Shrink now: apply the recommended batch and accumulation at the next step.
+    Downgrade,
+    /// About to die: shrink immediately, free caches.
+    Critical,
+}
+
+impl Level {
+    /// Lowercase name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Level::Ok => "ok",
+            Level::Warn => "warn",
+            Level::Downgrade => "downgrade",
+            Level::Critical => "critical",
+        }
+    }
+
+    /// Numeric value for metrics (0 ok … 3 critical).
+    pub const fn as_gauge(self) -> i64 {
+        self as i64
+    }
+}
+
+impl fmt::Display for Level {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The pressure figures behind a signal. `None`: not known from this source.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Pressure {
+    /// Working set / effective limit of the trainer's cgroup.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_ratio: Option<f64>,
+    /// Working set in bytes (usage − inactive file).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub working_set_bytes: Option<u64>,
+    /// Effective limit in bytes (memory.high if set, else memory.max / limit_in_bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit_bytes: Option<u64>,
+    /// PSI `some avg10` of memory, percent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub psi_some_avg10: Option<f64>,
+    /// GPU memory used / total (the most loaded visible device).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_ratio: Option<f64>,
+    /// Seconds until the limit at the current growth rate, when a steady leak is seen.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seconds_to_limit: Option<f64>,
+}
+
+/// The signal: what the trainer should run with now, and why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Signal {
+    /// [`SIGNAL_VERSION`].
+    pub version: u32,
+    /// Monotonic sequence number; a reader acts on a signal newer than the last it saw.
+    pub seq: u64,
+    /// The level.
+    pub level: Level,
+    /// Recommended per-device batch size (never below 1).
+    pub batch_size: u64,
+    /// Recommended gradient accumulation (batch × accumulation is kept).
+    pub grad_accumulation: u64,
+    /// Whether gradient checkpointing should be on.
+    pub grad_checkpointing: bool,
+    /// Why, for a person.
+    pub reason: String,
+    /// The figures that led to it.
+    pub pressure: Pressure,
+    /// When it was issued, RFC 3339 UTC.
+    pub timestamp: String,
+}
+
+impl Signal {
+    /// The first signal of a run: level ok, the starting config.
+    pub fn initial(batch_size: u64, grad_accumulation: u64, grad_checkpointing: bool) -> Signal {
+        Signal {
+            version: SIGNAL_VERSION,
+            seq: 0,
+            level: Level::Ok,
+            batch_size: batch_size.max(1),
+            grad_accumulation: grad_accumulation.max(1),
+            grad_checkpointing,
+            reason: "starting configuration".into(),
+            pressure: Pressure::default(),
+            timestamp: now_rfc3339(),
+        }
+    }
+
+    /// Batch × accumulation: the effective batch the trainer must keep.
+    pub fn effective_batch(&self) -> u64 {
+        self.batch_size.saturating_mul(self.grad_accumulation)
+    }
+}
+
+/// What the trainer reports about itself (`POST /v1/report`). All figures optional.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Report {
+    /// `torch`, `mlx`, `jax`, … (free text, bounded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub framework: Option<String>,
+    /// Bytes held by live tensors (`torch.cuda.memory_allocated`, `mx.get_active_memory`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocated_bytes: Option<u64>,
+    /// Bytes reserved by the allocator (`torch.cuda.memory_reserved`, `mx.get_cache_memory` +
+    /// active).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserved_bytes: Option<u64>,
+    /// Peak of live tensors (`torch.cuda.max_memory_allocated`, `mx.get_peak_memory`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_bytes: Option<u64>,
+    /// Device capacity as the framework sees it, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_bytes: Option<u64>,
+    /// Training step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<u64>,
+    /// Batch size the step ran with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<u64>,
+}
+
+/// Now, as RFC 3339 UTC with milliseconds.
+pub fn now_rfc3339() -> String {
+    humantime::format_rfc3339_millis(SystemTime::now()).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signal_round_trips_through_the_fixture() {
+        let text = include_str!("../fixtures/signal-v1.json");
+        let signal: Signal = serde_json::from_str(text).expect("fixture parses");
+        assert_eq!(signal.version, SIGNAL_VERSION);
+        assert_eq!(signal.level, Level::Downgrade);
+        assert_eq!(signal.effective_batch(), 32);
+        let again: Signal =
+            serde_json::from_str(&serde_json::to_string(&signal).expect("serializes"))
+                .expect("re-parses");
+        assert_eq!(again, signal);
+    }
+
+    #[test]
+    fn report_rejects_unknown_fields() {
+        assert!(serde_json::from_str::<Report>(r#"{"allocated": 1}"#).is_err());
+        let r: Report = serde_json::from_str(r#"{"allocated_bytes": 1, "step": 3}"#).expect("ok");
+        assert_eq!(r.allocated_bytes, Some(1));
+    }
+
+    #[test]
+    fn levels_order_by_severity() {
+        assert!(Level::Ok < Level::Warn && Level::Warn < Level::Downgrade);
+        assert!(Level::Downgrade < Level::Critical);
+        assert_eq!(serde_json::to_string(&Level::Critical).expect("ok"), "\"critical\"");
+    }
+}

@@ -1,0 +1,38 @@
+//! The sidecar's one-line summary, written to its termination-message path at exit and read by
+//! the profile controller.
+
+use serde::{Deserialize, Serialize};
+
+/// Kubernetes keeps at most 4096 bytes of a termination message; the summary stays well below.
+pub const MAX_SUMMARY_BYTES: usize = 4096;
+
+/// What a run taught: measured peak against the estimate, and what happened on the way.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    /// Schema version (1).
+    pub version: u32,
+    /// Highest working set (or cgroup peak) seen, bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_bytes: Option<u64>,
+    /// Highest GPU memory used (NVML or trainer report), bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_peak_bytes: Option<u64>,
+    /// Effective limit, bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit_bytes: Option<u64>,
+    /// The webhook's estimate (`MEMGUARD_ESTIMATE_BYTES`), bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub estimate_bytes: Option<u64>,
+    /// Downgrades signalled.
+    pub downgrades: u64,
+    /// OOM kills counted in the cgroup during the run.
+    pub oom_events: u64,
+    /// Highest level reached.
+    pub max_level: crate::Level,
+    /// Final recommended batch size.
+    pub batch_size: u64,
+    /// Final recommended gradient accumulation.
+    pub grad_accumulation: u64,
+    /// Why the sidecar stopped (`sigterm`, `trainer-exited`, …).
+    pub exit_reason: String,
+}

@@ -1,0 +1,503 @@
+//! What a training run is: the model's shape and how it is trained. Plain data, validated once.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// Declares a string-named enum with `FromStr`, `Display`, `ALL` and `name()` in one place, so
+/// the spelling users write (annotations, CLI flags) is defined exactly once.
+macro_rules! named_enum {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident => $text:literal $(| $alias:literal)*),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+        pub enum $name {
+            $($(#[$vmeta])* #[cfg_attr(feature = "serde", serde(rename = $text))] $variant),+
+        }
+
+        impl $name {
+            /// Every value, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            /// The canonical spelling, as written in annotations and flags.
+            pub const fn name(self) -> &'static str {
+                match self { $($name::$variant => $text),+ }
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = ConfigError;
+            fn from_str(s: &str) -> Result<Self, ConfigError> {
+                match s.trim().to_ascii_lowercase().as_str() {
+                    $($text $(| $alias)* => Ok($name::$variant),)+
+                    _ => Err(ConfigError::UnknownValue {
+                        field: stringify!($name),
+                        value: s.to_string(),
+                        expected: concat!($($text, " "),+),
+                    }),
+                }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+    };
+}
+
+named_enum! {
+    /// How the model is trained.
+    Method {
+        /// Every parameter is trained.
+        Full => "full" | "full-finetune",
+        /// Low-rank adapters on a frozen base.
+        Lora => "lora",
+        /// LoRA on a 4-bit NF4-quantised frozen base.
+        Qlora => "qlora",
+        /// Weight-decomposed LoRA: LoRA plus a trainable magnitude vector per adapted matrix.
+        Dora => "dora",
+    }
+}
+
+named_enum! {
+    /// The optimizer, which decides how many bytes of state each trainable parameter carries.
+    Optimizer {
+        /// AdamW: two moments per parameter.
+        AdamW => "adamw" | "adamw-torch" | "adamw_torch",
+        /// Adam: two moments per parameter.
+        Adam => "adam",
+        /// Plain SGD: no state.
+        Sgd => "sgd",
+        /// SGD with momentum: one buffer per parameter.
+        SgdMomentum => "sgd-momentum" | "sgd_momentum",
+        /// Adafactor: factored second moment (rows + columns), no first moment.
+        Adafactor => "adafactor",
+        /// 8-bit AdamW (bitsandbytes): two 1-byte moments plus block-wise scales.
+        AdamW8bit => "adamw-8bit" | "adamw8bit" | "adamw_8bit" | "adam8bit" | "paged-adamw-8bit",
+    }
+}
+
+named_enum! {
+    /// The numeric regime of training (the static part differs by 2× between them).
+    Precision {
+        /// Everything in fp32.
+        Fp32 => "fp32" | "float32" | "32",
+        /// fp32 master weights, gradients and optimizer states; bf16 compute (HF Trainer, PEFT).
+        Bf16Mixed => "bf16-mixed" | "bf16_mixed" | "amp-bf16",
+        /// fp32 master weights, gradients and optimizer states; fp16 compute.
+        Fp16Mixed => "fp16-mixed" | "fp16_mixed" | "amp-fp16" | "16-mixed",
+        /// Parameters, gradients and states all in bf16 (torchtune, LitGPT `bf16-true`).
+        Bf16 => "bf16" | "bf16-true" | "bfloat16",
+        /// Parameters, gradients and states all in fp16.
+        Fp16 => "fp16" | "fp16-true" | "float16",
+    }
+}
+
+named_enum! {
+    /// Where the step runs; each has its own fixed runtime overhead.
+    Device {
+        /// An NVIDIA GPU (CUDA context and caching allocator).
+        Cuda => "cuda" | "gpu",
+        /// The host CPU (process baseline: interpreter and framework).
+        Cpu => "cpu",
+        /// Apple silicon (unified memory, Metal).
+        Metal => "metal" | "mps" | "mlx",
+    }
+}
+
+named_enum! {
+    /// Data parallelism across `world_size` devices.
+    Parallelism {
+        /// One device, or replicas that do not shard anything.
+        None => "none" | "single",
+        /// DistributedDataParallel: full replica per device, plus gradient buckets.
+        Ddp => "ddp",
+        /// Fully sharded data parallel: parameters, gradients and states sharded.
+        Fsdp => "fsdp",
+        /// ZeRO stage 1: optimizer states sharded.
+        Zero1 => "zero1",
+        /// ZeRO stage 2: optimizer states and gradients sharded.
+        Zero2 => "zero2",
+        /// ZeRO stage 3: parameters, gradients and states sharded.
+        Zero3 => "zero3",
+    }
+}
+
+/// Which linear projections of each transformer layer get adapters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct LoraTargets {
+    /// Query projection.
+    pub q: bool,
+    /// Key projection.
+    pub k: bool,
+    /// Value projection.
+    pub v: bool,
+    /// Attention output projection.
+    pub o: bool,
+    /// FFN gate projection (gated FFNs only).
+    pub gate: bool,
+    /// FFN up projection.
+    pub up: bool,
+    /// FFN down projection.
+    pub down: bool,
+}
+
+impl LoraTargets {
+    /// q and v: the PEFT default for Llama-family models.
+    pub const QV: LoraTargets = LoraTargets {
+        q: true,
+        k: false,
+        v: true,
+        o: false,
+        gate: false,
+        up: false,
+        down: false,
+    };
+    /// Every linear layer of the block (`all-linear`).
+    pub const ALL_LINEAR: LoraTargets = LoraTargets {
+        q: true,
+        k: true,
+        v: true,
+        o: true,
+        gate: true,
+        up: true,
+        down: true,
+    };
+
+    /// The canonical comma list, e.g. `q,k,v,o`.
+    pub fn to_list(&self) -> String {
+        let names = [
+            (self.q, "q"),
+            (self.k, "k"),
+            (self.v, "v"),
+            (self.o, "o"),
+            (self.gate, "gate"),
+            (self.up, "up"),
+            (self.down, "down"),
+        ];
+        names
+            .iter()
+            .filter(|(on, _)| *on)
+            .map(|(_, n)| *n)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+impl FromStr for LoraTargets {
+    type Err = ConfigError;
+    /// `q,k,v,o,gate,up,down` (HF module names `q_proj`, `gate_proj`, … accepted) or `all-linear`.
+    fn from_str(s: &str) -> Result<Self, ConfigError> {
+        let s = s.trim().to_ascii_lowercase();
+        if s == "all-linear" || s == "all_linear" || s == "all" {
+            return Ok(LoraTargets::ALL_LINEAR);
+        }
+        let mut t = LoraTargets {
+            q: false,
+            k: false,
+            v: false,
+            o: false,
+            gate: false,
+            up: false,
+            down: false,
+        };
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let name = part.strip_suffix("_proj").unwrap_or(part);
+            match name {
+                "q" => t.q = true,
+                "k" => t.k = true,
+                "v" => t.v = true,
+                "o" => t.o = true,
+                "gate" => t.gate = true,
+                "up" => t.up = true,
+                "down" => t.down = true,
+                _ => {
+                    return Err(ConfigError::UnknownValue {
+                        field: "lora-targets",
+                        value: part.to_string(),
+                        expected: "q k v o gate up down all-linear",
+                    });
+                }
+            }
+        }
+        if t.to_list().is_empty() {
+            return Err(ConfigError::Invalid {
+                field: "lora-targets",
+                reason: "names no projection".into(),
+            });
+        }
+        Ok(t)
+    }
+}
+
+impl fmt::Display for LoraTargets {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_list())
+    }
+}
+
+/// The shape of a decoder-only transformer (or an encoder, with `lm_head` off).
+#[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct ModelShape {
+    /// Catalog name, when it came from the catalog.
+    pub name: Option<String>,
+    /// Total parameter count (all experts included). `None`: derive it from the shape.
+    pub params: Option<u64>,
+    /// Model width.
+    pub hidden_size: u64,
+    /// Number of transformer blocks.
+    pub num_layers: u64,
+    /// Attention heads.
+    pub num_heads: u64,
+    /// Key/value heads (GQA); equal to `num_heads` for classic multi-head attention.
+    pub num_kv_heads: u64,
+    /// Width of one FFN branch.
+    pub intermediate_size: u64,
+    /// Vocabulary size.
+    pub vocab_size: u64,
+    /// Gated FFN (SwiGLU/GeGLU: gate, up and down) rather than a plain two-matrix MLP.
+    pub ffn_gated: bool,
+    /// Experts per MoE layer; 1 for a dense model.
+    pub num_experts: u64,
+    /// Experts each token is routed to; 1 for a dense model.
+    pub experts_per_token: u64,
+    /// Input and output embeddings share one matrix.
+    pub tie_embeddings: bool,
+    /// The model ends in a vocabulary projection (B·S·V logits); false for classifiers.
+    pub lm_head: bool,
+}
+
+/// A training run, as far as memory is concerned.
+#[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct TrainingConfig {
+    /// The model.
+    pub model: ModelShape,
+    /// Storage bits of the frozen base weights (4, 8, 16, 32). `None`: follow the precision
+    /// (and 4 for QLoRA).
+    pub model_bits: Option<u32>,
+    /// Numeric regime.
+    pub precision: Precision,
+    /// Training method.
+    pub method: Method,
+    /// LoRA rank (LoRA, QLoRA, DoRA).
+    pub lora_rank: u64,
+    /// Number of adapted layers; `None`: all layers.
+    pub lora_layers: Option<u64>,
+    /// Adapted projections.
+    pub lora_targets: LoraTargets,
+    /// QLoRA double quantization of the NF4 block scales.
+    pub double_quant: bool,
+    /// Optimizer.
+    pub optimizer: Optimizer,
+    /// Per-device micro-batch size.
+    pub batch_size: u64,
+    /// Tokens per sequence.
+    pub seq_length: u64,
+    /// Gradient accumulation steps (does not change peak memory; kept so plans keep the
+    /// effective batch).
+    pub grad_accumulation: u64,
+    /// Activation (gradient) checkpointing.
+    pub grad_checkpointing: bool,
+    /// Memory-efficient attention (flash / SDPA): no S² score matrix kept.
+    pub flash_attention: bool,
+    /// Device kind.
+    pub device: Device,
+    /// Data-parallel scheme.
+    pub parallelism: Parallelism,
+    /// Devices taking part in data parallelism.
+    pub world_size: u64,
+}
+
+impl TrainingConfig {
+    /// A config with memguard's defaults: full fine-tuning in bf16-mixed with AdamW, batch 1,
+    /// sequence 2048, flash attention on, one CUDA device.
+    pub fn new(model: ModelShape) -> Self {
+        TrainingConfig {
+            model,
+            model_bits: None,
+            precision: Precision::Bf16Mixed,
+            method: Method::Full,
+            lora_rank: 16,
+            lora_layers: None,
+            lora_targets: LoraTargets::QV,
+            double_quant: false,
+            optimizer: Optimizer::AdamW,
+            batch_size: 1,
+            seq_length: 2048,
+            grad_accumulation: 1,
+            grad_checkpointing: false,
+            flash_attention: true,
+            device: Device::Cuda,
+            parallelism: Parallelism::None,
+            world_size: 1,
+        }
+    }
+
+    /// Whether the method trains adapters on a frozen base.
+    pub fn is_adapter(&self) -> bool {
+        matches!(self.method, Method::Lora | Method::Qlora | Method::Dora)
+    }
+
+    /// Adapted layers, capped at the model's depth.
+    pub fn adapted_layers(&self) -> u64 {
+        self.lora_layers
+            .unwrap_or(self.model.num_layers)
+            .min(self.model.num_layers)
+    }
+
+    /// Checks every field and returns every problem, each naming its field.
+    pub fn validate(&self) -> Result<(), Vec<ConfigError>> {
+        let mut errors = Vec::new();
+        let m = &self.model;
+        let positive = [
+            ("hidden-size", m.hidden_size),
+            ("num-layers", m.num_layers),
+            ("num-heads", m.num_heads),
+            ("num-kv-heads", m.num_kv_heads),
+            ("intermediate-size", m.intermediate_size),
+            ("vocab-size", m.vocab_size),
+            ("num-experts", m.num_experts),
+            ("experts-per-token", m.experts_per_token),
+            ("batch-size", self.batch_size),
+            ("seq-length", self.seq_length),
+            ("grad-accumulation", self.grad_accumulation),
+            ("world-size", self.world_size),
+        ];
+        for (field, value) in positive {
+            if value == 0 {
+                errors.push(ConfigError::Invalid {
+                    field,
+                    reason: "must be at least 1".into(),
+                });
+            }
+        }
+        if m.num_heads > 0 && m.hidden_size % m.num_heads != 0 {
+            errors.push(ConfigError::Invalid {
+                field: "num-heads",
+                reason: format!(
+                    "{} heads do not divide hidden size {}",
+                    m.num_heads, m.hidden_size
+                ),
+            });
+        }
+        if m.num_kv_heads > 0 && m.num_heads % m.num_kv_heads != 0 {
+            errors.push(ConfigError::Invalid {
+                field: "num-kv-heads",
+                reason: format!(
+                    "{} KV heads do not divide {} attention heads",
+                    m.num_kv_heads, m.num_heads
+                ),
+            });
+        }
+        if m.experts_per_token > m.num_experts {
+            errors.push(ConfigError::Invalid {
+                field: "experts-per-token",
+                reason: format!(
+                    "{} exceeds num-experts {}",
+                    m.experts_per_token, m.num_experts
+                ),
+            });
+        }
+        if let Some(bits) = self.model_bits {
+            if ![4, 8, 16, 32].contains(&bits) {
+                errors.push(ConfigError::Invalid {
+                    field: "model-bits",
+                    reason: format!("{bits} is not one of 4, 8, 16, 32"),
+                });
+            }
+        }
+        if self.is_adapter() {
+            if self.lora_rank == 0 {
+                errors.push(ConfigError::Invalid {
+                    field: "lora-rank",
+                    reason: "must be at least 1".into(),
+                });
+            }
+            if self.lora_layers == Some(0) {
+                errors.push(ConfigError::Invalid {
+                    field: "lora-layers",
+                    reason: "must be at least 1".into(),
+                });
+            }
+        }
+        if self.parallelism == Parallelism::None && self.world_size > 1 {
+            // Replicas without sharding hold what one device holds: allowed, nothing to check.
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
+    }
+}
+
+/// A problem with a configuration, naming the field (as spelled in annotations and flags).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// A value outside the known set.
+    #[error("{field}: unknown value `{value}` (expected one of: {expected})")]
+    UnknownValue {
+        /// The field.
+        field: &'static str,
+        /// What was given.
+        value: String,
+        /// The accepted values, space separated.
+        expected: &'static str,
+    },
+    /// A value that is known but not acceptable.
+    #[error("{field}: {reason}")]
+    Invalid {
+        /// The field.
+        field: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// A model name not in the catalog.
+    #[error("model: unknown model `{0}` (run `memguard estimate --list-models`)")]
+    UnknownModel(String),
+}
+
+impl ConfigError {
+    /// The field the error is about.
+    pub fn field(&self) -> &'static str {
+        match self {
+            ConfigError::UnknownValue { field, .. } | ConfigError::Invalid { field, .. } => field,
+            ConfigError::UnknownModel(_) => "model",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn enum_names_round_trip() {
+        for m in Method::ALL {
+            assert_eq!(m.name().parse::<Method>(), Ok(*m));
+        }
+        for o in Optimizer::ALL {
+            assert_eq!(o.name().parse::<Optimizer>(), Ok(*o));
+        }
+        for p in Precision::ALL {
+            assert_eq!(p.name().parse::<Precision>(), Ok(*p));
+        }
+        assert!("adamw9".parse::<Optimizer>().is_err());
+    }
+
+    #[test]
+    fn lora_targets_parse_hf_names_and_all_linear() {
+        let t: LoraTargets = "q_proj,v_proj".parse().unwrap();
+        assert_eq!(t, LoraTargets::QV);
+        assert_eq!(
+            "all-linear".parse::<LoraTargets>(),
+            Ok(LoraTargets::ALL_LINEAR)
+        );
+        assert!("q,bogus".parse::<LoraTargets>().is_err());
+        assert!(",".parse::<LoraTargets>().is_err());
+    }
+}

@@ -1,0 +1,34 @@
+//! The memory model of memguard: how many bytes one training step (forward, backward and
+//! optimizer step) needs on one device, which downgrades make it fit a budget, and how past
+//! runs correct the estimate.
+//!
+//! Pure: no I/O, no async, no Kubernetes. Every other part of memguard builds on this crate.
+//!
+//! ```
+//! use memguard_estimator::{catalog, estimate, plan, Bytes, Calibration, Method, TrainingConfig};
+//!
+//! let mut cfg = TrainingConfig::new(catalog::lookup("llama-3-8b").unwrap());
+//! cfg.method = Method::Lora;
+//! let est = estimate(&cfg).unwrap();
+//! assert!(est.total > Bytes::gib(15));
+//! let p = plan(&cfg, Bytes::gib(24), &Calibration::none()).unwrap();
+//! assert!(p.fits);
+//! ```
+#![deny(missing_docs)]
+
+pub mod calibration;
+pub mod catalog;
+pub mod config;
+pub mod estimate;
+pub mod inference;
+pub mod plan;
+pub mod units;
+
+pub use calibration::Calibration;
+pub use config::{
+    ConfigError, Device, LoraTargets, Method, ModelShape, Optimizer, Parallelism, Precision,
+    TrainingConfig,
+};
+pub use estimate::{Component, Estimate, estimate};
+pub use plan::{DowngradePlan, LADDER, Rung, Step, plan};
+pub use units::{Bytes, ParseError, parse_bytes, parse_count};

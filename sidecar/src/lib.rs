@@ -1,0 +1,1 @@
+//! memguard-sidecar (to be built by the sidecar work, issue 4).

@@ -1,0 +1,1 @@
+//! memguard-webhook (to be built by the webhook work, issue 3).
