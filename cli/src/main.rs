@@ -1,1 +1,45 @@
-fn main() {}
+//! `memguard`: the estimator and the webhook's mutation, offline.
+
+mod crdgen;
+mod estimate;
+mod mutate;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+/// memguard keeps ML training jobs from dying of out-of-memory.
+#[derive(Parser)]
+#[command(name = "memguard", version, about, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Estimate the peak memory of one training step, and plan downgrades to fit a budget.
+    Estimate(estimate::Args),
+    /// Apply the webhook's mutation to a manifest on disk (pod, or a workload's pod template).
+    Mutate(mutate::Args),
+    /// Write the CRD manifests (MemguardPolicy, MemoryProfile).
+    Crdgen(crdgen::Args),
+}
+
+/// Exit code for bad input (usage errors and invalid values), as clap uses.
+const EXIT_BAD_INPUT: u8 = 2;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Estimate(args) => estimate::run(args),
+        Command::Mutate(args) => mutate::run(args),
+        Command::Crdgen(args) => crdgen::run(args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::from(1)
+        }
+    }
+}
