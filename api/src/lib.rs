@@ -8,6 +8,7 @@
 pub mod annotations;
 pub mod env;
 pub mod labels;
+pub mod policy;
 pub mod signal;
 pub mod summary;
 
@@ -16,4 +17,5 @@ pub mod crd;
 
 pub use annotations::{AnnotationError, EnvMap, Knob, TrainingAnnotations};
 pub use signal::{Level, Pressure, Report, Signal};
+pub use policy::{Policy, PolicySpec};
 pub use summary::Summary;

@@ -30,5 +30,5 @@ pub use config::{
     TrainingConfig,
 };
 pub use estimate::{Component, Estimate, estimate};
-pub use plan::{DowngradePlan, LADDER, Rung, Step, plan};
+pub use plan::{DowngradePlan, Floors, LADDER, Rung, Step, plan, plan_with_floors};
 pub use units::{Bytes, ParseError, parse_bytes, parse_count};

@@ -1,0 +1,316 @@
+//! The cluster policy: how the webhook budgets pods and configures the sidecar.
+//!
+//! One type serves as the webhook's config file, its flags' defaults, and the `spec` of the
+//! `MemguardPolicy` CRD, so the three can never drift apart. Every field is optional in the
+//! document; [`PolicySpec::resolved`] fills the documented defaults.
+
+use memguard_estimator::{Bytes, parse_bytes};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Default fraction of device memory a plan may use.
+pub const DEFAULT_SAFETY_RATIO: f64 = 0.9;
+/// Default GPU memory when neither annotation nor product table says (an 80 GiB A100/H100).
+pub const DEFAULT_GPU_MEMORY: &str = "80Gi";
+/// Default sidecar image.
+pub const DEFAULT_SIDECAR_IMAGE: &str = "ghcr.io/memguard/memguard:0.1.0";
+
+/// How the sidecar is injected.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum SidecarMode {
+    /// `initContainers` entry with `restartPolicy: Always` (Kubernetes ≥ 1.29): Jobs finish.
+    #[default]
+    Native,
+    /// A regular container that exits when the trainer exits (older clusters).
+    Classic,
+}
+
+/// Resources of the injected sidecar (Kubernetes quantities).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SidecarResources {
+    /// CPU request, e.g. `10m`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_request: Option<String>,
+    /// Memory request, e.g. `16Mi`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_request: Option<String>,
+    /// Memory limit, e.g. `32Mi`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_limit: Option<String>,
+}
+
+/// The injected sidecar.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SidecarSpec {
+    /// Image holding `memguard-sidecar`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// `native` (default) or `classic`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<SidecarMode>,
+    /// Resources.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<SidecarResources>,
+    /// Sampling interval, e.g. `100ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interval: Option<String>,
+}
+
+/// Pressure thresholds of the sidecar, as fractions of the effective limit.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Thresholds {
+    /// Level `warn` at or above this ratio (default 0.70).
+    #[serde(default = "default_warn")]
+    pub warn: f64,
+    /// Level `downgrade` at or above this ratio (default 0.85).
+    #[serde(default = "default_downgrade")]
+    pub downgrade: f64,
+    /// Level `critical` at or above this ratio (default 0.95).
+    #[serde(default = "default_critical")]
+    pub critical: f64,
+    /// PSI memory `some avg10` percentage that counts as `downgrade` pressure (default 10).
+    #[serde(default = "default_psi")]
+    pub psi_some_avg10: f64,
+}
+
+fn default_warn() -> f64 {
+    0.70
+}
+fn default_downgrade() -> f64 {
+    0.85
+}
+fn default_critical() -> f64 {
+    0.95
+}
+fn default_psi() -> f64 {
+    10.0
+}
+
+impl Default for Thresholds {
+    fn default() -> Self {
+        Thresholds {
+            warn: default_warn(),
+            downgrade: default_downgrade(),
+            critical: default_critical(),
+            psi_some_avg10: default_psi(),
+        }
+    }
+}
+
+impl Thresholds {
+    /// Checks `0 < warn < downgrade < critical ≤ 1` and a non-negative PSI threshold.
+    pub fn validate(&self) -> Result<(), String> {
+        let ordered = 0.0 < self.warn
+            && self.warn < self.downgrade
+            && self.downgrade < self.critical
+            && self.critical <= 1.0;
+        if !ordered {
+            return Err(format!(
+                "thresholds must satisfy 0 < warn < downgrade < critical <= 1 (got {}, {}, {})",
+                self.warn, self.downgrade, self.critical
+            ));
+        }
+        if !(0.0..=100.0).contains(&self.psi_some_avg10) {
+            return Err(format!(
+                "psiSomeAvg10 must be in [0, 100] (got {})",
+                self.psi_some_avg10
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Lowest values a plan may reach.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FloorsSpec {
+    /// Smallest per-device batch (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<u64>,
+    /// Shortest sequence (default 256).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq_length: Option<u64>,
+    /// Smallest LoRA rank (default 4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora_rank: Option<u64>,
+    /// Fewest adapted layers (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora_layers: Option<u64>,
+}
+
+impl FloorsSpec {
+    /// The floors with defaults filled in.
+    pub fn resolved(&self) -> memguard_estimator::plan::Floors {
+        let d = memguard_estimator::plan::Floors::default();
+        memguard_estimator::plan::Floors {
+            batch_size: self.batch_size.unwrap_or(d.batch_size).max(1),
+            seq_length: self.seq_length.unwrap_or(d.seq_length).max(1),
+            lora_rank: self.lora_rank.unwrap_or(d.lora_rank).max(1),
+            lora_layers: self.lora_layers.unwrap_or(d.lora_layers).max(1),
+        }
+    }
+}
+
+/// The policy document (config file, and `spec` of `MemguardPolicy`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PolicySpec {
+    /// Fraction of device memory a plan may use, in (0, 1] (default 0.9).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub safety_ratio: Option<f64>,
+    /// GPU memory per device when no product is known (default `80Gi`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_gpu_memory: Option<String>,
+    /// GPU memory per `nvidia.com/gpu.product` label value, e.g. `NVIDIA-A10G: 24Gi`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub gpu_memory: BTreeMap<String, String>,
+    /// The injected sidecar.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sidecar: Option<SidecarSpec>,
+    /// Sidecar pressure thresholds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thresholds: Option<Thresholds>,
+    /// Default `env-map` (knob → the trainer's own variable) for pods that give none, e.g.
+    /// `batch-size: PER_DEVICE_TRAIN_BATCH_SIZE`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env_names: BTreeMap<String, String>,
+    /// Downgrade floors.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub floors: Option<FloorsSpec>,
+}
+
+/// A policy with every default applied and every quantity parsed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Policy {
+    /// Safety ratio in (0, 1].
+    pub safety_ratio: f64,
+    /// GPU memory when no product is known.
+    pub default_gpu_memory: Bytes,
+    /// GPU memory per product.
+    pub gpu_memory: BTreeMap<String, Bytes>,
+    /// Sidecar image.
+    pub sidecar_image: String,
+    /// Sidecar injection mode.
+    pub sidecar_mode: SidecarMode,
+    /// Sidecar resources.
+    pub sidecar_resources: SidecarResources,
+    /// Sidecar sampling interval, as given (e.g. `100ms`).
+    pub sidecar_interval: String,
+    /// Thresholds.
+    pub thresholds: Thresholds,
+    /// Default env-map, as `knob=VAR` pairs.
+    pub env_names: BTreeMap<String, String>,
+    /// Floors.
+    pub floors: memguard_estimator::plan::Floors,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        PolicySpec::default()
+            .resolved()
+            .expect("the built-in defaults are valid")
+    }
+}
+
+impl PolicySpec {
+    /// Applies defaults and validates; returns every problem, each naming its field.
+    pub fn resolved(&self) -> Result<Policy, Vec<String>> {
+        let mut errors = Vec::new();
+        let safety_ratio = self.safety_ratio.unwrap_or(DEFAULT_SAFETY_RATIO);
+        if !(safety_ratio > 0.0 && safety_ratio <= 1.0) {
+            errors.push(format!("safetyRatio: {safety_ratio} is not in (0, 1]"));
+        }
+        let mut quantity = |field: &str, s: &str| match parse_bytes(s) {
+            Ok(b) if b > Bytes::ZERO => Some(b),
+            Ok(_) => {
+                errors.push(format!("{field}: must be more than 0"));
+                None
+            }
+            Err(e) => {
+                errors.push(format!("{field}: {e}"));
+                None
+            }
+        };
+        let default_gpu_memory = quantity(
+            "defaultGpuMemory",
+            self.default_gpu_memory
+                .as_deref()
+                .unwrap_or(DEFAULT_GPU_MEMORY),
+        );
+        let gpu_memory: BTreeMap<String, Bytes> = self
+            .gpu_memory
+            .iter()
+            .filter_map(|(product, q)| {
+                quantity(&format!("gpuMemory[{product}]"), q).map(|b| (product.clone(), b))
+            })
+            .collect();
+        let thresholds = self.thresholds.unwrap_or_default();
+        if let Err(e) = thresholds.validate() {
+            errors.push(format!("thresholds: {e}"));
+        }
+        let sidecar = self.sidecar.clone().unwrap_or_default();
+        if !errors.is_empty() {
+            return Err(errors);
+        }
+        Ok(Policy {
+            safety_ratio,
+            default_gpu_memory: default_gpu_memory.unwrap_or(Bytes::gib(80)),
+            gpu_memory,
+            sidecar_image: sidecar
+                .image
+                .unwrap_or_else(|| DEFAULT_SIDECAR_IMAGE.to_string()),
+            sidecar_mode: sidecar.mode.unwrap_or_default(),
+            sidecar_resources: sidecar.resources.unwrap_or_else(|| SidecarResources {
+                cpu_request: Some("10m".into()),
+                memory_request: Some("16Mi".into()),
+                memory_limit: Some("32Mi".into()),
+            }),
+            sidecar_interval: sidecar.interval.unwrap_or_else(|| "100ms".into()),
+            thresholds,
+            env_names: self.env_names.clone(),
+            floors: self.floors.unwrap_or_default().resolved(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_spec_resolves_to_documented_defaults() {
+        let p = PolicySpec::default().resolved().expect("defaults are valid");
+        assert_eq!(p.safety_ratio, 0.9);
+        assert_eq!(p.default_gpu_memory, Bytes::gib(80));
+        assert_eq!(p.sidecar_mode, SidecarMode::Native);
+        assert_eq!(p.thresholds.downgrade, 0.85);
+        assert_eq!(p.floors.batch_size, 1);
+    }
+
+    #[test]
+    fn reports_every_bad_field() {
+        let spec: PolicySpec = serde_json::from_str(
+            r#"{"safetyRatio": 1.5, "gpuMemory": {"NVIDIA-A10G": "24 parsecs"},
+                "thresholds": {"warn": 0.9, "downgrade": 0.8}}"#,
+        )
+        .expect("shape is valid");
+        let errors = spec.resolved().expect_err("values are not");
+        assert_eq!(errors.len(), 3, "{errors:?}");
+        assert!(errors[1].starts_with("gpuMemory[NVIDIA-A10G]"));
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected() {
+        assert!(serde_json::from_str::<PolicySpec>(r#"{"safetyRatoi": 0.8}"#).is_err());
+    }
+}
