@@ -25,6 +25,21 @@ pub const TRAINER_MEMORY_LIMIT: &str = "MEMGUARD_TRAINER_MEMORY_LIMIT";
 /// The trainer container's name, passed to the sidecar.
 pub const TRAINER_CONTAINER: &str = "MEMGUARD_TRAINER_CONTAINER";
 
+/// Sidecar: ratio of the effective limit at which the level becomes `warn`.
+pub const SIDECAR_WARN: &str = "MEMGUARD_SIDECAR_WARN";
+/// Sidecar: ratio of the effective limit at which the level becomes `downgrade`.
+pub const SIDECAR_DOWNGRADE: &str = "MEMGUARD_SIDECAR_DOWNGRADE";
+/// Sidecar: ratio of the effective limit at which the level becomes `critical`.
+pub const SIDECAR_CRITICAL: &str = "MEMGUARD_SIDECAR_CRITICAL";
+/// Sidecar: PSI memory `some avg10` percentage counted as `downgrade` pressure.
+pub const SIDECAR_PSI_SOME_AVG10: &str = "MEMGUARD_SIDECAR_PSI_SOME_AVG10";
+/// Sidecar: sampling interval (e.g. `100ms`).
+pub const SIDECAR_INTERVAL: &str = "MEMGUARD_SIDECAR_INTERVAL";
+/// Sidecar: address of the pod-local trainer API (default [`crate::labels::SIDECAR_LISTEN`]).
+pub const SIDECAR_LISTEN: &str = "MEMGUARD_SIDECAR_LISTEN";
+/// Sidecar: address of the metrics endpoint (default [`crate::labels::SIDECAR_METRICS_LISTEN`]).
+pub const SIDECAR_METRICS_LISTEN: &str = "MEMGUARD_SIDECAR_METRICS_LISTEN";
+
 /// Every variable the webhook may write into the trainer, for docs and checks.
 pub const TRAINER_VARS: &[&str] = &[
     BATCH_SIZE,
