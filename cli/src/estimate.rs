@@ -1,11 +1,324 @@
-//! `memguard estimate`.
+//! `memguard estimate`: the estimator and the downgrade plan on the command line.
+//!
+//! The flags are the pod annotations without the `memguard.io/` prefix and go through the very
+//! same parser ([`TrainingAnnotations::parse_keys`]), so the CLI and the webhook cannot disagree.
+
+use anyhow::Context;
+use memguard_api::annotations::TrainingAnnotations;
+use memguard_api::policy::DEFAULT_SAFETY_RATIO;
+use memguard_estimator::{
+    Bytes, Calibration, DowngradePlan, Estimate, TrainingConfig, catalog, parse_bytes,
+    plan_with_floors,
+};
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::io::Write;
 use std::process::ExitCode;
 
-/// Flags of `memguard estimate`.
-#[derive(clap::Args)]
-pub struct Args {}
+/// Declares the pass-through flags once: each is an annotation key (without prefix) taking the
+/// value exactly as an annotation would.
+macro_rules! annotation_flags {
+    ($($(#[$doc:meta])* $field:ident => $key:literal),+ $(,)?) => {
+        /// Flags of `memguard estimate`.
+        #[derive(clap::Args, Debug, Default)]
+        pub struct Args {
+            $(
+                $(#[$doc])*
+                #[arg(long = $key, value_name = "VALUE", allow_hyphen_values = true, help_heading = "Model and training (annotation keys)")]
+                $field: Option<String>,
+            )+
+            /// Memory available for the step: bytes or a size such as `24GiB`, `80G`. Default:
+            /// gpu-memory × safety-ratio when gpu-memory is given.
+            #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
+            budget: Option<String>,
+            /// Output format.
+            #[arg(long, value_enum, default_value_t = Output::Table)]
+            output: Output,
+            /// List the catalog's model names and exit.
+            #[arg(long)]
+            list_models: bool,
+        }
 
-pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    let _ = super::EXIT_BAD_INPUT;
-    anyhow::bail!("not built yet")
+        impl Args {
+            /// The annotation-style key → value map of the flags that were given.
+            fn keys(&self) -> BTreeMap<String, String> {
+                let mut keys = BTreeMap::new();
+                $(
+                    if let Some(v) = &self.$field {
+                        keys.insert($key.to_string(), v.clone());
+                    }
+                )+
+                keys
+            }
+        }
+    };
+}
+
+annotation_flags! {
+    /// Catalog model name (see --list-models), e.g. `llama-3-8b`.
+    model => "model",
+    /// Total parameters: `7B`, `125M`, `7e9`.
+    model_params => "model-params",
+    /// Storage bits of the base weights: 4, 8, 16, 32.
+    model_bits => "model-bits",
+    /// Model width.
+    hidden_size => "hidden-size",
+    /// Transformer blocks.
+    num_layers => "num-layers",
+    /// Attention heads.
+    num_heads => "num-heads",
+    /// Key/value heads (GQA).
+    num_kv_heads => "num-kv-heads",
+    /// Width of one FFN branch.
+    intermediate_size => "intermediate-size",
+    /// Vocabulary size.
+    vocab_size => "vocab-size",
+    /// Gated FFN (SwiGLU): true|false.
+    ffn_gated => "ffn-gated",
+    /// Tied input/output embeddings: true|false.
+    tie_embeddings => "tie-embeddings",
+    /// MoE experts per layer.
+    num_experts => "num-experts",
+    /// MoE experts per token.
+    experts_per_token => "experts-per-token",
+    /// Per-device batch size.
+    batch_size => "batch-size",
+    /// Sequence length.
+    seq_length => "seq-length",
+    /// Gradient accumulation steps.
+    grad_accumulation => "grad-accumulation",
+    /// full|lora|qlora|dora.
+    method => "method",
+    /// LoRA rank.
+    lora_rank => "lora-rank",
+    /// Adapted layers (default: all).
+    lora_layers => "lora-layers",
+    /// Adapted projections: q,k,v,o,gate,up,down or all-linear.
+    lora_targets => "lora-targets",
+    /// QLoRA double quantization: true|false.
+    double_quant => "double-quant",
+    /// adamw|adam|sgd|sgd-momentum|adafactor|adamw-8bit.
+    optimizer => "optimizer",
+    /// true|false.
+    grad_checkpointing => "grad-checkpointing",
+    /// true|false.
+    flash_attention => "flash-attention",
+    /// fp32|bf16-mixed|fp16-mixed|bf16|fp16.
+    precision => "precision",
+    /// cuda|cpu|metal.
+    device => "device",
+    /// none|ddp|fsdp|zero1|zero2|zero3.
+    parallelism => "parallelism",
+    /// Devices in data parallelism.
+    world_size => "world-size",
+    /// Memory per GPU, e.g. `80GiB` (budget = gpu-memory × safety-ratio).
+    gpu_memory => "gpu-memory",
+    /// Fraction of the memory the plan may use, in (0, 1] (default 0.9).
+    safety_ratio => "safety-ratio",
+}
+
+/// Output format of `memguard estimate`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Output {
+    /// A table for people.
+    #[default]
+    Table,
+    /// One JSON object.
+    Json,
+}
+
+/// Runs `memguard estimate`.
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let mut out = std::io::stdout().lock();
+    if args.list_models {
+        for name in catalog::names() {
+            writeln!(out, "{name}")?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let parsed = match TrainingAnnotations::parse_keys(&args.keys()) {
+        Ok(parsed) => parsed,
+        Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
+    };
+    let budget = match resolve_budget(&args, &parsed) {
+        Ok(budget) => budget,
+        Err(message) => return Ok(bad_input([message])),
+    };
+    let cfg = &parsed.config;
+    let estimate = match memguard_estimator::estimate(cfg) {
+        Ok(e) => e,
+        Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
+    };
+    let plan = match budget {
+        Some(budget) => Some(
+            plan_with_floors(cfg, budget, &Calibration::none(), &Default::default())
+                .map_err(|e| anyhow::anyhow!("{e:?}"))
+                .context("planning")?,
+        ),
+        None => None,
+    };
+    match args.output {
+        Output::Json => {
+            let value = to_json(cfg, &estimate, plan.as_ref());
+            serde_json::to_writer_pretty(&mut out, &value)?;
+            writeln!(out)?;
+        }
+        Output::Table => write_table(&mut out, cfg, &estimate, plan.as_ref())?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Prints each problem on its own line and returns the bad-input exit code.
+fn bad_input(messages: impl IntoIterator<Item = String>) -> ExitCode {
+    for m in messages {
+        eprintln!("error: {m}");
+    }
+    ExitCode::from(super::EXIT_BAD_INPUT)
+}
+
+/// `--budget`, else gpu-memory × safety-ratio, else none.
+fn resolve_budget(args: &Args, parsed: &TrainingAnnotations) -> Result<Option<Bytes>, String> {
+    if let Some(b) = &args.budget {
+        let bytes = parse_bytes(b).map_err(|e| format!("--budget: {e}"))?;
+        if bytes == Bytes::ZERO {
+            return Err("--budget: must be more than 0".into());
+        }
+        return Ok(Some(bytes));
+    }
+    Ok(parsed.gpu_memory.map(|gpu| {
+        Bytes::from_f64(gpu.as_f64() * parsed.safety_ratio.unwrap_or(DEFAULT_SAFETY_RATIO)).min(gpu)
+    }))
+}
+
+fn config_json(cfg: &TrainingConfig) -> Value {
+    json!({
+        "batch_size": cfg.batch_size,
+        "grad_accumulation": cfg.grad_accumulation,
+        "grad_checkpointing": cfg.grad_checkpointing,
+        "seq_length": cfg.seq_length,
+        "lora_rank": if cfg.is_adapter() { Some(cfg.lora_rank) } else { None },
+        "lora_layers": if cfg.is_adapter() { Some(cfg.adapted_layers()) } else { None },
+    })
+}
+
+fn to_json(cfg: &TrainingConfig, estimate: &Estimate, plan: Option<&DowngradePlan>) -> Value {
+    let components: serde_json::Map<String, Value> = estimate
+        .components
+        .iter()
+        .map(|(c, b)| (c.name().to_string(), json!(b.0)))
+        .collect();
+    let mut value = json!({
+        "model": cfg.model.name,
+        "method": cfg.method.name(),
+        "precision": cfg.precision.name(),
+        "device": cfg.device.name(),
+        "total_bytes": estimate.total.0,
+        "tensor_peak_bytes": estimate.tensor_peak.0,
+        "components": components,
+    });
+    if let Some(plan) = plan {
+        let steps: Vec<Value> = plan
+            .steps
+            .iter()
+            .map(|s| {
+                json!({
+                    "rung": s.rung.name(),
+                    "explanation": s.explanation,
+                    "total_after_bytes": s.total_after.0,
+                })
+            })
+            .collect();
+        value["budget_bytes"] = json!(plan.budget.0);
+        value["fits"] = json!(plan.fits);
+        value["steps"] = json!(steps);
+        value["config"] = config_json(&plan.config);
+        value["planned_total_bytes"] = json!(plan.total().0);
+        value["planned_tensor_peak_bytes"] = json!(plan.estimate.tensor_peak.0);
+    }
+    value
+}
+
+fn write_table(
+    out: &mut impl Write,
+    cfg: &TrainingConfig,
+    estimate: &Estimate,
+    plan: Option<&DowngradePlan>,
+) -> std::io::Result<()> {
+    let name = cfg.model.name.as_deref().unwrap_or("custom shape");
+    writeln!(
+        out,
+        "{name}: {} training, {}, {} on {}; batch {} × seq {}, accumulation {}, checkpointing {}",
+        cfg.method,
+        cfg.precision,
+        cfg.optimizer,
+        cfg.device,
+        cfg.batch_size,
+        cfg.seq_length,
+        cfg.grad_accumulation,
+        if cfg.grad_checkpointing { "on" } else { "off" },
+    )?;
+    writeln!(out)?;
+    writeln!(out, "{:<20} {:>12} {:>7}", "component", "memory", "share")?;
+    let total = estimate.total.as_f64().max(1.0);
+    for (component, bytes) in &estimate.components {
+        writeln!(
+            out,
+            "{:<20} {:>12} {:>6.1}%",
+            component.name(),
+            bytes.to_string(),
+            100.0 * bytes.as_f64() / total
+        )?;
+    }
+    writeln!(
+        out,
+        "{:<20} {:>12}",
+        "tensor peak",
+        estimate.tensor_peak.to_string()
+    )?;
+    writeln!(out, "{:<20} {:>12}", "total", estimate.total.to_string())?;
+    let Some(plan) = plan else {
+        return Ok(());
+    };
+    writeln!(out)?;
+    writeln!(out, "budget {}", plan.budget)?;
+    if plan.steps.is_empty() && plan.fits {
+        writeln!(out, "fits as configured: no downgrade needed")?;
+        return Ok(());
+    }
+    for (i, step) in plan.steps.iter().enumerate() {
+        writeln!(
+            out,
+            "  {}. {:<20} {}  → {}",
+            i + 1,
+            step.rung.name(),
+            step.explanation,
+            step.total_after
+        )?;
+    }
+    let c = &plan.config;
+    if plan.fits {
+        writeln!(
+            out,
+            "fits after {} step(s): batch {}, accumulation {}, checkpointing {}, seq {}{}",
+            plan.steps.len(),
+            c.batch_size,
+            c.grad_accumulation,
+            if c.grad_checkpointing { "on" } else { "off" },
+            c.seq_length,
+            if c.is_adapter() {
+                format!(", LoRA rank {}, layers {}", c.lora_rank, c.adapted_layers())
+            } else {
+                String::new()
+            }
+        )?;
+    } else {
+        writeln!(
+            out,
+            "DOES NOT FIT: even fully downgraded it needs {} of {} ({} short)",
+            plan.total(),
+            plan.budget,
+            Bytes(plan.total().0.saturating_sub(plan.budget.0))
+        )?;
+    }
+    Ok(())
 }

@@ -1,0 +1,183 @@
+//! `memguard estimate` end to end, through the real binary.
+
+use serde_json::Value;
+use std::process::{Command, Output};
+
+fn memguard(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memguard"))
+        .args(args)
+        .output()
+        .expect("the memguard binary runs")
+}
+
+fn json(args: &[&str]) -> Value {
+    let out = memguard(&[args, &["--output", "json"]].concat());
+    assert!(
+        out.status.success(),
+        "exit {:?}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
+}
+
+fn u64_at(v: &Value, key: &str) -> u64 {
+    v[key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{key} missing in {v}"))
+}
+
+#[test]
+fn json_output_has_totals_and_components_that_add_up() {
+    let v = json(&["estimate", "--model", "llama-3-8b", "--method", "lora"]);
+    let total = u64_at(&v, "total_bytes");
+    let tensor_peak = u64_at(&v, "tensor_peak_bytes");
+    assert!(tensor_peak > 0 && tensor_peak <= total);
+    let components = v["components"].as_object().expect("components object");
+    let sum: u64 = components.values().filter_map(Value::as_u64).sum();
+    assert_eq!(sum, total, "components add up to the total");
+    assert!(v.get("fits").is_none(), "no plan without a budget");
+}
+
+#[test]
+fn budget_that_is_too_small_downgrades_and_keeps_the_effective_batch() {
+    let base = ["estimate", "--model", "llama-3-8b", "--method", "lora"];
+    let args = [
+        &base[..],
+        &[
+            "--batch-size",
+            "8",
+            "--grad-accumulation",
+            "2",
+            "--seq-length",
+            "4096",
+        ],
+    ]
+    .concat();
+    let unplanned = json(&args);
+    let budget = u64_at(&unplanned, "total_bytes") * 3 / 4;
+    let budget_arg = budget.to_string();
+    let v = json(&[&args[..], &["--budget", &budget_arg]].concat());
+    assert_eq!(u64_at(&v, "budget_bytes"), budget);
+    let steps = v["steps"].as_array().expect("steps");
+    assert!(!steps.is_empty(), "a budget below the estimate needs steps");
+    assert_eq!(
+        steps[0]["rung"], "grad-checkpointing",
+        "checkpointing comes first"
+    );
+    let config = &v["config"];
+    let batch = config["batch_size"].as_u64().expect("batch");
+    let accumulation = config["grad_accumulation"].as_u64().expect("accumulation");
+    assert_eq!(batch * accumulation, 16, "effective batch 8 × 2 is kept");
+    if v["fits"].as_bool() == Some(true) {
+        assert!(u64_at(&v, "planned_total_bytes") <= budget);
+    }
+}
+
+#[test]
+fn generous_budget_needs_no_steps() {
+    let v = json(&[
+        "estimate",
+        "--model",
+        "llama-3-8b",
+        "--method",
+        "qlora",
+        "--budget",
+        "1TiB",
+    ]);
+    assert_eq!(v["fits"], true);
+    assert_eq!(v["steps"].as_array().map(Vec::len), Some(0));
+}
+
+#[test]
+fn gpu_memory_and_safety_ratio_give_the_budget() {
+    let v = json(&[
+        "estimate",
+        "--model",
+        "llama-3-8b",
+        "--gpu-memory",
+        "80GiB",
+        "--safety-ratio",
+        "0.5",
+    ]);
+    assert_eq!(u64_at(&v, "budget_bytes"), 40 << 30);
+}
+
+#[test]
+fn bad_input_names_every_flag_and_exits_2() {
+    let out = memguard(&[
+        "estimate",
+        "--model",
+        "llama-3-8b",
+        "--method",
+        "lora",
+        "--lora-rank",
+        "0",
+        "--optimizer",
+        "adamx",
+        "--budget",
+        "lots",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--lora-rank"), "{stderr}");
+    assert!(stderr.contains("--optimizer"), "{stderr}");
+    assert!(out.stdout.is_empty(), "nothing half-printed on stdout");
+}
+
+#[test]
+fn shape_errors_name_the_flag() {
+    for (args, flag) in [
+        (
+            &[
+                "--hidden-size",
+                "1000",
+                "--num-layers",
+                "2",
+                "--num-heads",
+                "3",
+                "--vocab-size",
+                "10",
+            ][..],
+            "--num-heads",
+        ),
+        (&["--model", "gpt-9"][..], "--model"),
+        (
+            &["--model", "llama-3-8b", "--budget", "-5G"][..],
+            "--budget",
+        ),
+    ] {
+        let out = memguard(&[&["estimate"][..], args].concat());
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(flag), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn table_output_shows_components_and_the_plan() {
+    let out = memguard(&[
+        "estimate",
+        "--model",
+        "llama-3-8b",
+        "--batch-size",
+        "4",
+        "--budget",
+        "1GiB",
+    ]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("weights"), "{text}");
+    assert!(text.contains("DOES NOT FIT"), "{text}");
+}
+
+#[test]
+fn lists_catalog_models() {
+    let out = memguard(&["estimate", "--list-models"]);
+    assert!(out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .any(|l| l == "llama-3-8b")
+    );
+}

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The whole test suite: formatting, lints, every Rust test (unit, snapshot, real-binary
+# end-to-end, real cgroup v1 when root), the chart tests, and the Python client and survival
+# tests. Installs what it needs first (scripts/install-deps.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/install-deps.sh
+export PATH="${MEMGUARD_TOOLS:-$HOME/.cache/memguard-tools}/bin:$PATH"
+
+step() { printf '\n=== %s ===\n' "$*"; }
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy -D warnings"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "cargo test"
+cargo build --workspace --locked --bins
+cargo test --workspace --locked --no-fail-fast
+
+step "python client and survival tests"
+python3 -m pip install -q --disable-pip-version-check ./clients/python
+python3 -m pytest -q clients/python/tests bench/survival
