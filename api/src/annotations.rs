@@ -401,6 +401,7 @@ fn placeholder_shape() -> ModelShape {
         experts_per_token: 1,
         tie_embeddings: false,
         lm_head: true,
+        head_dim: None,
     }
 }
 

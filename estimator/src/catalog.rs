@@ -22,6 +22,7 @@ pub fn lookup(name: &str) -> Option<ModelShape> {
             experts_per_token: 1,
             tie_embeddings: false,
             lm_head: true,
+            head_dim: None,
         }),
         _ => None,
     }

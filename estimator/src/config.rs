@@ -268,6 +268,45 @@ pub struct ModelShape {
     pub tie_embeddings: bool,
     /// The model ends in a vocabulary projection (B·S·V logits); false for classifiers.
     pub lm_head: bool,
+    /// Width of one attention head when it is not `hidden_size / num_heads` (Gemma 2: 256).
+    /// `None`: `hidden_size / num_heads`.
+    pub head_dim: Option<u64>,
+}
+
+impl ModelShape {
+    /// Width of one attention head.
+    pub fn head_dim(&self) -> u64 {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_heads.max(1))
+    }
+
+    /// Width of the query projection's output (`num_heads · head_dim`).
+    pub fn q_dim(&self) -> u64 {
+        self.num_heads * self.head_dim()
+    }
+
+    /// Width of the key (and of the value) projection's output (`num_kv_heads · head_dim`).
+    pub fn kv_dim(&self) -> u64 {
+        self.num_kv_heads * self.head_dim()
+    }
+}
+
+/// Upper bounds that no real run reaches: absurd input is an error, not a loop or an overflow.
+pub mod limits {
+    /// Largest accepted per-device batch (2²⁰).
+    pub const BATCH_SIZE: u64 = 1 << 20;
+    /// Longest accepted sequence (2²⁴ tokens).
+    pub const SEQ_LENGTH: u64 = 1 << 24;
+    /// Widest accepted hidden, head, FFN or vocabulary size (2²⁰; vocabularies up to 2²⁴).
+    pub const WIDTH: u64 = 1 << 20;
+    /// Largest accepted vocabulary (2²⁴).
+    pub const VOCAB: u64 = 1 << 24;
+    /// Deepest accepted model.
+    pub const LAYERS: u64 = 10_000;
+    /// Most heads, experts, LoRA rank, devices, accumulation steps.
+    pub const COUNT: u64 = 1 << 20;
+    /// Largest accepted explicit parameter count (10¹⁵).
+    pub const PARAMS: u64 = 1_000_000_000_000_000;
 }
 
 /// A training run, as far as memory is concerned.
@@ -375,7 +414,39 @@ impl TrainingConfig {
                 });
             }
         }
-        if m.num_heads > 0 && m.hidden_size % m.num_heads != 0 {
+        let caps = [
+            ("hidden-size", m.hidden_size, limits::WIDTH),
+            ("num-layers", m.num_layers, limits::LAYERS),
+            ("num-heads", m.num_heads, limits::COUNT),
+            ("num-kv-heads", m.num_kv_heads, limits::COUNT),
+            ("intermediate-size", m.intermediate_size, limits::WIDTH),
+            ("vocab-size", m.vocab_size, limits::VOCAB),
+            ("num-experts", m.num_experts, limits::COUNT),
+            ("experts-per-token", m.experts_per_token, limits::COUNT),
+            ("head-dim", m.head_dim.unwrap_or(0), limits::WIDTH),
+            ("model-params", m.params.unwrap_or(0), limits::PARAMS),
+            ("batch-size", self.batch_size, limits::BATCH_SIZE),
+            ("seq-length", self.seq_length, limits::SEQ_LENGTH),
+            ("grad-accumulation", self.grad_accumulation, limits::COUNT),
+            ("world-size", self.world_size, limits::COUNT),
+            ("lora-rank", self.lora_rank, limits::WIDTH),
+            ("lora-layers", self.lora_layers.unwrap_or(0), limits::LAYERS),
+        ];
+        for (field, value, cap) in caps {
+            if value > cap {
+                errors.push(ConfigError::Invalid {
+                    field,
+                    reason: format!("{value} exceeds the sanity limit {cap}"),
+                });
+            }
+        }
+        if m.head_dim == Some(0) {
+            errors.push(ConfigError::Invalid {
+                field: "head-dim",
+                reason: "must be at least 1".into(),
+            });
+        }
+        if m.head_dim.is_none() && m.num_heads > 0 && m.hidden_size % m.num_heads != 0 {
             errors.push(ConfigError::Invalid {
                 field: "num-heads",
                 reason: format!(
