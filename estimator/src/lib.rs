@@ -21,6 +21,7 @@ pub mod catalog;
 pub mod config;
 pub mod estimate;
 pub mod inference;
+pub mod params;
 pub mod plan;
 pub mod units;
 
