@@ -1,0 +1,57 @@
+"""Names of the environment variables memguard writes into the trainer (memguard_api::env)."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+#: Recommended per-device batch size.
+BATCH_SIZE = "MEMGUARD_BATCH_SIZE"
+#: Recommended gradient accumulation steps.
+GRAD_ACCUMULATION = "MEMGUARD_GRAD_ACCUMULATION"
+#: ``true`` when gradient checkpointing should be on.
+GRAD_CHECKPOINTING = "MEMGUARD_GRAD_CHECKPOINTING"
+#: Recommended sequence length.
+SEQ_LENGTH = "MEMGUARD_SEQ_LENGTH"
+#: Recommended LoRA rank.
+LORA_RANK = "MEMGUARD_LORA_RANK"
+#: Recommended number of adapted layers.
+LORA_LAYERS = "MEMGUARD_LORA_LAYERS"
+#: The estimated peak of the final config, in bytes.
+ESTIMATE_BYTES = "MEMGUARD_ESTIMATE_BYTES"
+#: The budget the plan aimed at, in bytes.
+BUDGET_BYTES = "MEMGUARD_BUDGET_BYTES"
+#: Path of the signal file on the shared volume.
+SIGNAL_FILE = "MEMGUARD_SIGNAL_FILE"
+#: URL of the sidecar's trainer API.
+SIDECAR_URL = "MEMGUARD_SIDECAR_URL"
+
+#: Default signal file path (memguard_api::labels::SIGNAL_FILE).
+DEFAULT_SIGNAL_FILE = "/var/run/memguard/signal.json"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def env_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    """A positive integer from ``environ[name]``; ``default`` when unset or not a positive int."""
+    raw = environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        return default
+    return value if value >= 1 else default
+
+
+def env_bool(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    """A boolean from ``environ[name]`` (true/false/1/0/yes/no/on/off); ``default`` otherwise."""
+    raw = environ.get(name)
+    if raw is None:
+        return default
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    return default
