@@ -1,1 +1,19 @@
-//! memguard-webhook (to be built by the webhook work, issue 3).
+//! memguard's mutating admission webhook: estimate a training pod's peak memory, rewrite its
+//! training knobs to fit the budget it will really have, and inject the sidecar.
+//!
+//! The decision ([`mutate::mutate`]) and its expression as a JSON patch ([`patch::build`]) are
+//! pure and always built; [`review`] wraps them for an AdmissionReview and [`manifest`] for
+//! workloads on disk (`memguard mutate`). The HTTPS server sits behind the default `server`
+//! feature, so the CLI reuses the very same code path without axum or tokio.
+#![forbid(unsafe_code)]
+
+pub mod manifest;
+pub mod mutate;
+pub mod patch;
+pub mod quantity;
+pub mod review;
+
+#[cfg(test)]
+mod testutil;
+
+pub use mutate::{Mutation, Outcome, Profiles, mutate};

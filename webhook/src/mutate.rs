@@ -1,0 +1,569 @@
+//! The decision: what memguard wants a training pod to look like. Pure: no I/O, no async.
+//!
+//! [`mutate`] reads the pod's annotations and resources, derives the memory budget the pod will
+//! really have, runs the estimator's downgrade plan and returns an [`Outcome`]. It never fails:
+//! anything wrong becomes [`Outcome::Skipped`] with a short warning, and the pod is admitted
+//! unchanged. Turning a [`Mutation`] into a JSON patch is [`crate::patch`]'s job.
+//!
+//! Idempotency rests on one fact: memguard never edits its *input* annotations. A second call
+//! (`reinvocationPolicy: IfNeeded`) parses the same original config, reaches the same plan, and
+//! the patch, computed as a difference against the pod, comes out empty.
+
+use k8s_openapi::api::core::v1::{Container, Pod};
+use memguard_api::annotations::{self as keys, TrainingAnnotations};
+use memguard_api::policy::{SidecarMode, SidecarResources, Thresholds};
+use memguard_api::{Knob, Policy, env, labels};
+use memguard_estimator::{
+    Bytes, Calibration, Device, DowngradePlan, Parallelism, TrainingConfig, plan_with_floors,
+};
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap};
+
+/// Kubernetes advises keeping admission warnings under 120 characters.
+pub const MAX_WARNING_CHARS: usize = 120;
+
+/// Calibrations learnt from past runs (the `MemoryProfile` status), keyed by model and device.
+/// The webhook fills it from a watch cache; the CLI and tests pass [`Profiles::default`].
+#[derive(Debug, Clone, Default)]
+pub struct Profiles {
+    by_key: HashMap<(String, Device), Calibration>,
+}
+
+impl Profiles {
+    /// Records the calibration of `model` on `device`.
+    pub fn insert(&mut self, model: &str, device: Device, calibration: Calibration) {
+        self.by_key.insert((model.to_string(), device), calibration);
+    }
+
+    /// The calibration of `model` on `device`, when one exists.
+    pub fn get(&self, model: &str, device: Device) -> Option<Calibration> {
+        self.by_key.get(&(model.to_string(), device)).copied()
+    }
+}
+
+/// What memguard does with a pod.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// Not for memguard (not opted in): nothing to do, no warning.
+    Unchanged,
+    /// The pod as memguard wants it (which may already be how it is).
+    Mutated(Box<Mutation>),
+    /// Opted in but unusable (bad annotations, no container, internal error): admitted unchanged
+    /// except `memguard.io/error`.
+    Skipped {
+        /// The full reason, for the `memguard.io/error` annotation.
+        error: String,
+        /// A short form (≤ [`MAX_WARNING_CHARS`]) for the admission response.
+        warning: String,
+    },
+}
+
+/// Where the per-device memory figure came from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case", tag = "kind", content = "detail")]
+pub enum BudgetSource {
+    /// `memguard.io/gpu-memory`.
+    Annotation,
+    /// The policy's table, for the smallest of the products the pod may land on.
+    GpuProduct(String),
+    /// The policy's default GPU memory (no product known, or none in the table).
+    PolicyDefault,
+    /// The trainer's `limits.memory`.
+    MemoryLimit,
+}
+
+/// The memory the plan aims at.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Budget {
+    /// Memory of one device (a GPU, or the container's limit), before the safety ratio.
+    pub device_memory: Bytes,
+    /// The safety ratio applied.
+    pub safety_ratio: f64,
+    /// `device_memory × safety_ratio`.
+    pub bytes: Bytes,
+    /// Where `device_memory` came from.
+    pub source: BudgetSource,
+}
+
+/// The sidecar to inject, as decided (rendered into a container by [`crate::patch`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SidecarPlan {
+    /// Native (`initContainers`, `restartPolicy: Always`) or classic (`containers`).
+    pub mode: SidecarMode,
+    /// Image.
+    pub image: String,
+    /// Resources.
+    pub resources: SidecarResources,
+    /// Literal env of the sidecar (the downward-API limit is added by the patch).
+    pub env: Vec<(String, String)>,
+}
+
+/// Everything memguard wants changed on one pod.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Mutation {
+    /// Index of the trainer in `spec.containers`.
+    pub trainer_index: usize,
+    /// Name of the trainer container.
+    pub trainer: String,
+    /// The budget, when the pod has one (a CPU pod without a memory limit has none).
+    pub budget: Option<Budget>,
+    /// The downgrade plan from the original config.
+    pub plan: DowngradePlan,
+    /// `MEMGUARD_*` variables for the trainer, in a stable order.
+    pub trainer_env: Vec<(String, String)>,
+    /// The user's own variables (env-map), rewritten in place.
+    pub user_env: Vec<(String, String)>,
+    /// The sidecar.
+    pub sidecar: SidecarPlan,
+    /// The `memguard.io/estimate` annotation value (compact JSON).
+    pub estimate_annotation: String,
+    /// Warnings for the admission response, each ≤ [`MAX_WARNING_CHARS`].
+    pub warnings: Vec<String>,
+}
+
+impl Mutation {
+    /// Number of downgrade steps the plan applied.
+    pub fn steps(&self) -> usize {
+        self.plan.steps.len()
+    }
+}
+
+/// `memguard.io/estimate`: what the webhook decided, compact, versioned.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct EstimateSummary<'a> {
+    v: u32,
+    total: Bytes,
+    tensor_peak: Bytes,
+    budget: Option<Bytes>,
+    fits: Option<bool>,
+    steps: Vec<&'static str>,
+    device: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    gpu_memory: Option<Bytes>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    budget_source: Option<&'a BudgetSource>,
+    config: BTreeMap<&'static str, String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    calibration: Option<Calibration>,
+}
+
+/// Decides what to do with `pod` under `policy`. Never panics, never fails.
+pub fn mutate(pod: &Pod, policy: &Policy, profiles: &Profiles) -> Outcome {
+    let empty = BTreeMap::new();
+    let labels_map = pod.metadata.labels.as_ref().unwrap_or(&empty);
+    if labels_map.get(labels::ENABLED_LABEL).map(String::as_str) != Some(labels::ENABLED_VALUE) {
+        return Outcome::Unchanged;
+    }
+    let annotations = pod.metadata.annotations.as_ref().unwrap_or(&empty);
+    match decide(pod, annotations, policy, profiles) {
+        Ok(mutation) => Outcome::Mutated(Box::new(mutation)),
+        Err(error) => skipped(error),
+    }
+}
+
+/// An [`Outcome::Skipped`] with the warning cut to size.
+pub fn skipped(error: String) -> Outcome {
+    let warning = truncate(&format!("memguard skipped this pod: {error}"));
+    Outcome::Skipped { error, warning }
+}
+
+fn decide(
+    pod: &Pod,
+    annotations: &BTreeMap<String, String>,
+    policy: &Policy,
+    profiles: &Profiles,
+) -> Result<Mutation, String> {
+    if !keys::has_training_input(annotations) {
+        return Err(format!(
+            "labelled {}={} but no training annotations (e.g. {})",
+            labels::ENABLED_LABEL,
+            labels::ENABLED_VALUE,
+            keys::MODEL
+        ));
+    }
+    let parsed = TrainingAnnotations::parse(annotations).map_err(|errors| {
+        errors
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ")
+    })?;
+    let containers = pod
+        .spec
+        .as_ref()
+        .map(|s| s.containers.as_slice())
+        .unwrap_or_default();
+    let (trainer_index, trainer) = pick_trainer(containers, parsed.container.as_deref())?;
+    let gpus = gpu_count(trainer);
+
+    let mut warnings = Vec::new();
+    let mut config = parsed.config.clone();
+    if !parsed.device_given {
+        config.device = if gpus > 0 { Device::Cuda } else { Device::Cpu };
+    }
+    // Data parallelism over the pod's own GPUs unless the user says how many devices take part
+    // (a multi-node job must: the pod cannot see its peers).
+    if !annotations.contains_key(keys::WORLD_SIZE)
+        && config.parallelism != Parallelism::None
+        && config.device == Device::Cuda
+    {
+        config.world_size = gpus.max(1);
+    }
+
+    let safety_ratio = parsed.safety_ratio.unwrap_or(policy.safety_ratio);
+    let budget = match config.device {
+        Device::Cuda => {
+            let (device_memory, source) = gpu_memory(pod, parsed.gpu_memory, policy, &mut warnings);
+            Some(budget(device_memory, safety_ratio, source))
+        }
+        Device::Cpu | Device::Metal => match memory_limit(trainer) {
+            Some(limit) => Some(budget(limit, safety_ratio, BudgetSource::MemoryLimit)),
+            None => {
+                warnings.push(truncate(&format!(
+                    "memguard: container {} has no memory limit and no GPU: no fit can be guaranteed",
+                    trainer.name
+                )));
+                None
+            }
+        },
+    };
+
+    let calibration = config
+        .model
+        .name
+        .as_deref()
+        .and_then(|model| profiles.get(model, config.device))
+        .unwrap_or_else(Calibration::none);
+    let target = budget.as_ref().map_or(Bytes(u64::MAX), |b| b.bytes);
+    let plan = plan_with_floors(&config, target, &calibration, &policy.floors).map_err(|errs| {
+        errs.iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ")
+    })?;
+
+    if let Some(b) = &budget {
+        if !plan.fits {
+            warnings.push(truncate(&format!(
+                "memguard: estimate {} exceeds budget {} even after {} downgrades",
+                plan.total(),
+                b.bytes,
+                plan.steps.len()
+            )));
+        } else if !plan.steps.is_empty() {
+            let names: Vec<&str> = plan.steps.iter().map(|s| s.rung.name()).collect();
+            warnings.push(truncate(&format!(
+                "memguard: downgraded to fit {} ({}); see {}",
+                b.bytes,
+                names.join(", "),
+                keys::ESTIMATE
+            )));
+        }
+    }
+
+    let knobs = knobs_for(&plan.config);
+    let mut trainer_env: Vec<(String, String)> = knobs
+        .iter()
+        .map(|k| (k.env().to_string(), k.value(&plan.config)))
+        .collect();
+    trainer_env.push((env::ESTIMATE_BYTES.into(), plan.total().0.to_string()));
+    if let Some(b) = &budget {
+        trainer_env.push((env::BUDGET_BYTES.into(), b.bytes.0.to_string()));
+    }
+    trainer_env.push((env::SIGNAL_FILE.into(), labels::SIGNAL_FILE.into()));
+    trainer_env.push((
+        env::SIDECAR_URL.into(),
+        format!("http://{}", labels::SIDECAR_LISTEN),
+    ));
+
+    let env_map = if parsed.env_map.is_empty() {
+        policy_env_map(policy)
+    } else {
+        parsed.env_map.clone()
+    };
+    let user_env: Vec<(String, String)> = env_map
+        .iter()
+        .filter(|(knob, _)| knobs.contains(knob))
+        .map(|(knob, var)| (var.clone(), knob.value(&plan.config)))
+        .collect();
+    for (var, _) in &user_env {
+        let from_ref = trainer
+            .env
+            .iter()
+            .flatten()
+            .any(|e| &e.name == var && e.value_from.is_some());
+        if from_ref {
+            warnings.push(truncate(&format!(
+                "memguard: {var} in {} used valueFrom; replaced by a literal value",
+                trainer.name
+            )));
+        }
+    }
+
+    let sidecar = sidecar_plan(policy, &trainer.name, &plan, budget.as_ref());
+    let estimate_annotation = estimate_annotation(&plan, budget.as_ref(), &config);
+
+    Ok(Mutation {
+        trainer_index,
+        trainer: trainer.name.clone(),
+        budget,
+        plan,
+        trainer_env,
+        user_env,
+        sidecar,
+        estimate_annotation,
+        warnings,
+    })
+}
+
+/// The trainer: the container the annotation names, else the first requesting a GPU, else the
+/// first. memguard's own sidecar (classic mode) is never the trainer.
+fn pick_trainer<'a>(
+    containers: &'a [Container],
+    named: Option<&str>,
+) -> Result<(usize, &'a Container), String> {
+    let candidates = || {
+        containers
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.name != labels::SIDECAR_CONTAINER)
+    };
+    if let Some(name) = named {
+        return candidates()
+            .find(|(_, c)| c.name == name)
+            .ok_or_else(|| format!("{}: no container named `{name}`", keys::CONTAINER));
+    }
+    candidates()
+        .find(|(_, c)| gpu_count(c) > 0)
+        .or_else(|| candidates().next())
+        .ok_or_else(|| "the pod has no container".to_string())
+}
+
+/// GPUs the container asks for (`limits`, else `requests`, of `nvidia.com/gpu`).
+fn gpu_count(c: &Container) -> u64 {
+    let resources = c.resources.as_ref();
+    let from =
+        |m: Option<&BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>| {
+            m.and_then(|m| m.get(labels::NVIDIA_GPU_RESOURCE))
+                .and_then(|q| crate::quantity::parse(&q.0))
+        };
+    from(resources.and_then(|r| r.limits.as_ref()))
+        .or_else(|| from(resources.and_then(|r| r.requests.as_ref())))
+        .unwrap_or(0)
+}
+
+/// The container's `limits.memory` (LimitRange defaults are applied before webhooks run).
+fn memory_limit(c: &Container) -> Option<Bytes> {
+    c.resources
+        .as_ref()?
+        .limits
+        .as_ref()?
+        .get("memory")
+        .and_then(|q| crate::quantity::parse(&q.0))
+        .filter(|b| *b > 0)
+        .map(Bytes)
+}
+
+/// Memory of one GPU: the annotation, else the smallest known product the pod may be scheduled
+/// on, else the policy's default.
+fn gpu_memory(
+    pod: &Pod,
+    annotated: Option<Bytes>,
+    policy: &Policy,
+    warnings: &mut Vec<String>,
+) -> (Bytes, BudgetSource) {
+    if let Some(b) = annotated {
+        return (b, BudgetSource::Annotation);
+    }
+    let products = gpu_products(pod);
+    let known = products
+        .iter()
+        .filter_map(|p| policy.gpu_memory.get(p).map(|b| (*b, p.clone())))
+        .min();
+    match known {
+        Some((b, product)) => (b, BudgetSource::GpuProduct(product)),
+        None => {
+            if !products.is_empty() {
+                warnings.push(truncate(&format!(
+                    "memguard: GPU product {} not in the policy table; assuming {}",
+                    products.join("|"),
+                    policy.default_gpu_memory
+                )));
+            }
+            (policy.default_gpu_memory, BudgetSource::PolicyDefault)
+        }
+    }
+}
+
+/// The `nvidia.com/gpu.product` values the pod is pinned to: the node selector's, else the
+/// union of the required node-affinity terms' `In` values when every term constrains it (terms
+/// are ORed: one unconstrained term means any product). Empty when unknown.
+pub fn gpu_products(pod: &Pod) -> Vec<String> {
+    let Some(spec) = pod.spec.as_ref() else {
+        return Vec::new();
+    };
+    if let Some(p) = spec
+        .node_selector
+        .as_ref()
+        .and_then(|s| s.get(labels::NVIDIA_GPU_PRODUCT_LABEL))
+    {
+        return vec![p.clone()];
+    }
+    let terms = spec
+        .affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|n| {
+            n.required_during_scheduling_ignored_during_execution
+                .as_ref()
+        })
+        .map(|r| r.node_selector_terms.as_slice())
+        .unwrap_or_default();
+    let mut products = Vec::new();
+    for term in terms {
+        let values: Vec<&String> = term
+            .match_expressions
+            .iter()
+            .flatten()
+            .filter(|e| e.key == labels::NVIDIA_GPU_PRODUCT_LABEL && e.operator == "In")
+            .flat_map(|e| e.values.iter().flatten())
+            .collect();
+        if values.is_empty() {
+            return Vec::new();
+        }
+        products.extend(values.into_iter().cloned());
+    }
+    products.sort();
+    products.dedup();
+    products
+}
+
+fn budget(device_memory: Bytes, safety_ratio: f64, source: BudgetSource) -> Budget {
+    Budget {
+        device_memory,
+        safety_ratio,
+        bytes: Bytes::from_f64(device_memory.as_f64() * safety_ratio),
+        source,
+    }
+}
+
+/// The knobs that mean something for this config (LoRA knobs only for adapter methods).
+fn knobs_for(cfg: &TrainingConfig) -> Vec<Knob> {
+    Knob::ALL
+        .into_iter()
+        .filter(|k| cfg.is_adapter() || !matches!(k, Knob::LoraRank | Knob::LoraLayers))
+        .collect()
+}
+
+/// The policy's default env-map. Entries naming an unknown knob are ignored here; policies are
+/// checked for them when loaded ([`crate::config::check_policy`]).
+fn policy_env_map(policy: &Policy) -> memguard_api::EnvMap {
+    policy
+        .env_names
+        .iter()
+        .filter_map(|(knob, var)| {
+            let knob = Knob::ALL.into_iter().find(|k| k.name() == knob.trim())?;
+            Some((knob, var.trim().to_string()))
+        })
+        .filter(|(_, var)| !var.is_empty() && !var.starts_with("MEMGUARD_"))
+        .collect()
+}
+
+fn sidecar_plan(
+    policy: &Policy,
+    trainer: &str,
+    plan: &DowngradePlan,
+    budget: Option<&Budget>,
+) -> SidecarPlan {
+    let cfg = &plan.config;
+    let Thresholds {
+        warn,
+        downgrade,
+        critical,
+        psi_some_avg10,
+    } = policy.thresholds;
+    let mut env: Vec<(String, String)> = vec![
+        (env::TRAINER_CONTAINER.into(), trainer.into()),
+        (env::SIGNAL_FILE.into(), labels::SIGNAL_FILE.into()),
+        (env::SIDECAR_LISTEN.into(), labels::SIDECAR_LISTEN.into()),
+        (
+            env::SIDECAR_METRICS_LISTEN.into(),
+            labels::SIDECAR_METRICS_LISTEN.into(),
+        ),
+        (
+            env::SIDECAR_INTERVAL.into(),
+            policy.sidecar_interval.clone(),
+        ),
+        (env::SIDECAR_WARN.into(), warn.to_string()),
+        (env::SIDECAR_DOWNGRADE.into(), downgrade.to_string()),
+        (env::SIDECAR_CRITICAL.into(), critical.to_string()),
+        (
+            env::SIDECAR_PSI_SOME_AVG10.into(),
+            psi_some_avg10.to_string(),
+        ),
+        (env::BATCH_SIZE.into(), cfg.batch_size.to_string()),
+        (
+            env::GRAD_ACCUMULATION.into(),
+            cfg.grad_accumulation.to_string(),
+        ),
+        (
+            env::GRAD_CHECKPOINTING.into(),
+            cfg.grad_checkpointing.to_string(),
+        ),
+        (env::ESTIMATE_BYTES.into(), plan.total().0.to_string()),
+    ];
+    if let Some(b) = budget {
+        env.push((env::BUDGET_BYTES.into(), b.bytes.0.to_string()));
+    }
+    SidecarPlan {
+        mode: policy.sidecar_mode,
+        image: policy.sidecar_image.clone(),
+        resources: policy.sidecar_resources.clone(),
+        env,
+    }
+}
+
+fn estimate_annotation(
+    plan: &DowngradePlan,
+    budget: Option<&Budget>,
+    config: &TrainingConfig,
+) -> String {
+    let cfg = &plan.config;
+    let config_map: BTreeMap<&'static str, String> = knobs_for(cfg)
+        .into_iter()
+        .map(|k| (k.name(), k.value(cfg)))
+        .chain([("world-size", config.world_size.to_string())])
+        .collect();
+    let summary = EstimateSummary {
+        v: 1,
+        total: plan.total(),
+        tensor_peak: plan.calibration.apply(plan.estimate.tensor_peak),
+        budget: budget.map(|b| b.bytes),
+        fits: budget.map(|_| plan.fits),
+        steps: plan.steps.iter().map(|s| s.rung.name()).collect(),
+        device: config.device.name(),
+        gpu_memory: budget
+            .filter(|b| b.source != BudgetSource::MemoryLimit)
+            .map(|b| b.device_memory),
+        budget_source: budget.map(|b| &b.source),
+        config: config_map,
+        calibration: plan.calibration.is_active().then_some(plan.calibration),
+    };
+    // Serializing plain integers, strings and bools cannot fail.
+    serde_json::to_string(&summary).unwrap_or_else(|_| "{}".into())
+}
+
+/// Cuts `s` to [`MAX_WARNING_CHARS`] characters, marking the cut with `…`.
+pub fn truncate(s: &str) -> String {
+    if s.chars().count() <= MAX_WARNING_CHARS {
+        return s.to_string();
+    }
+    let mut out: String = s.chars().take(MAX_WARNING_CHARS - 1).collect();
+    out.push('…');
+    out
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,425 @@
+use super::*;
+use crate::testutil::{PodBuilder, bare_pod, trainer_pod};
+use memguard_api::PolicySpec;
+
+fn policy_with_products() -> Policy {
+    let spec: PolicySpec = serde_json::from_value(serde_json::json!({
+        "gpuMemory": {"NVIDIA-A10G": "24Gi", "NVIDIA-H100-80GB-HBM3": "80Gi", "NVIDIA-L4": "24Gi",
+                      "Tesla-T4": "16Gi"},
+        "envNames": {"batch-size": "PER_DEVICE_TRAIN_BATCH_SIZE"},
+    }))
+    .expect("valid policy");
+    spec.resolved().expect("valid values")
+}
+
+fn run(pod: PodBuilder, policy: &Policy) -> Outcome {
+    mutate(&pod.build(), policy, &Profiles::default())
+}
+
+fn mutated(pod: PodBuilder, policy: &Policy) -> Mutation {
+    match run(pod, policy) {
+        Outcome::Mutated(m) => *m,
+        other => panic!("expected a mutation, got {other:?}"),
+    }
+}
+
+fn env_of<'a>(m: &'a Mutation, name: &str) -> Option<&'a str> {
+    m.trainer_env
+        .iter()
+        .chain(&m.user_env)
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+}
+
+fn annotation(m: &Mutation) -> serde_json::Value {
+    serde_json::from_str(&m.estimate_annotation).expect("estimate annotation is JSON")
+}
+
+/// One row per behaviour: the pod, and what must hold of the outcome.
+#[test]
+fn outcome_table() {
+    type Check = fn(&Outcome);
+    let policy = policy_with_products();
+    let rows: Vec<(&str, PodBuilder, Check)> = vec![
+        (
+            "unlabelled pods are not memguard's",
+            trainer_pod().unlabelled(),
+            |o| assert_eq!(*o, Outcome::Unchanged),
+        ),
+        (
+            "labelled without annotations is skipped with a hint",
+            bare_pod(),
+            |o| match o {
+                Outcome::Skipped { error, warning } => {
+                    assert!(error.contains("no training annotations"), "{error}");
+                    assert!(warning.chars().count() <= MAX_WARNING_CHARS);
+                }
+                other => panic!("{other:?}"),
+            },
+        ),
+        (
+            "every annotation error is collected, not just the first",
+            trainer_pod()
+                .annotate(keys::BATCH_SIZE, "many")
+                .annotate(keys::OPTIMIZER, "adamx")
+                .annotate("memguard.io/seq-lenght", "4096"),
+            |o| match o {
+                Outcome::Skipped { error, warning } => {
+                    for key in ["batch-size", "optimizer", "seq-lenght"] {
+                        assert!(error.contains(key), "{key} missing from {error}");
+                    }
+                    assert!(warning.chars().count() <= MAX_WARNING_CHARS, "{warning}");
+                }
+                other => panic!("{other:?}"),
+            },
+        ),
+        (
+            "a named container that does not exist is skipped",
+            trainer_pod().annotate(keys::CONTAINER, "nope"),
+            |o| match o {
+                Outcome::Skipped { error, .. } => assert!(error.contains("`nope`"), "{error}"),
+                other => panic!("{other:?}"),
+            },
+        ),
+        (
+            "a pod without containers is skipped, not a panic",
+            trainer_pod().spec("containers", serde_json::json!([])),
+            |o| assert!(matches!(o, Outcome::Skipped { .. }), "{o:?}"),
+        ),
+    ];
+    for (name, pod, check) in rows {
+        let outcome = run(pod, &policy);
+        eprintln!("row: {name}");
+        check(&outcome);
+    }
+}
+
+#[test]
+fn trainer_is_the_named_container_else_the_gpu_one_else_the_first() {
+    let policy = Policy::default();
+    let rows: Vec<(&str, PodBuilder, &str, usize)> = vec![
+        (
+            "first by default",
+            trainer_pod().container("logger"),
+            "train",
+            0,
+        ),
+        (
+            "the one requesting a GPU",
+            trainer_pod().container("gpu-worker").gpus(1),
+            "gpu-worker",
+            1,
+        ),
+        (
+            "the annotation wins",
+            trainer_pod()
+                .container("gpu-worker")
+                .gpus(1)
+                .annotate(keys::CONTAINER, "train"),
+            "train",
+            0,
+        ),
+    ];
+    for (name, pod, trainer, index) in rows {
+        let m = mutated(pod, &policy);
+        assert_eq!(
+            (m.trainer.as_str(), m.trainer_index),
+            (trainer, index),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn gpu_budget_comes_from_annotation_then_product_then_policy_default() {
+    let policy = policy_with_products();
+    let rows: Vec<(&str, PodBuilder, Bytes, BudgetSource)> = vec![
+        (
+            "annotation beats the node selector",
+            trainer_pod()
+                .gpus(1)
+                .node_selector("NVIDIA-A10G")
+                .annotate(keys::GPU_MEMORY, "40Gi"),
+            Bytes::gib(40),
+            BudgetSource::Annotation,
+        ),
+        (
+            "node selector product from the table",
+            trainer_pod().gpus(1).node_selector("NVIDIA-A10G"),
+            Bytes::gib(24),
+            BudgetSource::GpuProduct("NVIDIA-A10G".into()),
+        ),
+        (
+            "smallest of the affinity's candidates",
+            trainer_pod()
+                .gpus(1)
+                .affinity(&[&["NVIDIA-H100-80GB-HBM3", "NVIDIA-A10G"], &["Tesla-T4"]]),
+            Bytes::gib(16),
+            BudgetSource::GpuProduct("Tesla-T4".into()),
+        ),
+        (
+            "a term without a product means any product: policy default",
+            trainer_pod().gpus(1).affinity(&[&["Tesla-T4"], &[]]),
+            Bytes::gib(80),
+            BudgetSource::PolicyDefault,
+        ),
+        (
+            "nothing pinned: policy default",
+            trainer_pod().gpus(1),
+            Bytes::gib(80),
+            BudgetSource::PolicyDefault,
+        ),
+    ];
+    for (name, pod, memory, source) in rows {
+        let m = mutated(pod, &policy);
+        let b = m.budget.expect("GPU pods have a budget");
+        assert_eq!(b.device_memory, memory, "{name}");
+        assert_eq!(b.source, source, "{name}");
+        assert_eq!(b.bytes, Bytes::from_f64(memory.as_f64() * 0.9), "{name}");
+        assert_eq!(
+            m.plan.budget, b.bytes,
+            "{name}: the plan aims at the budget"
+        );
+    }
+}
+
+#[test]
+fn unknown_product_falls_back_to_the_default_with_a_warning() {
+    let m = mutated(
+        trainer_pod().gpus(1).node_selector("NVIDIA-B200"),
+        &policy_with_products(),
+    );
+    assert_eq!(
+        m.budget.expect("budget").source,
+        BudgetSource::PolicyDefault
+    );
+    assert!(
+        m.warnings.iter().any(|w| w.contains("NVIDIA-B200")),
+        "{:?}",
+        m.warnings
+    );
+}
+
+#[test]
+fn cpu_budget_is_the_memory_limit_times_the_safety_ratio() {
+    let m = mutated(
+        trainer_pod()
+            .memory_limit("64Gi")
+            .annotate(keys::SAFETY_RATIO, "0.5"),
+        &Policy::default(),
+    );
+    let b = m.budget.clone().expect("a limit gives a budget");
+    assert_eq!(b.source, BudgetSource::MemoryLimit);
+    assert_eq!(b.bytes, Bytes::gib(32));
+    assert_eq!(annotation(&m)["device"], "cpu");
+    assert_eq!(env_of(&m, env::BUDGET_BYTES), Some("34359738368"));
+}
+
+#[test]
+fn no_limit_and_no_gpu_warns_that_nothing_can_be_guaranteed() {
+    let m = mutated(trainer_pod(), &Policy::default());
+    assert!(m.budget.is_none());
+    assert!(m.plan.steps.is_empty(), "no budget, no downgrade");
+    assert!(
+        m.warnings.iter().any(|w| w.contains("no memory limit")),
+        "{:?}",
+        m.warnings
+    );
+    assert_eq!(env_of(&m, env::BUDGET_BYTES), None);
+    assert_eq!(annotation(&m)["budget"], serde_json::Value::Null);
+}
+
+#[test]
+fn explicit_device_beats_inference() {
+    let m = mutated(
+        trainer_pod()
+            .memory_limit("64Gi")
+            .annotate(keys::DEVICE, "cuda"),
+        &Policy::default(),
+    );
+    assert_eq!(annotation(&m)["device"], "cuda");
+    assert_eq!(
+        m.budget.expect("budget").source,
+        BudgetSource::PolicyDefault
+    );
+}
+
+#[test]
+fn world_size_defaults_to_the_pods_gpus_under_data_parallelism() {
+    let pod = || {
+        trainer_pod()
+            .annotate(keys::METHOD, "full")
+            .annotate(keys::PARALLELISM, "fsdp")
+            .gpus(4)
+    };
+    let m = mutated(pod(), &Policy::default());
+    assert_eq!(m.plan.config.world_size, 4);
+    assert_eq!(annotation(&m)["config"]["world-size"], "4");
+    let m = mutated(pod().annotate(keys::WORLD_SIZE, "16"), &Policy::default());
+    assert_eq!(
+        m.plan.config.world_size, 16,
+        "an explicit world size is kept"
+    );
+    let m = mutated(trainer_pod().gpus(4), &Policy::default());
+    assert_eq!(m.plan.config.world_size, 1, "no parallelism, no sharding");
+}
+
+#[test]
+fn a_config_that_fits_is_left_as_annotated() {
+    let m = mutated(
+        trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "100Ti"),
+        &Policy::default(),
+    );
+    assert!(m.plan.fits && m.plan.steps.is_empty());
+    assert_eq!(env_of(&m, env::BATCH_SIZE), Some("4"));
+    assert_eq!(env_of(&m, env::GRAD_CHECKPOINTING), Some("false"));
+    assert!(m.warnings.is_empty(), "{:?}", m.warnings);
+    assert_eq!(annotation(&m)["fits"], true);
+}
+
+#[test]
+fn downgrades_are_written_to_env_and_keep_the_effective_batch() {
+    // 8 × 8192 tokens per device on a 24 GiB card needs downgrading under any sane estimate.
+    let m = mutated(
+        trainer_pod()
+            .gpus(1)
+            .annotate(keys::BATCH_SIZE, "8")
+            .annotate(keys::SEQ_LENGTH, "8192")
+            .annotate(keys::GPU_MEMORY, "24Gi")
+            .annotate(keys::ENV_MAP, "batch-size=BS,grad-accumulation=GA"),
+        &Policy::default(),
+    );
+    assert!(!m.plan.steps.is_empty());
+    let cfg = &m.plan.config;
+    assert_eq!(
+        cfg.batch_size * cfg.grad_accumulation,
+        8,
+        "effective batch kept"
+    );
+    assert_eq!(
+        env_of(&m, env::BATCH_SIZE),
+        Some(cfg.batch_size.to_string().as_str())
+    );
+    assert_eq!(env_of(&m, "BS"), Some(cfg.batch_size.to_string().as_str()));
+    assert_eq!(
+        env_of(&m, "GA"),
+        Some(cfg.grad_accumulation.to_string().as_str())
+    );
+    assert_eq!(
+        env_of(&m, env::ESTIMATE_BYTES),
+        Some(m.plan.total().0.to_string().as_str())
+    );
+    let steps: Vec<&str> = m.plan.steps.iter().map(|s| s.rung.name()).collect();
+    assert_eq!(annotation(&m)["steps"], serde_json::json!(steps));
+    assert_eq!(m.warnings.len(), 1, "{:?}", m.warnings);
+    assert!(m.warnings[0].chars().count() <= MAX_WARNING_CHARS);
+}
+
+#[test]
+fn a_config_that_cannot_fit_says_so() {
+    let m = mutated(
+        trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "1Gi"),
+        &Policy::default(),
+    );
+    assert!(!m.plan.fits);
+    assert_eq!(annotation(&m)["fits"], false);
+    assert!(
+        m.warnings.iter().any(|w| w.contains("exceeds budget")),
+        "{:?}",
+        m.warnings
+    );
+}
+
+#[test]
+fn env_map_comes_from_the_annotation_else_the_policy() {
+    let policy = policy_with_products();
+    let roomy = || trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "100Ti");
+    let m = mutated(roomy(), &policy);
+    assert_eq!(env_of(&m, "PER_DEVICE_TRAIN_BATCH_SIZE"), Some("4"));
+    let m = mutated(
+        roomy().annotate(keys::ENV_MAP, "batch-size=MY_BATCH"),
+        &policy,
+    );
+    assert_eq!(env_of(&m, "MY_BATCH"), Some("4"));
+    assert_eq!(env_of(&m, "PER_DEVICE_TRAIN_BATCH_SIZE"), None);
+}
+
+#[test]
+fn a_user_variable_from_value_from_is_replaced_with_a_warning() {
+    let m = mutated(
+        trainer_pod()
+            .gpus(1)
+            .env_from_configmap("BS")
+            .annotate(keys::ENV_MAP, "batch-size=BS"),
+        &Policy::default(),
+    );
+    assert!(
+        m.warnings
+            .iter()
+            .any(|w| w.contains("BS") && w.contains("valueFrom"))
+    );
+}
+
+#[test]
+fn lora_knobs_only_for_adapter_methods() {
+    let lora = mutated(trainer_pod().gpus(1), &Policy::default());
+    assert!(env_of(&lora, env::LORA_RANK).is_some());
+    let full = mutated(
+        trainer_pod().gpus(1).annotate(keys::METHOD, "full"),
+        &Policy::default(),
+    );
+    assert_eq!(env_of(&full, env::LORA_RANK), None);
+    assert_eq!(env_of(&full, env::LORA_LAYERS), None);
+}
+
+#[test]
+fn calibration_from_profiles_scales_the_estimate() {
+    let pod = || trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "100Ti");
+    let plain = mutated(pod(), &Policy::default());
+    let mut profiles = Profiles::default();
+    profiles.insert(
+        "llama-3-8b",
+        Device::Cuda,
+        Calibration {
+            factor: 2.0,
+            runs: 5,
+        },
+    );
+    let Outcome::Mutated(calibrated) = mutate(&pod().build(), &Policy::default(), &profiles) else {
+        panic!("mutated")
+    };
+    assert_eq!(calibrated.plan.total().0, 2 * plain.plan.total().0);
+    assert_eq!(annotation(&calibrated)["calibration"]["runs"], 5);
+    assert!(annotation(&plain).get("calibration").is_none());
+}
+
+#[test]
+fn sidecar_plan_follows_the_policy() {
+    let spec: PolicySpec = serde_json::from_value(serde_json::json!({
+        "sidecar": {"image": "registry.local/memguard:dev", "mode": "classic", "interval": "50ms"},
+        "thresholds": {"warn": 0.6, "downgrade": 0.8, "critical": 0.9},
+    }))
+    .expect("valid");
+    let m = mutated(trainer_pod().gpus(1), &spec.resolved().expect("valid"));
+    assert_eq!(m.sidecar.mode, SidecarMode::Classic);
+    assert_eq!(m.sidecar.image, "registry.local/memguard:dev");
+    let get = |k: &str| {
+        m.sidecar
+            .env
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.as_str())
+    };
+    assert_eq!(get(env::SIDECAR_WARN), Some("0.6"));
+    assert_eq!(get(env::SIDECAR_INTERVAL), Some("50ms"));
+    assert_eq!(get(env::TRAINER_CONTAINER), Some("train"));
+}
+
+#[test]
+fn truncate_keeps_short_text_and_marks_the_cut() {
+    assert_eq!(truncate("short"), "short");
+    let long = "x".repeat(500);
+    let cut = truncate(&long);
+    assert_eq!(cut.chars().count(), MAX_WARNING_CHARS);
+    assert!(cut.ends_with('…'));
+}

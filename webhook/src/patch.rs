@@ -1,0 +1,317 @@
+//! Expressing a decision: [`Outcome`] → RFC 6902 JSON patch against the pod as it is.
+//!
+//! The patch is a difference: it only adds or replaces what is missing or different, so applying
+//! the same [`Outcome`] to an already mutated pod yields an empty patch. Arrays are never
+//! replaced wholesale: a missing array is created with `add`, an element is appended with `/-`
+//! or replaced at its own index. Keys are JSON-pointer escaped (`memguard.io/estimate` →
+//! `memguard.io~1estimate`).
+
+use crate::mutate::{Mutation, Outcome};
+use json_patch::jsonptr::PointerBuf;
+use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation, ReplaceOperation};
+use k8s_openapi::api::core::v1::{Container, EnvVar, Pod};
+use memguard_api::annotations as keys;
+use memguard_api::policy::SidecarMode;
+use memguard_api::{env, labels};
+use serde_json::{Map, Value, json};
+use std::collections::BTreeMap;
+
+/// Longest `memguard.io/error` value written (the full list of annotation errors fits easily).
+pub const MAX_ERROR_CHARS: usize = 1024;
+
+/// The sidecar's non-root user (the distroless `nonroot` uid).
+pub const SIDECAR_UID: i64 = 65532;
+
+/// The patch that takes `pod` to what `outcome` asks for. Empty when nothing needs to change.
+pub fn build(pod: &Pod, outcome: &Outcome) -> Patch {
+    let mut ops = Ops::default();
+    match outcome {
+        Outcome::Unchanged => {}
+        Outcome::Skipped { error, .. } => {
+            let mut error: String = error.chars().take(MAX_ERROR_CHARS).collect();
+            if error.is_empty() {
+                error.push_str("unknown error");
+            }
+            annotate(pod, &mut ops, &[(keys::ERROR, error.as_str())], &[]);
+        }
+        Outcome::Mutated(m) => mutation(pod, m, &mut ops),
+    }
+    Patch(ops.0)
+}
+
+/// The sidecar container as injected (JSON, ready for the patch).
+pub fn sidecar_container(m: &Mutation) -> Value {
+    let r = &m.sidecar.resources;
+    let mut requests = Map::new();
+    if let Some(cpu) = &r.cpu_request {
+        requests.insert("cpu".into(), json!(cpu));
+    }
+    if let Some(mem) = &r.memory_request {
+        requests.insert("memory".into(), json!(mem));
+    }
+    let mut limits = Map::new();
+    if let Some(mem) = &r.memory_limit {
+        limits.insert("memory".into(), json!(mem));
+    }
+    let mut env: Vec<Value> = m
+        .sidecar
+        .env
+        .iter()
+        .map(|(name, value)| json!({"name": name, "value": value}))
+        .collect();
+    env.push(json!({
+        "name": env::TRAINER_MEMORY_LIMIT,
+        "valueFrom": {"resourceFieldRef": {
+            "containerName": m.trainer,
+            "resource": "limits.memory",
+            "divisor": "1",
+        }},
+    }));
+    let metrics_port: u16 = labels::SIDECAR_METRICS_LISTEN
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(9092);
+    let mut resources = Map::new();
+    if !requests.is_empty() {
+        resources.insert("requests".into(), Value::Object(requests));
+    }
+    if !limits.is_empty() {
+        resources.insert("limits".into(), Value::Object(limits));
+    }
+    let mut c = json!({
+        "name": labels::SIDECAR_CONTAINER,
+        "image": m.sidecar.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["memguard-sidecar"],
+        "env": env,
+        "ports": [{
+            "name": labels::SIDECAR_METRICS_PORT_NAME,
+            "containerPort": metrics_port,
+            "protocol": "TCP",
+        }],
+        "readinessProbe": {
+            "httpGet": {"path": "/healthz", "port": labels::SIDECAR_METRICS_PORT_NAME},
+            "periodSeconds": 10,
+        },
+        "resources": resources,
+        "securityContext": {
+            "runAsNonRoot": true,
+            "runAsUser": SIDECAR_UID,
+            "runAsGroup": SIDECAR_UID,
+            "readOnlyRootFilesystem": true,
+            "allowPrivilegeEscalation": false,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationMessagePath": labels::TERMINATION_LOG,
+        "terminationMessagePolicy": "File",
+        "volumeMounts": [{"name": labels::SIGNAL_VOLUME, "mountPath": labels::SIGNAL_DIR}],
+    });
+    if m.sidecar.mode == SidecarMode::Native {
+        c["restartPolicy"] = json!("Always");
+    }
+    c
+}
+
+#[derive(Default)]
+struct Ops(Vec<PatchOperation>);
+
+impl Ops {
+    fn add(&mut self, path: &[&str], value: Value) {
+        self.0.push(PatchOperation::Add(AddOperation {
+            path: PointerBuf::from_tokens(path.iter().copied()),
+            value,
+        }));
+    }
+
+    fn replace(&mut self, path: &[&str], value: Value) {
+        self.0.push(PatchOperation::Replace(ReplaceOperation {
+            path: PointerBuf::from_tokens(path.iter().copied()),
+            value,
+        }));
+    }
+
+    fn remove(&mut self, path: &[&str]) {
+        self.0.push(PatchOperation::Remove(RemoveOperation {
+            path: PointerBuf::from_tokens(path.iter().copied()),
+        }));
+    }
+}
+
+fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
+    let Some(spec) = pod.spec.as_ref() else {
+        return;
+    };
+    let Some(trainer) = spec.containers.get(m.trainer_index) else {
+        return;
+    };
+    let trainer_index = m.trainer_index.to_string();
+    let trainer_path = ["spec", "containers", trainer_index.as_str()];
+
+    // Trainer: memguard's variables, then the user's own, rewritten in place.
+    let desired: Vec<(&str, &str)> = m
+        .trainer_env
+        .iter()
+        .chain(&m.user_env)
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    set_env(trainer, &trainer_path, &desired, ops);
+    let mounted = trainer.volume_mounts.iter().flatten().any(|vm| {
+        vm.name == labels::SIGNAL_VOLUME
+            || vm.mount_path.trim_end_matches('/') == labels::SIGNAL_DIR
+    });
+    if !mounted {
+        let mount = json!({"name": labels::SIGNAL_VOLUME, "mountPath": labels::SIGNAL_DIR});
+        append(
+            ops,
+            &trainer_path,
+            "volumeMounts",
+            trainer.volume_mounts.is_some(),
+            mount,
+        );
+    }
+
+    // The shared volume.
+    let has_volume = spec
+        .volumes
+        .iter()
+        .flatten()
+        .any(|v| v.name == labels::SIGNAL_VOLUME);
+    if !has_volume {
+        let volume = json!({"name": labels::SIGNAL_VOLUME, "emptyDir": {}});
+        append(ops, &["spec"], "volumes", spec.volumes.is_some(), volume);
+    }
+
+    // The sidecar, in the list its mode asks for. One already present in the other list is left
+    // alone: two containers with one name would make the pod invalid.
+    let desired = sidecar_container(m);
+    let init: &[Container] = spec.init_containers.as_deref().unwrap_or_default();
+    let (list_key, list, list_exists, other) = match m.sidecar.mode {
+        SidecarMode::Native => (
+            "initContainers",
+            init,
+            spec.init_containers.is_some(),
+            spec.containers.as_slice(),
+        ),
+        SidecarMode::Classic => ("containers", spec.containers.as_slice(), true, init),
+    };
+    let in_other = other.iter().any(|c| c.name == labels::SIDECAR_CONTAINER);
+    match list
+        .iter()
+        .position(|c| c.name == labels::SIDECAR_CONTAINER)
+    {
+        Some(i) => {
+            let current = serde_json::to_value(&list[i]).unwrap_or(Value::Null);
+            if !contains(&current, &desired) {
+                ops.replace(&["spec", list_key, &i.to_string()], desired);
+            }
+        }
+        None if in_other => {}
+        None => append(ops, &["spec"], list_key, list_exists, desired),
+    }
+
+    // The sidecar finds the trainer's processes (and cgroup) through a shared PID namespace.
+    // hostPID pods already share the host's, and may not set both.
+    if spec.share_process_namespace != Some(true) && spec.host_pid != Some(true) {
+        ops.add(&["spec", "shareProcessNamespace"], json!(true));
+    }
+
+    annotate(
+        pod,
+        ops,
+        &[(keys::ESTIMATE, m.estimate_annotation.as_str())],
+        &[keys::ERROR],
+    );
+}
+
+/// Sets `key = value` annotations that differ, and removes `stale` keys that are present.
+fn annotate(pod: &Pod, ops: &mut Ops, set: &[(&str, &str)], stale: &[&str]) {
+    let current = pod.metadata.annotations.as_ref();
+    let mut missing = BTreeMap::new();
+    for (key, value) in set {
+        if current.and_then(|a| a.get(*key)).map(String::as_str) != Some(*value) {
+            missing.insert(key.to_string(), value.to_string());
+        }
+    }
+    match current {
+        None if !missing.is_empty() => ops.add(&["metadata", "annotations"], json!(missing)),
+        _ => {
+            for (key, value) in missing {
+                ops.add(&["metadata", "annotations", &key], json!(value));
+            }
+        }
+    }
+    for key in stale {
+        if current.is_some_and(|a| a.contains_key(*key)) {
+            ops.remove(&["metadata", "annotations", key]);
+        }
+    }
+}
+
+/// Adds `value` to the array `parent/key`: creates the array when it is absent, else appends.
+fn append(ops: &mut Ops, parent: &[&str], key: &str, exists: bool, value: Value) {
+    let mut path: Vec<&str> = parent.to_vec();
+    path.push(key);
+    if exists {
+        path.push("-");
+        ops.add(&path, value);
+    } else {
+        ops.add(&path, json!([value]));
+    }
+}
+
+/// Literal variables on a container: unchanged when equal, replaced in place when different
+/// (including a `valueFrom`), appended when absent.
+fn set_env(container: &Container, path: &[&str], desired: &[(&str, &str)], ops: &mut Ops) {
+    let current: &[EnvVar] = container.env.as_deref().unwrap_or_default();
+    let mut seen = std::collections::HashSet::new();
+    let mut appended = Vec::new();
+    for (name, value) in desired {
+        if !seen.insert(*name) {
+            continue;
+        }
+        let var = json!({"name": name, "value": value});
+        match current.iter().position(|e| e.name == *name) {
+            Some(i) => {
+                let e = &current[i];
+                if e.value.as_deref() != Some(*value) || e.value_from.is_some() {
+                    let mut p = path.to_vec();
+                    let index = i.to_string();
+                    p.extend(["env", index.as_str()]);
+                    ops.replace(&p, var);
+                }
+            }
+            None => appended.push(var),
+        }
+    }
+    if appended.is_empty() {
+        return;
+    }
+    if container.env.is_none() {
+        let mut p = path.to_vec();
+        p.push("env");
+        ops.add(&p, Value::Array(appended));
+    } else {
+        for var in appended {
+            append(ops, path, "env", true, var);
+        }
+    }
+}
+
+/// Whether `have` carries everything `want` says (extra fields in `have`, such as defaults the
+/// API server filled in, are ignored; arrays must match element by element).
+pub fn contains(have: &Value, want: &Value) -> bool {
+    match (have, want) {
+        (Value::Object(h), Value::Object(w)) => w
+            .iter()
+            .all(|(k, wv)| h.get(k).is_some_and(|hv| contains(hv, wv))),
+        (Value::Array(h), Value::Array(w)) => {
+            h.len() == w.len() && h.iter().zip(w).all(|(a, b)| contains(a, b))
+        }
+        _ => have == want,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,321 @@
+use super::*;
+use crate::mutate::{Profiles, mutate};
+use crate::testutil::{PodBuilder, bare_pod, trainer_pod};
+use memguard_api::{Policy, PolicySpec};
+
+fn policy(mode: &str) -> Policy {
+    let spec: PolicySpec =
+        serde_json::from_value(json!({"sidecar": {"mode": mode}})).expect("valid policy");
+    spec.resolved().expect("valid values")
+}
+
+/// Mutates, applies the patch, and checks the result is still a Pod. Returns (patch, result).
+fn apply(pod: &Value, policy: &Policy) -> (Patch, Value) {
+    let typed: Pod = serde_json::from_value(pod.clone()).expect("input is a pod");
+    let outcome = mutate(&typed, policy, &Profiles::default());
+    let patch = build(&typed, &outcome);
+    let mut out = pod.clone();
+    json_patch::patch(&mut out, &patch).expect("the patch applies");
+    let _: Pod = serde_json::from_value(out.clone()).expect("the result is still a Pod");
+    (patch, out)
+}
+
+fn gpu_pod() -> PodBuilder {
+    trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "24Gi")
+}
+
+fn sidecar(out: &Value, list: &str) -> Value {
+    out["spec"][list]
+        .as_array()
+        .and_then(|l| l.iter().find(|c| c["name"] == labels::SIDECAR_CONTAINER))
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+fn env_value<'a>(container: &'a Value, name: &str) -> Option<&'a Value> {
+    container["env"]
+        .as_array()?
+        .iter()
+        .find(|e| e["name"] == name)
+        .map(|e| &e["value"])
+}
+
+#[test]
+fn injects_a_native_sidecar_that_keeps_restart_policy_always() {
+    let (_, out) = apply(&gpu_pod().json(), &Policy::default());
+    let s = sidecar(&out, "initContainers");
+    assert_eq!(s["restartPolicy"], "Always");
+    assert_eq!(s["terminationMessagePolicy"], "File");
+    assert_eq!(out["spec"]["shareProcessNamespace"], true);
+    let sc = &s["securityContext"];
+    assert_eq!(sc["runAsNonRoot"], true);
+    assert_eq!(sc["allowPrivilegeEscalation"], false);
+    assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]));
+    assert_eq!(sc["seccompProfile"]["type"], "RuntimeDefault");
+    let limit = s["env"]
+        .as_array()
+        .and_then(|e| e.iter().find(|v| v["name"] == env::TRAINER_MEMORY_LIMIT))
+        .expect("downward API limit");
+    assert_eq!(
+        limit["valueFrom"]["resourceFieldRef"]["containerName"],
+        "train"
+    );
+    assert_eq!(
+        limit["valueFrom"]["resourceFieldRef"]["resource"],
+        "limits.memory"
+    );
+    // The trainer and the sidecar share the signal volume.
+    let mounts = |c: &Value| c["volumeMounts"][0]["mountPath"].clone();
+    assert_eq!(mounts(&out["spec"]["containers"][0]), labels::SIGNAL_DIR);
+    assert_eq!(mounts(&s), labels::SIGNAL_DIR);
+    assert_eq!(out["spec"]["volumes"][0]["name"], labels::SIGNAL_VOLUME);
+    let typed: Container = serde_json::from_value(s).expect("the sidecar is a valid Container");
+    assert_eq!(typed.restart_policy.as_deref(), Some("Always"));
+}
+
+#[test]
+fn classic_mode_adds_a_regular_container_without_restart_policy() {
+    let (_, out) = apply(&gpu_pod().json(), &policy("classic"));
+    assert!(out["spec"].get("initContainers").is_none());
+    let s = sidecar(&out, "containers");
+    assert_eq!(s["name"], labels::SIDECAR_CONTAINER);
+    assert!(s.get("restartPolicy").is_none());
+    assert_eq!(
+        out["spec"]["containers"][0]["name"], "train",
+        "the trainer stays first"
+    );
+}
+
+#[test]
+fn a_second_call_on_the_mutated_pod_changes_nothing() {
+    let pods = [
+        ("gpu", gpu_pod().json(), Policy::default()),
+        ("classic", gpu_pod().json(), policy("classic")),
+        (
+            "downgraded with env-map and valueFrom",
+            gpu_pod()
+                .annotate(keys::BATCH_SIZE, "8")
+                .annotate(keys::SEQ_LENGTH, "8192")
+                .annotate(keys::ENV_MAP, "batch-size=BS")
+                .env_from_configmap("BS")
+                .json(),
+            Policy::default(),
+        ),
+        ("skipped", bare_pod().json(), Policy::default()),
+    ];
+    for (name, pod, policy) in pods {
+        let (first, once) = apply(&pod, &policy);
+        assert!(!first.0.is_empty(), "{name}: first call patches");
+        let (second, twice) = apply(&once, &policy);
+        assert!(second.0.is_empty(), "{name}: second patch {second:?}");
+        assert_eq!(once, twice);
+    }
+}
+
+#[test]
+fn idempotent_even_after_the_api_server_fills_in_defaults() {
+    let (_, mut once) = apply(&gpu_pod().json(), &Policy::default());
+    let s = once["spec"]["initContainers"]
+        .as_array_mut()
+        .and_then(|l| l.last_mut())
+        .expect("sidecar");
+    s["readinessProbe"]["timeoutSeconds"] = json!(1);
+    s["readinessProbe"]["successThreshold"] = json!(1);
+    s["readinessProbe"]["failureThreshold"] = json!(3);
+    s["readinessProbe"]["httpGet"]["scheme"] = json!("HTTP");
+    s["securityContext"]["privileged"] = json!(false);
+    let (second, _) = apply(&once, &Policy::default());
+    assert!(second.0.is_empty(), "{second:?}");
+}
+
+#[test]
+fn an_outdated_sidecar_is_replaced_in_place() {
+    let (_, mut once) = apply(&gpu_pod().json(), &Policy::default());
+    once["spec"]["initContainers"][0]["image"] = json!("old:0.0.1");
+    let (patch, twice) = apply(&once, &Policy::default());
+    assert_eq!(patch.0.len(), 1, "{patch:?}");
+    assert_eq!(patch.0[0].path().to_string(), "/spec/initContainers/0");
+    assert_eq!(
+        twice["spec"]["initContainers"][0]["image"],
+        json!(Policy::default().sidecar_image)
+    );
+}
+
+#[test]
+fn never_clobbers_existing_arrays() {
+    let pod = gpu_pod()
+        .spec(
+            "initContainers",
+            json!([{"name": "fetch", "image": "busybox"}]),
+        )
+        .spec("volumes", json!([{"name": "data", "emptyDir": {}}]))
+        .env("KEEP", "me")
+        .json();
+    let (patch, out) = apply(&pod, &Policy::default());
+    let paths: Vec<String> = patch.0.iter().map(|op| op.path().to_string()).collect();
+    assert!(
+        paths.contains(&"/spec/initContainers/-".to_string()),
+        "{paths:?}"
+    );
+    assert!(paths.contains(&"/spec/volumes/-".to_string()), "{paths:?}");
+    assert!(
+        paths.contains(&"/spec/containers/0/env/-".to_string()),
+        "{paths:?}"
+    );
+    assert_eq!(out["spec"]["initContainers"][0]["name"], "fetch");
+    assert_eq!(
+        out["spec"]["initContainers"][1]["name"],
+        labels::SIDECAR_CONTAINER
+    );
+    assert_eq!(out["spec"]["volumes"][0]["name"], "data");
+    assert_eq!(
+        env_value(&out["spec"]["containers"][0], "KEEP"),
+        Some(&json!("me"))
+    );
+}
+
+#[test]
+fn creates_missing_arrays_with_add() {
+    let (patch, _) = apply(&gpu_pod().json(), &Policy::default());
+    let adds: Vec<(String, bool)> = patch
+        .0
+        .iter()
+        .filter_map(|op| match op {
+            PatchOperation::Add(a) => Some((a.path.to_string(), a.value.is_array())),
+            _ => None,
+        })
+        .collect();
+    for path in [
+        "/spec/initContainers",
+        "/spec/volumes",
+        "/spec/containers/0/env",
+        "/spec/containers/0/volumeMounts",
+    ] {
+        assert!(
+            adds.contains(&(path.to_string(), true)),
+            "{path} in {adds:?}"
+        );
+    }
+}
+
+#[test]
+fn rewrites_existing_variables_in_place() {
+    let pod = gpu_pod()
+        .annotate(keys::ENV_MAP, "batch-size=BS,grad-accumulation=GA")
+        .env("BS", "999")
+        .env_from_configmap("GA")
+        .env(env::BATCH_SIZE, "999")
+        .json();
+    let (patch, out) = apply(&pod, &Policy::default());
+    let replaced: Vec<String> = patch
+        .0
+        .iter()
+        .filter(|op| matches!(op, PatchOperation::Replace(_)))
+        .map(|op| op.path().to_string())
+        .collect();
+    assert_eq!(
+        replaced,
+        [
+            "/spec/containers/0/env/2",
+            "/spec/containers/0/env/0",
+            "/spec/containers/0/env/1"
+        ]
+    );
+    let trainer = &out["spec"]["containers"][0];
+    assert_eq!(trainer["env"][0]["name"], "BS", "order kept");
+    assert_ne!(trainer["env"][0]["value"], "999");
+    assert!(
+        trainer["env"][1].get("valueFrom").is_none(),
+        "valueFrom replaced by a value"
+    );
+    assert_eq!(
+        env_value(trainer, env::BATCH_SIZE),
+        Some(&trainer["env"][0]["value"])
+    );
+}
+
+#[test]
+fn escapes_annotation_keys_in_json_pointers() {
+    let (patch, out) = apply(&gpu_pod().json(), &Policy::default());
+    let path = patch
+        .0
+        .iter()
+        .map(|op| op.path().to_string())
+        .find(|p| p.starts_with("/metadata/annotations"))
+        .expect("annotation op");
+    assert_eq!(path, "/metadata/annotations/memguard.io~1estimate");
+    let summary: Value = serde_json::from_str(
+        out["metadata"]["annotations"][keys::ESTIMATE]
+            .as_str()
+            .expect("string"),
+    )
+    .expect("compact JSON");
+    assert_eq!(summary["v"], 1);
+}
+
+#[test]
+fn a_skipped_pod_only_gets_the_error_annotation() {
+    let pod = trainer_pod().annotate(keys::BATCH_SIZE, "lots").json();
+    let (patch, out) = apply(&pod, &Policy::default());
+    assert_eq!(patch.0.len(), 1, "{patch:?}");
+    let error = out["metadata"]["annotations"][keys::ERROR]
+        .as_str()
+        .expect("error");
+    assert!(error.contains("batch-size"), "{error}");
+    let mut expected = pod.clone();
+    expected["metadata"]["annotations"][keys::ERROR] = json!(error);
+    assert_eq!(out, expected);
+}
+
+#[test]
+fn a_fixed_pod_loses_its_stale_error() {
+    let pod = gpu_pod()
+        .annotate(keys::ERROR, "batch-size: old problem")
+        .json();
+    let (_, out) = apply(&pod, &Policy::default());
+    assert!(out["metadata"]["annotations"].get(keys::ERROR).is_none());
+}
+
+#[test]
+fn respects_what_the_pod_already_has() {
+    // A user mount at the signal dir, the sidecar already among regular containers, hostPID.
+    let pod = gpu_pod()
+        .spec("hostPID", json!(true))
+        .spec("volumes", json!([{"name": "mine", "emptyDir": {}}]))
+        .json();
+    let mut pod = pod;
+    pod["spec"]["containers"][0]["volumeMounts"] =
+        json!([{"name": "mine", "mountPath": "/var/run/memguard/"}]);
+    pod["spec"]["containers"]
+        .as_array_mut()
+        .expect("array")
+        .push(json!({"name": labels::SIDECAR_CONTAINER, "image": "custom"}));
+    let (_, out) = apply(&pod, &Policy::default());
+    assert!(
+        out["spec"].get("shareProcessNamespace").is_none(),
+        "hostPID excludes it"
+    );
+    assert!(
+        out["spec"].get("initContainers").is_none(),
+        "no second sidecar"
+    );
+    let mounts = out["spec"]["containers"][0]["volumeMounts"]
+        .as_array()
+        .expect("mounts");
+    assert_eq!(mounts.len(), 1, "no duplicate mount path");
+}
+
+#[test]
+fn unchanged_outcome_is_an_empty_patch() {
+    let pod: Pod = serde_json::from_value(trainer_pod().unlabelled().json()).expect("pod");
+    assert!(build(&pod, &Outcome::Unchanged).0.is_empty());
+}
+
+#[test]
+fn contains_ignores_extra_fields_but_not_different_ones() {
+    let have = json!({"a": 1, "b": [{"x": 1, "y": 2}], "extra": true});
+    assert!(contains(&have, &json!({"a": 1, "b": [{"x": 1}]})));
+    assert!(!contains(&have, &json!({"a": 2})));
+    assert!(!contains(&have, &json!({"b": [{"x": 1}, {"x": 2}]})));
+    assert!(!contains(&have, &json!({"missing": 1})));
+}

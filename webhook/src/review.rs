@@ -1,0 +1,134 @@
+//! One AdmissionReview in, one out: parse, decide, patch, answer. Pure and synchronous; the
+//! server only adds HTTP, logs and metrics around it.
+//!
+//! The answer is `allowed: true`, always. What went wrong travels as warnings and, when the pod
+//! can still be annotated, as `memguard.io/error`.
+
+use crate::mutate::{self, Outcome, Profiles};
+use crate::patch;
+use k8s_openapi::api::core::v1::Pod;
+use kube::core::DynamicObject;
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
+use memguard_api::Policy;
+
+/// How one review ended, for metrics and logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Disposition {
+    /// A non-empty patch was returned.
+    Mutated,
+    /// Nothing to change (not opted in, not a CREATE, or already mutated).
+    Unchanged,
+    /// Opted in but unusable: admitted with `memguard.io/error`.
+    Skipped,
+    /// memguard's own failure (an object that is not a Pod, …): admitted as is.
+    Error,
+}
+
+impl Disposition {
+    /// The `outcome` label value of the requests metric.
+    pub const fn label(self) -> &'static str {
+        match self {
+            Disposition::Mutated => "mutated",
+            Disposition::Unchanged => "unchanged",
+            Disposition::Skipped => "skipped",
+            Disposition::Error => "error",
+        }
+    }
+}
+
+/// The answer to one AdmissionReview.
+#[derive(Debug)]
+pub struct Reviewed {
+    /// The AdmissionReview to send back.
+    pub review: AdmissionReview<DynamicObject>,
+    /// How it ended.
+    pub disposition: Disposition,
+    /// Downgrade steps applied by the plan (0 unless mutated).
+    pub steps: usize,
+    /// `namespace/name` (or `generateName`) of the pod, for logs.
+    pub pod: String,
+    /// Warnings returned.
+    pub warnings: Vec<String>,
+}
+
+/// The body is not an AdmissionReview with a request (HTTP 400).
+#[derive(Debug, thiserror::Error)]
+pub enum ReviewError {
+    /// Not JSON, or not shaped like an AdmissionReview.
+    #[error("not an AdmissionReview: {0}")]
+    Malformed(#[from] serde_json::Error),
+    /// An AdmissionReview without `request`.
+    #[error("AdmissionReview has no request")]
+    NoRequest,
+}
+
+/// Answers one AdmissionReview body.
+pub fn review(body: &[u8], policy: &Policy, profiles: &Profiles) -> Result<Reviewed, ReviewError> {
+    let review: AdmissionReview<DynamicObject> = serde_json::from_slice(body)?;
+    let request: AdmissionRequest<DynamicObject> =
+        review.try_into().map_err(|_| ReviewError::NoRequest)?;
+    Ok(answer(&request, policy, profiles))
+}
+
+fn answer(
+    request: &AdmissionRequest<DynamicObject>,
+    policy: &Policy,
+    profiles: &Profiles,
+) -> Reviewed {
+    let response = AdmissionResponse::from(request);
+    let pod_name = match &request.namespace {
+        Some(ns) => format!("{ns}/{}", request.name),
+        None => request.name.clone(),
+    };
+    let done = |response: AdmissionResponse, disposition, steps, warnings: Vec<String>| {
+        let response = if warnings.is_empty() {
+            response
+        } else {
+            let mut r = response;
+            r.warnings = Some(warnings.clone());
+            r
+        };
+        Reviewed {
+            review: response.into_review(),
+            disposition,
+            steps,
+            pod: pod_name.clone(),
+            warnings,
+        }
+    };
+    let is_pod = request.kind.group.is_empty() && request.kind.kind == "Pod";
+    if request.operation != Operation::Create || !is_pod || request.sub_resource.is_some() {
+        return done(response, Disposition::Unchanged, 0, Vec::new());
+    }
+    let Some(object) = &request.object else {
+        return done(response, Disposition::Unchanged, 0, Vec::new());
+    };
+    let pod: Pod = match serde_json::to_value(object).and_then(serde_json::from_value) {
+        Ok(pod) => pod,
+        Err(e) => {
+            let warning = mutate::truncate(&format!("memguard: object is not a valid Pod: {e}"));
+            return done(response, Disposition::Error, 0, vec![warning]);
+        }
+    };
+
+    let outcome = mutate::mutate(&pod, policy, profiles);
+    let patch = patch::build(&pod, &outcome);
+    let (disposition, steps, warnings) = match &outcome {
+        Outcome::Unchanged => (Disposition::Unchanged, 0, Vec::new()),
+        Outcome::Skipped { warning, .. } => (Disposition::Skipped, 0, vec![warning.clone()]),
+        Outcome::Mutated(m) if patch.0.is_empty() => {
+            (Disposition::Unchanged, 0, m.warnings.clone())
+        }
+        Outcome::Mutated(m) => (Disposition::Mutated, m.steps(), m.warnings.clone()),
+    };
+    if patch.0.is_empty() {
+        return done(response, disposition, steps, warnings);
+    }
+    match response.clone().with_patch(patch) {
+        Ok(with_patch) => done(with_patch, disposition, steps, warnings),
+        Err(e) => {
+            let warning = mutate::truncate(&format!("memguard: could not encode the patch: {e}"));
+            done(response, Disposition::Error, 0, vec![warning])
+        }
+    }
+}
