@@ -1,1 +1,22 @@
-//! memguard-sidecar (to be built by the sidecar work, issue 4).
+//! memguard-sidecar: watches the trainer's memory (cgroup v1/v2), pressure (PSI) and GPU (NVML or
+//! the trainer's own reports), and tells it to shrink, through a file and HTTP, before it dies.
+//!
+//! Layout: `sample` (parsers and sources), `policy` (pure), `engine` (one step), `signal` (the
+//! file), `server` (HTTP), `metrics`, `trace`, `summary`, `events` (kernel wakeups), `run`.
+#![deny(missing_docs)]
+
+pub mod config;
+pub mod engine;
+pub mod events;
+pub mod metrics;
+pub mod policy;
+pub mod run;
+pub mod sample;
+pub mod server;
+pub mod signal;
+pub mod state;
+pub mod summary;
+pub mod trace;
+
+pub use config::{Args, Config};
+pub use run::{init_tracing, run};

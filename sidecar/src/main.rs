@@ -1,1 +1,39 @@
-fn main() {}
+//! `memguard-sidecar`: see the library for the wiring.
+use clap::Parser;
+use memguard_sidecar::{Args, Config};
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        Err(e) if e.use_stderr() => {
+            let _ = e.print();
+            return ExitCode::from(64);
+        }
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+    };
+    let config = match Config::resolve(args, |k| std::env::var(k).ok()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("memguard-sidecar: {e}");
+            return ExitCode::from(64);
+        }
+    };
+    memguard_sidecar::init_tracing(config.args.log_format);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build();
+    let result = runtime
+        .map_err(anyhow::Error::from)
+        .and_then(|rt| rt.block_on(memguard_sidecar::run(config)));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "memguard-sidecar failed");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,324 @@
+//! Command-line flags and environment: every flag is also `MEMGUARD_SIDECAR_<FLAG>`; the starting
+//! batch, accumulation and checkpointing default from the trainer's own `MEMGUARD_*` variables.
+
+use clap::Parser;
+use memguard_api::env;
+use memguard_api::labels;
+use memguard_api::policy::Thresholds;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Largest starting batch accepted (the downgrade searches divisors below it).
+pub const MAX_BATCH: u64 = 1 << 20;
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// One JSON object per line.
+    Json,
+    /// Human-readable.
+    Text,
+}
+
+/// The flags of `memguard-sidecar`.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "memguard-sidecar", version, about = "memguard per-pod sidecar")]
+pub struct Args {
+    /// The trainer's cgroup directory (a cgroup v1 memory dir or a v2 dir). Default: the trainer
+    /// found through the shared process namespace, else this process's own cgroup.
+    #[arg(long, env = "MEMGUARD_SIDECAR_CGROUP")]
+    pub cgroup: Option<PathBuf>,
+    /// Where cgroup hierarchies are mounted (used when --cgroup is not given).
+    #[arg(
+        long,
+        env = "MEMGUARD_SIDECAR_CGROUP_ROOT",
+        default_value = "/sys/fs/cgroup"
+    )]
+    pub cgroup_root: PathBuf,
+    /// procfs mount (trainer discovery and the RSS fallback).
+    #[arg(long, env = "MEMGUARD_SIDECAR_PROC_ROOT", default_value = "/proc")]
+    pub proc_root: PathBuf,
+    /// The signal file, replaced atomically.
+    #[arg(long, env = "MEMGUARD_SIDECAR_SIGNAL_FILE", default_value = labels::SIGNAL_FILE)]
+    pub signal_file: PathBuf,
+    /// Trainer API address (pod-local).
+    #[arg(long, env = "MEMGUARD_SIDECAR_LISTEN", default_value = labels::SIDECAR_LISTEN)]
+    pub listen: SocketAddr,
+    /// Metrics address (serves only /metrics and /healthz).
+    #[arg(long, env = "MEMGUARD_SIDECAR_METRICS_LISTEN", default_value = labels::SIDECAR_METRICS_LISTEN)]
+    pub metrics_listen: SocketAddr,
+    /// Sampling interval (`100ms`, `1s`).
+    #[arg(long, env = "MEMGUARD_SIDECAR_INTERVAL", default_value = "100ms", value_parser = parse_duration)]
+    pub interval: Duration,
+    /// Starting per-device batch size (default: MEMGUARD_BATCH_SIZE, else 1).
+    #[arg(long, env = "MEMGUARD_SIDECAR_BATCH_SIZE")]
+    pub batch_size: Option<u64>,
+    /// Starting gradient accumulation (default: MEMGUARD_GRAD_ACCUMULATION, else 1).
+    #[arg(long, env = "MEMGUARD_SIDECAR_GRAD_ACCUMULATION")]
+    pub grad_accumulation: Option<u64>,
+    /// Starting gradient checkpointing (default: MEMGUARD_GRAD_CHECKPOINTING, else false).
+    #[arg(long, env = "MEMGUARD_SIDECAR_GRAD_CHECKPOINTING", value_parser = parse_bool)]
+    pub grad_checkpointing: Option<bool>,
+    /// Warn at this ratio of the effective limit.
+    #[arg(long, env = "MEMGUARD_SIDECAR_WARN")]
+    pub warn: Option<f64>,
+    /// Downgrade at this ratio of the effective limit.
+    #[arg(long, env = "MEMGUARD_SIDECAR_DOWNGRADE")]
+    pub downgrade: Option<f64>,
+    /// Critical at this ratio of the effective limit.
+    #[arg(long, env = "MEMGUARD_SIDECAR_CRITICAL")]
+    pub critical: Option<f64>,
+    /// PSI memory `some avg10` percentage that counts as downgrade pressure.
+    #[arg(long, env = "MEMGUARD_SIDECAR_PSI_THRESHOLD")]
+    pub psi_threshold: Option<f64>,
+    /// Least time between two downgrades (entering critical skips it once).
+    #[arg(long, env = "MEMGUARD_SIDECAR_COOLDOWN", default_value = "30s", value_parser = parse_duration)]
+    pub cooldown: Duration,
+    /// A steady growth that reaches the limit within this time counts as downgrade pressure.
+    #[arg(long, env = "MEMGUARD_SIDECAR_LEAK_HORIZON", default_value = "60s", value_parser = parse_duration)]
+    pub leak_horizon: Duration,
+    /// Where the one-line JSON summary is written at exit.
+    #[arg(long, env = "MEMGUARD_SIDECAR_TERMINATION_LOG", default_value = labels::TERMINATION_LOG)]
+    pub termination_log: PathBuf,
+    /// Log format.
+    #[arg(
+        long,
+        env = "MEMGUARD_SIDECAR_LOG_FORMAT",
+        value_enum,
+        default_value = "json"
+    )]
+    pub log_format: LogFormat,
+    /// Exit (writing the summary) when the watched cgroup empties after having held a process.
+    #[arg(long, env = "MEMGUARD_SIDECAR_EXIT_WHEN_EMPTY", default_value = "true", value_parser = parse_bool)]
+    pub exit_when_empty: bool,
+    /// Register kernel events (cgroup v1 thresholds, PSI triggers, inotify); the poll always runs.
+    #[arg(long, env = "MEMGUARD_SIDECAR_EVENTS", default_value = "true", value_parser = parse_bool)]
+    pub events: bool,
+}
+
+/// The resolved configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The flags as given.
+    pub args: Args,
+    /// Starting batch size (≥ 1).
+    pub batch_size: u64,
+    /// Starting gradient accumulation (≥ 1).
+    pub grad_accumulation: u64,
+    /// Starting gradient checkpointing.
+    pub grad_checkpointing: bool,
+    /// Thresholds (validated).
+    pub thresholds: Thresholds,
+    /// The webhook's estimate (`MEMGUARD_ESTIMATE_BYTES`).
+    pub estimate_bytes: Option<u64>,
+    /// The trainer's limit from the downward API (`MEMGUARD_TRAINER_MEMORY_LIMIT`).
+    pub trainer_memory_limit: Option<u64>,
+    /// `NVIDIA_VISIBLE_DEVICES`: the pod's GPUs.
+    pub nvidia_visible_devices: Option<String>,
+}
+
+/// A configuration problem (exit code 64).
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ConfigError {
+    /// A variable holds something that does not parse.
+    #[error("{name}: {value:?} is not {expected}")]
+    Invalid {
+        /// Variable or flag.
+        name: String,
+        /// What it held.
+        value: String,
+        /// What was expected.
+        expected: &'static str,
+    },
+    /// Thresholds out of order.
+    #[error("thresholds: {0}")]
+    Thresholds(String),
+}
+
+impl Config {
+    /// Resolves flags against the trainer's `MEMGUARD_*` variables, read through `lookup` (tests
+    /// pass a map; `main` passes `std::env::var`).
+    pub fn resolve(
+        args: Args,
+        lookup: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let num = |name: &str| -> Result<Option<u64>, ConfigError> {
+            match lookup(name) {
+                None => Ok(None),
+                Some(v) if v.trim().is_empty() => Ok(None),
+                Some(v) => v
+                    .trim()
+                    .parse::<u64>()
+                    .map(Some)
+                    .map_err(|_| ConfigError::Invalid {
+                        name: name.into(),
+                        value: v,
+                        expected: "a whole number",
+                    }),
+            }
+        };
+        let positive = |name: &str, v: Option<u64>| -> Result<u64, ConfigError> {
+            match v {
+                None => Ok(1),
+                Some(n) if (1..=MAX_BATCH).contains(&n) => Ok(n),
+                Some(n) => Err(ConfigError::Invalid {
+                    name: name.into(),
+                    value: n.to_string(),
+                    expected: "between 1 and 1048576",
+                }),
+            }
+        };
+        let batch_size = positive("--batch-size", args.batch_size.or(num(env::BATCH_SIZE)?))?;
+        let grad_accumulation = positive(
+            "--grad-accumulation",
+            args.grad_accumulation.or(num(env::GRAD_ACCUMULATION)?),
+        )?;
+        let grad_checkpointing = match args.grad_checkpointing {
+            Some(b) => b,
+            None => match lookup(env::GRAD_CHECKPOINTING) {
+                None => false,
+                Some(v) if v.trim().is_empty() => false,
+                Some(v) => parse_bool(&v).map_err(|_| ConfigError::Invalid {
+                    name: env::GRAD_CHECKPOINTING.into(),
+                    value: v,
+                    expected: "true or false",
+                })?,
+            },
+        };
+        let d = Thresholds::default();
+        let thresholds = Thresholds {
+            warn: args.warn.unwrap_or(d.warn),
+            downgrade: args.downgrade.unwrap_or(d.downgrade),
+            critical: args.critical.unwrap_or(d.critical),
+            psi_some_avg10: args.psi_threshold.unwrap_or(d.psi_some_avg10),
+        };
+        thresholds.validate().map_err(ConfigError::Thresholds)?;
+        let estimate_bytes = num(env::ESTIMATE_BYTES)?;
+        let trainer_memory_limit = num(env::TRAINER_MEMORY_LIMIT)?.filter(|&n| n > 0);
+        if args.interval.is_zero() {
+            return Err(ConfigError::Invalid {
+                name: "--interval".into(),
+                value: "0".into(),
+                expected: "more than 0",
+            });
+        }
+        Ok(Config {
+            args,
+            batch_size,
+            grad_accumulation,
+            grad_checkpointing,
+            thresholds,
+            estimate_bytes,
+            trainer_memory_limit,
+            nvidia_visible_devices: lookup(crate::sample::gpu::NVIDIA_VISIBLE_DEVICES),
+        })
+    }
+}
+
+/// `100ms`, `2s`, `1m`; a bare number is seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    if let Ok(secs) = s.parse::<u64>() {
+        return Ok(Duration::from_secs(secs));
+    }
+    humantime::parse_duration(s).map_err(|e| format!("{s:?} is not a duration: {e}"))
+}
+
+/// `true|false|1|0|yes|no|on|off`, any case.
+pub fn parse_bool(s: &str) -> Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" => Ok(false),
+        other => Err(format!("{other:?} is not true or false")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn args(extra: &[&str]) -> Args {
+        let mut v = vec!["memguard-sidecar"];
+        v.extend_from_slice(extra);
+        Args::try_parse_from(v).expect("flags parse")
+    }
+
+    fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| map.get(k).cloned()
+    }
+
+    #[test]
+    fn defaults_match_the_contract() {
+        let c = Config::resolve(args(&[]), env_of(&[])).expect("valid");
+        assert_eq!(c.args.signal_file, PathBuf::from(labels::SIGNAL_FILE));
+        assert_eq!(c.args.listen.to_string(), labels::SIDECAR_LISTEN);
+        assert_eq!(
+            c.args.metrics_listen.to_string(),
+            labels::SIDECAR_METRICS_LISTEN
+        );
+        assert_eq!(c.args.interval, Duration::from_millis(100));
+        assert_eq!(
+            c.args.termination_log,
+            PathBuf::from(labels::TERMINATION_LOG)
+        );
+        assert_eq!(
+            (c.batch_size, c.grad_accumulation, c.grad_checkpointing),
+            (1, 1, false)
+        );
+        assert_eq!(c.thresholds, Thresholds::default());
+    }
+
+    #[test]
+    fn starting_values_come_from_the_trainer_env_unless_flags_say_otherwise() {
+        let env = [
+            (env::BATCH_SIZE, "8"),
+            (env::GRAD_ACCUMULATION, "4"),
+            (env::GRAD_CHECKPOINTING, "true"),
+            (env::ESTIMATE_BYTES, "1000"),
+        ];
+        let c = Config::resolve(args(&[]), env_of(&env)).expect("valid");
+        assert_eq!(
+            (c.batch_size, c.grad_accumulation, c.grad_checkpointing),
+            (8, 4, true)
+        );
+        assert_eq!(c.estimate_bytes, Some(1000));
+        let c = Config::resolve(
+            args(&["--batch-size", "16", "--grad-checkpointing", "false"]),
+            env_of(&env),
+        )
+        .expect("valid");
+        assert_eq!(
+            (c.batch_size, c.grad_accumulation, c.grad_checkpointing),
+            (16, 4, false)
+        );
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        let e = Config::resolve(args(&[]), env_of(&[(env::BATCH_SIZE, "eight")]))
+            .expect_err("not a number");
+        assert!(e.to_string().contains(env::BATCH_SIZE), "{e}");
+        assert!(Config::resolve(args(&["--batch-size", "0"]), env_of(&[])).is_err());
+        let e = Config::resolve(args(&["--warn", "0.9", "--downgrade", "0.8"]), env_of(&[]))
+            .expect_err("out of order");
+        assert!(matches!(e, ConfigError::Thresholds(_)));
+        assert!(Args::try_parse_from(["x", "--interval", "soon"]).is_err());
+    }
+
+    #[test]
+    fn durations_and_booleans_parse() {
+        assert_eq!(parse_duration("100ms"), Ok(Duration::from_millis(100)));
+        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("30"), Ok(Duration::from_secs(30)));
+        assert!(parse_duration("fast").is_err());
+        assert_eq!(parse_bool("TRUE"), Ok(true));
+        assert_eq!(parse_bool("0"), Ok(false));
+        assert!(parse_bool("maybe").is_err());
+    }
+}

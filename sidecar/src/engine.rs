@@ -1,0 +1,442 @@
+//! One sampling step: sample every source, assess, publish. No sockets, no clock of its own (the
+//! caller passes milliseconds), so tests drive it with fake sources.
+
+use crate::policy::{self, History, Inputs, PolicyConfig};
+use crate::sample::gpu::{self, GpuSource};
+use crate::sample::psi::{self, Psi};
+use crate::sample::{MemorySample, MemorySource};
+use crate::signal::SignalWriter;
+use crate::state::Shared;
+use crate::trace::Point;
+use memguard_api::{Pressure, Signal, signal::now_rfc3339};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// What a step found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tick {
+    /// Keep going.
+    Running,
+    /// The trainer's cgroup emptied or vanished after having been seen.
+    TrainerGone,
+}
+
+/// The sampling engine.
+pub struct Engine {
+    source: Box<dyn MemorySource>,
+    gpu: Box<dyn GpuSource>,
+    psi_cgroup: Option<PathBuf>,
+    psi_host: Option<PathBuf>,
+    policy: PolicyConfig,
+    state: policy::State,
+    history: History,
+    writer: SignalWriter,
+    shared: Arc<Shared>,
+    seen_sample: bool,
+    seen_populated: bool,
+    write_failing: bool,
+    pending_write: bool,
+    errors_logged: u64,
+}
+
+/// Where the engine reads PSI from.
+#[derive(Debug, Clone, Default)]
+pub struct PsiPaths {
+    /// The cgroup's `memory.pressure` (v2).
+    pub cgroup: Option<PathBuf>,
+    /// `/proc/pressure/memory`.
+    pub host: Option<PathBuf>,
+}
+
+impl Engine {
+    /// An engine publishing into `shared` (whose current signal is the starting one).
+    pub fn new(
+        source: Box<dyn MemorySource>,
+        gpu: Box<dyn GpuSource>,
+        psi: PsiPaths,
+        policy: PolicyConfig,
+        writer: SignalWriter,
+        shared: Arc<Shared>,
+    ) -> Self {
+        let s = shared.signal.borrow().clone();
+        shared.status().source = source.describe();
+        Engine {
+            source,
+            gpu,
+            psi_cgroup: psi.cgroup,
+            psi_host: psi.host,
+            policy,
+            state: policy::State::new(s.batch_size, s.grad_accumulation, s.grad_checkpointing),
+            history: History::default(),
+            writer,
+            shared,
+            seen_sample: false,
+            seen_populated: false,
+            write_failing: false,
+            pending_write: true,
+            errors_logged: 0,
+        }
+    }
+
+    /// The effective limit of the last sample.
+    pub fn limit(&self) -> Option<u64> {
+        self.shared
+            .status()
+            .sample
+            .as_ref()
+            .and_then(MemorySample::effective_limit)
+    }
+
+    /// Writes the current signal when a write is pending (startup, a change, or a failure).
+    pub fn flush(&mut self) {
+        if !self.pending_write {
+            return;
+        }
+        let signal = self.shared.signal.borrow().clone();
+        match self.writer.write(&signal) {
+            Ok(_) => {
+                if self.write_failing {
+                    tracing::info!(path = %self.writer.path().display(), "signal file writable again");
+                }
+                self.write_failing = false;
+                self.pending_write = false;
+            }
+            Err(error) => {
+                self.shared.status().signal_write_errors += 1;
+                if !self.write_failing {
+                    tracing::error!(%error, "signal file not written; the HTTP API keeps serving the signal");
+                }
+                self.write_failing = true;
+            }
+        }
+    }
+
+    fn sample_error(&mut self, kind: &'static str, error: &dyn std::fmt::Display) {
+        let mut st = self.shared.status();
+        *st.sample_errors.entry(kind).or_default() += 1;
+        drop(st);
+        self.errors_logged += 1;
+        if self.errors_logged <= 5 || self.errors_logged.is_power_of_two() {
+            tracing::warn!(%error, kind, count = self.errors_logged, "sampler failed; carrying on");
+        }
+    }
+
+    /// One step at `now_ms` (milliseconds since start).
+    pub fn tick(&mut self, now_ms: u64) -> Tick {
+        let (sample, clean_none) = match self.source.sample() {
+            Ok(s) => {
+                let none = s.is_none();
+                (s, none)
+            }
+            Err(e) => {
+                self.sample_error(e.metric_label(), &e);
+                (None, false)
+            }
+        };
+        let psi_cgroup = self.psi_cgroup.as_deref().and_then(psi::read_psi);
+        let psi_host = self.psi_host.as_deref().and_then(psi::read_psi);
+        let gpus = match self.gpu.sample() {
+            Ok(g) => g,
+            Err(e) => {
+                self.sample_error("gpu", &e);
+                Vec::new()
+            }
+        };
+        let limit = sample.as_ref().and_then(MemorySample::effective_limit);
+        let ws = sample.as_ref().and_then(|s| s.working_set_bytes);
+        if let Some(ws) = ws {
+            self.history.push(now_ms, ws);
+        }
+        let seconds_to_limit = limit.and_then(|l| policy::leak_eta(&self.history.points(), l));
+        let report = self.shared.status().report.clone();
+        let report_ratio = report.as_ref().and_then(|r| {
+            let used = r.reserved_bytes.or(r.allocated_bytes)?;
+            let total = r.total_bytes.filter(|&t| t > 0)?;
+            Some(used as f64 / total as f64)
+        });
+        let gpu_ratio = match (gpu::max_ratio(&gpus), report_ratio) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        let psi_used: Option<Psi> = psi_cgroup.or(psi_host);
+        let inputs = Inputs {
+            memory_ratio: sample.as_ref().and_then(MemorySample::ratio),
+            psi_some_avg10: psi_used.and_then(|p| p.some).map(|s| s.avg10),
+            gpu_ratio,
+            seconds_to_limit,
+        };
+        let decision = policy::assess(&self.state, &inputs, now_ms, &self.policy);
+        let changed = decision.state.signal_differs(&self.state);
+        self.state = decision.state;
+        let gpu_used = gpus.iter().map(|g| g.used_bytes).max();
+        {
+            let mut st = self.shared.status();
+            st.samples_total += 1;
+            if let Some(ws) = ws {
+                st.peak_working_set = Some(st.peak_working_set.map_or(ws, |p| p.max(ws)));
+            }
+            if let Some(g) = gpu_used {
+                st.gpu_peak = Some(st.gpu_peak.map_or(g, |p| p.max(g)));
+            }
+            if let Some(k) = sample.as_ref().and_then(|s| s.events.oom_kill) {
+                st.oom_kill_start.get_or_insert(k);
+                st.oom_kill_now = Some(k);
+            }
+            st.downgrades = self.state.downgrades;
+            st.max_level = st.max_level.max(self.state.level);
+            st.seconds_to_limit = seconds_to_limit;
+            st.psi_cgroup = psi_cgroup;
+            st.psi_host = psi_host;
+            st.gpus = gpus;
+            if sample.is_some() {
+                st.sample = sample.clone();
+            }
+        }
+        if changed {
+            let mut next = self.shared.signal.borrow().clone();
+            next.seq += 1;
+            next.level = self.state.level;
+            next.batch_size = self.state.batch_size;
+            next.grad_accumulation = self.state.grad_accumulation;
+            next.grad_checkpointing = self.state.grad_checkpointing;
+            next.reason = decision.reason.clone();
+            next.pressure = Pressure {
+                memory_ratio: inputs.memory_ratio,
+                working_set_bytes: ws,
+                limit_bytes: limit,
+                psi_some_avg10: inputs.psi_some_avg10,
+                gpu_ratio,
+                seconds_to_limit,
+            };
+            next.timestamp = now_rfc3339();
+            tracing::info!(
+                seq = next.seq,
+                level = %next.level,
+                batch_size = next.batch_size,
+                grad_accumulation = next.grad_accumulation,
+                reason = %next.reason,
+                "signal"
+            );
+            self.shared
+                .trace()
+                .mark(now_ms * 1000, next.level, &next.reason);
+            self.shared.signal.send_replace(next);
+            self.pending_write = true;
+        }
+        self.flush();
+        self.shared.trace().push(Point {
+            ts_us: now_ms * 1000,
+            working_set: ws,
+            limit,
+            gpu_used,
+            allocated: report.and_then(|r| r.allocated_bytes),
+            level: self.state.level,
+        });
+        self.gone(&sample, clean_none)
+    }
+
+    /// A failed read is not "gone": only a clean `Ok(None)` after a sample was seen is.
+    fn gone(&mut self, sample: &Option<MemorySample>, clean_none: bool) -> Tick {
+        match sample {
+            Some(s) => {
+                self.seen_sample = true;
+                match s.populated {
+                    Some(true) => self.seen_populated = true,
+                    Some(false) if self.seen_populated => return Tick::TrainerGone,
+                    _ => {}
+                }
+                Tick::Running
+            }
+            None if self.seen_sample && clean_none => Tick::TrainerGone,
+            None => Tick::Running,
+        }
+    }
+}
+
+/// The starting signal: the configured knobs, or, when the file already holds a signal of this
+/// schema (the sidecar restarted), its knobs and a higher seq so readers see a newer signal.
+pub fn starting_signal(existing: Option<&str>, batch: u64, accum: u64, ckpt: bool) -> Signal {
+    let mut s = Signal::initial(batch, accum, ckpt);
+    if let Some(old) = existing.and_then(|t| serde_json::from_str::<Signal>(t).ok())
+        && old.version == s.version
+    {
+        s.seq = old.seq + 1;
+        s.batch_size = old.batch_size.max(1);
+        s.grad_accumulation = old.grad_accumulation.max(1);
+        s.grad_checkpointing = old.grad_checkpointing;
+        s.reason = format!(
+            "sidecar restarted; keeping the configuration of signal {}",
+            old.seq
+        );
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sample::gpu::{GpuError, GpuMemory};
+    use crate::sample::{Limit, SampleError};
+    use memguard_api::Level;
+    use memguard_api::policy::Thresholds;
+
+    /// Scripted memory: each call pops the next answer; the last one repeats.
+    struct Script(Vec<Result<Option<MemorySample>, ()>>);
+
+    impl MemorySource for Script {
+        fn sample(&mut self) -> Result<Option<MemorySample>, SampleError> {
+            let next = if self.0.len() > 1 {
+                self.0.remove(0)
+            } else {
+                self.0[0].clone()
+            };
+            next.map_err(|_| SampleError::Parse {
+                path: "memory.current".into(),
+                what: "garbage".into(),
+            })
+        }
+        fn describe(&self) -> String {
+            "script".into()
+        }
+    }
+
+    struct FakeGpu(Result<Vec<GpuMemory>, GpuError>);
+
+    impl GpuSource for FakeGpu {
+        fn sample(&mut self) -> Result<Vec<GpuMemory>, GpuError> {
+            self.0.clone()
+        }
+        fn describe(&self) -> String {
+            "fake".into()
+        }
+    }
+
+    fn mem(ws: u64, populated: bool) -> Result<Option<MemorySample>, ()> {
+        Ok(Some(MemorySample {
+            usage_bytes: Some(ws),
+            working_set_bytes: Some(ws),
+            max: Some(Limit::Bytes(1000)),
+            populated: Some(populated),
+            ..Default::default()
+        }))
+    }
+
+    fn engine(
+        script: Vec<Result<Option<MemorySample>, ()>>,
+        gpu: FakeGpu,
+        dir: &std::path::Path,
+    ) -> (Engine, Arc<Shared>) {
+        let shared = Arc::new(Shared::new(Signal::initial(8, 2, false)));
+        let e = Engine::new(
+            Box::new(Script(script)),
+            Box::new(gpu),
+            PsiPaths::default(),
+            PolicyConfig::new(Thresholds::default()),
+            SignalWriter::new(dir.join("signal.json")),
+            shared.clone(),
+        );
+        (e, shared)
+    }
+
+    fn on_disk(dir: &std::path::Path) -> Signal {
+        serde_json::from_str(&std::fs::read_to_string(dir.join("signal.json")).expect("file"))
+            .expect("json")
+    }
+
+    #[test]
+    fn writes_the_start_then_a_downgrade_then_nothing_while_unchanged() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut e, shared) = engine(
+            vec![mem(100, true), mem(860, true), mem(870, true)],
+            FakeGpu(Ok(vec![])),
+            dir.path(),
+        );
+        e.flush();
+        assert_eq!(on_disk(dir.path()).seq, 0);
+        assert_eq!(e.tick(0), Tick::Running);
+        assert_eq!(on_disk(dir.path()).seq, 0, "ok stays ok: no new signal");
+        e.tick(100);
+        let s = on_disk(dir.path());
+        assert_eq!(
+            (s.seq, s.level, s.batch_size, s.grad_accumulation),
+            (1, Level::Downgrade, 4, 4)
+        );
+        assert_eq!(s.pressure.working_set_bytes, Some(860));
+        assert_eq!(s.pressure.limit_bytes, Some(1000));
+        e.tick(200);
+        assert_eq!(
+            on_disk(dir.path()).seq,
+            1,
+            "cooling down: unchanged, not rewritten"
+        );
+        assert_eq!(*shared.signal.borrow(), s);
+        assert_eq!(shared.status().downgrades, 1);
+    }
+
+    #[test]
+    fn the_gpu_path_downgrades_on_device_memory() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let gpu = FakeGpu(Ok(vec![GpuMemory {
+            uuid: "GPU-1".into(),
+            used_bytes: 77,
+            total_bytes: 80,
+        }]));
+        let (mut e, shared) = engine(vec![mem(100, true)], gpu, dir.path());
+        e.tick(0);
+        let s = shared.signal.borrow().clone();
+        assert_eq!(s.level, Level::Critical);
+        assert!(s.reason.contains("GPU memory 0.96"), "{}", s.reason);
+        assert_eq!(shared.status().gpu_peak, Some(77));
+    }
+
+    #[test]
+    fn sampler_failures_are_counted_and_survived() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut e, shared) = engine(
+            vec![Err(()), Err(()), mem(100, true)],
+            FakeGpu(Err(GpuError("lost".into()))),
+            dir.path(),
+        );
+        assert_eq!(e.tick(0), Tick::Running);
+        assert_eq!(e.tick(100), Tick::Running);
+        assert_eq!(e.tick(200), Tick::Running);
+        let st = shared.status();
+        assert_eq!(st.sample_errors.get("parse"), Some(&2));
+        assert_eq!(st.sample_errors.get("gpu"), Some(&3));
+        assert_eq!(st.samples_total, 3);
+    }
+
+    #[test]
+    fn an_emptied_cgroup_ends_the_run_only_after_it_held_the_trainer() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut e, _) = engine(
+            vec![mem(0, false), mem(100, true), mem(0, false)],
+            FakeGpu(Ok(vec![])),
+            dir.path(),
+        );
+        assert_eq!(e.tick(0), Tick::Running, "trainer not started yet");
+        assert_eq!(e.tick(100), Tick::Running);
+        assert_eq!(e.tick(200), Tick::TrainerGone);
+        let (mut e, _) = engine(
+            vec![mem(100, true), Ok(None)],
+            FakeGpu(Ok(vec![])),
+            dir.path(),
+        );
+        assert_eq!(e.tick(0), Tick::Running);
+        assert_eq!(e.tick(100), Tick::TrainerGone, "cgroup removed");
+    }
+
+    #[test]
+    fn a_restarted_sidecar_continues_the_sequence_and_keeps_the_knobs() {
+        let old = r#"{"version":1,"seq":4,"level":"downgrade","batch_size":2,"grad_accumulation":8,
+            "grad_checkpointing":true,"reason":"x","pressure":{},"timestamp":"t"}"#;
+        let s = starting_signal(Some(old), 8, 2, false);
+        assert_eq!(
+            (s.seq, s.batch_size, s.grad_accumulation, s.level),
+            (5, 2, 8, Level::Ok)
+        );
+        assert!(s.grad_checkpointing);
+        let s = starting_signal(Some("not json"), 8, 2, false);
+        assert_eq!((s.seq, s.batch_size), (0, 8));
+    }
+}

@@ -1,0 +1,274 @@
+//! Prometheus text exposition (format 0.0.4), written by hand: a dozen families do not need a
+//! registry crate in a binary that runs in every pod. A family whose value is not known is left
+//! out rather than reported as 0.
+
+use crate::state::Status;
+use memguard_api::Signal;
+use std::fmt::Write;
+
+/// Every metric prefix.
+pub const PREFIX: &str = "memguard_sidecar";
+/// Content type of the exposition.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+struct Out(String);
+
+impl Out {
+    fn family(&mut self, name: &str, kind: &str, help: &str, samples: &[(String, f64)]) {
+        if samples.is_empty() {
+            return;
+        }
+        let _ = writeln!(self.0, "# HELP {PREFIX}_{name} {help}");
+        let _ = writeln!(self.0, "# TYPE {PREFIX}_{name} {kind}");
+        for (labels, v) in samples {
+            let _ = writeln!(self.0, "{PREFIX}_{name}{labels} {v}");
+        }
+    }
+
+    fn gauge(&mut self, name: &str, help: &str, v: Option<f64>) {
+        let s: Vec<(String, f64)> = v.into_iter().map(|v| (String::new(), v)).collect();
+        self.family(name, "gauge", help, &s);
+    }
+
+    fn counter(&mut self, name: &str, help: &str, v: f64) {
+        self.family(name, "counter", help, &[(String::new(), v)]);
+    }
+}
+
+fn label(name: &str, value: &str) -> String {
+    let escaped = value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n");
+    format!("{{{name}=\"{escaped}\"}}")
+}
+
+/// Renders the metrics.
+pub fn render(st: &Status, sig: &Signal) -> String {
+    let mut o = Out(String::with_capacity(4096));
+    let f = |v: Option<u64>| v.map(|v| v as f64);
+    let sample = st.sample.as_ref();
+    o.gauge(
+        "working_set_bytes",
+        "Working set of the trainer's cgroup (usage minus inactive file).",
+        f(sample.and_then(|s| s.working_set_bytes)),
+    );
+    o.gauge(
+        "usage_bytes",
+        "Memory usage of the trainer's cgroup, page cache included.",
+        f(sample.and_then(|s| s.usage_bytes)),
+    );
+    o.gauge(
+        "limit_bytes",
+        "Effective memory limit (memory.high when set, else memory.max or limit_in_bytes).",
+        f(sample.and_then(|s| s.effective_limit())),
+    );
+    o.gauge(
+        "cgroup_peak_bytes",
+        "Peak usage the kernel recorded (memory.peak or max_usage_in_bytes).",
+        f(sample.and_then(|s| s.peak_bytes)),
+    );
+    o.gauge(
+        "memory_pressure_ratio",
+        "Working set divided by the effective limit.",
+        sample.and_then(|s| s.ratio()),
+    );
+    let mut stall = Vec::new();
+    for (scope, psi) in [("cgroup", &st.psi_cgroup), ("host", &st.psi_host)] {
+        if let Some(some) = psi.as_ref().and_then(|p| p.some) {
+            stall.push((label("scope", scope), some.avg10 / 100.0));
+        }
+    }
+    o.family(
+        "memory_stall_some_avg10_ratio",
+        "gauge",
+        "PSI memory 'some' avg10 as a ratio (0-1) of wall time.",
+        &stall,
+    );
+    if let Some(s) = sample {
+        let ev: Vec<(String, f64)> = [
+            ("high", s.events.high),
+            ("max", s.events.max),
+            ("oom", s.events.oom),
+            ("oom_kill", s.events.oom_kill),
+        ]
+        .into_iter()
+        .filter_map(|(k, v)| v.map(|v| (label("event", k), v as f64)))
+        .collect();
+        o.family(
+            "cgroup_memory_events_total",
+            "counter",
+            "Kernel memory event counters of the cgroup (memory.events, failcnt, oom_control).",
+            &ev,
+        );
+    }
+    let used: Vec<(String, f64)> = st
+        .gpus
+        .iter()
+        .map(|g| (label("gpu", &g.uuid), g.used_bytes as f64))
+        .collect();
+    let total: Vec<(String, f64)> = st
+        .gpus
+        .iter()
+        .map(|g| (label("gpu", &g.uuid), g.total_bytes as f64))
+        .collect();
+    o.family(
+        "gpu_memory_used_bytes",
+        "gauge",
+        "GPU memory used (NVML).",
+        &used,
+    );
+    o.family(
+        "gpu_memory_total_bytes",
+        "gauge",
+        "GPU memory capacity (NVML).",
+        &total,
+    );
+    let rep = st.report.as_ref();
+    o.gauge(
+        "trainer_allocated_bytes",
+        "Bytes held by live tensors, as the trainer reports.",
+        f(rep.and_then(|r| r.allocated_bytes)),
+    );
+    o.gauge(
+        "trainer_reserved_bytes",
+        "Bytes reserved by the trainer's allocator, as it reports.",
+        f(rep.and_then(|r| r.reserved_bytes)),
+    );
+    o.gauge(
+        "trainer_peak_bytes",
+        "Peak of live tensors, as the trainer reports.",
+        f(rep.and_then(|r| r.peak_bytes)),
+    );
+    o.gauge(
+        "trainer_step",
+        "Training step of the last report.",
+        f(rep.and_then(|r| r.step)),
+    );
+    o.gauge(
+        "leak_seconds_to_limit",
+        "Seconds until the limit at the current steady growth, when one is seen.",
+        st.seconds_to_limit,
+    );
+    o.gauge(
+        "level",
+        "Signal level: 0 ok, 1 warn, 2 downgrade, 3 critical.",
+        Some(sig.level.as_gauge() as f64),
+    );
+    o.gauge(
+        "batch_size",
+        "Recommended per-device batch size.",
+        Some(sig.batch_size as f64),
+    );
+    o.gauge(
+        "grad_accumulation",
+        "Recommended gradient accumulation steps.",
+        Some(sig.grad_accumulation as f64),
+    );
+    o.gauge(
+        "signal_seq",
+        "Sequence number of the current signal.",
+        Some(sig.seq as f64),
+    );
+    o.counter(
+        "downgrades_total",
+        "Downgrades signalled.",
+        st.downgrades as f64,
+    );
+    o.counter(
+        "oom_kills_total",
+        "OOM kills in the trainer's cgroup since the sidecar started.",
+        st.oom_events() as f64,
+    );
+    o.counter("samples_total", "Samples taken.", st.samples_total as f64);
+    o.counter(
+        "wakeups_total",
+        "Kernel events (thresholds, PSI triggers, inotify) that woke the sampler.",
+        st.wakeups_total as f64,
+    );
+    o.counter(
+        "reports_total",
+        "Reports received from the trainer.",
+        st.reports_total as f64,
+    );
+    let errors: Vec<(String, f64)> = ["read", "parse", "gpu"]
+        .iter()
+        .map(|k| {
+            (
+                label("kind", k),
+                *st.sample_errors.get(k).unwrap_or(&0) as f64,
+            )
+        })
+        .collect();
+    o.family(
+        "sample_errors_total",
+        "counter",
+        "Sampler failures by kind.",
+        &errors,
+    );
+    o.counter(
+        "signal_write_errors_total",
+        "Failures to write the signal file.",
+        st.signal_write_errors as f64,
+    );
+    o.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sample::gpu::GpuMemory;
+    use crate::sample::psi::parse_psi;
+    use crate::sample::{Limit, MemorySample};
+    use memguard_api::Report;
+
+    pub(crate) fn busy_status() -> Status {
+        Status {
+            sample: Some(MemorySample {
+                usage_bytes: Some(900),
+                working_set_bytes: Some(850),
+                max: Some(Limit::Bytes(1000)),
+                ..Default::default()
+            }),
+            psi_host: Some(parse_psi(
+                "some avg10=12.50 avg60=1.00 avg300=0.00 total=5\n",
+            )),
+            gpus: vec![GpuMemory {
+                uuid: "GPU-8f2e\"x".into(),
+                used_bytes: 5,
+                total_bytes: 10,
+            }],
+            report: Some(Report {
+                allocated_bytes: Some(7),
+                ..Default::default()
+            }),
+            downgrades: 2,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn renders_known_figures_and_leaves_unknown_out() {
+        let text = render(&busy_status(), &Signal::initial(4, 2, false));
+        assert!(
+            text.contains("memguard_sidecar_working_set_bytes 850\n"),
+            "{text}"
+        );
+        assert!(text.contains("memguard_sidecar_memory_pressure_ratio 0.85\n"));
+        assert!(
+            text.contains("memguard_sidecar_memory_stall_some_avg10_ratio{scope=\"host\"} 0.125")
+        );
+        assert!(text.contains("memguard_sidecar_gpu_memory_used_bytes{gpu=\"GPU-8f2e\\\"x\"} 5"));
+        assert!(text.contains("memguard_sidecar_trainer_allocated_bytes 7\n"));
+        assert!(text.contains("# TYPE memguard_sidecar_downgrades_total counter\n"));
+        assert!(text.contains("memguard_sidecar_downgrades_total 2\n"));
+        assert!(
+            !text.contains("trainer_reserved_bytes"),
+            "unknown: left out"
+        );
+        assert!(!text.contains("scope=\"cgroup\""));
+        let empty = render(&Status::default(), &Signal::initial(1, 1, false));
+        assert!(!empty.contains("working_set_bytes"));
+        assert!(empty.contains("memguard_sidecar_level 0\n"));
+    }
+}

@@ -1,0 +1,516 @@
+//! The pressure policy: pure, no I/O, no clock (time is passed in as milliseconds).
+//!
+//! Each source gives a pressure figure (working set / effective limit, PSI `some avg10`, GPU
+//! used/total, time to the limit of a steady growth). The level is the worst of them, with
+//! hysteresis: a level is left only when its figure falls below its threshold minus a margin.
+//! At `downgrade` or above, the batch is halved (floor 1) and accumulation doubled so the
+//! effective batch is kept; then a cooldown must pass before the next downgrade (entering
+//! `critical` skips it once). At batch 1, gradient checkpointing is the last lever.
+
+use memguard_api::Level;
+use memguard_api::policy::Thresholds;
+use std::collections::VecDeque;
+
+/// Policy settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PolicyConfig {
+    /// Ratio thresholds and the PSI threshold.
+    pub thresholds: Thresholds,
+    /// A level is left only below its threshold minus this (ratio units; default 0.05).
+    pub hysteresis: f64,
+    /// Least milliseconds between two downgrades.
+    pub cooldown_ms: u64,
+    /// A steady growth reaching the limit within this many seconds counts as downgrade pressure.
+    pub leak_horizon_s: f64,
+}
+
+impl PolicyConfig {
+    /// Defaults: 0.05 hysteresis, 30 s cooldown, 60 s leak horizon.
+    pub fn new(thresholds: Thresholds) -> Self {
+        PolicyConfig {
+            thresholds,
+            hysteresis: 0.05,
+            cooldown_ms: 30_000,
+            leak_horizon_s: 60.0,
+        }
+    }
+}
+
+/// The figures of one assessment. `None`: not known from that source.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Inputs {
+    /// Working set / effective limit.
+    pub memory_ratio: Option<f64>,
+    /// PSI memory `some avg10`, percent.
+    pub psi_some_avg10: Option<f64>,
+    /// GPU used / total (the most loaded device).
+    pub gpu_ratio: Option<f64>,
+    /// Seconds until the limit at a steady growth, when one is seen.
+    pub seconds_to_limit: Option<f64>,
+}
+
+/// What the policy remembers between assessments.
+#[derive(Debug, Clone, PartialEq)]
+pub struct State {
+    /// The current level.
+    pub level: Level,
+    /// Recommended batch.
+    pub batch_size: u64,
+    /// Recommended accumulation.
+    pub grad_accumulation: u64,
+    /// Recommended checkpointing.
+    pub grad_checkpointing: bool,
+    /// When the last downgrade was issued (ms).
+    pub last_downgrade_ms: Option<u64>,
+    /// Downgrades issued.
+    pub downgrades: u64,
+}
+
+impl State {
+    /// The starting state.
+    pub fn new(batch_size: u64, grad_accumulation: u64, grad_checkpointing: bool) -> Self {
+        State {
+            level: Level::Ok,
+            batch_size: batch_size.max(1),
+            grad_accumulation: grad_accumulation.max(1),
+            grad_checkpointing,
+            last_downgrade_ms: None,
+            downgrades: 0,
+        }
+    }
+
+    /// Whether the trainer-visible part (level and knobs) differs.
+    pub fn signal_differs(&self, other: &State) -> bool {
+        self.level != other.level
+            || self.batch_size != other.batch_size
+            || self.grad_accumulation != other.grad_accumulation
+            || self.grad_checkpointing != other.grad_checkpointing
+    }
+}
+
+/// The outcome of one assessment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// The new state.
+    pub state: State,
+    /// Why, for a person.
+    pub reason: String,
+    /// A downgrade was issued now.
+    pub downgraded: bool,
+}
+
+fn ratio_level(r: f64, t: &Thresholds, margin: f64) -> Level {
+    if r >= t.critical - margin {
+        Level::Critical
+    } else if r >= t.downgrade - margin {
+        Level::Downgrade
+    } else if r >= t.warn - margin {
+        Level::Warn
+    } else {
+        Level::Ok
+    }
+}
+
+/// The level the figures call for, and the figure responsible. `relaxed`: thresholds lowered by
+/// the hysteresis margin (the level to keep, not to enter).
+fn raw_level(i: &Inputs, c: &PolicyConfig, relaxed: bool) -> (Level, String) {
+    let t = &c.thresholds;
+    let margin = if relaxed { c.hysteresis } else { 0.0 };
+    let mut worst = (Level::Ok, String::from("no pressure"));
+    let mut consider = |level: Level, why: String| {
+        if level > worst.0 {
+            worst = (level, why);
+        }
+    };
+    if let Some(r) = i.memory_ratio {
+        let l = ratio_level(r, t, margin);
+        consider(
+            l,
+            format!(
+                "working set {r:.2} of the limit ({l} at {:.2})",
+                threshold(t, l)
+            ),
+        );
+    }
+    if let Some(r) = i.gpu_ratio {
+        let l = ratio_level(r, t, margin);
+        consider(
+            l,
+            format!("GPU memory {r:.2} used ({l} at {:.2})", threshold(t, l)),
+        );
+    }
+    if let Some(p) = i.psi_some_avg10 {
+        let limit = if relaxed {
+            t.psi_some_avg10 * 0.5
+        } else {
+            t.psi_some_avg10
+        };
+        if t.psi_some_avg10 > 0.0 && p >= limit {
+            consider(
+                Level::Downgrade,
+                format!(
+                    "memory stall (PSI some avg10) {p:.1}% (threshold {:.1}%)",
+                    t.psi_some_avg10
+                ),
+            );
+        }
+    }
+    if let Some(s) = i.seconds_to_limit
+        && s <= c.leak_horizon_s
+    {
+        consider(
+            Level::Downgrade,
+            format!("steady growth reaches the limit in {s:.0} s"),
+        );
+    }
+    worst
+}
+
+fn threshold(t: &Thresholds, l: Level) -> f64 {
+    match l {
+        Level::Ok => 0.0,
+        Level::Warn => t.warn,
+        Level::Downgrade => t.downgrade,
+        Level::Critical => t.critical,
+    }
+}
+
+/// The largest divisor of `effective` that is at most `batch / 2` (at least 1): halving the
+/// batch while keeping batch × accumulation exactly.
+pub fn halved_batch(batch: u64, accumulation: u64) -> (u64, u64) {
+    let effective = batch.saturating_mul(accumulation.max(1));
+    let half = (batch / 2).max(1);
+    let d = (1..=half)
+        .rev()
+        .find(|d| effective.is_multiple_of(*d))
+        .unwrap_or(1);
+    (d, effective / d)
+}
+
+/// One assessment: the next state from the current one, the figures and the time.
+pub fn assess(state: &State, inputs: &Inputs, now_ms: u64, c: &PolicyConfig) -> Decision {
+    let (enter, enter_why) = raw_level(inputs, c, false);
+    let (keep, keep_why) = raw_level(inputs, c, true);
+    let (level, mut reason) = if enter >= state.level {
+        (enter, enter_why)
+    } else {
+        // Falling: leave a level only when the relaxed figures allow it.
+        let l = keep.min(state.level).max(enter);
+        (l, if l == enter { enter_why } else { keep_why })
+    };
+    let mut next = state.clone();
+    next.level = level;
+    let mut downgraded = false;
+    // Downgrade again only while the figures are over the threshold, not merely held by hysteresis.
+    if level >= Level::Downgrade && enter >= Level::Downgrade {
+        let cooled = state
+            .last_downgrade_ms
+            .is_none_or(|t| now_ms.saturating_sub(t) >= c.cooldown_ms);
+        let escalated = level == Level::Critical && state.level < Level::Critical;
+        if cooled || escalated {
+            if state.batch_size > 1 {
+                let (b, a) = halved_batch(state.batch_size, state.grad_accumulation);
+                reason.push_str(&format!(
+                    "; batch {} -> {b}, accumulation {} -> {a}",
+                    state.batch_size, state.grad_accumulation
+                ));
+                next.batch_size = b;
+                next.grad_accumulation = a;
+                downgraded = true;
+            } else if !state.grad_checkpointing {
+                reason.push_str("; batch at its floor of 1: enable gradient checkpointing");
+                next.grad_checkpointing = true;
+                downgraded = true;
+            } else {
+                reason.push_str("; nothing left to downgrade (batch 1, checkpointing on)");
+            }
+        } else {
+            reason.push_str("; cooling down since the last downgrade");
+        }
+    }
+    if downgraded {
+        next.downgrades += 1;
+        next.last_downgrade_ms = Some(now_ms);
+    }
+    Decision {
+        state: next,
+        reason,
+        downgraded,
+    }
+}
+
+/// A short history of (ms, working-set bytes), about one point a second, for leak detection.
+#[derive(Debug, Clone, Default)]
+pub struct History {
+    points: VecDeque<(u64, u64)>,
+}
+
+/// Points kept (about two minutes).
+const HISTORY_POINTS: usize = 120;
+/// Least spacing between kept points.
+const HISTORY_SPACING_MS: u64 = 1000;
+
+impl History {
+    /// Adds a point, keeping about one a second.
+    pub fn push(&mut self, now_ms: u64, bytes: u64) {
+        if let Some(&(t, _)) = self.points.back()
+            && now_ms.saturating_sub(t) < HISTORY_SPACING_MS
+        {
+            return;
+        }
+        if self.points.len() == HISTORY_POINTS {
+            self.points.pop_front();
+        }
+        self.points.push_back((now_ms, bytes));
+    }
+
+    /// The points, oldest first.
+    pub fn points(&self) -> Vec<(u64, u64)> {
+        self.points.iter().copied().collect()
+    }
+}
+
+/// Seconds until `limit` at the current growth, when the growth is steady: at least 20 points
+/// spanning 20 s or more, at least 90 % of steps non-decreasing, and a positive least-squares
+/// slope. `None` otherwise (no leak seen).
+pub fn leak_eta(points: &[(u64, u64)], limit: u64) -> Option<f64> {
+    if points.len() < 20 {
+        return None;
+    }
+    let (t0, _) = points[0];
+    let (tn, last) = points[points.len() - 1];
+    if tn.saturating_sub(t0) < 20_000 {
+        return None;
+    }
+    let rising = points.windows(2).filter(|w| w[1].1 >= w[0].1).count();
+    if (rising as f64) < 0.9 * (points.len() - 1) as f64 {
+        return None;
+    }
+    let n = points.len() as f64;
+    let xs = points.iter().map(|&(t, _)| (t - t0) as f64 / 1000.0);
+    let ys = points.iter().map(|&(_, b)| b as f64);
+    let mx = xs.clone().sum::<f64>() / n;
+    let my = ys.clone().sum::<f64>() / n;
+    let (mut sxy, mut sxx) = (0.0, 0.0);
+    for (x, y) in xs.zip(ys) {
+        sxy += (x - mx) * (y - my);
+        sxx += (x - mx) * (x - mx);
+    }
+    if sxx <= 0.0 {
+        return None;
+    }
+    let slope = sxy / sxx; // bytes per second
+    if slope <= 0.0 {
+        return None;
+    }
+    Some(limit.saturating_sub(last) as f64 / slope)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> PolicyConfig {
+        PolicyConfig::new(Thresholds::default())
+    }
+
+    fn mem(r: f64) -> Inputs {
+        Inputs {
+            memory_ratio: Some(r),
+            ..Default::default()
+        }
+    }
+
+    /// Runs a sequence of (ms, inputs) from a starting state; returns (level, batch, accum).
+    fn run(start: State, steps: &[(u64, Inputs)]) -> Vec<(Level, u64, u64)> {
+        let mut s = start;
+        let c = cfg();
+        steps
+            .iter()
+            .map(|(t, i)| {
+                s = assess(&s, i, *t, &c).state;
+                (s.level, s.batch_size, s.grad_accumulation)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn levels_follow_the_documented_thresholds() {
+        let table = [
+            ("idle", 0.10, Level::Ok),
+            ("just under warn", 0.699, Level::Ok),
+            ("warn", 0.70, Level::Warn),
+            ("downgrade", 0.85, Level::Downgrade),
+            ("critical", 0.95, Level::Critical),
+            ("over the limit", 1.20, Level::Critical),
+        ];
+        for (name, r, want) in table {
+            let d = assess(&State::new(8, 1, false), &mem(r), 0, &cfg());
+            assert_eq!(d.state.level, want, "{name}");
+        }
+    }
+
+    #[test]
+    fn downgrade_halves_batch_and_doubles_accumulation() {
+        let d = assess(&State::new(8, 4, false), &mem(0.87), 0, &cfg());
+        assert!(d.downgraded);
+        assert_eq!((d.state.batch_size, d.state.grad_accumulation), (4, 8));
+        assert_eq!(d.state.downgrades, 1);
+        assert!(d.reason.contains("working set 0.87"), "{}", d.reason);
+        assert!(d.reason.contains("batch 8 -> 4"), "{}", d.reason);
+    }
+
+    #[test]
+    fn odd_batches_keep_the_effective_batch_exactly() {
+        let table = [
+            ((8, 4), (4, 8)),
+            ((3, 1), (1, 3)),
+            ((5, 2), (2, 5)),
+            ((6, 1), (3, 2)),
+            ((9, 2), (3, 6)),
+            ((7, 1), (1, 7)),
+            ((2, 1), (1, 2)),
+        ];
+        for ((b, a), want) in table {
+            let got = halved_batch(b, a);
+            assert_eq!(got, want, "({b}, {a})");
+            assert_eq!(got.0 * got.1, b * a);
+        }
+    }
+
+    #[test]
+    fn hysteresis_prevents_flapping_around_a_threshold() {
+        let steps = [
+            (0, mem(0.71)),   // warn
+            (100, mem(0.69)), // just under warn: stays warn (needs < 0.65)
+            (200, mem(0.70)), // warn
+            (300, mem(0.66)), // still warn
+            (400, mem(0.64)), // below 0.65: ok
+            (500, mem(0.69)), // under 0.70: ok, not warn again
+        ];
+        let levels: Vec<Level> = run(State::new(4, 1, false), &steps)
+            .into_iter()
+            .map(|x| x.0)
+            .collect();
+        use Level::*;
+        assert_eq!(levels, vec![Warn, Warn, Warn, Warn, Ok, Ok]);
+    }
+
+    #[test]
+    fn cooldown_spaces_downgrades_and_critical_skips_it_once() {
+        let steps = [
+            (0, mem(0.86)),      // downgrade: 16 -> 8
+            (1_000, mem(0.88)),  // cooling down
+            (29_999, mem(0.88)), // still cooling down
+            (30_000, mem(0.88)), // 8 -> 4
+            (31_000, mem(0.96)), // entering critical: 4 -> 2 despite cooldown
+            (32_000, mem(0.97)), // still critical, cooling down
+        ];
+        let got = run(State::new(16, 1, false), &steps);
+        use Level::*;
+        assert_eq!(
+            got,
+            vec![
+                (Downgrade, 8, 2),
+                (Downgrade, 8, 2),
+                (Downgrade, 8, 2),
+                (Downgrade, 4, 4),
+                (Critical, 2, 8),
+                (Critical, 2, 8),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_level_held_by_hysteresis_does_not_downgrade_again() {
+        let steps = [(0, mem(0.86)), (40_000, mem(0.82)), (80_000, mem(0.83))];
+        let got = run(State::new(8, 1, false), &steps);
+        assert_eq!(got, vec![(Level::Downgrade, 4, 2); 3]);
+    }
+
+    #[test]
+    fn batch_never_goes_below_one_then_checkpointing_then_nothing() {
+        let mut s = State::new(2, 3, false);
+        let c = PolicyConfig {
+            cooldown_ms: 0,
+            ..cfg()
+        };
+        let d = assess(&s, &mem(0.9), 0, &c);
+        assert_eq!((d.state.batch_size, d.state.grad_accumulation), (1, 6));
+        s = d.state;
+        let d = assess(&s, &mem(0.9), 1, &c);
+        assert!(d.downgraded && d.state.grad_checkpointing);
+        assert_eq!(d.state.batch_size, 1);
+        s = d.state;
+        let d = assess(&s, &mem(0.9), 2, &c);
+        assert!(!d.downgraded);
+        assert_eq!((d.state.batch_size, d.state.downgrades), (1, 2));
+        assert!(d.reason.contains("nothing left"), "{}", d.reason);
+    }
+
+    #[test]
+    fn psi_gpu_and_leaks_raise_the_level_and_unknown_figures_do_not() {
+        let c = cfg();
+        let s = State::new(4, 1, false);
+        let psi = Inputs {
+            psi_some_avg10: Some(25.0),
+            memory_ratio: Some(0.2),
+            ..Default::default()
+        };
+        let d = assess(&s, &psi, 0, &c);
+        assert_eq!(d.state.level, Level::Downgrade);
+        assert!(d.reason.contains("PSI"), "{}", d.reason);
+        let gpu = Inputs {
+            gpu_ratio: Some(0.96),
+            ..Default::default()
+        };
+        assert_eq!(assess(&s, &gpu, 0, &c).state.level, Level::Critical);
+        let leak = Inputs {
+            memory_ratio: Some(0.5),
+            seconds_to_limit: Some(45.0),
+            ..Default::default()
+        };
+        let d = assess(&s, &leak, 0, &c);
+        assert_eq!(d.state.level, Level::Downgrade);
+        assert!(d.reason.contains("steady growth"), "{}", d.reason);
+        let far = Inputs {
+            seconds_to_limit: Some(600.0),
+            ..Default::default()
+        };
+        assert_eq!(assess(&s, &far, 0, &c).state.level, Level::Ok);
+        assert_eq!(assess(&s, &Inputs::default(), 0, &c).state.level, Level::Ok);
+    }
+
+    #[test]
+    fn detects_a_steady_leak_but_not_noise_or_a_plateau() {
+        let gib = 1u64 << 30;
+        // 10 MiB/s for 30 s from 1 GiB: ~ (2 GiB - 1.29 GiB) / 10 MiB/s ≈ 72 s to a 2 GiB limit.
+        let leak: Vec<(u64, u64)> = (0..30).map(|i| (i * 1000, gib + i * (10 << 20))).collect();
+        let eta = leak_eta(&leak, 2 * gib).expect("leak seen");
+        assert!((eta - 73.4).abs() < 1.0, "{eta}");
+        let plateau: Vec<(u64, u64)> = (0..30).map(|i| (i * 1000, gib)).collect();
+        assert_eq!(leak_eta(&plateau, 2 * gib), None);
+        let saw: Vec<(u64, u64)> = (0..30)
+            .map(|i| (i * 1000, gib + if i % 2 == 0 { i << 20 } else { 0 }))
+            .collect();
+        assert_eq!(
+            leak_eta(&saw, 2 * gib),
+            None,
+            "training steps go up and down"
+        );
+        assert_eq!(leak_eta(&leak[..10], 2 * gib), None, "too short to tell");
+    }
+
+    #[test]
+    fn history_keeps_about_one_point_a_second() {
+        let mut h = History::default();
+        for t in (0..5_000).step_by(100) {
+            h.push(t, t);
+        }
+        assert_eq!(h.points().len(), 5);
+        for t in (0..300_000).step_by(1000) {
+            h.push(10_000 + t, t);
+        }
+        assert_eq!(h.points().len(), HISTORY_POINTS);
+    }
+}

@@ -1,0 +1,289 @@
+//! Wiring: sources, listeners, kernel events, the sampling loop, and the summary at exit.
+
+use crate::config::{Config, LogFormat};
+use crate::engine::{Engine, PsiPaths, Tick, starting_signal};
+use crate::events;
+use crate::policy::PolicyConfig;
+use crate::sample::MemorySource;
+use crate::sample::discover::{DirSource, TrainerSource};
+use crate::sample::gpu;
+use crate::server;
+use crate::signal::SignalWriter;
+use crate::state::Shared;
+use crate::summary;
+use axum::Router;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, watch};
+use tokio::task::JoinHandle;
+use tokio::time::MissedTickBehavior;
+
+/// How long listeners get to finish in-flight requests at exit.
+const DRAIN: Duration = Duration::from_secs(1);
+/// PSI trigger: wake when tasks stall this long within the window.
+const PSI_STALL: Duration = Duration::from_millis(100);
+/// PSI trigger window (rounded up to 2 s where the kernel demands it).
+const PSI_WINDOW: Duration = Duration::from_secs(1);
+
+/// Installs the global subscriber once (`RUST_LOG`, default `info`).
+pub fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Text => builder.with_ansi(false).try_init(),
+    };
+}
+
+fn open_source(config: &Config) -> (Box<dyn MemorySource>, Option<PathBuf>) {
+    let a = &config.args;
+    match &a.cgroup {
+        Some(dir) => {
+            let src = DirSource::new(dir.clone());
+            if src.detected().is_none() {
+                tracing::warn!(cgroup = %dir.display(), "not a memory cgroup (yet); watching for it");
+            }
+            (Box::new(src), Some(dir.clone()))
+        }
+        None => (
+            Box::new(TrainerSource::new(
+                a.proc_root.clone(),
+                std::process::id(),
+                config.trainer_memory_limit,
+                10,
+            )),
+            None,
+        ),
+    }
+}
+
+async fn serve(
+    addr: SocketAddr,
+    router: Router,
+    what: &'static str,
+    mut stop: watch::Receiver<bool>,
+) -> Option<JoinHandle<()>> {
+    match TcpListener::bind(addr).await {
+        Ok(listener) => {
+            let local = listener
+                .local_addr()
+                .map(|a| a.to_string())
+                .unwrap_or_default();
+            tracing::info!(addr = %local, what, "listening");
+            Some(tokio::spawn(async move {
+                let shutdown = async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                };
+                if let Err(error) = axum::serve(listener, router)
+                    .with_graceful_shutdown(shutdown)
+                    .await
+                {
+                    tracing::error!(%error, what, "listener failed");
+                }
+            }))
+        }
+        Err(error) => {
+            tracing::error!(%error, %addr, what, "cannot listen; carrying on without it");
+            None
+        }
+    }
+}
+
+/// Kernel event sources, set up as the cgroup becomes known and re-armed when the limit moves.
+struct Watchers {
+    notify: Arc<Notify>,
+    dir: Option<PathBuf>,
+    ratios: [f64; 3],
+    v1: Option<(u64, JoinHandle<()>)>,
+    v1_failed: bool,
+    v2_done: bool,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Watchers {
+    fn psi(&mut self, path: &Path) {
+        match events::spawn_psi_trigger(path, PSI_STALL, PSI_WINDOW, self.notify.clone()) {
+            Ok((window, task)) => {
+                tracing::info!(path = %path.display(), ?window, "PSI trigger armed");
+                self.tasks.push(task);
+            }
+            Err(why) => tracing::info!(%why, "no PSI trigger; plain reads only"),
+        }
+    }
+
+    fn update(&mut self, limit: Option<u64>) {
+        let Some(dir) = self.dir.clone() else {
+            return;
+        };
+        if !self.v2_done && dir.join("memory.events").exists() {
+            self.v2_done = true;
+            match events::spawn_inotify(&dir.join("memory.events"), self.notify.clone()) {
+                Ok(t) => self.tasks.push(t),
+                Err(why) => tracing::info!(%why, "no inotify on memory.events"),
+            }
+            if dir.join("memory.pressure").exists() {
+                self.psi(&dir.join("memory.pressure"));
+            }
+        }
+        let v1 = dir.join("cgroup.event_control").exists();
+        let Some(limit) = limit.filter(|_| v1 && !self.v1_failed) else {
+            return;
+        };
+        if self.v1.as_ref().is_some_and(|(l, _)| *l == limit) {
+            return;
+        }
+        if let Some((_, old)) = self.v1.take() {
+            old.abort();
+        }
+        let thresholds = events::threshold_bytes(limit, &self.ratios);
+        let armed = events::V1Events::register(&dir, &thresholds)
+            .map_err(|e| e.to_string())
+            .and_then(|ev| ev.spawn(self.notify.clone()).map_err(|e| e.to_string()));
+        match armed {
+            Ok(task) => {
+                tracing::info!(?thresholds, "cgroup v1 usage thresholds armed");
+                self.v1 = Some((limit, task));
+            }
+            Err(why) => {
+                tracing::info!(%why, "no cgroup v1 thresholds; polling only");
+                self.v1_failed = true;
+            }
+        }
+    }
+}
+
+impl Drop for Watchers {
+    fn drop(&mut self) {
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+        if let Some((_, t)) = self.v1.take() {
+            t.abort();
+        }
+    }
+}
+
+async fn shutdown_signal() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let term = async {
+        match signal(SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = term => "sigterm",
+        _ = tokio::signal::ctrl_c() => "interrupt",
+    }
+}
+
+/// Runs the sidecar until SIGTERM/ctrl-c or the trainer is gone; writes the summary at exit.
+pub async fn run(config: Config) -> anyhow::Result<()> {
+    let a = config.args.clone();
+    let existing = std::fs::read_to_string(&a.signal_file).ok();
+    let start = starting_signal(
+        existing.as_deref(),
+        config.batch_size,
+        config.grad_accumulation,
+        config.grad_checkpointing,
+    );
+    let shared = Arc::new(Shared::new(start));
+    let (source, dir) = open_source(&config);
+    let visible = gpu::parse_visible(config.nvidia_visible_devices.as_deref());
+    let gpu = gpu::open(&visible);
+    tracing::info!(gpu = %gpu.describe(), "GPU source");
+    let psi_cgroup = dir.as_ref().map(|d| d.join("memory.pressure"));
+    let host = a.proc_root.join("pressure/memory");
+    let mut policy = PolicyConfig::new(config.thresholds);
+    policy.cooldown_ms = a.cooldown.as_millis() as u64;
+    policy.leak_horizon_s = a.leak_horizon.as_secs_f64();
+    let mut engine = Engine::new(
+        source,
+        gpu,
+        PsiPaths {
+            cgroup: psi_cgroup,
+            host: host.exists().then(|| host.clone()),
+        },
+        policy,
+        SignalWriter::new(a.signal_file.clone()),
+        shared.clone(),
+    );
+    engine.flush();
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        source = %shared.status().source,
+        signal_file = %a.signal_file.display(),
+        interval = ?a.interval,
+        batch_size = config.batch_size,
+        grad_accumulation = config.grad_accumulation,
+        "memguard-sidecar starting"
+    );
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut servers = Vec::new();
+    let api = server::trainer_router(shared.clone());
+    servers.extend(serve(a.listen, api, "trainer-api", stop_rx.clone()).await);
+    let metrics = server::metrics_router(shared.clone());
+    servers.extend(serve(a.metrics_listen, metrics, "metrics", stop_rx).await);
+
+    let notify = Arc::new(Notify::new());
+    let t = config.thresholds;
+    let mut watchers = Watchers {
+        notify: notify.clone(),
+        dir: dir.filter(|_| a.events),
+        ratios: [t.warn, t.downgrade, t.critical],
+        v1: None,
+        v1_failed: false,
+        v2_done: false,
+        tasks: Vec::new(),
+    };
+    if a.events && host.exists() {
+        watchers.psi(&host);
+    }
+    let mut interval = tokio::time::interval(a.interval);
+    interval.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let started = Instant::now();
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
+    let exit_reason = loop {
+        tokio::select! {
+            _ = interval.tick() => {}
+            _ = notify.notified() => shared.status().wakeups_total += 1,
+            reason = &mut shutdown => break reason,
+        }
+        let now_ms = started.elapsed().as_millis() as u64;
+        if engine.tick(now_ms) == Tick::TrainerGone && a.exit_when_empty {
+            break "trainer-exited";
+        }
+        watchers.update(engine.limit());
+    };
+    drop(watchers);
+    let signal = shared.signal.borrow().clone();
+    let s = summary::build(
+        &shared.status(),
+        &signal,
+        config.estimate_bytes,
+        exit_reason,
+    );
+    match summary::write(&a.termination_log, &s) {
+        Ok(()) => {
+            tracing::info!(path = %a.termination_log.display(), summary = %summary::to_line(&s).trim(), "summary written")
+        }
+        Err(error) => {
+            tracing::warn!(%error, path = %a.termination_log.display(), summary = %summary::to_line(&s).trim(), "summary not written")
+        }
+    }
+    let _ = stop_tx.send(true);
+    for s in servers {
+        let _ = tokio::time::timeout(DRAIN, s).await;
+    }
+    tracing::info!(exit_reason, "memguard-sidecar stopped");
+    Ok(())
+}

@@ -1,0 +1,144 @@
+//! Sources that find their target late: a `--cgroup` directory that does not exist yet, or a
+//! trainer that starts after the sidecar (native sidecars start first).
+
+use super::cgroup::CgroupSource;
+use super::procfs::{RssSource, find_trainer, trainer_cgroup};
+use super::{MemorySample, MemorySource, SampleError};
+use std::path::PathBuf;
+
+/// A cgroup directory that is detected (v1 or v2) on first sight and re-detected until then.
+pub struct DirSource {
+    dir: PathBuf,
+    inner: Option<CgroupSource>,
+}
+
+impl DirSource {
+    /// Watches `dir`.
+    pub fn new(dir: PathBuf) -> Self {
+        let inner = CgroupSource::detect(dir.clone());
+        DirSource { dir, inner }
+    }
+
+    /// The detected source, once there is one.
+    pub fn detected(&self) -> Option<&CgroupSource> {
+        self.inner.as_ref()
+    }
+}
+
+impl MemorySource for DirSource {
+    fn sample(&mut self) -> Result<Option<MemorySample>, SampleError> {
+        if self.inner.is_none() {
+            self.inner = CgroupSource::detect(self.dir.clone());
+        }
+        match &mut self.inner {
+            Some(s) => s.sample(),
+            None => Ok(None),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match &self.inner {
+            Some(s) => s.describe(),
+            None => format!("cgroup {} (not a memory cgroup yet)", self.dir.display()),
+        }
+    }
+}
+
+/// The trainer found through the shared process namespace: its cgroup when readable, else its
+/// summed RSS against the downward-API limit. Looks again every `retry_every` samples until found.
+pub struct TrainerSource {
+    proc_root: PathBuf,
+    self_pid: u32,
+    limit: Option<u64>,
+    retry_every: u32,
+    calls: u32,
+    inner: Option<Box<dyn MemorySource>>,
+}
+
+impl TrainerSource {
+    /// Looks for the trainer under `proc_root`.
+    pub fn new(proc_root: PathBuf, self_pid: u32, limit: Option<u64>, retry_every: u32) -> Self {
+        TrainerSource {
+            proc_root,
+            self_pid,
+            limit,
+            retry_every: retry_every.max(1),
+            calls: 0,
+            inner: None,
+        }
+    }
+
+    fn discover(&mut self) {
+        let pids = find_trainer(&self.proc_root, self.self_pid);
+        let Some(&first) = pids.first() else {
+            return;
+        };
+        let src: Box<dyn MemorySource> = match trainer_cgroup(&self.proc_root, first) {
+            Some(cg) => Box::new(cg),
+            None => Box::new(RssSource::new(self.proc_root.clone(), pids, self.limit)),
+        };
+        tracing::info!(source = %src.describe(), "found the trainer");
+        self.inner = Some(src);
+    }
+}
+
+impl MemorySource for TrainerSource {
+    fn sample(&mut self) -> Result<Option<MemorySample>, SampleError> {
+        if self.inner.is_none() {
+            if self.calls.is_multiple_of(self.retry_every) {
+                self.discover();
+            }
+            self.calls = self.calls.wrapping_add(1);
+        }
+        match &mut self.inner {
+            Some(s) => s.sample(),
+            None => Ok(None),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match &self.inner {
+            Some(s) => s.describe(),
+            None => "trainer not found yet (shared process namespace)".into(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs;
+
+    #[test]
+    fn a_directory_that_appears_later_is_picked_up() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cg = dir.path().join("trainer");
+        let mut src = DirSource::new(cg.clone());
+        assert!(src.sample().expect("ok").is_none());
+        fs::create_dir(&cg).expect("mkdir");
+        fs::write(cg.join("memory.current"), "4096\n").expect("w");
+        let s = src.sample().expect("ok").expect("now present");
+        assert_eq!(s.usage_bytes, Some(4096));
+        assert!(src.describe().starts_with("cgroup-v2"));
+    }
+
+    #[test]
+    fn a_trainer_that_starts_later_is_found_through_procfs() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path();
+        let mk = |pid: u32, comm: &str, cg: &str, kb: u64| {
+            let d = root.join(pid.to_string());
+            fs::create_dir_all(&d).expect("mkdir");
+            fs::write(d.join("comm"), comm).expect("w");
+            fs::write(d.join("cgroup"), cg).expect("w");
+            fs::write(d.join("status"), format!("VmRSS:\t{kb} kB\n")).expect("w");
+        };
+        mk(5, "memguard-sidecar", "0::/sidecar\n", 10);
+        let mut src = TrainerSource::new(root.to_path_buf(), 5, Some(1 << 30), 1);
+        assert!(src.sample().expect("ok").is_none(), "not started yet");
+        mk(9, "python3", "0::/trainer\n", 2048);
+        let s = src.sample().expect("ok").expect("found");
+        assert_eq!(s.working_set_bytes, Some(2048 * 1024));
+        assert_eq!(s.effective_limit(), Some(1 << 30));
+    }
+}

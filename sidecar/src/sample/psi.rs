@@ -1,0 +1,177 @@
+//! Pressure stall information: `/proc/pressure/memory` and a cgroup's `memory.pressure`.
+//! Parsing is separate from trigger registration.
+
+use rustix::fd::OwnedFd;
+use rustix::fs::{Mode, OFlags};
+use rustix::io::Errno;
+use std::path::Path;
+use std::time::Duration;
+
+/// One PSI line (`some` or `full`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PsiLine {
+    /// Percent of the last 10 s.
+    pub avg10: f64,
+    /// Percent of the last 60 s.
+    pub avg60: f64,
+    /// Percent of the last 300 s.
+    pub avg300: f64,
+    /// Total stall time, microseconds.
+    pub total_us: u64,
+}
+
+/// A PSI file: `some` and (memory, io; cpu since 5.13) `full`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Psi {
+    /// Some tasks stalled.
+    pub some: Option<PsiLine>,
+    /// All non-idle tasks stalled.
+    pub full: Option<PsiLine>,
+}
+
+/// Parses PSI text; lines that do not parse are left out (`None`).
+pub fn parse_psi(text: &str) -> Psi {
+    let mut psi = Psi::default();
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        let kind = words.next();
+        let (mut a10, mut a60, mut a300, mut total) = (None, None, None, None);
+        for w in words {
+            match w.split_once('=') {
+                Some(("avg10", v)) => a10 = v.parse().ok(),
+                Some(("avg60", v)) => a60 = v.parse().ok(),
+                Some(("avg300", v)) => a300 = v.parse().ok(),
+                Some(("total", v)) => total = v.parse().ok(),
+                _ => {}
+            }
+        }
+        let parsed = match (a10, a60, a300, total) {
+            (Some(avg10), Some(avg60), Some(avg300), Some(total_us)) => Some(PsiLine {
+                avg10,
+                avg60,
+                avg300,
+                total_us,
+            }),
+            _ => None,
+        };
+        match kind {
+            Some("some") => psi.some = parsed,
+            Some("full") => psi.full = parsed,
+            _ => {}
+        }
+    }
+    psi
+}
+
+/// Reads and parses a PSI file; `None` when absent or unreadable (PSI off, old kernel).
+pub fn read_psi(path: &Path) -> Option<Psi> {
+    std::fs::read_to_string(path).ok().map(|s| parse_psi(&s))
+}
+
+/// The trigger text the kernel wants: `some <stall_us> <window_us>`.
+pub fn trigger_text(stall: Duration, window: Duration) -> String {
+    format!("some {} {}", stall.as_micros(), window.as_micros())
+}
+
+/// A registered PSI trigger: poll the fd for `POLLPRI`.
+#[derive(Debug)]
+pub struct Trigger {
+    /// The open PSI file holding the trigger.
+    pub fd: OwnedFd,
+    /// The window the kernel accepted.
+    pub window: Duration,
+    /// The stall threshold within it.
+    pub stall: Duration,
+}
+
+/// Registers `some <stall> <window>` on a PSI file. Unprivileged writers (no CAP_SYS_RESOURCE)
+/// may only use windows that are multiples of 2 s: on `EINVAL` the window is rounded up to 2 s
+/// and the stall scaled with it, once.
+pub fn register_trigger(path: &Path, stall: Duration, window: Duration) -> Result<Trigger, Errno> {
+    match try_register(path, stall, window) {
+        Ok(fd) => Ok(Trigger { fd, window, stall }),
+        Err(Errno::INVAL) if !window.as_micros().is_multiple_of(2_000_000) => {
+            let secs = window.as_secs_f64();
+            let w2 = Duration::from_secs(((secs / 2.0).ceil() as u64).max(1) * 2);
+            let s2 = stall.mul_f64(w2.as_secs_f64() / secs.max(f64::EPSILON));
+            let s2 = s2.min(w2);
+            try_register(path, s2, w2).map(|fd| Trigger {
+                fd,
+                window: w2,
+                stall: s2,
+            })
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn try_register(path: &Path, stall: Duration, window: Duration) -> Result<OwnedFd, Errno> {
+    let fd = rustix::fs::open(
+        path,
+        OFlags::RDWR | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    let mut text = trigger_text(stall, window).into_bytes();
+    text.push(0);
+    rustix::io::write(&fd, &text)?;
+    Ok(fd)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_real_proc_pressure_memory() {
+        let psi = parse_psi(include_str!("../../fixtures/psi-proc-pressure-memory"));
+        let some = psi.some.expect("some line");
+        assert_eq!(some.avg10, 0.0);
+        assert!(psi.full.is_some());
+    }
+
+    #[test]
+    fn parses_a_cgroup_memory_pressure_under_load() {
+        let psi = parse_psi(include_str!("../../fixtures/v2/memory.pressure"));
+        assert_eq!(
+            psi.some,
+            Some(PsiLine {
+                avg10: 12.5,
+                avg60: 4.21,
+                avg300: 0.98,
+                total_us: 8731412
+            })
+        );
+        assert_eq!(psi.full.map(|f| f.avg10), Some(9.75));
+    }
+
+    #[test]
+    fn cpu_pressure_before_5_13_has_no_full_line_and_garbage_is_unknown() {
+        let psi = parse_psi("some avg10=1.00 avg60=0.50 avg300=0.10 total=1234\n");
+        assert_eq!(psi.some.map(|s| s.total_us), Some(1234));
+        assert_eq!(psi.full, None);
+        assert_eq!(
+            parse_psi("some avg10=x avg60=0 avg300=0 total=0"),
+            Psi::default()
+        );
+        assert_eq!(parse_psi(""), Psi::default());
+    }
+
+    #[test]
+    fn trigger_text_is_in_microseconds() {
+        assert_eq!(
+            trigger_text(Duration::from_millis(150), Duration::from_secs(1)),
+            "some 150000 1000000"
+        );
+    }
+
+    #[test]
+    fn registering_on_a_missing_file_fails_cleanly() {
+        let e = register_trigger(
+            Path::new("/nonexistent/memory.pressure"),
+            Duration::from_millis(100),
+            Duration::from_secs(1),
+        )
+        .expect_err("no file");
+        assert_eq!(e, Errno::NOENT);
+    }
+}

@@ -1,0 +1,268 @@
+//! HTTP: the trainer API (pod-local) and the metrics listener (only `/metrics`, `/healthz`).
+
+use crate::config::parse_duration;
+use crate::metrics;
+use crate::state::Shared;
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use memguard_api::Report;
+use serde::Deserialize;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Largest accepted `POST /v1/report` body.
+pub const MAX_REPORT_BYTES: usize = 16 * 1024;
+/// Longest long-poll wait; longer requests are cut to this.
+pub const MAX_WAIT: Duration = Duration::from_secs(60);
+/// Long-poll wait when `after` is given without `wait`.
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(30);
+/// Longest accepted `framework` name in a report.
+const MAX_FRAMEWORK_LEN: usize = 64;
+
+/// The trainer API: `/v1/signal`, `/v1/report`, `/v1/trace`, `/metrics`, `/healthz`.
+pub fn trainer_router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/v1/signal", get(get_signal))
+        .route("/v1/report", axum::routing::post(post_report))
+        .route("/v1/trace", get(get_trace))
+        .route("/metrics", get(get_metrics))
+        .route("/healthz", get(healthz))
+        .layer(DefaultBodyLimit::max(MAX_REPORT_BYTES))
+        .with_state(shared)
+}
+
+/// The metrics listener: `/metrics` and `/healthz` only, so nothing outside the pod can report.
+pub fn metrics_router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/metrics", get(get_metrics))
+        .route("/healthz", get(healthz))
+        .with_state(shared)
+}
+
+/// `?after=SEQ&wait=30s`.
+#[derive(Debug, Deserialize)]
+pub struct SignalQuery {
+    after: Option<u64>,
+    wait: Option<String>,
+}
+
+fn bad_request(msg: String) -> Response {
+    (StatusCode::BAD_REQUEST, msg).into_response()
+}
+
+async fn get_signal(State(shared): State<Arc<Shared>>, Query(q): Query<SignalQuery>) -> Response {
+    let mut rx = shared.signal.subscribe();
+    if let Some(after) = q.after {
+        let wait = match q.wait.as_deref().map(parse_duration) {
+            None => DEFAULT_WAIT,
+            Some(Ok(d)) => d.min(MAX_WAIT),
+            Some(Err(e)) => return bad_request(format!("wait: {e}")),
+        };
+        // Until a newer signal or the timeout; on timeout the current signal is returned (its
+        // seq tells the caller nothing changed).
+        let newer = async {
+            loop {
+                if rx.borrow_and_update().seq > after {
+                    return;
+                }
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(wait, newer).await;
+    }
+    let signal = rx.borrow().clone();
+    axum::Json(signal).into_response()
+}
+
+async fn post_report(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let report: Report = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return bad_request(format!("report: {e}")),
+    };
+    if report
+        .framework
+        .as_ref()
+        .is_some_and(|f| f.len() > MAX_FRAMEWORK_LEN)
+    {
+        return bad_request(format!(
+            "report: framework longer than {MAX_FRAMEWORK_LEN} bytes"
+        ));
+    }
+    let mut st = shared.status();
+    let gpu = report.reserved_bytes.or(report.allocated_bytes);
+    if let Some(g) = gpu.max(report.peak_bytes) {
+        st.gpu_peak = Some(st.gpu_peak.map_or(g, |p| p.max(g)));
+    }
+    st.report = Some(report);
+    st.reports_total += 1;
+    StatusCode::NO_CONTENT.into_response()
+}
+
+async fn get_trace(State(shared): State<Arc<Shared>>) -> Response {
+    let doc = shared.trace().to_json();
+    axum::Json(doc).into_response()
+}
+
+async fn get_metrics(State(shared): State<Arc<Shared>>) -> Response {
+    let signal = shared.signal.borrow().clone();
+    let text = metrics::render(&shared.status(), &signal);
+    ([(header::CONTENT_TYPE, metrics::CONTENT_TYPE)], text).into_response()
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::http::Request;
+    use http_body_util::BodyExt;
+    use memguard_api::{Level, Signal};
+    use tower::ServiceExt;
+
+    fn shared() -> Arc<Shared> {
+        Arc::new(Shared::new(Signal::initial(8, 2, false)))
+    }
+
+    async fn call(router: Router, req: Request<Body>) -> (StatusCode, String) {
+        let resp = router.oneshot(req).await.expect("infallible");
+        let status = resp.status();
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    fn get_req(uri: &str) -> Request<Body> {
+        Request::get(uri).body(Body::empty()).expect("request")
+    }
+
+    #[tokio::test]
+    async fn signal_returns_the_current_signal() {
+        let (status, body) = call(trainer_router(shared()), get_req("/v1/signal")).await;
+        assert_eq!(status, StatusCode::OK);
+        let s: Signal = serde_json::from_str(&body).expect("signal json");
+        assert_eq!((s.seq, s.batch_size, s.level), (0, 8, Level::Ok));
+    }
+
+    #[tokio::test]
+    async fn long_poll_returns_when_a_newer_signal_is_published() {
+        let sh = shared();
+        let router = trainer_router(sh.clone());
+        let pending = tokio::spawn(call(router, get_req("/v1/signal?after=0&wait=60s")));
+        tokio::task::yield_now().await;
+        sh.signal.send_modify(|s| {
+            s.seq = 1;
+            s.level = Level::Downgrade;
+            s.batch_size = 4;
+        });
+        let (status, body) = pending.await.expect("joined");
+        assert_eq!(status, StatusCode::OK);
+        let s: Signal = serde_json::from_str(&body).expect("json");
+        assert_eq!((s.seq, s.batch_size), (1, 4));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn long_poll_times_out_with_the_current_signal_and_caps_the_wait() {
+        let sh = shared();
+        let started = tokio::time::Instant::now();
+        let (status, body) = call(
+            trainer_router(sh.clone()),
+            get_req("/v1/signal?after=0&wait=1h"),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(started.elapsed(), MAX_WAIT, "paused clock: exactly the cap");
+        assert!(body.contains("\"seq\":0"));
+        let (status, _) = call(
+            trainer_router(sh.clone()),
+            get_req("/v1/signal?after=5&wait=soon"),
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        let (status, _) = call(trainer_router(sh), get_req("/v1/signal?after=x")).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+    }
+
+    #[tokio::test]
+    async fn report_is_stored_and_bounded() {
+        let sh = shared();
+        let body = r#"{"framework":"torch","allocated_bytes":100,"reserved_bytes":200,"peak_bytes":150,"step":7,"batch_size":8}"#;
+        let req = Request::post("/v1/report")
+            .body(Body::from(body))
+            .expect("req");
+        let (status, _) = call(trainer_router(sh.clone()), req).await;
+        assert_eq!(status, StatusCode::NO_CONTENT);
+        {
+            let st = sh.status();
+            assert_eq!(st.report.as_ref().and_then(|r| r.step), Some(7));
+            assert_eq!(st.gpu_peak, Some(200));
+        }
+        let big = format!(r#"{{"framework":"{}"}}"#, "x".repeat(MAX_REPORT_BYTES));
+        let req = Request::post("/v1/report")
+            .body(Body::from(big))
+            .expect("req");
+        let (status, _) = call(trainer_router(sh.clone()), req).await;
+        assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+        let req = Request::post("/v1/report")
+            .body(Body::from(r#"{"allocated":1}"#))
+            .expect("r");
+        let (status, body) = call(trainer_router(sh.clone()), req).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        let long = format!(r#"{{"framework":"{}"}}"#, "x".repeat(65));
+        let req = Request::post("/v1/report")
+            .body(Body::from(long))
+            .expect("req");
+        assert_eq!(
+            call(trainer_router(sh), req).await.0,
+            StatusCode::BAD_REQUEST
+        );
+    }
+
+    #[tokio::test]
+    async fn metrics_healthz_and_trace_answer() {
+        let sh = shared();
+        let (status, body) = call(trainer_router(sh.clone()), get_req("/metrics")).await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(body.contains("memguard_sidecar_batch_size 8"));
+        let (status, body) = call(trainer_router(sh.clone()), get_req("/healthz")).await;
+        assert_eq!((status, body.as_str()), (StatusCode::OK, "ok\n"));
+        let (status, body) = call(trainer_router(sh.clone()), get_req("/v1/trace")).await;
+        assert_eq!(status, StatusCode::OK);
+        let doc: serde_json::Value = serde_json::from_str(&body).expect("json");
+        assert!(doc["traceEvents"].is_array());
+    }
+
+    #[tokio::test]
+    async fn the_metrics_listener_serves_only_metrics_and_health() {
+        let sh = shared();
+        assert_eq!(
+            call(metrics_router(sh.clone()), get_req("/metrics"))
+                .await
+                .0,
+            StatusCode::OK
+        );
+        assert_eq!(
+            call(metrics_router(sh.clone()), get_req("/healthz"))
+                .await
+                .0,
+            StatusCode::OK
+        );
+        assert_eq!(
+            call(metrics_router(sh.clone()), get_req("/v1/signal"))
+                .await
+                .0,
+            StatusCode::NOT_FOUND
+        );
+        let req = Request::post("/v1/report")
+            .body(Body::from("{}"))
+            .expect("req");
+        assert_eq!(call(metrics_router(sh), req).await.0, StatusCode::NOT_FOUND);
+    }
+}

@@ -1,0 +1,93 @@
+//! What the sampling loop publishes and the HTTP handlers read.
+
+use crate::sample::MemorySample;
+use crate::sample::gpu::GpuMemory;
+use crate::sample::psi::Psi;
+use crate::trace::Trace;
+use memguard_api::{Level, Report, Signal};
+use std::collections::BTreeMap;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use tokio::sync::watch;
+
+/// The latest figures, for `/metrics` and the summary.
+#[derive(Debug, Clone, Default)]
+pub struct Status {
+    /// Where memory figures come from (`cgroup-v1 /sys/…`).
+    pub source: String,
+    /// The latest memory sample.
+    pub sample: Option<MemorySample>,
+    /// PSI of the trainer's cgroup (v2).
+    pub psi_cgroup: Option<Psi>,
+    /// PSI of the host (`/proc/pressure/memory`).
+    pub psi_host: Option<Psi>,
+    /// GPU devices (NVML).
+    pub gpus: Vec<GpuMemory>,
+    /// The trainer's last report.
+    pub report: Option<Report>,
+    /// Reports received.
+    pub reports_total: u64,
+    /// Samples taken.
+    pub samples_total: u64,
+    /// Sampler errors by kind (`read`, `parse`, `gpu`).
+    pub sample_errors: BTreeMap<&'static str, u64>,
+    /// Signal-file write failures.
+    pub signal_write_errors: u64,
+    /// Kernel events that woke the loop.
+    pub wakeups_total: u64,
+    /// Highest working set seen.
+    pub peak_working_set: Option<u64>,
+    /// Highest GPU memory used seen (NVML or report).
+    pub gpu_peak: Option<u64>,
+    /// Highest level reached.
+    pub max_level: Level,
+    /// `oom_kill` counter when first seen, to count the run's own OOM kills.
+    pub oom_kill_start: Option<u64>,
+    /// Latest `oom_kill` counter.
+    pub oom_kill_now: Option<u64>,
+    /// Downgrades issued.
+    pub downgrades: u64,
+    /// Seconds to the limit of a steady growth, when one is seen.
+    pub seconds_to_limit: Option<f64>,
+}
+
+impl Status {
+    /// OOM kills in the cgroup since the sidecar started watching.
+    pub fn oom_events(&self) -> u64 {
+        match (self.oom_kill_start, self.oom_kill_now) {
+            (Some(a), Some(b)) => b.saturating_sub(a),
+            _ => 0,
+        }
+    }
+}
+
+/// State shared by the loop and the handlers.
+#[derive(Debug)]
+pub struct Shared {
+    /// The current signal; long-polls wait on it.
+    pub signal: watch::Sender<Signal>,
+    /// Latest figures.
+    pub status: Mutex<Status>,
+    /// The memory timeline.
+    pub trace: Mutex<Trace>,
+}
+
+impl Shared {
+    /// Shared state starting from `signal`.
+    pub fn new(signal: Signal) -> Self {
+        Shared {
+            signal: watch::Sender::new(signal),
+            status: Mutex::new(Status::default()),
+            trace: Mutex::new(Trace::default()),
+        }
+    }
+
+    /// The status (a poisoned lock still holds usable figures).
+    pub fn status(&self) -> MutexGuard<'_, Status> {
+        self.status.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The trace.
+    pub fn trace(&self) -> MutexGuard<'_, Trace> {
+        self.trace.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
