@@ -1,0 +1,448 @@
+#!/usr/bin/env python3
+"""The survival proof: the same training run, in the same memory-limited cgroup v1, dies of OOM
+without memguard and finishes with it.
+
+Arms (each in a fresh cgroup ``/sys/fs/cgroup/memory/memguard-survival-<pid>-<arm>``):
+
+* ``reference``: no memory limit, no memguard: the run as its author meant it (peak, weights);
+* ``baseline``: the limit, no memguard: the kernel's OOM killer ends it (SIGKILL, ``oom_kill``);
+* ``memguard``: the limit, the real ``memguard-sidecar`` binary watching the cgroup, the trainer
+  following the signal file through ``memguard_client``: it must finish every step with the
+  effective batch unchanged and end with the reference's weights (the same computation).
+
+Needs root and a writable cgroup v1 memory controller; prints ``SKIP: …`` and exits 77
+otherwise. Writes ``results.json`` and the logs to ``--out`` and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+SKIP = 77
+
+sys.path.insert(0, str(REPO / "clients" / "python" / "src"))
+from memguard_client.signal import parse_rfc3339  # noqa: E402
+
+
+@dataclass
+class Arm:
+    name: str
+    limit_bytes: Optional[int]
+    exit_code: Optional[int] = None
+    oom_kill: Optional[int] = None
+    oom_kill_counter: str = ""
+    failcnt: Optional[int] = None
+    peak_bytes: Optional[int] = None
+    seconds: float = 0.0
+    steps: int = 0
+    samples: int = 0
+    finished: bool = False
+    effective_batch_start: Optional[int] = None
+    effective_batch_end: Optional[int] = None
+    batches: List[int] = field(default_factory=list)
+    downgrades: int = 0
+    signals: List[Dict[str, Any]] = field(default_factory=list)
+    latencies: List[Dict[str, Any]] = field(default_factory=list)
+    final_loss: Optional[float] = None
+    epoch_losses: List[float] = field(default_factory=list)
+    weights_match_reference: Optional[bool] = None
+    max_weight_diff: Optional[float] = None
+    reports_ok: int = 0
+    reports_total: int = 0
+    sidecar_summary: Optional[Dict[str, Any]] = None
+    sidecar_exit: Optional[int] = None
+
+
+def skip_reason() -> Optional[str]:
+    """Why this machine cannot run the proof, or None."""
+    if os.geteuid() != 0:
+        return "not root (cgroup v1 child cgroups need root)"
+    if not (CGROUP_ROOT / "memory.limit_in_bytes").is_file():
+        return f"no cgroup v1 memory controller at {CGROUP_ROOT}"
+    if not os.access(CGROUP_ROOT, os.W_OK):
+        return f"{CGROUP_ROOT} is not writable"
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        return "numpy is not installed (pip install numpy)"
+    return None
+
+
+def find_sidecar(explicit: Optional[str]) -> Optional[Path]:
+    for cand in (explicit, os.environ.get("MEMGUARD_SIDECAR_BIN")):
+        if cand:
+            return Path(cand)
+    for profile in ("release", "debug"):
+        p = REPO / "target" / profile / "memguard-sidecar"
+        if p.is_file():
+            return p
+    return None
+
+
+class Cgroup:
+    """A child memory cgroup, removed on exit even when the run failed."""
+
+    def __init__(self, name: str, limit_bytes: Optional[int]) -> None:
+        self.path = CGROUP_ROOT / name
+        if self.path.exists():
+            self.remove()
+        self.path.mkdir()
+        if limit_bytes is not None:
+            (self.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+            got = int((self.path / "memory.limit_in_bytes").read_text())
+            # The kernel rounds to pages; anything else means the write did not take.
+            assert abs(got - limit_bytes) < 4096 * 16, (got, limit_bytes)
+
+    def read(self, name: str) -> str:
+        return (self.path / name).read_text()
+
+    def oom_kills(self) -> "tuple[Optional[int], str]":
+        """(count, which counter): ``oom_kill`` in memory.oom_control (kernel ≥ 4.13)."""
+        fields = dict(line.split() for line in self.read("memory.oom_control").splitlines() if line.strip())
+        if "oom_kill" in fields:
+            return int(fields["oom_kill"]), "memory.oom_control:oom_kill"
+        return None, "absent"
+
+    def remove(self) -> None:
+        procs = self.path / "cgroup.procs"
+        for _ in range(100):
+            try:
+                pids = [int(p) for p in procs.read_text().split()]
+            except OSError:
+                pids = []
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.05)
+        print(f"warning: could not remove {self.path}", file=sys.stderr)
+
+
+def remove_stale_cgroups() -> None:
+    """Cgroups left by a killed earlier run (its harness pid is gone)."""
+    for p in CGROUP_ROOT.glob("memguard-survival-*"):
+        try:
+            owner = int(p.name.split("-")[2])
+        except (IndexError, ValueError):
+            continue
+        if not Path(f"/proc/{owner}").exists():
+            c = Cgroup.__new__(Cgroup)
+            c.path = p
+            c.remove()
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return int(port)
+
+
+def trainer_cmd(args: argparse.Namespace, log: Path, weights: Path) -> List[str]:
+    return [
+        sys.executable,
+        str(HERE / "trainer.py"),
+        "--samples", str(args.samples),
+        "--epochs", str(args.epochs),
+        "--batch-size", str(args.batch_size),
+        "--min-len", str(args.min_len),
+        "--max-len", str(args.max_len),
+        "--log", str(log),
+        "--weights", str(weights),
+    ]
+
+
+def run_trainer_in(cg: Cgroup, cmd: List[str], env: Dict[str, str], timeout: float) -> "tuple[int, float]":
+    # The shell puts itself into the cgroup, then execs the trainer: it is in the cgroup
+    # before it allocates anything.
+    wrapped = ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cg.path), *cmd]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(wrapped, env=env)
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    return code, time.monotonic() - t0
+
+
+def base_env() -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMGUARD_")}
+    # One BLAS thread: the memory per step is the point, not the speed; threads add noise.
+    env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def read_log(path: Path) -> List[Dict[str, Any]]:
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # the last line of a killed run may be cut
+    return out
+
+
+def analyse(arm: Arm, events: List[Dict[str, Any]], sidecar_signals: List[Dict[str, Any]]) -> None:
+    steps = [e for e in events if e["event"] == "step"]
+    start = next((e for e in events if e["event"] == "start"), None)
+    done = next((e for e in events if e["event"] == "done"), None)
+    arm.steps = len(steps)
+    arm.samples = steps[-1]["samples"] if steps else 0
+    arm.finished = done is not None
+    if start:
+        arm.effective_batch_start = start["effective_batch"]
+    if done:
+        arm.effective_batch_end = done["effective_batch_end"]
+        arm.samples = done["samples"]
+        arm.reports_ok = done.get("reports_ok", 0)
+        arm.reports_total = done.get("reports_total", 0)
+    if steps:
+        arm.final_loss = steps[-1]["loss"]
+    arm.epoch_losses = [e["loss"] for e in events if e["event"] == "epoch"]
+    applies = [e for e in events if e["event"] == "apply"]
+    arm.batches = [e["batch"] for e in applies]
+    arm.downgrades = sum(1 for a, b in zip(arm.batches, arm.batches[1:]) if b < a)
+    signals = [e for e in events if e["event"] == "signal"]
+    arm.signals = [
+        {k: s.get(k) for k in ("seq", "level", "batch", "accumulation", "reason")} for s in signals
+    ]
+    # Signal → first micro-batch at the new size. The signal that asked for a size is the first
+    # one carrying it: from the sidecar's own log when there is one (the trainer may skip
+    # intermediate seqs), else the first the trainer saw.
+    issued = sidecar_signals or [
+        {"seq": s["seq"], "batch": s["batch"], "time": s.get("signal_time")} for s in signals
+    ]
+    for prev, ap in zip(applies, applies[1:]):
+        asked = next(
+            (s for s in issued if s["batch"] == ap["batch"] and s["seq"] <= ap["seq"]
+             and s["seq"] > prev["seq"]),
+            None,
+        )
+        seen = next((s for s in signals if s["batch"] == ap["batch"] and s["seq"] > prev["seq"]), None)
+        entry: Dict[str, Any] = {"seq": asked["seq"] if asked else ap["seq"], "batch": ap["batch"]}
+        if asked and asked.get("time") is not None:
+            entry["from_signal_timestamp_ms"] = round((ap["t"] - asked["time"]) * 1000, 1)
+        if seen is not None:
+            entry["trainer_saw_seq"] = seen["seq"]
+            entry["from_seen_ms"] = round((ap["t"] - seen["seen_at"]) * 1000, 1)
+            if seen.get("file_mtime") is not None:
+                entry["from_file_mtime_ms"] = round((ap["t"] - seen["file_mtime"]) * 1000, 1)
+        arm.latencies.append(entry)
+
+
+def read_sidecar_signals(path: Path) -> List[Dict[str, Any]]:
+    """The signals the sidecar logged (JSON log format): seq, batch, issue time."""
+    out: List[Dict[str, Any]] = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        f = rec.get("fields", {})
+        if f.get("message") == "signal" and "seq" in f and "batch_size" in f:
+            out.append({"seq": f["seq"], "batch": f["batch_size"], "level": f.get("level"),
+                        "time": parse_rfc3339(rec.get("timestamp", ""))})
+    return out
+
+
+def compare_weights(a: Path, b: Path) -> "tuple[bool, float]":
+    import numpy as np
+
+    wa, wb = np.load(a), np.load(b)
+    diff = max(float(np.max(np.abs(wa[k] - wb[k]))) for k in wa.files)
+    ok = all(np.allclose(wa[k], wb[k], rtol=1e-9, atol=1e-12) for k in wa.files)
+    return ok, diff
+
+
+def run_arm(name: str, args: argparse.Namespace, out: Path, sidecar: Optional[Path]) -> Arm:
+    limit = None if name == "reference" else args.limit_mib * 1024 * 1024
+    arm = Arm(name=name, limit_bytes=limit)
+    log, weights = out / f"{name}.jsonl", out / f"{name}.npz"
+    for p in (log, weights):
+        if p.exists():
+            p.unlink()
+    env = base_env()
+    cg = Cgroup(f"memguard-survival-{os.getpid()}-{name}", limit)
+    side: Optional[subprocess.Popen] = None
+    try:
+        if name == "memguard":
+            assert sidecar is not None
+            signal_file = out / "signal.json"
+            if signal_file.exists():
+                signal_file.unlink()
+            side_log = open(out / "sidecar.log", "w")
+            port = free_port()
+            side = subprocess.Popen(
+                [
+                    str(sidecar),
+                    "--cgroup", str(cg.path),
+                    "--signal-file", str(signal_file),
+                    "--listen", f"127.0.0.1:{port}",
+                    "--metrics-listen", "127.0.0.1:0",
+                    "--interval", args.interval,
+                    "--batch-size", str(args.batch_size),
+                    "--grad-accumulation", "1",
+                    "--grad-checkpointing", "false",
+                    "--warn", "0.7",
+                    "--downgrade", str(args.downgrade),
+                    "--critical", "0.95",
+                    "--cooldown", args.cooldown,
+                    "--termination-log", str(out / "termination-log.json"),
+                    "--log-format", "json",
+                ],
+                stdout=side_log,
+                stderr=subprocess.STDOUT,
+                env={**base_env(), "RUST_LOG": os.environ.get("RUST_LOG", "info")},
+            )
+            deadline = time.monotonic() + 10
+            while not signal_file.exists():
+                if side.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"sidecar did not write its initial signal; see {out / 'sidecar.log'}")
+                time.sleep(0.02)
+            env.update(
+                MEMGUARD_SIGNAL_FILE=str(signal_file),
+                MEMGUARD_SIDECAR_URL=f"http://127.0.0.1:{port}",
+                MEMGUARD_BATCH_SIZE=str(args.batch_size),
+                MEMGUARD_GRAD_ACCUMULATION="1",
+            )
+        code, arm.seconds = run_trainer_in(cg, trainer_cmd(args, log, weights), env, args.timeout)
+        arm.exit_code = code
+        arm.oom_kill, arm.oom_kill_counter = cg.oom_kills()
+        arm.failcnt = int(cg.read("memory.failcnt"))
+        arm.peak_bytes = int(cg.read("memory.max_usage_in_bytes"))
+    finally:
+        if side is not None:
+            try:
+                side.wait(timeout=5)  # it exits by itself when the cgroup empties
+            except subprocess.TimeoutExpired:
+                side.send_signal(signal.SIGTERM)
+                try:
+                    side.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    side.kill()
+                    side.wait()
+            arm.sidecar_exit = side.returncode
+            term = out / "termination-log.json"
+            if term.exists():
+                try:
+                    arm.sidecar_summary = json.loads(term.read_text())
+                except ValueError:
+                    arm.sidecar_summary = {"unparsed": term.read_text()[:2000]}
+        cg.remove()
+    analyse(arm, read_log(log), read_sidecar_signals(out / "sidecar.log") if name == "memguard" else [])
+    return arm
+
+
+def mib(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / 1048576:.1f} MiB"
+
+
+def print_summary(arms: Dict[str, Arm]) -> None:
+    print()
+    print(f"{'arm':<10} {'exit':>5} {'oom_kill':>8} {'limit':>11} {'peak':>11} {'steps':>6} {'samples':>8} "
+          f"{'downgrades':>10} {'batches':<14} {'eff. batch':<10} {'secs':>6}")
+    for a in arms.values():
+        eff = f"{a.effective_batch_start}->{a.effective_batch_end}" if a.finished else f"{a.effective_batch_start}->(died)"
+        print(
+            f"{a.name:<10} {a.exit_code!s:>5} {a.oom_kill!s:>8} {mib(a.limit_bytes):>11} {mib(a.peak_bytes):>11} "
+            f"{a.steps:>6} {a.samples:>8} {a.downgrades:>10} {','.join(map(str, a.batches)):<14} {eff:<10} {a.seconds:>6.1f}"
+        )
+    mg = arms.get("memguard")
+    if mg is not None:
+        for lat in mg.latencies:
+            print(
+                f"memguard: signal seq {lat['seq']} (batch {lat['batch']}): first step at the new size "
+                f"{lat.get('from_signal_timestamp_ms')} ms after the sidecar issued it "
+                f"(trainer saw seq {lat.get('trainer_saw_seq')}: {lat.get('from_file_mtime_ms')} ms after that "
+                f"file's mtime, {lat.get('from_seen_ms')} ms after refresh() returned)"
+            )
+        if mg.reports_total:
+            print(f"memguard: POST /v1/report accepted by the sidecar: {mg.reports_ok}/{mg.reports_total}")
+        if mg.sidecar_summary:
+            print(f"memguard: sidecar summary: {json.dumps(mg.sidecar_summary)}")
+        if mg.weights_match_reference is not None:
+            print(f"memguard: final weights equal the reference run's: {mg.weights_match_reference} "
+                  f"(max |diff| {mg.max_weight_diff:.3g})")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description="memguard survival proof (real cgroup v1, real OOM killer)")
+    p.add_argument("--out", default=None, help="directory for logs and results.json (default: a temp dir)")
+    p.add_argument("--sidecar", default=None, help="memguard-sidecar binary (default: target/{release,debug})")
+    p.add_argument("--arms", default="reference,baseline,memguard")
+    p.add_argument("--limit-mib", type=int, default=160)
+    p.add_argument("--samples", type=int, default=2048)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--min-len", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=1900)
+    p.add_argument("--interval", default="100ms")
+    p.add_argument("--downgrade", default="0.85")
+    p.add_argument("--cooldown", default="1s")
+    p.add_argument("--timeout", type=float, default=240.0)
+    args = p.parse_args(argv)
+
+    reason = skip_reason()
+    if reason:
+        print(f"SKIP: survival proof not run: {reason}", flush=True)
+        return SKIP
+    arms_wanted = [a for a in args.arms.split(",") if a]
+    sidecar = find_sidecar(args.sidecar)
+    if "memguard" in arms_wanted and (sidecar is None or not sidecar.is_file()):
+        print("error: memguard-sidecar binary not found: cargo build -p memguard-sidecar", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="memguard-survival-"))
+    out.mkdir(parents=True, exist_ok=True)
+    remove_stale_cgroups()
+    print(f"survival: limit {args.limit_mib} MiB, {args.samples} samples x {args.epochs} epoch(s), "
+          f"batch {args.batch_size}, seq len {args.min_len}..{args.max_len}, sidecar {sidecar}, out {out}", flush=True)
+    arms: Dict[str, Arm] = {}
+    for name in arms_wanted:
+        print(f"survival: running {name} ...", flush=True)
+        arms[name] = run_arm(name, args, out, sidecar)
+    if "reference" in arms and "memguard" in arms and arms["memguard"].finished and arms["reference"].finished:
+        ok, diff = compare_weights(out / "reference.npz", out / "memguard.npz")
+        arms["memguard"].weights_match_reference, arms["memguard"].max_weight_diff = ok, diff
+    results = {
+        "limit_bytes": args.limit_mib * 1024 * 1024,
+        "config": vars(args),
+        "sidecar": str(sidecar) if sidecar else None,
+        "kernel": os.uname().release,
+        "arms": {k: asdict(v) for k, v in arms.items()},
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    print_summary(arms)
+    print(f"\nresults: {out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
