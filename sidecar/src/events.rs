@@ -64,6 +64,9 @@ impl V1Events {
             OFlags::WRONLY | OFlags::CLOEXEC,
             Mode::empty(),
         )?;
+        if !psi::is_kernel_fs(&control) {
+            return Err(Errno::NOTSUP);
+        }
         let mut targets = Vec::new();
         let usage = rustix::fs::open(
             dir.join("memory.usage_in_bytes"),

@@ -111,10 +111,30 @@ fn try_register(path: &Path, stall: Duration, window: Duration) -> Result<OwnedF
         OFlags::RDWR | OFlags::NONBLOCK | OFlags::CLOEXEC,
         Mode::empty(),
     )?;
+    if !is_kernel_fs(&fd) {
+        // A regular file (a fake tree in tests): never write a trigger into it.
+        return Err(Errno::NOTSUP);
+    }
     let mut text = trigger_text(stall, window).into_bytes();
     text.push(0);
     rustix::io::write(&fd, &text)?;
     Ok(fd)
+}
+
+/// Whether `fd` lives on procfs or a cgroup filesystem (where trigger and event-control writes
+/// mean something), not on a regular filesystem.
+#[allow(clippy::unnecessary_cast)] // f_type is i64 or u32 depending on the backend
+pub fn is_kernel_fs(fd: &OwnedFd) -> bool {
+    const PROC_SUPER_MAGIC: u64 = 0x9fa0;
+    const CGROUP_SUPER_MAGIC: u64 = 0x27e0eb;
+    const CGROUP2_SUPER_MAGIC: u64 = 0x6367_7270;
+    match rustix::fs::fstatfs(fd) {
+        Ok(st) => matches!(
+            st.f_type as u64,
+            PROC_SUPER_MAGIC | CGROUP_SUPER_MAGIC | CGROUP2_SUPER_MAGIC
+        ),
+        Err(_) => false,
+    }
 }
 
 #[cfg(test)]
@@ -162,6 +182,38 @@ mod tests {
             trigger_text(Duration::from_millis(150), Duration::from_secs(1)),
             "some 150000 1000000"
         );
+    }
+
+    #[test]
+    fn never_writes_a_trigger_into_a_regular_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("memory.pressure");
+        let text = "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n";
+        std::fs::write(&p, text).expect("w");
+        let e = register_trigger(&p, Duration::from_millis(100), Duration::from_secs(1));
+        assert_eq!(e.map(|_| ()), Err(Errno::NOTSUP));
+        assert_eq!(
+            std::fs::read_to_string(&p).expect("r"),
+            text,
+            "file untouched"
+        );
+    }
+
+    /// Real: where the kernel has PSI, a trigger is accepted (2 s windows at worst).
+    #[test]
+    fn arms_a_real_trigger_on_proc_pressure_memory() {
+        let p = Path::new("/proc/pressure/memory");
+        if !p.exists() {
+            eprintln!("SKIP: no /proc/pressure/memory on this kernel (PSI off)");
+            return;
+        }
+        match register_trigger(p, Duration::from_millis(100), Duration::from_secs(1)) {
+            Ok(t) => assert!(t.window.as_secs() <= 2 && t.stall <= t.window),
+            Err(Errno::ACCESS) | Err(Errno::PERM) => {
+                eprintln!("SKIP: PSI triggers not permitted for this user")
+            }
+            Err(e) => panic!("trigger refused: {e}"),
+        }
     }
 
     #[test]
