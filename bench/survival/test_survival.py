@@ -5,11 +5,14 @@ elsewhere it prints a loud SKIP. The sidecar binary is taken from ``MEMGUARD_SID
 ``target/release`` or ``target/debug``; when none exists it is built with cargo.
 
     python -m pytest bench/survival -s -rs
+
+With ``MEMGUARD_REQUIRE_SURVIVAL=1`` (set it in CI) a machine that cannot run it fails instead.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -31,6 +34,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     if reason:
         msg = f"SKIP SKIP SKIP: the survival proof did NOT run: {reason}"
         print("\n" + "!" * len(msg) + "\n" + msg + "\n" + "!" * len(msg), file=sys.stderr)
+        if os.environ.get("MEMGUARD_REQUIRE_SURVIVAL") == "1":
+            pytest.fail(msg + " (MEMGUARD_REQUIRE_SURVIVAL=1)")
         pytest.skip(msg)
     sidecar = survival.find_sidecar(None)
     if sidecar is None:

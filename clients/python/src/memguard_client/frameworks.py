@@ -11,13 +11,13 @@ from __future__ import annotations
 import importlib
 import sys
 from types import ModuleType
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Set
 
 #: Report fields as sent to `POST /v1/report` (see memguard_api::signal::Report).
 FrameworkMemory = Dict[str, object]
 
 
-_MISSING: set = set()
+_MISSING: Set[str] = set()
 
 
 def _module(name: str, import_missing: bool) -> Optional[ModuleType]:

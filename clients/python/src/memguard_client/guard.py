@@ -400,7 +400,7 @@ class Guard:
         )
         try:
             with urllib.request.urlopen(req, timeout=self._report_timeout) as resp:
-                return 200 <= resp.status < 300
+                return 200 <= int(resp.status) < 300
         except Exception as err:
             log.debug("memguard report failed: %s", err)
             return False

@@ -51,9 +51,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
-from .batching import split_batch
+from .batching import MicroBatch, split_batch
 from .guard import Guard
 from .torch import empty_cache
 
@@ -74,10 +74,10 @@ class _CallbackBase:
 
 def _callback_base() -> type:
     try:
-        from transformers import TrainerCallback  # type: ignore[import-not-found]
+        from transformers import TrainerCallback  # type: ignore[import-not-found,unused-ignore]
     except Exception:
         return _CallbackBase
-    return TrainerCallback  # type: ignore[no-any-return]
+    return TrainerCallback  # type: ignore[no-any-return,unused-ignore]
 
 
 class MemguardCallback(_callback_base()):  # type: ignore[misc]
@@ -175,7 +175,7 @@ class MemguardCallback(_callback_base()):  # type: ignore[misc]
         trainer._memguard_callback = self
         self.attached = True
 
-    def _split(self, trainer: Any, inputs: Any) -> list:
+    def _split(self, trainer: Any, inputs: Any) -> List[MicroBatch[Any]]:
         if _unsupported(trainer):
             if not self._warned:
                 log.warning("memguard: DeepSpeed/SageMaker MP training: batches are not re-chunked")

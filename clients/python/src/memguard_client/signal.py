@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 #: Schema version this client understands. A signal with another version is ignored.
 SIGNAL_VERSION = 1
@@ -63,28 +63,32 @@ class Signal:
         return parse_rfc3339(self.timestamp)
 
 
-def _is_int(value: Any) -> bool:
+def _as_int(value: Any) -> Optional[int]:
     # bool is a subclass of int; JSON true must not pass as a batch size.
-    return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return None
 
 
-def _is_number(value: Any) -> bool:
-    return (isinstance(value, (int, float))) and not isinstance(value, bool)
+def _as_float(value: Any) -> Optional[float]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
 
 
 def _parse_pressure(value: Any) -> Pressure:
     # Pressure is informative only: keep the figures that are well-typed, drop the rest.
     if not isinstance(value, Mapping):
         return Pressure()
-    kwargs: dict = {}
+    kwargs: Dict[str, Any] = {}
     for key in _PRESSURE_FLOATS:
-        v = value.get(key)
-        if _is_number(v):
-            kwargs[key] = float(v)
+        f = _as_float(value.get(key))
+        if f is not None:
+            kwargs[key] = f
     for key in _PRESSURE_INTS:
-        v = value.get(key)
-        if _is_int(v) and v >= 0:
-            kwargs[key] = v
+        n = _as_int(value.get(key))
+        if n is not None and n >= 0:
+            kwargs[key] = n
     return Pressure(**kwargs)
 
 
@@ -97,28 +101,28 @@ def signal_from_dict(obj: Any) -> Optional[Signal]:
     """
     if not isinstance(obj, Mapping):
         return None
-    version = obj.get("version")
-    if not _is_int(version) or version != SIGNAL_VERSION:
+    version = _as_int(obj.get("version"))
+    if version != SIGNAL_VERSION:
         return None
-    seq = obj.get("seq")
+    seq = _as_int(obj.get("seq"))
     level = obj.get("level")
-    batch = obj.get("batch_size")
-    accum = obj.get("grad_accumulation")
+    batch = _as_int(obj.get("batch_size"))
+    accum = _as_int(obj.get("grad_accumulation"))
     ckpt = obj.get("grad_checkpointing")
-    if not _is_int(seq) or seq < 0:
+    if seq is None or seq < 0:
         return None
-    if level not in LEVELS:
+    if not isinstance(level, str) or level not in LEVELS:
         return None
-    if not _is_int(batch) or batch < 1:
+    if batch is None or batch < 1:
         return None
-    if not _is_int(accum) or accum < 1:
+    if accum is None or accum < 1:
         return None
     if not isinstance(ckpt, bool):
         return None
     reason = obj.get("reason")
     timestamp = obj.get("timestamp")
     return Signal(
-        version=version,
+        version=SIGNAL_VERSION,
         seq=seq,
         level=level,
         batch_size=batch,
