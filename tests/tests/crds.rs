@@ -1,0 +1,219 @@
+//! The generated CRDs: fresh in `crds/` and in the chart, shaped as people depend on, and valid
+//! Kubernetes 1.33 objects.
+
+use memguard_api::crd::{self, CustomResourceExt, MemguardPolicy, MemoryProfile};
+use memguard_api::labels;
+use memguard_e2e::{kubernetes_validate, validate_manifests, workspace_root};
+use serde_json::Value;
+use std::collections::BTreeSet;
+use std::path::Path;
+
+const REGENERATE: &str =
+    "run `cargo run -p memguard -- crdgen --out crds && cp crds/*.yaml charts/memguard/crds/`";
+
+fn yaml_files(dir: &Path) -> BTreeSet<String> {
+    std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}; {REGENERATE}", dir.display()))
+        .map(|e| {
+            e.expect("readable entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .filter(|n| n.ends_with(".yaml"))
+        .collect()
+}
+
+#[test]
+fn checked_in_crds_match_the_rust_types_byte_for_byte() {
+    let rendered = crd::render().expect("CRDs render");
+    let expected: BTreeSet<String> = rendered.iter().map(|(n, _)| n.clone()).collect();
+    for dir in ["crds", "charts/memguard/crds"] {
+        let dir = workspace_root().join(dir);
+        assert_eq!(
+            yaml_files(&dir),
+            expected,
+            "{} holds other files than the generated CRDs; {REGENERATE}",
+            dir.display()
+        );
+        for (name, text) in &rendered {
+            let path = dir.join(name);
+            let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
+            assert!(
+                on_disk == *text,
+                "{} is stale (differs from the Rust types); {REGENERATE}",
+                path.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn rendering_is_deterministic_and_starts_with_the_header() {
+    let a = crd::render().expect("renders");
+    let b = crd::render().expect("renders");
+    assert_eq!(a, b);
+    for (name, text) in &a {
+        assert!(text.starts_with(crd::GENERATED_HEADER), "{name}");
+        assert_eq!(
+            text.matches("\n---").count(),
+            0,
+            "{name}: one document per file"
+        );
+    }
+}
+
+/// The CRDs as JSON, by kind.
+fn crds_by_kind() -> std::collections::BTreeMap<String, Value> {
+    crd::crds()
+        .iter()
+        .map(|c| {
+            let v = serde_json::to_value(c).expect("a CRD serializes");
+            (
+                v["spec"]["names"]["kind"]
+                    .as_str()
+                    .expect("kind")
+                    .to_string(),
+                v,
+            )
+        })
+        .collect()
+}
+
+fn printer_columns(version: &Value) -> Vec<(String, String, String)> {
+    version["additionalPrinterColumns"]
+        .as_array()
+        .expect("printer columns")
+        .iter()
+        .map(|c| {
+            let s = |k: &str| c[k].as_str().expect("string field").to_string();
+            (s("name"), s("type"), s("jsonPath"))
+        })
+        .collect()
+}
+
+fn col(name: &str, ty: &str, path: &str) -> (String, String, String) {
+    (name.into(), ty.into(), path.into())
+}
+
+#[test]
+fn memguard_policy_is_cluster_scoped_with_the_policy_document_as_spec() {
+    let crds = crds_by_kind();
+    let p = &crds["MemguardPolicy"];
+    assert_eq!(p["metadata"]["name"], "memguardpolicies.memguard.io");
+    assert_eq!(p["spec"]["group"], labels::GROUP);
+    assert_eq!(p["spec"]["scope"], "Cluster");
+    assert_eq!(
+        p["spec"]["names"]["shortNames"],
+        serde_json::json!(["mgpol"])
+    );
+    let versions = p["spec"]["versions"].as_array().expect("versions");
+    assert_eq!(versions.len(), 1);
+    let v = &versions[0];
+    assert_eq!(v["name"], crd::VERSION);
+    assert_eq!(
+        (v["served"].as_bool(), v["storage"].as_bool()),
+        (Some(true), Some(true))
+    );
+    assert!(v.get("subresources").is_none(), "a policy has no status");
+    let spec = &v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"];
+    for field in [
+        "safetyRatio",
+        "defaultGpuMemory",
+        "gpuMemory",
+        "sidecar",
+        "thresholds",
+        "envNames",
+        "floors",
+    ] {
+        assert!(
+            spec.get(field).is_some(),
+            "spec.{field} missing from the schema"
+        );
+    }
+    assert_eq!(
+        spec["sidecar"]["properties"]["mode"]["enum"],
+        serde_json::json!(["native", "classic"])
+    );
+    assert_eq!(
+        printer_columns(v),
+        vec![
+            col("Safety", "number", ".spec.safetyRatio"),
+            col("Default GPU", "string", ".spec.defaultGpuMemory"),
+            col("Sidecar", "string", ".spec.sidecar.mode"),
+            col("Age", "date", ".metadata.creationTimestamp"),
+        ]
+    );
+    assert_eq!(MemguardPolicy::crd_name(), "memguardpolicies.memguard.io");
+}
+
+#[test]
+fn memory_profile_is_namespaced_with_status_subresource_and_useful_columns() {
+    let crds = crds_by_kind();
+    let p = &crds["MemoryProfile"];
+    assert_eq!(p["metadata"]["name"], "memoryprofiles.memguard.io");
+    assert_eq!(p["spec"]["group"], labels::GROUP);
+    assert_eq!(p["spec"]["scope"], "Namespaced");
+    assert_eq!(
+        p["spec"]["names"]["shortNames"],
+        serde_json::json!(["mgprof"])
+    );
+    let v = &p["spec"]["versions"][0];
+    assert_eq!(v["name"], crd::VERSION);
+    assert_eq!(v["subresources"]["status"], serde_json::json!({}));
+    assert_eq!(
+        printer_columns(v),
+        vec![
+            col("Model", "string", ".spec.model"),
+            col("Method", "string", ".spec.method"),
+            col("Device", "string", ".spec.device"),
+            col("Runs", "integer", ".status.runCount"),
+            col("Factor", "number", ".status.medianCorrectionFactor"),
+            col("Last OOM", "date", ".status.lastOomAt"),
+            col("Age", "date", ".metadata.creationTimestamp"),
+        ]
+    );
+    let root = &v["schema"]["openAPIV3Schema"]["properties"];
+    // Every printer column points at a field of the schema.
+    for (name, _, path) in printer_columns(v) {
+        if path.starts_with(".metadata") {
+            continue;
+        }
+        let mut node = root;
+        for seg in path.trim_start_matches('.').split('.') {
+            node = &node[seg];
+            assert!(
+                !node.is_null(),
+                "column {name}: {path} is not in the schema"
+            );
+            if node.get("properties").is_some() {
+                node = &node["properties"];
+            }
+        }
+    }
+    let status = &root["status"]["properties"];
+    assert_eq!(status["runs"]["maxItems"], crd::MAX_RUNS);
+    assert_eq!(status["oomEvents"]["maxItems"], crd::MAX_OOM_EVENTS);
+    assert!(
+        root["spec"]["description"]
+            .as_str()
+            .is_some_and(|d| d.contains("which model")),
+        "doc comments become descriptions"
+    );
+    assert_eq!(MemoryProfile::crd_name(), "memoryprofiles.memguard.io");
+}
+
+#[test]
+fn crds_are_valid_kubernetes_1_33_objects() {
+    let Some(tool) = kubernetes_validate() else {
+        return;
+    };
+    let files: Vec<_> = crd::render()
+        .expect("renders")
+        .into_iter()
+        .map(|(name, _)| workspace_root().join("crds").join(name))
+        .collect();
+    if let Err(out) = validate_manifests(&tool, &files) {
+        panic!("kubernetes-validate rejected the CRDs:\n{out}");
+    }
+}
