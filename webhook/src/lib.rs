@@ -7,11 +7,20 @@
 //! feature, so the CLI reuses the very same code path without axum or tokio.
 #![forbid(unsafe_code)]
 
+#[cfg(feature = "server")]
+pub mod args;
+pub mod config;
 pub mod manifest;
+#[cfg(feature = "server")]
+pub mod metrics;
 pub mod mutate;
 pub mod patch;
 pub mod quantity;
 pub mod review;
+#[cfg(feature = "server")]
+pub mod server;
+#[cfg(feature = "server")]
+pub mod tls;
 
 #[cfg(test)]
 mod testutil;

@@ -458,7 +458,7 @@ fn knobs_for(cfg: &TrainingConfig) -> Vec<Knob> {
 }
 
 /// The policy's default env-map. Entries naming an unknown knob are ignored here; policies are
-/// checked for them when loaded ([`crate::config::check_policy`]).
+/// checked for them when loaded ([`crate::config::policy_from_str`]).
 fn policy_env_map(policy: &Policy) -> memguard_api::EnvMap {
     policy
         .env_names

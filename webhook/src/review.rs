@@ -6,10 +6,12 @@
 
 use crate::mutate::{self, Outcome, Profiles};
 use crate::patch;
+use base64::Engine;
 use k8s_openapi::api::core::v1::Pod;
 use kube::core::DynamicObject;
-use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
+use kube::core::admission::{AdmissionRequest, AdmissionReview, Operation};
 use memguard_api::Policy;
+use serde::Serialize;
 
 /// How one review ended, for metrics and logs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -36,11 +38,44 @@ impl Disposition {
     }
 }
 
+/// The AdmissionReview sent back. Requests are parsed with kube's types; the answer is written
+/// here so that the patch is base64, as the API documents (`[]byte`), rather than the array of
+/// numbers kube's `Vec<u8>` serializes to: a third of the size, and the canonical form.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReviewResponse {
+    /// Echoes the request's (`admission.k8s.io/v1`).
+    pub api_version: String,
+    /// `AdmissionReview`.
+    pub kind: String,
+    /// The response.
+    pub response: Response,
+}
+
+/// `AdmissionReview.response`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Response {
+    /// The request's uid.
+    pub uid: String,
+    /// Always true: memguard never refuses a pod.
+    pub allowed: bool,
+    /// Base64 of the JSON patch, when there is one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub patch: Option<String>,
+    /// `JSONPatch` when there is a patch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub patch_type: Option<&'static str>,
+    /// Warnings shown to the client (each ≤ 120 characters).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warnings: Option<Vec<String>>,
+}
+
 /// The answer to one AdmissionReview.
 #[derive(Debug)]
 pub struct Reviewed {
     /// The AdmissionReview to send back.
-    pub review: AdmissionReview<DynamicObject>,
+    pub review: ReviewResponse,
     /// How it ended.
     pub disposition: Disposition,
     /// Downgrade steps applied by the plan (0 unless mutated).
@@ -75,39 +110,43 @@ fn answer(
     policy: &Policy,
     profiles: &Profiles,
 ) -> Reviewed {
-    let response = AdmissionResponse::from(request);
     let pod_name = match &request.namespace {
         Some(ns) => format!("{ns}/{}", request.name),
         None => request.name.clone(),
     };
-    let done = |response: AdmissionResponse, disposition, steps, warnings: Vec<String>| {
-        let response = if warnings.is_empty() {
-            response
-        } else {
-            let mut r = response;
-            r.warnings = Some(warnings.clone());
-            r
-        };
-        Reviewed {
-            review: response.into_review(),
-            disposition,
-            steps,
-            pod: pod_name.clone(),
-            warnings,
-        }
+    let done = |patch: Option<String>, disposition, steps, warnings: Vec<String>| Reviewed {
+        review: ReviewResponse {
+            api_version: if request.types.api_version.is_empty() {
+                "admission.k8s.io/v1".into()
+            } else {
+                request.types.api_version.clone()
+            },
+            kind: "AdmissionReview".into(),
+            response: Response {
+                uid: request.uid.clone(),
+                allowed: true,
+                patch_type: patch.as_ref().map(|_| "JSONPatch"),
+                patch,
+                warnings: (!warnings.is_empty()).then(|| warnings.clone()),
+            },
+        },
+        disposition,
+        steps,
+        pod: pod_name.clone(),
+        warnings,
     };
     let is_pod = request.kind.group.is_empty() && request.kind.kind == "Pod";
     if request.operation != Operation::Create || !is_pod || request.sub_resource.is_some() {
-        return done(response, Disposition::Unchanged, 0, Vec::new());
+        return done(None, Disposition::Unchanged, 0, Vec::new());
     }
     let Some(object) = &request.object else {
-        return done(response, Disposition::Unchanged, 0, Vec::new());
+        return done(None, Disposition::Unchanged, 0, Vec::new());
     };
     let pod: Pod = match serde_json::to_value(object).and_then(serde_json::from_value) {
         Ok(pod) => pod,
         Err(e) => {
             let warning = mutate::truncate(&format!("memguard: object is not a valid Pod: {e}"));
-            return done(response, Disposition::Error, 0, vec![warning]);
+            return done(None, Disposition::Error, 0, vec![warning]);
         }
     };
 
@@ -122,13 +161,16 @@ fn answer(
         Outcome::Mutated(m) => (Disposition::Mutated, m.steps(), m.warnings.clone()),
     };
     if patch.0.is_empty() {
-        return done(response, disposition, steps, warnings);
+        return done(None, disposition, steps, warnings);
     }
-    match response.clone().with_patch(patch) {
-        Ok(with_patch) => done(with_patch, disposition, steps, warnings),
+    match serde_json::to_vec(&patch) {
+        Ok(json) => {
+            let encoded = base64::engine::general_purpose::STANDARD.encode(json);
+            done(Some(encoded), disposition, steps, warnings)
+        }
         Err(e) => {
             let warning = mutate::truncate(&format!("memguard: could not encode the patch: {e}"));
-            done(response, Disposition::Error, 0, vec![warning])
+            done(None, Disposition::Error, 0, vec![warning])
         }
     }
 }

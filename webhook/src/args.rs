@@ -1,0 +1,116 @@
+//! Flags of `memguard-webhook`; each is also settable through a `MEMGUARD_WEBHOOK_*` variable.
+
+use crate::config::Overrides;
+use memguard_api::policy::SidecarMode;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// memguard's mutating admission webhook: estimates training pods, rewrites their knobs to fit
+/// and injects the sidecar. Serves AdmissionReviews over HTTPS and metrics over plain HTTP.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "memguard-webhook", version, about)]
+pub struct Args {
+    /// HTTPS address for `POST /mutate`, `/healthz` and `/readyz`.
+    #[arg(long, env = "MEMGUARD_WEBHOOK_LISTEN", default_value = "0.0.0.0:8443")]
+    pub listen: SocketAddr,
+
+    /// Plain-HTTP address for `GET /metrics`.
+    #[arg(
+        long,
+        env = "MEMGUARD_WEBHOOK_METRICS_LISTEN",
+        default_value = "0.0.0.0:9090"
+    )]
+    pub metrics_listen: SocketAddr,
+
+    /// PEM certificate chain (`tls.crt` of a `kubernetes.io/tls` Secret); reloaded on change.
+    #[arg(long, env = "MEMGUARD_WEBHOOK_TLS_CERT_FILE")]
+    pub tls_cert_file: PathBuf,
+
+    /// PEM private key (`tls.key`); reloaded on change.
+    #[arg(long, env = "MEMGUARD_WEBHOOK_TLS_KEY_FILE")]
+    pub tls_key_file: PathBuf,
+
+    /// Policy document (YAML or JSON `PolicySpec`: the `MemguardPolicy` spec).
+    #[arg(long, env = "MEMGUARD_WEBHOOK_POLICY_FILE")]
+    pub policy_file: Option<PathBuf>,
+
+    /// Fraction of device memory a plan may use, in (0, 1]; overrides the policy file.
+    #[arg(long, env = "MEMGUARD_WEBHOOK_SAFETY_RATIO")]
+    pub safety_ratio: Option<f64>,
+
+    /// GPU memory when no product is known (e.g. `80Gi`); overrides the policy file.
+    #[arg(long, env = "MEMGUARD_WEBHOOK_DEFAULT_GPU_MEMORY")]
+    pub default_gpu_memory: Option<String>,
+
+    /// Sidecar image; overrides the policy file.
+    #[arg(long, env = "MEMGUARD_WEBHOOK_SIDECAR_IMAGE")]
+    pub sidecar_image: Option<String>,
+
+    /// `native` (initContainers, restartPolicy Always) or `classic`; overrides the policy file.
+    #[arg(long, env = "MEMGUARD_WEBHOOK_SIDECAR_MODE", value_parser = parse_mode)]
+    pub sidecar_mode: Option<SidecarMode>,
+
+    /// Answer within this many milliseconds (keep below the webhook's `timeoutSeconds`).
+    #[arg(
+        long,
+        env = "MEMGUARD_WEBHOOK_REQUEST_TIMEOUT_MS",
+        default_value_t = 4000
+    )]
+    pub request_timeout_ms: u64,
+
+    /// How often the certificate files are checked for a change, in milliseconds.
+    #[arg(
+        long,
+        env = "MEMGUARD_WEBHOOK_TLS_RELOAD_INTERVAL_MS",
+        default_value_t = 1000
+    )]
+    pub tls_reload_interval_ms: u64,
+
+    /// Longest wait for in-flight requests after SIGTERM, in seconds.
+    #[arg(
+        long,
+        env = "MEMGUARD_WEBHOOK_SHUTDOWN_GRACE_SECONDS",
+        default_value_t = 15
+    )]
+    pub shutdown_grace_seconds: u64,
+
+    /// Log format: `json` (default) or `text`. Levels come from `RUST_LOG` (default `info`).
+    #[arg(long, env = "MEMGUARD_WEBHOOK_LOG_FORMAT", default_value = "json")]
+    pub log_format: LogFormat,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// One JSON object per line.
+    Json,
+    /// Human-readable.
+    Text,
+}
+
+impl Args {
+    /// The flag overrides of the policy.
+    pub fn overrides(&self) -> Overrides {
+        Overrides {
+            safety_ratio: self.safety_ratio,
+            default_gpu_memory: self.default_gpu_memory.clone(),
+            sidecar_image: self.sidecar_image.clone(),
+            sidecar_mode: self.sidecar_mode,
+        }
+    }
+
+    /// `--request-timeout-ms` as a duration.
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_millis(self.request_timeout_ms.max(1))
+    }
+}
+
+/// `native|classic`.
+pub fn parse_mode(s: &str) -> Result<SidecarMode, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "native" => Ok(SidecarMode::Native),
+        "classic" => Ok(SidecarMode::Classic),
+        other => Err(format!("`{other}` is not `native` or `classic`")),
+    }
+}

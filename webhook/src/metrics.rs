@@ -1,0 +1,144 @@
+//! Prometheus metrics of the webhook (prefix `memguard_webhook`), served on their own port.
+
+use crate::review::Disposition;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicI64;
+use std::time::Duration;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: &'static str,
+}
+
+/// The webhook's metrics and their registry.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<OutcomeLabel, Counter>,
+    duration: Histogram,
+    downgrade_steps: Counter,
+    cert_expiry: Gauge<i64, AtomicI64>,
+    cert_reloads: Family<ResultLabel, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric under `memguard_webhook`.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("memguard_webhook");
+        let requests = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "admission_requests",
+            "AdmissionReviews answered, by outcome (mutated|unchanged|skipped|error)",
+            requests.clone(),
+        );
+        // 50 µs … ~1.6 s.
+        let duration = Histogram::new(exponential_buckets(0.00005, 2.0, 16));
+        registry.register(
+            "admission_duration_seconds",
+            "Time to answer one AdmissionReview (parse, estimate, plan, patch)",
+            duration.clone(),
+        );
+        let downgrade_steps = Counter::default();
+        registry.register(
+            "downgrade_steps",
+            "Downgrade steps written into mutated pods",
+            downgrade_steps.clone(),
+        );
+        let cert_expiry = Gauge::<i64, AtomicI64>::default();
+        registry.register(
+            "certificate_expiry_timestamp_seconds",
+            "notAfter of the serving certificate, as a Unix timestamp",
+            cert_expiry.clone(),
+        );
+        let cert_reloads = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "certificate_reloads",
+            "Certificate reloads after the files changed, by result (ok|error)",
+            cert_reloads.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            duration,
+            downgrade_steps,
+            cert_expiry,
+            cert_reloads,
+        }
+    }
+
+    /// Records one answered review.
+    pub fn observe(&self, disposition: Disposition, steps: usize, elapsed: Duration) {
+        self.requests
+            .get_or_create(&OutcomeLabel {
+                outcome: disposition.label(),
+            })
+            .inc();
+        self.duration.observe(elapsed.as_secs_f64());
+        if steps > 0 {
+            self.downgrade_steps.inc_by(steps as u64);
+        }
+    }
+
+    /// Records the serving certificate's expiry.
+    pub fn set_cert_expiry(&self, unix_seconds: i64) {
+        self.cert_expiry.set(unix_seconds);
+    }
+
+    /// Records a certificate reload attempt.
+    pub fn cert_reload(&self, ok: bool) {
+        let result = if ok { "ok" } else { "error" };
+        self.cert_reloads
+            .get_or_create(&ResultLabel { result })
+            .inc();
+    }
+
+    /// The OpenMetrics text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_outcomes_steps_and_expiry() {
+        let m = Metrics::new();
+        m.observe(Disposition::Mutated, 2, Duration::from_micros(300));
+        m.observe(Disposition::Skipped, 0, Duration::from_micros(100));
+        m.set_cert_expiry(1_900_000_000);
+        m.cert_reload(false);
+        let text = m.encode();
+        for line in [
+            "memguard_webhook_admission_requests_total{outcome=\"mutated\"} 1",
+            "memguard_webhook_admission_requests_total{outcome=\"skipped\"} 1",
+            "memguard_webhook_downgrade_steps_total 2",
+            "memguard_webhook_admission_duration_seconds_count 2",
+            "memguard_webhook_certificate_expiry_timestamp_seconds 1900000000",
+            "memguard_webhook_certificate_reloads_total{result=\"error\"} 1",
+        ] {
+            assert!(text.contains(line), "missing `{line}` in\n{text}");
+        }
+        assert!(text.ends_with("# EOF\n"));
+    }
+}

@@ -1,0 +1,239 @@
+//! The HTTPS admission server and the plain-HTTP metrics server. Handlers only parse, log and
+//! wrap: the work is [`crate::review::review`].
+
+use crate::args::{Args, LogFormat};
+use crate::metrics::Metrics;
+use crate::mutate::Profiles;
+use crate::review::{self, Disposition};
+use crate::tls::{self, CertFiles};
+use anyhow::Context;
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum_server::Handle;
+use axum_server::tls_rustls::RustlsConfig;
+use bytes::Bytes;
+use memguard_api::{Policy, labels};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tower_http::timeout::TimeoutLayer;
+
+/// Kubernetes caps request bodies at 3 MiB; an AdmissionReview is never larger.
+pub const MAX_BODY_BYTES: usize = 3 * 1024 * 1024;
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct AppState {
+    /// The policy (a `MemguardPolicy` watch can swap it later; handlers only read it).
+    pub policy: Arc<Policy>,
+    /// Calibrations from `MemoryProfile`s.
+    pub profiles: Arc<Profiles>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+}
+
+/// `POST /mutate`, `GET /healthz`, `GET /readyz`, with the body cap and the request timeout.
+pub fn router(state: AppState, timeout: Duration) -> Router {
+    Router::new()
+        .route(labels::WEBHOOK_PATH, post(mutate))
+        .route("/healthz", get(ok))
+        .route("/readyz", get(ok))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(TimeoutLayer::with_status_code(
+            StatusCode::SERVICE_UNAVAILABLE,
+            timeout,
+        ))
+        .with_state(state)
+}
+
+/// `GET /metrics` (OpenMetrics text).
+pub fn metrics_router(metrics: Arc<Metrics>) -> Router {
+    Router::new().route(
+        "/metrics",
+        get(move || {
+            let metrics = metrics.clone();
+            async move {
+                (
+                    [(
+                        header::CONTENT_TYPE,
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    )],
+                    metrics.encode(),
+                )
+            }
+        }),
+    )
+}
+
+async fn ok() -> &'static str {
+    "ok"
+}
+
+async fn mutate(State(state): State<AppState>, body: Bytes) -> Response {
+    let start = Instant::now();
+    match review::review(&body, &state.policy, &state.profiles) {
+        Ok(r) => {
+            state
+                .metrics
+                .observe(r.disposition, r.steps, start.elapsed());
+            match r.disposition {
+                Disposition::Mutated | Disposition::Skipped | Disposition::Error => {
+                    tracing::info!(
+                        pod = %r.pod,
+                        outcome = r.disposition.label(),
+                        steps = r.steps,
+                        warnings = ?r.warnings,
+                        "admission reviewed"
+                    );
+                }
+                Disposition::Unchanged => {
+                    tracing::debug!(pod = %r.pod, outcome = "unchanged", "admission reviewed");
+                }
+            }
+            match serde_json::to_vec(&r.review) {
+                Ok(json) => ([(header::CONTENT_TYPE, "application/json")], json).into_response(),
+                Err(error) => {
+                    tracing::error!(%error, "could not encode the AdmissionReview");
+                    StatusCode::INTERNAL_SERVER_ERROR.into_response()
+                }
+            }
+        }
+        Err(error) => {
+            state
+                .metrics
+                .observe(Disposition::Error, 0, start.elapsed());
+            tracing::warn!(%error, "bad request");
+            (StatusCode::BAD_REQUEST, error.to_string()).into_response()
+        }
+    }
+}
+
+/// Initializes logging once: JSON (default) or text, levels from `RUST_LOG` (default `info`).
+pub fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stdout);
+    let _ = match format {
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+}
+
+/// Runs the webhook until SIGTERM or ctrl-c, then drains for at most the grace period.
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    init_tracing(args.log_format);
+    let policy_text = match &args.policy_file {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading policy file {}", path.display()))?,
+        ),
+        None => None,
+    };
+    let policy = crate::config::policy_from_str(policy_text.as_deref(), &args.overrides())
+        .map_err(|errors| anyhow::anyhow!("invalid policy: {}", errors.join("; ")))?;
+
+    let metrics = Arc::new(Metrics::new());
+    let files = CertFiles {
+        cert: args.tls_cert_file.clone(),
+        key: args.tls_key_file.clone(),
+    };
+    let pem = files.read().await?;
+    let loaded = tls::load(&pem.0, &pem.1).context("loading the serving certificate")?;
+    if let Some(t) = loaded.not_after {
+        metrics.set_cert_expiry(t);
+    }
+    let served = RustlsConfig::from_config(loaded.config);
+    let watcher = tokio::spawn(tls::watch(
+        files,
+        served.clone(),
+        metrics.clone(),
+        Duration::from_millis(args.tls_reload_interval_ms.max(10)),
+        pem,
+    ));
+
+    let state = AppState {
+        policy: Arc::new(policy),
+        profiles: Arc::new(Profiles::default()),
+        metrics: metrics.clone(),
+    };
+    let handle: Handle<SocketAddr> = Handle::new();
+    let https = axum_server::bind_rustls(args.listen, served)
+        .handle(handle.clone())
+        .serve(router(state, args.request_timeout()).into_make_service());
+    let https = tokio::spawn(https);
+
+    let metrics_listener = tokio::net::TcpListener::bind(args.metrics_listen)
+        .await
+        .with_context(|| format!("binding {}", args.metrics_listen))?;
+    let metrics_addr = metrics_listener.local_addr()?;
+    let metrics_server =
+        tokio::spawn(async move { axum::serve(metrics_listener, metrics_router(metrics)).await });
+
+    let https_addr = handle
+        .listening()
+        .await
+        .context("the HTTPS listener did not start")?;
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        https = %https_addr,
+        metrics = %metrics_addr,
+        "memguard-webhook serving"
+    );
+
+    shutdown_signal().await;
+    let grace = Duration::from_secs(args.shutdown_grace_seconds);
+    tracing::info!(
+        grace_seconds = grace.as_secs(),
+        "shutting down: draining connections"
+    );
+    handle.graceful_shutdown(Some(grace));
+    let drained = tokio::time::timeout(grace + Duration::from_secs(1), https).await;
+    watcher.abort();
+    metrics_server.abort();
+    match drained {
+        Ok(Ok(Ok(()))) => {
+            tracing::info!("stopped");
+            Ok(())
+        }
+        Ok(Ok(Err(e))) => Err(e).context("HTTPS server"),
+        Ok(Err(e)) => Err(e).context("HTTPS server task"),
+        Err(_) => {
+            tracing::warn!("drain deadline passed; exiting");
+            Ok(())
+        }
+    }
+}
+
+/// SIGTERM (what the kubelet sends) or ctrl-c.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+}
+
+#[cfg(test)]
+mod tests;

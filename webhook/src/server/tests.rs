@@ -1,0 +1,174 @@
+use super::*;
+use crate::testutil::{admission_review, bare_pod, trainer_pod};
+use axum::body::Body;
+use axum::http::Request;
+use base64::Engine;
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+fn state() -> AppState {
+    AppState {
+        policy: Arc::new(Policy::default()),
+        profiles: Arc::new(Profiles::default()),
+        metrics: Arc::new(Metrics::new()),
+    }
+}
+
+async fn post(app: Router, body: impl Into<Body>) -> (StatusCode, Vec<u8>) {
+    let request = Request::post(labels::WEBHOOK_PATH)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(body.into())
+        .expect("request");
+    let response = app.oneshot(request).await.expect("infallible");
+    let status = response.status();
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    (status, bytes.to_vec())
+}
+
+async fn review(app: Router, review: Value) -> Value {
+    let (status, body) = post(app, review.to_string()).await;
+    assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+    serde_json::from_slice(&body).expect("an AdmissionReview comes back")
+}
+
+fn apply_response(pod: &Value, response: &Value) -> Value {
+    let patch_b64 = response["response"]["patch"].as_str().expect("a patch");
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(patch_b64)
+        .expect("base64");
+    let patch: json_patch::Patch = serde_json::from_slice(&bytes).expect("a JSON patch");
+    let mut out = pod.clone();
+    json_patch::patch(&mut out, &patch).expect("applies");
+    out
+}
+
+#[tokio::test]
+async fn mutates_a_training_pod_and_always_allows() {
+    let pod = trainer_pod().gpus(1).json();
+    let r = review(
+        router(state(), Duration::from_secs(4)),
+        admission_review(pod.clone(), "CREATE", false),
+    )
+    .await;
+    assert_eq!(r["apiVersion"], "admission.k8s.io/v1");
+    assert_eq!(r["kind"], "AdmissionReview");
+    assert_eq!(r["response"]["uid"], "705ab4f5-6393-11e8-b7cc-42010a800002");
+    assert_eq!(r["response"]["allowed"], true);
+    assert_eq!(r["response"]["patchType"], "JSONPatch");
+    let out = apply_response(&pod, &r);
+    assert_eq!(out["spec"]["initContainers"][0]["restartPolicy"], "Always");
+}
+
+#[tokio::test]
+async fn dry_run_is_answered_the_same_way() {
+    let pod = trainer_pod().gpus(1).json();
+    let app = router(state(), Duration::from_secs(4));
+    let wet = review(app.clone(), admission_review(pod.clone(), "CREATE", false)).await;
+    let dry = review(app, admission_review(pod, "CREATE", true)).await;
+    assert_eq!(wet["response"]["patch"], dry["response"]["patch"]);
+}
+
+#[tokio::test]
+async fn bad_annotations_admit_with_a_warning_and_the_error_annotation() {
+    let pod = bare_pod().annotate("memguard.io/batch-size", "lots").json();
+    let r = review(
+        router(state(), Duration::from_secs(4)),
+        admission_review(pod.clone(), "CREATE", false),
+    )
+    .await;
+    assert_eq!(r["response"]["allowed"], true);
+    let warnings = r["response"]["warnings"].as_array().expect("warnings");
+    assert!(
+        warnings
+            .iter()
+            .all(|w| w.as_str().is_some_and(|w| w.chars().count() <= 120))
+    );
+    let out = apply_response(&pod, &r);
+    assert!(out["metadata"]["annotations"]["memguard.io/error"].is_string());
+}
+
+#[tokio::test]
+async fn other_operations_and_non_pods_are_allowed_untouched() {
+    let app = router(state(), Duration::from_secs(4));
+    let update = review(
+        app.clone(),
+        admission_review(trainer_pod().json(), "UPDATE", false),
+    )
+    .await;
+    assert_eq!(update["response"]["allowed"], true);
+    assert!(update["response"].get("patch").is_none());
+    let broken = json!({"metadata": {"name": "x"}, "spec": {"containers": "not a list"}});
+    let r = review(app, admission_review(broken, "CREATE", false)).await;
+    assert_eq!(r["response"]["allowed"], true);
+    assert!(r["response"].get("patch").is_none());
+    assert!(
+        r["response"]["warnings"][0]
+            .as_str()
+            .is_some_and(|w| w.contains("not a valid Pod"))
+    );
+}
+
+#[tokio::test]
+async fn not_an_admission_review_is_a_400() {
+    let app = router(state(), Duration::from_secs(4));
+    for body in [
+        "",
+        "{}",
+        "[1,2]",
+        r#"{"kind":"AdmissionReview","apiVersion":"admission.k8s.io/v1"}"#,
+    ] {
+        let (status, _) = post(app.clone(), body).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body:?}");
+    }
+}
+
+#[tokio::test]
+async fn bodies_over_the_cap_are_refused() {
+    let big = vec![b' '; MAX_BODY_BYTES + 1];
+    let (status, _) = post(router(state(), Duration::from_secs(4)), big).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+}
+
+#[tokio::test]
+async fn health_endpoints_and_metrics() {
+    let s = state();
+    let app = router(s.clone(), Duration::from_secs(4));
+    for path in ["/healthz", "/readyz"] {
+        let response = app
+            .clone()
+            .oneshot(Request::get(path).body(Body::empty()).expect("request"))
+            .await
+            .expect("infallible");
+        assert_eq!(response.status(), StatusCode::OK, "{path}");
+    }
+    review(
+        app,
+        admission_review(trainer_pod().gpus(1).json(), "CREATE", false),
+    )
+    .await;
+    let response = metrics_router(s.metrics.clone())
+        .oneshot(
+            Request::get("/metrics")
+                .body(Body::empty())
+                .expect("request"),
+        )
+        .await
+        .expect("infallible");
+    let text = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    let text = String::from_utf8_lossy(&text);
+    assert!(
+        text.contains("memguard_webhook_admission_requests_total{outcome=\"mutated\"} 1"),
+        "{text}"
+    );
+}
