@@ -1,0 +1,64 @@
+//! The Dockerfile cannot be built here (no Docker engine); these checks keep it in step with the
+//! workspace and the chart.
+
+use memguard_e2e::{chart_dir, workspace_root};
+
+fn dockerfile() -> String {
+    std::fs::read_to_string(workspace_root().join("Dockerfile")).expect("Dockerfile")
+}
+
+/// `[[bin]] name = "…"` of a crate's manifest.
+fn bin_names(crate_dir: &str) -> Vec<String> {
+    let manifest = std::fs::read_to_string(workspace_root().join(crate_dir).join("Cargo.toml"))
+        .expect("manifest");
+    manifest
+        .split("[[bin]]")
+        .skip(1)
+        .filter_map(|section| {
+            section.lines().find_map(|l| {
+                l.trim()
+                    .strip_prefix("name = ")
+                    .map(|n| n.trim_matches('"').to_string())
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn image_builds_and_ships_the_three_binaries_the_workspace_declares() {
+    let docker = dockerfile();
+    for (dir, package) in [
+        ("webhook", "memguard-webhook"),
+        ("sidecar", "memguard-sidecar"),
+        ("cli", "memguard"),
+    ] {
+        let bins = bin_names(dir);
+        assert_eq!(bins, [package], "{dir}/Cargo.toml binaries");
+        assert!(
+            docker.contains(&format!("-p {package}")),
+            "Dockerfile does not build {package}"
+        );
+        assert!(
+            docker.contains(&format!("target/release/{package}")),
+            "Dockerfile does not copy {package}"
+        );
+    }
+    assert!(docker.contains("COPY --from=build /out/ /usr/local/bin/"));
+    assert!(
+        docker.contains("--locked"),
+        "the image builds from Cargo.lock"
+    );
+}
+
+#[test]
+fn image_runs_as_the_non_root_user_the_chart_expects() {
+    let docker = dockerfile();
+    let last_from = docker.rfind("\nFROM ").expect("a final stage");
+    let runtime = &docker[last_from..];
+    assert!(runtime.contains("distroless"), "minimal runtime image");
+    assert!(runtime.contains("USER 65532:65532"));
+    let deployment =
+        std::fs::read_to_string(chart_dir().join("templates/deployment.yaml")).expect("template");
+    assert!(deployment.contains("- /usr/local/bin/memguard-webhook"));
+    assert!(deployment.contains("runAsUser: 65532"));
+}
