@@ -1,0 +1,128 @@
+//! Golden patches: every pod under `tests/fixtures/pods/` is mutated under
+//! `tests/fixtures/policy.yaml`, and the outcome and patch are compared with the YAML snapshot
+//! in `tests/snapshots/`. Byte counts that come from the estimator are redacted, so a change in
+//! the memory model only shows here when it changes a decision (a step, a knob value).
+//! Review changes with `cargo insta review -p memguard-webhook`.
+
+use json_patch::Patch;
+use k8s_openapi::api::core::v1::Pod;
+use memguard_api::annotations as keys;
+use memguard_api::{Policy, env, labels};
+use memguard_webhook::config::{Overrides, policy_from_str};
+use memguard_webhook::{Outcome, Profiles, mutate, patch};
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+fn policy() -> Policy {
+    let text = std::fs::read_to_string(fixtures().join("policy.yaml")).expect("policy fixture");
+    policy_from_str(Some(&text), &Overrides::default()).expect("valid policy fixture")
+}
+
+/// Estimator byte counts → `[bytes]`, wherever they appear in the patch.
+fn redact(value: &mut Value) {
+    const BYTE_VARS: [&str; 2] = [env::ESTIMATE_BYTES, env::BUDGET_BYTES];
+    match value {
+        Value::Object(map) => {
+            if let Some(name) = map.get("name").and_then(Value::as_str)
+                && BYTE_VARS.contains(&name)
+                && map.contains_key("value")
+            {
+                map.insert("value".into(), json!("[bytes]"));
+            }
+            for (key, v) in map.iter_mut() {
+                if ["total", "tensorPeak"].contains(&key.as_str()) && v.is_number() {
+                    *v = json!("[bytes]");
+                } else {
+                    redact(v);
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(redact),
+        _ => {}
+    }
+}
+
+/// The patch as YAML-friendly JSON, with the estimate annotation shown parsed.
+fn readable(patch: &Patch) -> Value {
+    let mut v = serde_json::to_value(patch).expect("patch serializes");
+    for op in v.as_array_mut().into_iter().flatten() {
+        let path = op["path"].as_str().unwrap_or_default().to_string();
+        if path.ends_with("memguard.io~1estimate") {
+            let parsed: Value =
+                serde_json::from_str(op["value"].as_str().expect("string")).expect("JSON");
+            op["value"] = parsed;
+        } else if path == "/metadata/annotations" {
+            if let Some(s) = op["value"][keys::ESTIMATE].as_str() {
+                op["value"][keys::ESTIMATE] = serde_json::from_str(s).expect("JSON");
+            }
+        }
+    }
+    redact(&mut v);
+    v
+}
+
+#[test]
+fn fixture_pods_match_their_golden_patches() {
+    let policy = policy();
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(fixtures().join("pods"))
+        .expect("fixtures dir")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    paths.sort();
+    assert!(paths.len() >= 6, "fixtures missing: {paths:?}");
+    for path in paths {
+        let name = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .expect("name")
+            .to_string();
+        let text = std::fs::read_to_string(&path).expect("fixture");
+        let original: Value = serde_saphyr::from_str(&text).expect("fixture YAML");
+        let pod: Pod = serde_json::from_value(original.clone()).expect("fixture is a Pod");
+
+        let outcome = mutate(&pod, &policy, &Profiles::default());
+        let patch = patch::build(&pod, &outcome);
+
+        // The result is still a pod, and the sidecar keeps restartPolicy Always.
+        let mut applied = original.clone();
+        json_patch::patch(&mut applied, &patch).expect("patch applies");
+        let mutated: Pod = serde_json::from_value(applied.clone()).expect("still a Pod");
+        if let Outcome::Mutated(_) = &outcome {
+            let sidecar = mutated
+                .spec
+                .as_ref()
+                .and_then(|s| s.init_containers.as_ref())
+                .and_then(|l| l.iter().find(|c| c.name == labels::SIDECAR_CONTAINER))
+                .expect("native sidecar");
+            assert_eq!(sidecar.restart_policy.as_deref(), Some("Always"), "{name}");
+        }
+        // A second call changes nothing.
+        let again = patch::build(&mutated, &mutate(&mutated, &policy, &Profiles::default()));
+        assert!(again.0.is_empty(), "{name}: second patch {again:?}");
+
+        let summary = match &outcome {
+            Outcome::Unchanged => json!({"outcome": "unchanged"}),
+            Outcome::Skipped { error, warning } => {
+                json!({"outcome": "skipped", "error": error, "warnings": [warning]})
+            }
+            Outcome::Mutated(m) => json!({
+                "outcome": "mutated",
+                "trainer": m.trainer,
+                "budget": m.budget.as_ref().map(|b| json!({
+                    "deviceMemory": b.device_memory.to_string(),
+                    "safetyRatio": b.safety_ratio,
+                    "source": b.source,
+                })),
+                "steps": m.plan.steps.iter().map(|s| s.rung.name()).collect::<Vec<_>>(),
+                "warningCount": m.warnings.len(),
+            }),
+        };
+        let snapshot = json!({"decision": summary, "patch": readable(&patch)});
+        insta::assert_yaml_snapshot!(name, snapshot);
+    }
+}
