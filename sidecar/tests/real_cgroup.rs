@@ -1,0 +1,219 @@
+//! The real binary on a real cgroup v1 memory controller: a process grows inside a 256 MiB
+//! child cgroup and must be told to downgrade (batch halved) before it reaches the limit.
+//! Needs root and `/sys/fs/cgroup/memory`; elsewhere it says SKIP loudly. CI runs it as root.
+
+mod common;
+
+use common::{Sidecar, eventually, read_signal};
+use memguard_api::{Level, Summary};
+use memguard_sidecar::sample::cgroup::proc_cgroup_path;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+const LIMIT: u64 = 256 * MIB;
+const V1_ROOT: &str = "/sys/fs/cgroup/memory";
+
+/// Grows by 8 MiB every 50 ms (touching every byte), reading the signal file after each step as
+/// a trainer would; on `downgrade` or `critical` it prints what it saw and stops growing.
+const GROWER: &str = r#"
+import json, sys, time
+path, step = sys.argv[1], 8 << 20
+held, total = [], 0
+print("READY", flush=True)
+while total < (1 << 30):
+    held.append(b"\x01" * step)
+    total += step
+    try:
+        with open(path) as f:
+            s = json.load(f)
+    except Exception:
+        s = {}
+    if s.get("level") in ("downgrade", "critical"):
+        print("SAW", s["level"], s["batch_size"], s["grad_accumulation"], total, flush=True)
+        time.sleep(60)
+        break
+    print("STEP", total, flush=True)
+    time.sleep(0.05)
+print("NO-SIGNAL", total, flush=True)
+"#;
+
+fn skip(why: &str) {
+    eprintln!(
+        "\n********************************************************************\n\
+         SKIP real_cgroup: {why}\n\
+         (needs root and a writable cgroup v1 memory controller at {V1_ROOT}; CI has both)\n\
+         ********************************************************************\n"
+    );
+}
+
+/// A child cgroup, emptied (processes killed) and removed on drop, even when the test fails.
+struct CgroupGuard(PathBuf);
+
+impl Drop for CgroupGuard {
+    fn drop(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let procs = std::fs::read_to_string(self.0.join("cgroup.procs")).unwrap_or_default();
+            let pids: Vec<i32> = procs
+                .lines()
+                .filter_map(|l| l.trim().parse().ok())
+                .collect();
+            if pids.is_empty() || Instant::now() > deadline {
+                break;
+            }
+            for p in pids {
+                if let Some(pid) = rustix::process::Pid::from_raw(p) {
+                    let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if let Err(e) = std::fs::remove_dir(&self.0) {
+            eprintln!("could not remove {}: {e}", self.0.display());
+        }
+    }
+}
+
+struct Grower(Child);
+
+impl Drop for Grower {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn parent_cgroup() -> PathBuf {
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let rel = proc_cgroup_path(&own, Some("memory")).unwrap_or_else(|| "/".into());
+    let dir = Path::new(V1_ROOT).join(rel.trim_start_matches('/'));
+    if dir.join("cgroup.procs").exists() {
+        dir
+    } else {
+        PathBuf::from(V1_ROOT)
+    }
+}
+
+#[test]
+fn a_growing_process_is_told_to_downgrade_before_it_reaches_the_limit() {
+    if !rustix::process::geteuid().is_root() {
+        return skip("not running as root");
+    }
+    if !Path::new(V1_ROOT).join("memory.usage_in_bytes").exists() {
+        return skip("no cgroup v1 memory controller");
+    }
+    if Command::new("python3").arg("-V").output().is_err() {
+        return skip("python3 not found (the growing process is a python3 loop)");
+    }
+    let cg = parent_cgroup().join(format!("memguard-test-{}", std::process::id()));
+    std::fs::create_dir(&cg).expect("create child cgroup as root");
+    let _guard = CgroupGuard(cg.clone());
+    std::fs::write(cg.join("memory.limit_in_bytes"), LIMIT.to_string()).expect("set limit");
+
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let signal = tmp.path().join("signal.json");
+    let term = tmp.path().join("termination-log");
+    let (cg_s, sig_s, term_s) = (
+        cg.display().to_string(),
+        signal.display().to_string(),
+        term.display().to_string(),
+    );
+    let mut sidecar = Sidecar::spawn(&[
+        "--cgroup",
+        &cg_s,
+        "--signal-file",
+        &sig_s,
+        "--termination-log",
+        &term_s,
+        "--batch-size",
+        "8",
+        "--grad-accumulation",
+        "2",
+    ]);
+    let first = eventually(Duration::from_secs(10), "initial signal", || {
+        read_signal(&signal)
+    });
+    assert_eq!((first.level, first.batch_size), (Level::Ok, 8));
+
+    // Into the cgroup first (the shell moves itself), then exec the grower: every byte it
+    // allocates is charged to the limited cgroup.
+    let script = format!(
+        "echo $$ > {}/cgroup.procs && exec python3 -c \"$0\" \"$1\"",
+        cg_s
+    );
+    let child = Command::new("sh")
+        .args(["-c", &script, GROWER, &sig_s])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("grower starts");
+    let mut grower = Grower(child);
+    let out = BufReader::new(grower.0.stdout.take().expect("piped"));
+    let mut saw = None;
+    let mut last_step = 0u64;
+    for line in out.lines().map_while(Result::ok) {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        match w.first().copied() {
+            Some("STEP") => last_step = w[1].parse().unwrap_or(0),
+            Some("SAW") => {
+                saw = Some((
+                    w[1].to_string(),
+                    w[2].to_string(),
+                    w[3].to_string(),
+                    w[4].to_string(),
+                ));
+                break;
+            }
+            Some("NO-SIGNAL") => break,
+            _ => {}
+        }
+    }
+    let log = sidecar.log_text();
+    let Some((level, batch, accum, at)) = saw else {
+        panic!(
+            "the grower never saw a downgrade (last step {last_step} bytes, killed by OOM?)\n{log}"
+        );
+    };
+    let at: u64 = at.parse().expect("bytes");
+    eprintln!(
+        "grower saw {level} (batch {batch}, accumulation {accum}) after allocating {} MiB of a {} MiB limit",
+        at / MIB,
+        LIMIT / MIB
+    );
+    assert!(level == "downgrade" || level == "critical");
+    let (batch, accum): (u64, u64) = (batch.parse().expect("n"), accum.parse().expect("n"));
+    assert!(
+        batch < 8 && batch * accum == 16,
+        "halved, effective batch kept: {batch} x {accum}"
+    );
+    assert!(
+        log.contains("level=downgrade batch_size=4 grad_accumulation=4"),
+        "first downgrade halves 8 -> 4:\n{log}"
+    );
+    assert!(at < LIMIT, "signalled before the limit");
+    assert!(
+        grower.0.try_wait().expect("status").is_none(),
+        "grower alive, not OOM-killed"
+    );
+    let oom = std::fs::read_to_string(cg.join("memory.oom_control")).unwrap_or_default();
+    assert!(
+        !oom.contains("oom_kill 1"),
+        "no OOM kill in the cgroup: {oom}"
+    );
+
+    // The trainer goes: the cgroup empties, the sidecar writes its summary and exits.
+    drop(grower);
+    assert!(sidecar.wait_exit(Duration::from_secs(20)), "clean exit");
+    let summary: Summary = serde_json::from_str(
+        std::fs::read_to_string(&term)
+            .expect("termination log")
+            .trim(),
+    )
+    .expect("summary json");
+    assert_eq!(summary.exit_reason, "trainer-exited");
+    assert!(summary.downgrades >= 1);
+    assert_eq!(summary.limit_bytes, Some(LIMIT));
+    assert_eq!(summary.oom_events, 0);
+}
