@@ -1007,3 +1007,52 @@ fn network_policy_admits_only_the_webhook_and_metrics_ports() {
         BTreeMap::from([("https".to_string(), false), ("metrics".to_string(), true)])
     );
 }
+
+#[test]
+fn notes_show_how_to_opt_in_and_verify_with_contract_names() {
+    let Some(helm) = helm() else { return };
+    // A client-side dry run renders NOTES.txt without a cluster.
+    let out = run(Command::new(&helm)
+        .args(["install", RELEASE])
+        .arg(chart_dir())
+        .args(["--namespace", NAMESPACE, "--dry-run=client"])
+        .env("KUBECONFIG", "/dev/null"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let notes = stdout.split("\nNOTES:\n").nth(1).expect("NOTES rendered");
+    assert!(notes.contains(&format!(
+        "{}: \"{}\"",
+        labels::ENABLED_LABEL,
+        labels::ENABLED_VALUE
+    )));
+    let escaped = |key: &str| key.replace('.', "\\.");
+    for key in [
+        memguard_api::annotations::ESTIMATE,
+        memguard_api::annotations::ERROR,
+    ] {
+        assert!(
+            notes.contains(&format!(
+                "jsonpath='{{.metadata.annotations.{}}}'",
+                escaped(key)
+            )),
+            "NOTES lack the check of {key}:\n{notes}"
+        );
+    }
+    assert!(notes.contains(labels::SIDECAR_CONTAINER));
+    // Every annotation the example uses is a real input key.
+    for line in notes.lines().map(str::trim) {
+        if let Some((key, _)) = line.split_once(": ")
+            && key.starts_with(memguard_api::annotations::PREFIX)
+            && key != labels::ENABLED_LABEL
+        {
+            assert!(
+                memguard_api::annotations::INPUT_KEYS.contains(&key),
+                "NOTES use unknown annotation {key}"
+            );
+        }
+    }
+}
