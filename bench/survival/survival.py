@@ -7,8 +7,10 @@ Arms (each in a fresh cgroup ``/sys/fs/cgroup/memory/memguard-survival-<pid>-<ar
 * ``reference``: no memory limit, no memguard: the run as its author meant it (peak, weights);
 * ``baseline``: the limit, no memguard: the kernel's OOM killer ends it (SIGKILL, ``oom_kill``);
 * ``memguard``: the limit, the real ``memguard-sidecar`` binary watching the cgroup, the trainer
-  following the signal file through ``memguard_client``: it must finish every step with the
-  effective batch unchanged and end with the reference's weights (the same computation).
+  following the signal file (and the sidecar URL) through ``memguard_client``: it must finish
+  every step with the effective batch unchanged and end with the reference's weights;
+* ``memguard-http``: the same with only ``MEMGUARD_SIDECAR_URL``: the signal reaches the
+  trainer through the client's long-poll of ``GET /v1/signal`` alone.
 
 Needs root and a writable cgroup v1 memory controller; prints ``SKIP: …`` and exits 77
 otherwise. Writes ``results.json`` and the logs to ``--out`` and prints a summary.
@@ -57,6 +59,7 @@ class Arm:
     batches: List[int] = field(default_factory=list)
     downgrades: int = 0
     signals: List[Dict[str, Any]] = field(default_factory=list)
+    sources: List[str] = field(default_factory=list)
     latencies: List[Dict[str, Any]] = field(default_factory=list)
     final_loss: Optional[float] = None
     epoch_losses: List[float] = field(default_factory=list)
@@ -230,8 +233,10 @@ def analyse(arm: Arm, events: List[Dict[str, Any]], sidecar_signals: List[Dict[s
     arm.downgrades = sum(1 for a, b in zip(arm.batches, arm.batches[1:]) if b < a)
     signals = [e for e in events if e["event"] == "signal"]
     arm.signals = [
-        {k: s.get(k) for k in ("seq", "level", "batch", "accumulation", "reason")} for s in signals
+        {k: s.get(k) for k in ("seq", "level", "batch", "accumulation", "source", "reason")}
+        for s in signals
     ]
+    arm.sources = sorted({s["source"] for s in signals if s.get("source")})
     # Signal → first micro-batch at the new size. The signal that asked for a size is the first
     # one carrying it: from the sidecar's own log when there is one (the trainer may skip
     # intermediate seqs), else the first the trainer saw.
@@ -293,12 +298,12 @@ def run_arm(name: str, args: argparse.Namespace, out: Path, sidecar: Optional[Pa
     cg = Cgroup(f"memguard-survival-{os.getpid()}-{name}", limit)
     side: Optional[subprocess.Popen] = None
     try:
-        if name == "memguard":
+        if name.startswith("memguard"):
             assert sidecar is not None
-            signal_file = out / "signal.json"
+            signal_file = out / f"{name}.signal.json"
             if signal_file.exists():
                 signal_file.unlink()
-            side_log = open(out / "sidecar.log", "w")
+            side_log = open(out / f"{name}.sidecar.log", "w")
             port = free_port()
             side = subprocess.Popen(
                 [
@@ -315,7 +320,7 @@ def run_arm(name: str, args: argparse.Namespace, out: Path, sidecar: Optional[Pa
                     "--downgrade", str(args.downgrade),
                     "--critical", "0.95",
                     "--cooldown", args.cooldown,
-                    "--termination-log", str(out / "termination-log.json"),
+                    "--termination-log", str(out / f"{name}.termination-log.json"),
                     "--log-format", "json",
                 ],
                 stdout=side_log,
@@ -325,10 +330,11 @@ def run_arm(name: str, args: argparse.Namespace, out: Path, sidecar: Optional[Pa
             deadline = time.monotonic() + 10
             while not signal_file.exists():
                 if side.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"sidecar did not write its initial signal; see {out / 'sidecar.log'}")
+                    raise RuntimeError(f"sidecar did not write its initial signal; see {side_log.name}")
                 time.sleep(0.02)
+            if name == "memguard":
+                env["MEMGUARD_SIGNAL_FILE"] = str(signal_file)
             env.update(
-                MEMGUARD_SIGNAL_FILE=str(signal_file),
                 MEMGUARD_SIDECAR_URL=f"http://127.0.0.1:{port}",
                 MEMGUARD_BATCH_SIZE=str(args.batch_size),
                 MEMGUARD_GRAD_ACCUMULATION="1",
@@ -350,14 +356,14 @@ def run_arm(name: str, args: argparse.Namespace, out: Path, sidecar: Optional[Pa
                     side.kill()
                     side.wait()
             arm.sidecar_exit = side.returncode
-            term = out / "termination-log.json"
+            term = out / f"{name}.termination-log.json"
             if term.exists():
                 try:
                     arm.sidecar_summary = json.loads(term.read_text())
                 except ValueError:
                     arm.sidecar_summary = {"unparsed": term.read_text()[:2000]}
         cg.remove()
-    analyse(arm, read_log(log), read_sidecar_signals(out / "sidecar.log") if name == "memguard" else [])
+    analyse(arm, read_log(log), read_sidecar_signals(out / f"{name}.sidecar.log") if name.startswith("memguard") else [])
     return arm
 
 
@@ -367,29 +373,34 @@ def mib(n: Optional[int]) -> str:
 
 def print_summary(arms: Dict[str, Arm]) -> None:
     print()
-    print(f"{'arm':<10} {'exit':>5} {'oom_kill':>8} {'limit':>11} {'peak':>11} {'steps':>6} {'samples':>8} "
+    print(f"{'arm':<13} {'exit':>5} {'oom_kill':>8} {'limit':>11} {'peak':>11} {'steps':>6} {'samples':>8} "
           f"{'downgrades':>10} {'batches':<14} {'eff. batch':<10} {'secs':>6}")
     for a in arms.values():
         eff = f"{a.effective_batch_start}->{a.effective_batch_end}" if a.finished else f"{a.effective_batch_start}->(died)"
         print(
-            f"{a.name:<10} {a.exit_code!s:>5} {a.oom_kill!s:>8} {mib(a.limit_bytes):>11} {mib(a.peak_bytes):>11} "
+            f"{a.name:<13} {a.exit_code!s:>5} {a.oom_kill!s:>8} {mib(a.limit_bytes):>11} {mib(a.peak_bytes):>11} "
             f"{a.steps:>6} {a.samples:>8} {a.downgrades:>10} {','.join(map(str, a.batches)):<14} {eff:<10} {a.seconds:>6.1f}"
         )
-    mg = arms.get("memguard")
-    if mg is not None:
+    for mg in (a for a in arms.values() if a.name.startswith("memguard")):
+        print(f"{mg.name}: signals reached the trainer through: {', '.join(mg.sources) or '-'}")
         for lat in mg.latencies:
+            via = (
+                f"{lat['from_file_mtime_ms']} ms after that file's mtime, "
+                if lat.get("from_file_mtime_ms") is not None
+                else ""
+            )
             print(
-                f"memguard: signal seq {lat['seq']} (batch {lat['batch']}): first step at the new size "
+                f"{mg.name}: signal seq {lat['seq']} (batch {lat['batch']}): first step at the new size "
                 f"{lat.get('from_signal_timestamp_ms')} ms after the sidecar issued it "
-                f"(trainer saw seq {lat.get('trainer_saw_seq')}: {lat.get('from_file_mtime_ms')} ms after that "
-                f"file's mtime, {lat.get('from_seen_ms')} ms after refresh() returned)"
+                f"(trainer saw seq {lat.get('trainer_saw_seq')}: {via}"
+                f"{lat.get('from_seen_ms')} ms after refresh() returned it)"
             )
         if mg.reports_total:
-            print(f"memguard: POST /v1/report accepted by the sidecar: {mg.reports_ok}/{mg.reports_total}")
+            print(f"{mg.name}: POST /v1/report accepted by the sidecar: {mg.reports_ok}/{mg.reports_total}")
         if mg.sidecar_summary:
-            print(f"memguard: sidecar summary: {json.dumps(mg.sidecar_summary)}")
+            print(f"{mg.name}: sidecar summary: {json.dumps(mg.sidecar_summary)}")
         if mg.weights_match_reference is not None:
-            print(f"memguard: final weights equal the reference run's: {mg.weights_match_reference} "
+            print(f"{mg.name}: final weights equal the reference run's: {mg.weights_match_reference} "
                   f"(max |diff| {mg.max_weight_diff:.3g})")
 
 
@@ -397,7 +408,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description="memguard survival proof (real cgroup v1, real OOM killer)")
     p.add_argument("--out", default=None, help="directory for logs and results.json (default: a temp dir)")
     p.add_argument("--sidecar", default=None, help="memguard-sidecar binary (default: target/{release,debug})")
-    p.add_argument("--arms", default="reference,baseline,memguard")
+    p.add_argument("--arms", default="reference,baseline,memguard,memguard-http")
     p.add_argument("--limit-mib", type=int, default=160)
     p.add_argument("--samples", type=int, default=2048)
     p.add_argument("--epochs", type=int, default=2)
@@ -416,7 +427,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return SKIP
     arms_wanted = [a for a in args.arms.split(",") if a]
     sidecar = find_sidecar(args.sidecar)
-    if "memguard" in arms_wanted and (sidecar is None or not sidecar.is_file()):
+    if any(a.startswith("memguard") for a in arms_wanted) and (sidecar is None or not sidecar.is_file()):
         print("error: memguard-sidecar binary not found: cargo build -p memguard-sidecar", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="memguard-survival-"))
@@ -428,9 +439,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     for name in arms_wanted:
         print(f"survival: running {name} ...", flush=True)
         arms[name] = run_arm(name, args, out, sidecar)
-    if "reference" in arms and "memguard" in arms and arms["memguard"].finished and arms["reference"].finished:
-        ok, diff = compare_weights(out / "reference.npz", out / "memguard.npz")
-        arms["memguard"].weights_match_reference, arms["memguard"].max_weight_diff = ok, diff
+    for name, arm in arms.items():
+        if name.startswith("memguard") and arm.finished and "reference" in arms and arms["reference"].finished:
+            arm.weights_match_reference, arm.max_weight_diff = compare_weights(
+                out / "reference.npz", out / f"{name}.npz"
+            )
     results = {
         "limit_bytes": args.limit_mib * 1024 * 1024,
         "config": vars(args),

@@ -83,8 +83,12 @@ def test_without_memguard_the_kernel_oom_kills_the_trainer(results: Dict[str, An
     assert base["peak_bytes"] >= results["limit_bytes"] - 1024 * 1024
 
 
-def test_with_memguard_it_downgrades_and_finishes_every_step(results: Dict[str, Any]) -> None:
-    mg, ref = results["arms"]["memguard"], results["arms"]["reference"]
+MEMGUARD_ARMS = pytest.mark.parametrize("arm", ["memguard", "memguard-http"])
+
+
+@MEMGUARD_ARMS
+def test_with_memguard_it_downgrades_and_finishes_every_step(results: Dict[str, Any], arm: str) -> None:
+    mg, ref = results["arms"][arm], results["arms"]["reference"]
     assert mg["exit_code"] == 0 and mg["finished"]
     assert mg["oom_kill"] in (0, None)
     assert mg["peak_bytes"] <= results["limit_bytes"]
@@ -99,10 +103,11 @@ def test_with_memguard_it_downgrades_and_finishes_every_step(results: Dict[str, 
     assert mg["reports_total"] == mg["steps"] and mg["reports_ok"] == mg["reports_total"]
 
 
-def test_effective_batch_is_preserved_and_no_sample_is_dropped(results: Dict[str, Any]) -> None:
-    mg = results["arms"]["memguard"]
+@MEMGUARD_ARMS
+def test_effective_batch_is_preserved_and_no_sample_is_dropped(results: Dict[str, Any], arm: str) -> None:
+    mg = results["arms"][arm]
     assert mg["effective_batch_start"] == mg["effective_batch_end"] == BATCH
-    steps = [e for e in events(results, "memguard") if e["event"] == "step"]
+    steps = [e for e in events(results, arm) if e["event"] == "step"]
     assert all(sum(s["micro"]) == s["rows"] == BATCH for s in steps)
     assert all(s["batch"] * s["accumulation"] == BATCH for s in steps)
     assert steps[-1]["samples"] == mg["samples"] == SAMPLES * EPOCHS
@@ -113,14 +118,20 @@ def test_effective_batch_is_preserved_and_no_sample_is_dropped(results: Dict[str
     assert mg["weights_match_reference"] is True
 
 
-def test_reaction_time_is_reported(results: Dict[str, Any]) -> None:
-    mg = results["arms"]["memguard"]
+def test_the_http_arm_got_its_signals_by_long_poll(results: Dict[str, Any]) -> None:
+    assert results["arms"]["memguard-http"]["sources"] == ["http"]
+    assert "file" in results["arms"]["memguard"]["sources"]
+
+
+@MEMGUARD_ARMS
+def test_reaction_time_is_reported(results: Dict[str, Any], arm: str) -> None:
+    mg = results["arms"][arm]
     assert len(mg["latencies"]) == len(mg["batches"]) - 1 >= 1
     for lat in mg["latencies"]:
         # From the sidecar issuing the signal to the first micro-batch at the new size: one
         # micro-batch at most (the trainer refreshes before each), far below a second.
         assert 0 <= lat["from_signal_timestamp_ms"] < 2000, lat
-    print("\nsurvival numbers:", json.dumps({
+    print(f"\nsurvival numbers ({arm}):", json.dumps({
         "limit_bytes": results["limit_bytes"],
         "peak_bytes": {k: v["peak_bytes"] for k, v in results["arms"].items()},
         "downgrades": mg["downgrades"],

@@ -175,6 +175,7 @@ def main(argv: Optional[list] = None) -> int:
                         level=guard.level,
                         batch=guard.batch_size,
                         accumulation=guard.grad_accumulation,
+                        source=guard.source,
                         seen_at=guard.seen_at,
                         signal_time=sig.timestamp_seconds() if sig else None,
                         file_mtime=file_mtime(guard.signal_file),

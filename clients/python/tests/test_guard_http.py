@@ -45,6 +45,7 @@ def test_long_poll_delivers_a_new_signal_promptly(sidecar: FakeSidecar) -> None:
     assert g.wait_for_signal(5.0)
     latency = time.monotonic() - t0
     assert (g.seq, g.batch_size, g.grad_accumulation, g.level) == (1, 16, 2, "downgrade")
+    assert g.source == "http"
     assert latency < 0.5, f"long-poll latency {latency:.3f}s"
     # It was the held request that answered, not a new one.
     assert len(sidecar.requests) <= requests_before + 1
@@ -115,7 +116,7 @@ def test_file_and_http_together_take_the_newest(sidecar: FakeSidecar, signal_pat
     sidecar.publish(signal_dict(3, batch=16, accum=2))
     g = Guard(signal_file=str(signal_path), sidecar_url=sidecar.url, env={}, background=False)
     assert g.poll_http() is True
-    assert (g.seq, g.batch_size) == (5, 4)
+    assert (g.seq, g.batch_size, g.source) == (5, 4, "file")
     sidecar.publish(signal_dict(6, batch=2, accum=16))
     assert g.poll_http() is True and (g.seq, g.batch_size) == (6, 2)
     assert g.refresh() is False  # the file's seq 5 is older

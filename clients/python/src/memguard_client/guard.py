@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from . import env as _env
 from .frameworks import framework_memory
@@ -101,6 +101,7 @@ class Guard:
         )
         self._current: Signal = self._initial
         self._seen_at: Optional[float] = None
+        self._source: Optional[str] = None
         self._changed = False
 
         self._file_key: Optional[_FileKey] = None
@@ -175,6 +176,11 @@ class Guard:
         return self._initial
 
     @property
+    def source(self) -> Optional[str]:
+        """Where the current signal came from: ``"file"``, ``"http"``, or ``None`` before any."""
+        return self._source
+
+    @property
     def seen_at(self) -> Optional[float]:
         """``time.time()`` when the current signal was applied by :meth:`refresh`."""
         return self._seen_at
@@ -186,21 +192,21 @@ class Guard:
 
         Cheap (one ``os.stat`` when nothing changed); never raises because of the sidecar.
         """
-        candidates = []
+        candidates: List[Tuple[Signal, str]] = []
         with self._lock:
             if self._pending is not None:
-                candidates.append(self._pending)
+                candidates.append((self._pending, "http"))
                 self._pending = None
         if self._signal_file is not None:
             from_file = self._read_file_if_changed(self._signal_file)
             if from_file is not None:
-                candidates.append(from_file)
-        newest = None
+                candidates.append((from_file, "file"))
+        newest: Optional[Tuple[Signal, str]] = None
         for cand in candidates:
-            if cand.seq > self._current.seq and (newest is None or cand.seq > newest.seq):
+            if cand[0].seq > self._current.seq and (newest is None or cand[0].seq > newest[0].seq):
                 newest = cand
         if newest is not None:
-            self._apply(newest)
+            self._apply(*newest)
         changed, self._changed = self._changed, False
         return changed
 
@@ -231,9 +237,10 @@ class Guard:
                 self._offer(sig)
         return self.refresh()
 
-    def _apply(self, sig: Signal) -> None:
+    def _apply(self, sig: Signal, source: str) -> None:
         prev = self._current
         self._current = sig
+        self._source = source
         self._seen_at = time.time()
         self._changed = True
         if (sig.batch_size, sig.grad_accumulation, sig.grad_checkpointing) != (
