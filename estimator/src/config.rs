@@ -446,7 +446,7 @@ impl TrainingConfig {
                 reason: "must be at least 1".into(),
             });
         }
-        if m.head_dim.is_none() && m.num_heads > 0 && m.hidden_size % m.num_heads != 0 {
+        if m.head_dim.is_none() && m.num_heads > 0 && !m.hidden_size.is_multiple_of(m.num_heads) {
             errors.push(ConfigError::Invalid {
                 field: "num-heads",
                 reason: format!(
@@ -455,7 +455,7 @@ impl TrainingConfig {
                 ),
             });
         }
-        if m.num_kv_heads > 0 && m.num_heads % m.num_kv_heads != 0 {
+        if m.num_kv_heads > 0 && !m.num_heads.is_multiple_of(m.num_kv_heads) {
             errors.push(ConfigError::Invalid {
                 field: "num-kv-heads",
                 reason: format!(
@@ -473,13 +473,13 @@ impl TrainingConfig {
                 ),
             });
         }
-        if let Some(bits) = self.model_bits {
-            if ![4, 8, 16, 32].contains(&bits) {
-                errors.push(ConfigError::Invalid {
-                    field: "model-bits",
-                    reason: format!("{bits} is not one of 4, 8, 16, 32"),
-                });
-            }
+        if let Some(bits) = self.model_bits
+            && ![4, 8, 16, 32].contains(&bits)
+        {
+            errors.push(ConfigError::Invalid {
+                field: "model-bits",
+                reason: format!("{bits} is not one of 4, 8, 16, 32"),
+            });
         }
         if self.is_adapter() {
             if self.lora_rank == 0 {
@@ -562,7 +562,7 @@ mod tests {
 
     #[test]
     fn lora_targets_parse_hf_names_and_all_linear() {
-        let t: LoraTargets = "q_proj,v_proj".parse().unwrap();
+        let t: LoraTargets = "q_proj,v_proj".parse().expect("HF names parse");
         assert_eq!(t, LoraTargets::QV);
         assert_eq!(
             "all-linear".parse::<LoraTargets>(),

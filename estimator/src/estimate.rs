@@ -1,10 +1,69 @@
 //! The estimate of one training step's peak memory, with a readable breakdown.
 //!
-//! SCAFFOLD: the physics below is a placeholder to be replaced by the estimator work (issue 2).
+//! The step has two candidate peaks, and the estimate takes the larger:
+//!
+//! * **forward/backward** — at the start of the backward pass every saved activation, the
+//!   logits and their loss gradients are live;
+//! * **optimizer step** — the optimizer's workspace.
+//!
+//! Gradients are counted in both: they are kept across micro-batches by accumulation, by
+//! ZeRO's contiguous buffers and by `zero_grad(set_to_none=False)`, and the measured runs
+//! show them live at the backward peak even without those.
+//!
+//! Both sit on the **static** part that lives through the whole step: weights, quantization
+//! scales, master weights and optimizer states. Every term below is a named function whose
+//! doc comment gives its formula; `P` is a parameter count, `B` the batch, `S` the sequence
+//! length, `h` the hidden size, `L` the layers, `V` the vocabulary, `p` the bytes of the
+//! compute dtype.
 
-use crate::config::{ConfigError, TrainingConfig};
+use crate::config::{
+    ConfigError, Device, Method, ModelShape, Optimizer, Parallelism, Precision, TrainingConfig,
+};
+use crate::params::{self, ParamCounts};
 use crate::units::Bytes;
 use std::fmt;
+
+/// The few constants physics does not give; each is fitted or measured, see `docs/accuracy.md`.
+pub mod constants {
+    use crate::units::Bytes;
+
+    /// CUDA context, kernels, cuBLAS/cuDNN handles and workspaces: what a PyTorch process
+    /// holds on the GPU around its first tensor. NVML shows it, `max_memory_allocated` does
+    /// not. Hugging Face measured 1343 MiB for a 1×1 tensor (nvidia-smi); lazy module
+    /// loading makes it smaller on recent stacks, NCCL and quantization kernels larger.
+    pub const CUDA_CONTEXT: Bytes = Bytes::mib(1343);
+    /// PyTorch's caching allocator keeps freed blocks reserved: the reserve above live tensors
+    /// as a fraction of the tensors that are allocated and freed every step (activations,
+    /// logits, gradients, workspaces). Weights and optimizer states are allocated once and do
+    /// not fragment, so they carry none.
+    pub const CUDA_CACHE_FRACTION: f64 = 0.25;
+    /// A process that has imported torch, transformers and peft holds about 444 MB before
+    /// any model exists (a cgroup's peak usage: the median over 25 measured runs of the
+    /// pre-training peak minus the model's bytes).
+    pub const CPU_PROCESS_BASELINE: Bytes = Bytes(444_000_000);
+    /// The CPU heap (glibc malloc arenas) does not return every freed block at once: the
+    /// excess over live tensors as a fraction of the per-step tensors.
+    pub const CPU_HEAP_FRACTION: f64 = 0.20;
+    /// Apple silicon: Python, the framework and the Metal device; unified memory, no
+    /// separate context. Not fitted on data (none published with a device-level figure).
+    pub const METAL_RUNTIME: Bytes = Bytes(600_000_000);
+    /// NF4 quantization block: one fp32 absmax scale per 64 weights (QLoRA).
+    pub const NF4_BLOCK: f64 = 64.0;
+    /// Double quantization: the 8-bit scales are themselves quantized in blocks of 256, each
+    /// with one fp32 scale.
+    pub const DOUBLE_QUANT_BLOCK: f64 = 256.0;
+    /// bitsandbytes 8-bit optimizers: one fp32 absmax per 256 state values.
+    pub const ADAM8BIT_BLOCK: f64 = 256.0;
+    /// DeepSpeed ZeRO's default reduce bucket, in elements.
+    pub const ZERO_REDUCE_BUCKET: f64 = 5e8;
+    /// Bytes per logit element of the usual loss in fp32, at its backward: the log-softmax
+    /// output kept for backward, the loss's dense gradient w.r.t. it, and the gradient
+    /// w.r.t. the upcast logits. The logits themselves (`p` bytes, held by the model's
+    /// output in a plain training loop) come on top.
+    pub const LOSS_BYTES_PER_LOGIT: f64 = 12.0;
+}
+
+use constants::*;
 
 /// A named part of the peak.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -54,6 +113,17 @@ impl Component {
     pub const fn is_tensor(self) -> bool {
         !matches!(self, Component::RuntimeOverhead | Component::AllocatorCache)
     }
+
+    /// Whether the component is allocated once and kept (no allocator churn).
+    pub const fn is_static(self) -> bool {
+        matches!(
+            self,
+            Component::Weights
+                | Component::QuantScales
+                | Component::MasterWeights
+                | Component::OptimizerStates
+        )
+    }
 }
 
 impl fmt::Display for Component {
@@ -70,7 +140,7 @@ pub struct Estimate {
     pub total: Bytes,
     /// The peak of live tensors alone (`torch.cuda.max_memory_allocated`).
     pub tensor_peak: Bytes,
-    /// The parts, largest first.
+    /// The parts live at the peak, largest first.
     pub components: Vec<(Component, Bytes)>,
 }
 
@@ -85,26 +155,470 @@ impl Estimate {
     }
 }
 
+/// Byte widths of one numeric regime (precision × sharding scheme).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Regime {
+    /// Compute (activation) dtype.
+    compute: f64,
+    /// Trainable weights as held by the module.
+    weight: f64,
+    /// Gradients of trainable weights.
+    grad: f64,
+    /// One optimizer state value.
+    state: f64,
+    /// fp32 master copy kept by the optimizer (ZeRO mixed precision).
+    master: f64,
+    /// fp32 gradient partition made for the optimizer step (ZeRO mixed precision).
+    step_grad: f64,
+}
+
+impl Regime {
+    /// HF Trainer / PEFT AMP keeps fp32 weights, gradients and states and computes in 16 bits;
+    /// DeepSpeed ZeRO holds 16-bit weights and gradients with fp32 master weights and states;
+    /// torch FSDP shards fp32 weights and reduces gradients to fp32; pure 16-bit keeps
+    /// everything (states included) in the parameter dtype.
+    fn of(precision: Precision, parallelism: Parallelism) -> Regime {
+        let zero = matches!(
+            parallelism,
+            Parallelism::Zero1 | Parallelism::Zero2 | Parallelism::Zero3
+        );
+        match precision {
+            Precision::Fp32 => Regime {
+                compute: 4.0,
+                weight: 4.0,
+                grad: 4.0,
+                state: 4.0,
+                master: 0.0,
+                step_grad: 0.0,
+            },
+            Precision::Bf16 | Precision::Fp16 => Regime {
+                compute: 2.0,
+                weight: 2.0,
+                grad: 2.0,
+                state: 2.0,
+                master: 0.0,
+                step_grad: 0.0,
+            },
+            Precision::Bf16Mixed | Precision::Fp16Mixed if zero => Regime {
+                compute: 2.0,
+                weight: 2.0,
+                grad: 2.0,
+                state: 4.0,
+                master: 4.0,
+                step_grad: 4.0,
+            },
+            Precision::Bf16Mixed | Precision::Fp16Mixed => Regime {
+                compute: 2.0,
+                weight: 4.0,
+                grad: 4.0,
+                state: 4.0,
+                master: 0.0,
+                step_grad: 0.0,
+            },
+        }
+    }
+
+    /// Whether autocast makes 16-bit copies of fp32 weights during forward/backward.
+    fn autocasts(self) -> bool {
+        self.weight > self.compute && self.master == 0.0
+    }
+}
+
+/// How data parallelism divides each kind of state over `world_size` devices.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Shards {
+    weights: f64,
+    grads: f64,
+    states: f64,
+}
+
+impl Shards {
+    /// ZeRO-1: states (and master weights) / N; ZeRO-2: + gradients / N; ZeRO-3 and FSDP:
+    /// + parameters / N. DDP and no parallelism shard nothing.
+    fn of(parallelism: Parallelism, world_size: u64) -> Shards {
+        let n = world_size.max(1) as f64;
+        let (weights, grads, states) = match parallelism {
+            Parallelism::None | Parallelism::Ddp => (1.0, 1.0, 1.0),
+            Parallelism::Zero1 => (1.0, 1.0, n),
+            Parallelism::Zero2 => (1.0, n, n),
+            Parallelism::Zero3 | Parallelism::Fsdp => (n, n, n),
+        };
+        Shards {
+            weights,
+            grads,
+            states,
+        }
+    }
+}
+
+/// Everything the terms need, derived once from a validated config.
+#[derive(Debug, Clone, Copy)]
+struct Ctx<'a> {
+    cfg: &'a TrainingConfig,
+    m: &'a ModelShape,
+    counts: ParamCounts,
+    /// Parameters of the model (published count when given).
+    params: f64,
+    /// Trainable parameters.
+    trainable: f64,
+    regime: Regime,
+    shards: Shards,
+    /// Tokens per micro-batch, `B·S`.
+    tokens: f64,
+}
+
+impl<'a> Ctx<'a> {
+    fn new(cfg: &'a TrainingConfig) -> Ctx<'a> {
+        let m = &cfg.model;
+        let params = params::total_params(m) as f64;
+        Ctx {
+            cfg,
+            m,
+            counts: ParamCounts::of(m),
+            params,
+            trainable: trainable_params(cfg, params),
+            regime: Regime::of(cfg.precision, cfg.parallelism),
+            shards: Shards::of(cfg.parallelism, cfg.world_size),
+            tokens: cfg.batch_size as f64 * cfg.seq_length as f64,
+        }
+    }
+
+    /// Parameters of the blocks' linear layers (what 4-bit quantization applies to):
+    /// `P − (embeddings + head + norms)`.
+    fn quantizable(&self) -> f64 {
+        (self.params - self.counts.unquantized(self.m.num_layers) as f64).max(0.0)
+    }
+}
+
+/// Trainable parameters: `P` for full fine-tuning; for adapters `layers · Σ r·(in + out)`
+/// over the targeted projections, plus DoRA's magnitude vectors `layers · Σ out`.
+pub fn trainable_params(cfg: &TrainingConfig, params: f64) -> f64 {
+    let m = &cfg.model;
+    let layers = cfg.adapted_layers() as f64;
+    match cfg.method {
+        Method::Full => params,
+        Method::Lora | Method::Qlora => {
+            layers * params::lora_params_per_layer(m, &cfg.lora_targets, cfg.lora_rank) as f64
+        }
+        Method::Dora => {
+            layers
+                * (params::lora_params_per_layer(m, &cfg.lora_targets, cfg.lora_rank)
+                    + params::dora_magnitude_per_layer(m, &cfg.lora_targets))
+                    as f64
+        }
+    }
+}
+
+/// Storage bits of the frozen base: `model_bits` when given, 4 for QLoRA, 32 under fp32 and
+/// 16 otherwise (a LoRA base is loaded in the compute dtype).
+fn base_bits(cfg: &TrainingConfig) -> f64 {
+    match (cfg.model_bits, cfg.method, cfg.precision) {
+        (Some(bits), _, _) => f64::from(bits),
+        (None, Method::Qlora, _) => 4.0,
+        (None, _, Precision::Fp32) => 32.0,
+        (None, _, _) => 16.0,
+    }
+}
+
+/// Weights held by the device: the frozen base for adapter methods — `Pq·bits/8 + Pu·2`
+/// when 4-bit (`Pq` the blocks' linear weights, `Pu` embeddings, head and norms, which stay
+/// 16-bit), `P·bits/8` otherwise — plus the trainable weights `Pt·w`; both `/N` under
+/// ZeRO-3/FSDP.
+fn weights(x: &Ctx) -> Bytes {
+    let base = if x.cfg.is_adapter() {
+        let bits = base_bits(x.cfg);
+        if bits <= 4.0 {
+            let unq = x.params - x.quantizable();
+            x.quantizable() * bits / 8.0 + unq * 2.0
+        } else {
+            x.params * bits / 8.0
+        }
+    } else {
+        0.0
+    };
+    Bytes::from_f64((base + x.trainable * x.regime.weight) / x.shards.weights)
+}
+
+/// NF4 block scales of a 4-bit base: `Pq/64 · 4` (one fp32 absmax per 64 weights); with
+/// double quantization `Pq/64 · 1 + Pq/(64·256) · 4` (8-bit scales, one fp32 per 256).
+fn quant_scales(x: &Ctx) -> Bytes {
+    if !x.cfg.is_adapter() || base_bits(x.cfg) > 4.0 {
+        return Bytes::ZERO;
+    }
+    let blocks = x.quantizable() / NF4_BLOCK;
+    let bytes = if x.cfg.double_quant {
+        blocks + blocks / DOUBLE_QUANT_BLOCK * 4.0
+    } else {
+        blocks * 4.0
+    };
+    Bytes::from_f64(bytes / x.shards.weights)
+}
+
+/// fp32 master weights kept by the optimizer under ZeRO mixed precision: `Pt·4 / N`
+/// (HF AMP's fp32 weights are the model itself and are counted as weights).
+fn master_weights(x: &Ctx) -> Bytes {
+    Bytes::from_f64(x.trainable * x.regime.master / x.shards.states)
+}
+
+/// Gradients of the trainable parameters: `Pt·g / N` (N under ZeRO-2/3 and FSDP).
+fn gradients(x: &Ctx) -> Bytes {
+    Bytes::from_f64(x.trainable * x.regime.grad / x.shards.grads)
+}
+
+/// Optimizer states per trainable parameter, `/N` under ZeRO/FSDP. AdamW/Adam: `2·s`;
+/// SGD: 0; SGD with momentum: `s`; Adafactor: factored second moment, `(rows + cols)·s` per
+/// matrix; 8-bit AdamW: `2·1 + 2·4/256` (two 8-bit moments and their fp32 block absmax).
+/// `s` is 4 under fp32 and mixed precision, the parameter's 2 under pure 16-bit.
+fn optimizer_states(x: &Ctx) -> Bytes {
+    let s = x.regime.state;
+    let bytes = match x.cfg.optimizer {
+        Optimizer::AdamW | Optimizer::Adam => x.trainable * 2.0 * s,
+        Optimizer::Sgd => 0.0,
+        Optimizer::SgdMomentum => x.trainable * s,
+        Optimizer::Adafactor => adafactor_elements(x) * s,
+        Optimizer::AdamW8bit => x.trainable * (2.0 + 2.0 * 4.0 / ADAM8BIT_BLOCK),
+    };
+    Bytes::from_f64(bytes / x.shards.states)
+}
+
+/// Adafactor's state elements: `Σ (rows + cols)` over the trainable matrices. Full
+/// fine-tuning: every layer matrix, the embedding and the head (`V + h` each); adapters:
+/// LoRA's `A` (`in + r`) and `B` (`r + out`) per targeted projection.
+fn adafactor_elements(x: &Ctx) -> f64 {
+    let m = x.m;
+    let h = m.hidden_size as f64;
+    let v = m.vocab_size as f64;
+    if x.cfg.is_adapter() {
+        let r = x.cfg.lora_rank as f64;
+        let per_layer: f64 = params::lora_matrices(m, &x.cfg.lora_targets)
+            .iter()
+            .filter(|(on, ..)| *on)
+            .map(|&(_, i, o, n)| n as f64 * (i as f64 + o as f64 + 2.0 * r))
+            .sum();
+        return per_layer * x.cfg.adapted_layers() as f64;
+    }
+    let per_layer: f64 = params::layer_matrices(m)
+        .iter()
+        .map(|&(i, o, n)| n as f64 * (i as f64 + o as f64))
+        .sum::<f64>()
+        + x.counts.norms_per_layer as f64;
+    let heads = if x.counts.lm_head > 0 { 2.0 } else { 1.0 };
+    per_layer * m.num_layers as f64 + heads * (v + h)
+}
+
+/// Bytes one transformer layer keeps for backward, per token, without checkpointing:
+///
+/// * norms: `2·(4·h + p·h)` — each RMSNorm/LayerNorm keeps its input upcast to fp32 and
+///   its normalised output (the next projections' input);
+/// * attention: `p·(q + kv)` for q and k after rotary, `p·kv` for v, `p·q` for the attention
+///   output (the output projection's input), with `q = heads·d`, `kv = kv_heads·d`;
+///   without flash attention also `heads·S·(4 + 1 + 4 + c)`: the fp32 softmax
+///   probabilities, the attention-dropout mask and dropped probabilities (BERT and GPT-2
+///   train with attention dropout; dropout-free models keep 5 bytes less), and their 16-bit
+///   cast for `P·V` (`c = p` under 16-bit compute, 0 in fp32); and the k, v repeated to
+///   every head, `2·p·(q − kv)`;
+/// * FFN, per routed expert (`× experts_per_token`): gated `4·p·I` (gate and up outputs,
+///   the activation, their product), plain `2·p·I` (fc1 output and the activation); MoE
+///   adds fp32 router logits and probabilities, `2·4·E`;
+/// * adapters: `p·r` per adapted projection (LoRA A's output); DoRA also keeps the base and
+///   LoRA outputs for its magnitude rescale, `2·p·Σ out`.
+pub fn layer_activation_bytes_per_token(cfg: &TrainingConfig, compute_bytes: f64) -> f64 {
+    let m = &cfg.model;
+    let p = compute_bytes;
+    let h = m.hidden_size as f64;
+    let q = m.q_dim() as f64;
+    let kv = m.kv_dim() as f64;
+    let i = m.intermediate_size as f64;
+    let norms = 2.0 * (4.0 * h + p * h);
+    let mut attention = p * (q + kv) + p * kv + p * q;
+    if !cfg.flash_attention {
+        let cast = if p < 4.0 { p } else { 0.0 };
+        attention += m.num_heads as f64 * cfg.seq_length as f64 * (4.0 + 1.0 + 4.0 + cast);
+        attention += 2.0 * p * (q - kv);
+    }
+    let ffn_matrices = if m.ffn_gated { 4.0 } else { 2.0 };
+    let mut ffn = ffn_matrices * p * i * m.experts_per_token as f64;
+    if m.num_experts > 1 {
+        ffn += 2.0 * 4.0 * m.num_experts as f64;
+    }
+    let adapters = if cfg.is_adapter() {
+        let t = &cfg.lora_targets;
+        let projections = params::lora_matrices(m, t)
+            .iter()
+            .filter(|(on, ..)| *on)
+            .count() as f64;
+        let mut extra = p * cfg.lora_rank as f64 * projections;
+        if cfg.method == Method::Dora {
+            extra += 2.0 * p * params::adapted_out_width_per_token(m, t) as f64;
+        }
+        // Adapted layers only; averaged over all layers.
+        extra * cfg.adapted_layers() as f64 / m.num_layers as f64
+    } else {
+        0.0
+    };
+    norms + attention + ffn + adapters
+}
+
+/// Activations kept for backward: `B·S·(L·layer + (4 + p)·h)` (the last term: final norm
+/// and LM-head input). With gradient checkpointing each layer keeps only its input,
+/// `B·S·(L·p·h + 2·layer + (4 + p)·h)`: the inputs of every layer, plus one layer's full
+/// activations and their gradients while that layer is recomputed and back-propagated.
+fn activations(x: &Ctx) -> Bytes {
+    let p = x.regime.compute;
+    let layer = layer_activation_bytes_per_token(x.cfg, p);
+    let h = x.m.hidden_size as f64;
+    let layers = x.m.num_layers as f64;
+    let head = (4.0 + p) * h;
+    let per_token = if x.cfg.grad_checkpointing {
+        layers * p * h + layer + head
+    } else {
+        layers * layer + head
+    };
+    Bytes::from_f64(x.tokens * per_token)
+}
+
+/// Logits and the usual loss, upcast to fp32: `B·S·V·(p + 12)` — the logits in the compute
+/// dtype plus the loss's three fp32 tensors (see [`LOSS_BYTES_PER_LOGIT`]). Zero for models
+/// without an LM head (classifiers: B·classes).
+fn logits(x: &Ctx) -> Bytes {
+    if !x.m.lm_head {
+        return Bytes::ZERO;
+    }
+    let per_element = x.regime.compute + LOSS_BYTES_PER_LOGIT;
+    Bytes::from_f64(x.tokens * x.m.vocab_size as f64 * per_element)
+}
+
+/// Workspace live with the activations at the start of backward:
+/// * autocast's 16-bit copies of fp32 trainable weights (HF AMP full fine-tuning), `Pt·p`;
+/// * ZeRO-3/FSDP: two gathered layers (current and prefetched), `2·(P/L)·p`;
+/// * DoRA: `W + B·A` of the largest adapted matrix, materialised for its norm, `in·out·p`;
+/// * a 4-bit base: each matrix is dequantized to `p` bytes for its matmul, one at a time,
+///   `in·out·p` of the largest.
+fn forward_backward_workspace(x: &Ctx) -> Bytes {
+    let p = x.regime.compute;
+    let mut bytes = 0.0;
+    if x.regime.autocasts() && !x.cfg.is_adapter() {
+        bytes += x.trainable * p;
+    }
+    if matches!(x.cfg.parallelism, Parallelism::Zero3 | Parallelism::Fsdp) {
+        bytes += 2.0 * x.params / x.m.num_layers as f64 * p;
+    }
+    if x.cfg.method == Method::Dora {
+        bytes += params::largest_adapted_matrix(x.m, &x.cfg.lora_targets) as f64 * p;
+    }
+    if x.cfg.is_adapter() && base_bits(x.cfg) <= 4.0 {
+        let m = x.m;
+        let widest = m.q_dim().max(m.intermediate_size) as f64;
+        bytes += m.hidden_size as f64 * widest * p;
+    }
+    Bytes::from_f64(bytes)
+}
+
+/// Optimizer workspace at the step. Adam/AdamW as HF Trainer and torchtune run it (fused,
+/// or one tensor at a time) makes `sqrt(v)` and `sqrt(v)/c` for one tensor at a time:
+/// `2·s·max tensor` with the largest trainable tensor `max(V·h, I·h)` (the `foreach`
+/// implementation, plain PyTorch's default on CUDA, would make `Pt·s` at once); Adafactor
+/// squares one gradient at a time in fp32, `2·4·max tensor`; ZeRO mixed precision makes an
+/// fp32 gradient partition, `Pt·4 / N`, and steps with a fused kernel (no temporary).
+fn optimizer_workspace(x: &Ctx) -> Bytes {
+    let s = x.regime.state;
+    let largest = if x.cfg.is_adapter() {
+        let r = x.cfg.lora_rank as f64;
+        let widest = (x.m.hidden_size.max(x.m.intermediate_size)) as f64;
+        r * widest
+    } else {
+        let h = x.m.hidden_size as f64;
+        h * (x.m.vocab_size.max(x.m.intermediate_size)) as f64
+    };
+    let zero = x.regime.step_grad > 0.0;
+    let temp = match x.cfg.optimizer {
+        Optimizer::AdamW | Optimizer::Adam if zero => 0.0,
+        Optimizer::AdamW | Optimizer::Adam => 2.0 * largest * s,
+        Optimizer::Adafactor => 2.0 * 4.0 * largest,
+        Optimizer::Sgd | Optimizer::SgdMomentum | Optimizer::AdamW8bit => 0.0,
+    };
+    let step_grad = x.trainable * x.regime.step_grad / x.shards.states;
+    Bytes::from_f64(temp + step_grad)
+}
+
+/// Communication buckets, allocated once: DDP keeps a flat copy of every gradient, `Pt·g`;
+/// ZeRO reduces through a bucket of `min(Pt, 5·10⁸)` 16-bit elements.
+fn communication_buckets(x: &Ctx) -> Bytes {
+    let bytes = match x.cfg.parallelism {
+        Parallelism::Ddp if x.cfg.world_size > 1 => x.trainable * x.regime.grad,
+        Parallelism::Zero1 | Parallelism::Zero2 | Parallelism::Zero3 => {
+            x.trainable.min(ZERO_REDUCE_BUCKET) * x.regime.compute
+        }
+        _ => 0.0,
+    };
+    Bytes::from_f64(bytes)
+}
+
+/// Fixed runtime cost of the device kind: the CUDA context; the CPU process baseline
+/// (interpreter, torch, transformers, peft); the Metal runtime.
+pub fn runtime_overhead(device: Device) -> Bytes {
+    match device {
+        Device::Cuda => CUDA_CONTEXT,
+        Device::Cpu => CPU_PROCESS_BASELINE,
+        Device::Metal => METAL_RUNTIME,
+    }
+}
+
+/// Allocator reserve above live tensors: `fraction · per-step tensors` (activations,
+/// logits, gradients, workspaces), with the CUDA caching allocator's or the CPU heap's
+/// fraction. Metal's unified memory is reported at the allocation level: none.
+fn allocator_cache(device: Device, per_step: Bytes) -> Bytes {
+    let fraction = match device {
+        Device::Cuda => CUDA_CACHE_FRACTION,
+        Device::Cpu => CPU_HEAP_FRACTION,
+        Device::Metal => 0.0,
+    };
+    Bytes::from_f64(per_step.as_f64() * fraction)
+}
+
 /// Estimates the peak memory of one training step of `cfg` on one device.
 pub fn estimate(cfg: &TrainingConfig) -> Result<Estimate, Vec<ConfigError>> {
     cfg.validate()?;
-    let m = &cfg.model;
-    let params = m.params.unwrap_or(12 * m.hidden_size * m.hidden_size * m.num_layers) as f64;
-    let weights = Bytes::from_f64(params * 2.0);
-    let optimizer = Bytes::from_f64(params * 12.0);
-    let act = Bytes::from_f64(
-        (cfg.batch_size * cfg.seq_length * m.hidden_size * m.num_layers) as f64 * 16.0,
-    );
-    let logits = Bytes::from_f64((cfg.batch_size * cfg.seq_length * m.vocab_size) as f64 * 8.0);
-    let overhead = Bytes::mib(1024);
-    let mut components = vec![
-        (Component::Weights, weights),
-        (Component::OptimizerStates, optimizer),
-        (Component::Activations, act),
-        (Component::Logits, logits),
-        (Component::RuntimeOverhead, overhead),
+    let x = Ctx::new(cfg);
+    let grads = gradients(&x);
+    let buckets = communication_buckets(&x);
+
+    let backward = vec![
+        (Component::Gradients, grads),
+        (Component::Activations, activations(&x)),
+        (Component::Logits, logits(&x)),
+        (
+            Component::Transient,
+            forward_backward_workspace(&x) + buckets,
+        ),
     ];
-    components.sort_by(|a, b| b.1.cmp(&a.1));
+    let step = vec![
+        (Component::Gradients, grads),
+        (Component::Transient, optimizer_workspace(&x) + buckets),
+    ];
+    let sum = |v: &[(Component, Bytes)]| v.iter().map(|(_, b)| *b).sum::<Bytes>();
+    let per_step = if sum(&backward) >= sum(&step) {
+        backward
+    } else {
+        step
+    };
+    let per_step_total = sum(&per_step);
+
+    let mut components = vec![
+        (Component::Weights, weights(&x)),
+        (Component::QuantScales, quant_scales(&x)),
+        (Component::MasterWeights, master_weights(&x)),
+        (Component::OptimizerStates, optimizer_states(&x)),
+    ];
+    components.extend(per_step);
+    components.push((Component::RuntimeOverhead, runtime_overhead(cfg.device)));
+    components.push((
+        Component::AllocatorCache,
+        allocator_cache(cfg.device, per_step_total),
+    ));
+    components.retain(|(_, b)| *b > Bytes::ZERO);
+    components.sort_by_key(|(_, b)| std::cmp::Reverse(*b));
+
     let tensor_peak = components
         .iter()
         .filter(|(c, _)| c.is_tensor())
@@ -117,3 +631,6 @@ pub fn estimate(cfg: &TrainingConfig) -> Result<Estimate, Vec<ConfigError>> {
         components,
     })
 }
+
+#[cfg(test)]
+mod tests;

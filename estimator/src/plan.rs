@@ -66,7 +66,9 @@ impl Rung {
                 // batch at or below half the batch (5 → 1 with accumulation ×5, not 5 → 2).
                 let effective = cfg.batch_size * cfg.grad_accumulation;
                 let half = (cfg.batch_size / 2).max(floor);
-                next.batch_size = (floor..=half).rev().find(|d| effective % d == 0)?;
+                next.batch_size = (floor..=half)
+                    .rev()
+                    .find(|d| effective.is_multiple_of(*d))?;
                 next.grad_accumulation = effective / next.batch_size;
                 format!(
                     "batch {} → {}, gradient accumulation {} → {} (effective batch {} kept)",

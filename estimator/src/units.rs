@@ -177,7 +177,10 @@ mod tests {
 
     #[test]
     fn rejects_bad_sizes() {
-        assert!(matches!(parse_bytes("24 parsecs"), Err(ParseError::Invalid(..))));
+        assert!(matches!(
+            parse_bytes("24 parsecs"),
+            Err(ParseError::Invalid(..))
+        ));
         assert!(matches!(parse_bytes("-1G"), Err(ParseError::OutOfRange(_))));
         assert_eq!(parse_bytes(""), Err(ParseError::Empty));
         assert!(parse_bytes("GiB").is_err());

@@ -1,0 +1,271 @@
+//! Scores the estimator against the measured runs of `bench/accuracy/data/`: shared by the
+//! `accuracy` example (which prints the table) and the `accuracy` integration test (which
+//! asserts the targets).
+
+use memguard_estimator::{
+    Bytes, Device, LoraTargets, Method, ModelShape, Optimizer, Parallelism, Precision,
+    TrainingConfig, estimate,
+};
+use std::path::{Path, PathBuf};
+
+/// The ground-truth files, relative to the repository root.
+pub const FILES: [&str; 2] = [
+    "gpu-published-normalized.csv",
+    "cpu-measured-normalized.csv",
+];
+
+/// Rows whose notes carry this tag use a technique no config field expresses.
+pub const UNMODELLED_TAG: &str = "UNMODELLED:";
+
+/// The folder holding the ground-truth CSV files.
+pub fn data_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/accuracy/data")
+}
+
+/// One row of a `*-normalized.csv` file, as written.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct Row {
+    pub id: String,
+    pub model: String,
+    pub params: String,
+    pub hidden_size: u64,
+    pub num_layers: u64,
+    pub num_heads: u64,
+    pub num_kv_heads: u64,
+    pub intermediate_size: u64,
+    pub vocab_size: u64,
+    pub ffn_gated: bool,
+    pub num_experts: String,
+    pub experts_per_token: String,
+    pub model_bits: String,
+    pub precision: String,
+    pub method: String,
+    pub lora_rank: String,
+    pub lora_targets: String,
+    pub lora_layers: String,
+    pub optimizer: String,
+    pub batch_size: u64,
+    pub grad_accumulation: String,
+    pub seq_length: u64,
+    pub grad_checkpointing: bool,
+    pub flash_attention: bool,
+    pub parallelism: String,
+    pub world_size: String,
+    pub device: String,
+    pub device_memory_bytes: String,
+    pub outcome: String,
+    pub measured_bytes: String,
+    pub compare_to: String,
+    #[serde(default)]
+    pub notes: String,
+}
+
+/// What the estimate of one row is compared with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compare {
+    /// `tensor_peak` vs a `max_memory_allocated`-type figure.
+    TensorPeak,
+    /// `total` vs a device-level figure (NVML, reserved, cgroup peak).
+    Total,
+}
+
+/// The result of one row.
+#[derive(Debug, Clone)]
+pub struct Scored {
+    pub id: String,
+    pub model: String,
+    pub device: Device,
+    pub compare: Compare,
+    /// `None` for OOM fit tests.
+    pub measured: Option<Bytes>,
+    /// The output compared (tensor_peak or total).
+    pub estimated: Bytes,
+    /// For OOM rows: the device's memory.
+    pub device_memory: Option<Bytes>,
+    /// The row uses something no config field expresses.
+    pub unmodelled: bool,
+    /// The full estimate, for breakdowns.
+    pub estimate: memguard_estimator::Estimate,
+}
+
+impl Scored {
+    /// `(estimate − measured) / measured`: negative is an under-estimate.
+    pub fn signed_error(&self) -> Option<f64> {
+        self.measured
+            .map(|m| (self.estimated.as_f64() - m.as_f64()) / m.as_f64())
+    }
+
+    /// For OOM rows: whether the estimate exceeds the device's memory.
+    pub fn oom_predicted(&self) -> Option<bool> {
+        self.device_memory.map(|d| self.estimated > d)
+    }
+}
+
+fn opt_u64(s: &str) -> Result<Option<u64>, String> {
+    let s = s.trim();
+    if s.is_empty() {
+        return Ok(None);
+    }
+    s.parse::<f64>()
+        .map(|v| Some(v.round() as u64))
+        .map_err(|e| format!("`{s}`: {e}"))
+}
+
+fn targets(list: &str) -> Result<LoraTargets, String> {
+    // `lm_head` adapters are tiny next to the base; the config has no field for them.
+    let kept: Vec<&str> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty() && *t != "lm_head")
+        .collect();
+    if kept.is_empty() {
+        return Ok(LoraTargets::QV);
+    }
+    kept.join(",").parse().map_err(|e| format!("{e}"))
+}
+
+/// The training config a row describes.
+pub fn config(row: &Row) -> Result<TrainingConfig, String> {
+    let model = ModelShape {
+        name: None,
+        params: opt_u64(&row.params)?,
+        hidden_size: row.hidden_size,
+        num_layers: row.num_layers,
+        num_heads: row.num_heads,
+        num_kv_heads: row.num_kv_heads,
+        intermediate_size: row.intermediate_size,
+        vocab_size: row.vocab_size,
+        ffn_gated: row.ffn_gated,
+        num_experts: opt_u64(&row.num_experts)?.unwrap_or(1),
+        experts_per_token: opt_u64(&row.experts_per_token)?.unwrap_or(1),
+        tie_embeddings: false,
+        // Sequence classifiers (BERT here) have no vocabulary projection.
+        lm_head: !row.model.contains("SequenceClassification"),
+        head_dim: None,
+    };
+    let mut cfg = TrainingConfig::new(model);
+    cfg.model_bits = opt_u64(&row.model_bits)?.map(|b| b as u32);
+    cfg.precision = row
+        .precision
+        .parse::<Precision>()
+        .map_err(|e| e.to_string())?;
+    cfg.method = row.method.parse::<Method>().map_err(|e| e.to_string())?;
+    if let Some(r) = opt_u64(&row.lora_rank)? {
+        cfg.lora_rank = r;
+    }
+    cfg.lora_targets = targets(&row.lora_targets)?;
+    cfg.lora_layers = opt_u64(&row.lora_layers)?;
+    cfg.double_quant = row.notes.contains("[double-quant]");
+    cfg.optimizer = row
+        .optimizer
+        .parse::<Optimizer>()
+        .map_err(|e| e.to_string())?;
+    cfg.batch_size = row.batch_size;
+    cfg.grad_accumulation = opt_u64(&row.grad_accumulation)?.unwrap_or(1);
+    cfg.seq_length = row.seq_length;
+    cfg.grad_checkpointing = row.grad_checkpointing;
+    cfg.flash_attention = row.flash_attention;
+    cfg.parallelism = if row.parallelism.trim().is_empty() {
+        Parallelism::None
+    } else {
+        row.parallelism
+            .parse()
+            .map_err(|e: memguard_estimator::ConfigError| e.to_string())?
+    };
+    cfg.world_size = opt_u64(&row.world_size)?.unwrap_or(1);
+    cfg.device = row.device.parse::<Device>().map_err(|e| e.to_string())?;
+    Ok(cfg)
+}
+
+/// Scores one row.
+pub fn score(row: &Row) -> Result<Scored, String> {
+    let cfg = config(row)?;
+    let est = estimate(&cfg).map_err(|errs| format!("{errs:?}"))?;
+    let oom = row.outcome.trim().eq_ignore_ascii_case("oom");
+    let compare = if !oom && row.compare_to.trim() == "tensor_peak" {
+        Compare::TensorPeak
+    } else {
+        Compare::Total
+    };
+    let estimated = match compare {
+        Compare::TensorPeak => est.tensor_peak,
+        Compare::Total => est.total,
+    };
+    Ok(Scored {
+        id: row.id.clone(),
+        model: row.model.clone(),
+        device: cfg.device,
+        compare,
+        measured: if oom {
+            None
+        } else {
+            opt_u64(&row.measured_bytes)?.map(Bytes)
+        },
+        estimated,
+        device_memory: if oom {
+            opt_u64(&row.device_memory_bytes)?.map(Bytes)
+        } else {
+            None
+        },
+        unmodelled: row.notes.contains(UNMODELLED_TAG),
+        estimate: est,
+    })
+}
+
+/// Every row of every file, scored.
+pub fn score_all() -> Result<Vec<Scored>, String> {
+    let mut out = Vec::new();
+    for file in FILES {
+        let path = data_dir().join(file);
+        let mut reader =
+            csv::Reader::from_path(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        for row in reader.deserialize::<Row>() {
+            let row = row.map_err(|e| format!("{}: {e}", path.display()))?;
+            out.push(score(&row).map_err(|e| format!("{}: {e}", row.id))?);
+        }
+    }
+    Ok(out)
+}
+
+/// The figures of one device kind over the rows that count (measured, not UNMODELLED).
+#[derive(Debug, Clone)]
+pub struct Summary {
+    pub device: Device,
+    pub rows: usize,
+    pub median_ape: f64,
+    /// Most negative signed error, with its row id.
+    pub worst_under: Option<(f64, String)>,
+    /// Most positive signed error, with its row id.
+    pub worst_over: Option<(f64, String)>,
+    /// OOM fit tests: (passed, total).
+    pub oom: (usize, usize),
+}
+
+/// Summarises the scored rows of `device`, leaving out UNMODELLED rows.
+pub fn summarize(scored: &[Scored], device: Device) -> Summary {
+    let counted: Vec<&Scored> = scored
+        .iter()
+        .filter(|s| s.device == device && !s.unmodelled)
+        .collect();
+    let mut errors: Vec<(f64, String)> = counted
+        .iter()
+        .filter_map(|s| s.signed_error().map(|e| (e, s.id.clone())))
+        .collect();
+    let mut apes: Vec<f64> = errors.iter().map(|(e, _)| e.abs()).collect();
+    apes.sort_by(f64::total_cmp);
+    let median_ape = match apes.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => apes[n / 2],
+        n => (apes[n / 2 - 1] + apes[n / 2]) / 2.0,
+    };
+    errors.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let ooms: Vec<bool> = counted.iter().filter_map(|s| s.oom_predicted()).collect();
+    Summary {
+        device,
+        rows: apes.len(),
+        median_ape,
+        worst_under: errors.first().filter(|(e, _)| *e < 0.0).cloned(),
+        worst_over: errors.last().filter(|(e, _)| *e > 0.0).cloned(),
+        oom: (ooms.iter().filter(|p| **p).count(), ooms.len()),
+    }
+}

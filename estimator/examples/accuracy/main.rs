@@ -1,0 +1,92 @@
+//! Runs the estimator over every measured run in `bench/accuracy/data/` and prints a per-row
+//! table and, per device kind, the median absolute percentage error, the worst under- and
+//! over-estimate, and the OOM fit tests. Run it with `bench/accuracy/run.sh`.
+
+mod harness;
+
+use harness::{Compare, Scored};
+use memguard_estimator::Device;
+use std::process::ExitCode;
+
+fn gb(b: memguard_estimator::Bytes) -> String {
+    format!("{:.2}", b.as_f64() / 1e9)
+}
+
+fn print_row(s: &Scored) {
+    let compare = match s.compare {
+        Compare::TensorPeak => "tensor_peak",
+        Compare::Total => "total",
+    };
+    let tag = if s.unmodelled { " UNMODELLED" } else { "" };
+    let (measured, result) = match (s.measured, s.signed_error(), s.oom_predicted()) {
+        (Some(m), Some(e), _) => (gb(m), format!("{:+7.1} %", e * 100.0)),
+        (_, _, Some(oom)) => (
+            format!("OOM>{}", s.device_memory.map(gb).unwrap_or_default()),
+            if oom {
+                "fit test ok".into()
+            } else {
+                "FIT TEST FAILED".into()
+            },
+        ),
+        _ => ("?".into(), "?".into()),
+    };
+    let model: String = s.model.chars().take(28).collect();
+    println!(
+        "{:<40} {:<28} {:<5} {:<11} {:>10} {:>10} {:>16}{}",
+        s.id,
+        model,
+        s.device,
+        compare,
+        measured,
+        gb(s.estimated),
+        result,
+        tag
+    );
+}
+
+fn main() -> ExitCode {
+    let scored = match harness::score_all() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("accuracy: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!(
+        "{:<40} {:<28} {:<5} {:<11} {:>10} {:>10} {:>16}",
+        "row", "model", "dev", "compare", "meas. GB", "est. GB", "error"
+    );
+    let verbose = std::env::args().any(|a| a == "--components");
+    for s in &scored {
+        print_row(s);
+        if verbose {
+            let parts: Vec<String> = s
+                .estimate
+                .components
+                .iter()
+                .map(|(c, b)| format!("{c}={}", gb(*b)))
+                .collect();
+            println!("    {}", parts.join(" "));
+        }
+    }
+    println!();
+    println!("Per device kind (rows tagged UNMODELLED are printed above but not counted):");
+    for device in [Device::Cuda, Device::Cpu] {
+        let s = harness::summarize(&scored, device);
+        let fmt = |w: &Option<(f64, String)>| match w {
+            Some((e, id)) => format!("{:+.1} % ({id})", e * 100.0),
+            None => "none".into(),
+        };
+        println!(
+            "  {:<5} rows {:>3}  median APE {:>5.1} %  worst under {}  worst over {}  OOM fit tests {}/{}",
+            s.device,
+            s.rows,
+            s.median_ape * 100.0,
+            fmt(&s.worst_under),
+            fmt(&s.worst_over),
+            s.oom.0,
+            s.oom.1
+        );
+    }
+    ExitCode::SUCCESS
+}
