@@ -859,20 +859,21 @@ fn webhook_pods_are_hardened_and_spread() {
     assert_eq!(find_kind(&defaults, "Deployment")["spec"]["replicas"], 2);
 }
 
-/// The metric names the dashboard reads; the webhook and the sidecar export exactly these.
+/// The metric names the dashboard reads: what the webhook (`webhook/src/metrics.rs`) and the
+/// sidecar (`sidecar/src/metrics.rs`) export today.
 const DASHBOARD_METRICS: &[&str] = &[
-    "memguard_webhook_requests_total",
-    "memguard_webhook_request_duration_seconds",
+    "memguard_webhook_admission_requests_total",
+    "memguard_webhook_admission_duration_seconds",
     "memguard_webhook_downgrade_steps_total",
     "memguard_webhook_certificate_expiry_timestamp_seconds",
     "memguard_sidecar_working_set_bytes",
     "memguard_sidecar_limit_bytes",
     "memguard_sidecar_memory_pressure_ratio",
-    "memguard_sidecar_psi_some_avg10",
+    "memguard_sidecar_memory_stall_some_avg10_ratio",
     "memguard_sidecar_level",
     "memguard_sidecar_downgrades_total",
-    "memguard_sidecar_gpu_used_bytes",
-    "memguard_sidecar_gpu_total_bytes",
+    "memguard_sidecar_gpu_memory_used_bytes",
+    "memguard_sidecar_gpu_memory_total_bytes",
 ];
 
 #[test]
@@ -1052,6 +1053,34 @@ fn notes_show_how_to_opt_in_and_verify_with_contract_names() {
             assert!(
                 memguard_api::annotations::INPUT_KEYS.contains(&key),
                 "NOTES use unknown annotation {key}"
+            );
+        }
+    }
+}
+
+/// The dashboard's metric names are registered by the code that exports them (a source check:
+/// the binaries are not run here).
+#[test]
+fn dashboard_metrics_are_registered_by_the_webhook_and_the_sidecar() {
+    for (prefix, file) in [
+        ("memguard_webhook_", "webhook/src/metrics.rs"),
+        ("memguard_sidecar_", "sidecar/src/metrics.rs"),
+    ] {
+        let source = std::fs::read_to_string(workspace_root().join(file))
+            .unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert!(
+            source.contains(&format!("\"{}\"", prefix.trim_end_matches('_'))),
+            "{file} does not register the {prefix} prefix"
+        );
+        for metric in DASHBOARD_METRICS
+            .iter()
+            .filter_map(|m| m.strip_prefix(prefix))
+        {
+            let base = metric.strip_suffix("_total").unwrap_or(metric);
+            assert!(
+                source.contains(&format!("\"{metric}\""))
+                    || source.contains(&format!("\"{base}\"")),
+                "the dashboard reads {prefix}{metric}, which {file} does not register"
             );
         }
     }
