@@ -1,10 +1,180 @@
-//! `memguard mutate` (built by the webhook work, issue 3).
+//! `memguard mutate`: the webhook's mutation, applied to manifests on disk.
+//!
+//! Same code path as the server ([`memguard_webhook::manifest`] → `mutate` → `patch::build`).
+//! Reads one or more YAML (or JSON) documents, from a file or stdin, and prints each document
+//! mutated, or the JSON patches. Pods, and workloads whose pod templates carry the opt-in label.
+
+use anyhow::Context;
+use memguard_webhook::Outcome;
+use memguard_webhook::config::{Overrides, policy_from_str};
+use memguard_webhook::manifest::{Mutated, mutate_document};
+use serde_json::Value;
+use std::io::{Read, Write};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 /// Flags of `memguard mutate`.
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Manifest to mutate (`-` for stdin); may hold several YAML documents.
+    #[arg(short = 'f', long = "filename", value_name = "FILE")]
+    pub file: PathBuf,
 
-pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("`memguard mutate` is not built yet")
+    /// `yaml` (the mutated documents), `json`, or `patch` (the RFC 6902 patch of each document).
+    #[arg(short, long, value_enum, default_value_t = Output::Yaml)]
+    pub output: Output,
+
+    /// Policy document (YAML or JSON `PolicySpec`), as given to the webhook.
+    #[arg(long, value_name = "FILE")]
+    pub policy_file: Option<PathBuf>,
+
+    /// Fraction of device memory a plan may use; overrides the policy file.
+    #[arg(long)]
+    pub safety_ratio: Option<f64>,
+
+    /// GPU memory when no product is known (e.g. `80Gi`); overrides the policy file.
+    #[arg(long)]
+    pub default_gpu_memory: Option<String>,
+
+    /// Sidecar image; overrides the policy file.
+    #[arg(long)]
+    pub sidecar_image: Option<String>,
+
+    /// `native` or `classic`; overrides the policy file.
+    #[arg(long, value_parser = parse_mode)]
+    pub sidecar_mode: Option<memguard_api::policy::SidecarMode>,
+}
+
+/// Output format.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Output {
+    /// The mutated documents, as YAML (`---` between documents).
+    Yaml,
+    /// The mutated documents, as JSON (one per line when several).
+    Json,
+    /// The JSON patch of each document (one per line when several).
+    Patch,
+}
+
+fn parse_mode(s: &str) -> Result<memguard_api::policy::SidecarMode, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "native" => Ok(memguard_api::policy::SidecarMode::Native),
+        "classic" => Ok(memguard_api::policy::SidecarMode::Classic),
+        other => Err(format!("`{other}` is not `native` or `classic`")),
+    }
+}
+
+/// Bad input: reported, exit code 2.
+fn bad_input(message: impl std::fmt::Display) -> anyhow::Result<ExitCode> {
+    eprintln!("error: {message}");
+    Ok(ExitCode::from(super::EXIT_BAD_INPUT))
+}
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let policy_text = match &args.policy_file {
+        Some(path) => match std::fs::read_to_string(path) {
+            Ok(text) => Some(text),
+            Err(e) => return bad_input(format!("reading {}: {e}", path.display())),
+        },
+        None => None,
+    };
+    let overrides = Overrides {
+        safety_ratio: args.safety_ratio,
+        default_gpu_memory: args.default_gpu_memory.clone(),
+        sidecar_image: args.sidecar_image.clone(),
+        sidecar_mode: args.sidecar_mode,
+    };
+    let policy = match policy_from_str(policy_text.as_deref(), &overrides) {
+        Ok(p) => p,
+        Err(errors) => return bad_input(format!("invalid policy: {}", errors.join("; "))),
+    };
+
+    let (source, text) = if args.file.as_os_str() == "-" {
+        let mut text = String::new();
+        if let Err(e) = std::io::stdin().read_to_string(&mut text) {
+            return bad_input(format!("reading stdin: {e}"));
+        }
+        ("stdin".to_string(), text)
+    } else {
+        match std::fs::read_to_string(&args.file) {
+            Ok(text) => (args.file.display().to_string(), text),
+            Err(e) => return bad_input(format!("reading {}: {e}", args.file.display())),
+        }
+    };
+    let documents: Vec<Value> = match serde_saphyr::from_multiple(&text) {
+        Ok(docs) => docs.into_iter().filter(|d: &Value| !d.is_null()).collect(),
+        Err(e) => return bad_input(format!("{source}: not valid YAML: {e}")),
+    };
+    if documents.is_empty() {
+        return bad_input(format!("{source}: no documents"));
+    }
+
+    let profiles = memguard_webhook::Profiles::default();
+    let mut results: Vec<Mutated> = Vec::with_capacity(documents.len());
+    for (i, doc) in documents.iter().enumerate() {
+        match mutate_document(doc, &policy, &profiles) {
+            Ok(m) => results.push(m),
+            Err(e) => return bad_input(format!("{source}: document {}: {e}", i + 1)),
+        }
+    }
+
+    let mut skipped = false;
+    for (i, m) in results.iter().enumerate() {
+        for pod in &m.pods {
+            let at = if pod.path.is_empty() {
+                format!("document {}", i + 1)
+            } else {
+                format!("document {} {}", i + 1, pod.path)
+            };
+            match &pod.outcome {
+                Outcome::Skipped { error, .. } => {
+                    skipped = true;
+                    eprintln!("{at}: skipped: {error}");
+                }
+                Outcome::Mutated(mutation) => {
+                    for warning in &mutation.warnings {
+                        eprintln!("{at}: warning: {warning}");
+                    }
+                }
+                Outcome::Unchanged => {}
+            }
+        }
+    }
+
+    let mut out = std::io::stdout().lock();
+    match args.output {
+        Output::Yaml => {
+            let docs: Vec<&Value> = results.iter().map(|m| &m.document).collect();
+            let yaml = if docs.len() == 1 {
+                serde_saphyr::to_string(docs[0])
+            } else {
+                serde_saphyr::to_string_multiple(&docs)
+            }
+            .context("writing YAML")?;
+            out.write_all(yaml.as_bytes())?;
+        }
+        Output::Json => {
+            for m in &results {
+                let line = if results.len() == 1 {
+                    serde_json::to_string_pretty(&m.document)?
+                } else {
+                    serde_json::to_string(&m.document)?
+                };
+                writeln!(out, "{line}")?;
+            }
+        }
+        Output::Patch => {
+            for m in &results {
+                writeln!(out, "{}", serde_json::to_string(&m.patch)?)?;
+            }
+        }
+    }
+    out.flush()?;
+    // Like the webhook, a pod with bad annotations is still written out (with memguard.io/error);
+    // the exit code tells scripts the input needs fixing.
+    Ok(if skipped {
+        ExitCode::from(super::EXIT_BAD_INPUT)
+    } else {
+        ExitCode::SUCCESS
+    })
 }

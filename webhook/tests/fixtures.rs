@@ -55,10 +55,10 @@ fn readable(patch: &Patch) -> Value {
             let parsed: Value =
                 serde_json::from_str(op["value"].as_str().expect("string")).expect("JSON");
             op["value"] = parsed;
-        } else if path == "/metadata/annotations" {
-            if let Some(s) = op["value"][keys::ESTIMATE].as_str() {
-                op["value"][keys::ESTIMATE] = serde_json::from_str(s).expect("JSON");
-            }
+        } else if path == "/metadata/annotations"
+            && let Some(s) = op["value"][keys::ESTIMATE].as_str()
+        {
+            op["value"][keys::ESTIMATE] = serde_json::from_str(s).expect("JSON");
         }
     }
     redact(&mut v);

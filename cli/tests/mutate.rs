@@ -1,0 +1,220 @@
+//! `memguard mutate` end to end, through the real binary, on the webhook's fixture pods.
+
+use serde_json::Value;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../webhook/tests/fixtures")
+        .join(name)
+}
+
+fn memguard(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_memguard"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the memguard binary runs");
+    let mut input = child.stdin.take().expect("stdin");
+    input
+        .write_all(stdin.unwrap_or_default().as_bytes())
+        .expect("write stdin");
+    drop(input);
+    child.wait_with_output().expect("output")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+const WORKLOADS: &str = r#"
+apiVersion: batch/v1
+kind: Job
+metadata: {name: lora}
+spec:
+  template:
+    metadata:
+      labels: {memguard.io/enabled: "true"}
+      annotations: {memguard.io/model: llama-3-8b, memguard.io/method: qlora}
+    spec:
+      restartPolicy: Never
+      containers: [{name: t, image: x, resources: {limits: {nvidia.com/gpu: "1"}}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: s}
+spec: {ports: [{port: 80}]}
+---
+apiVersion: kubeflow.org/v1
+kind: PyTorchJob
+metadata: {name: ddp}
+spec:
+  pytorchReplicaSpecs:
+    Master:
+      replicas: 1
+      template:
+        metadata:
+          labels: {memguard.io/enabled: "true"}
+          annotations: {memguard.io/model: llama-3-8b, memguard.io/method: lora, memguard.io/parallelism: ddp}
+        spec:
+          containers: [{name: pytorch, image: x, resources: {limits: {nvidia.com/gpu: "2"}}}]
+"#;
+
+#[test]
+fn mutates_a_pod_file_into_yaml() {
+    let pod = fixture("pods/single-gpu-lora.yaml");
+    let policy = fixture("policy.yaml");
+    let out = memguard(
+        &[
+            "mutate",
+            "-f",
+            pod.to_str().expect("utf-8"),
+            "--policy-file",
+            policy.to_str().expect("utf-8"),
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mutated: Value = serde_saphyr::from_str(&stdout(&out)).expect("YAML out");
+    let sidecar = &mutated["spec"]["initContainers"][0];
+    assert_eq!(sidecar["name"], "memguard-sidecar");
+    assert_eq!(sidecar["restartPolicy"], "Always");
+    let estimate = mutated["metadata"]["annotations"]["memguard.io/estimate"]
+        .as_str()
+        .expect("estimate annotation");
+    let estimate: Value = serde_json::from_str(estimate).expect("JSON");
+    assert_eq!(estimate["budgetSource"]["detail"], "NVIDIA-A10G");
+    assert!(stderr(&out).contains("valueFrom"), "warnings go to stderr");
+}
+
+#[test]
+fn mutates_workload_templates_from_stdin_and_leaves_other_documents() {
+    let out = memguard(&["mutate", "-f", "-", "-o", "json"], Some(WORKLOADS));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let docs: Vec<Value> = stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON document per line"))
+        .collect();
+    assert_eq!(docs.len(), 3);
+    assert_eq!(
+        docs[0]["spec"]["template"]["spec"]["shareProcessNamespace"],
+        true
+    );
+    assert_eq!(
+        docs[1]["spec"],
+        serde_json::json!({"ports": [{"port": 80}]})
+    );
+    let master = &docs[2]["spec"]["pytorchReplicaSpecs"]["Master"]["template"];
+    assert_eq!(
+        master["spec"]["initContainers"][0]["restartPolicy"],
+        "Always"
+    );
+    let estimate: Value = serde_json::from_str(
+        master["metadata"]["annotations"]["memguard.io/estimate"]
+            .as_str()
+            .expect("estimate"),
+    )
+    .expect("JSON");
+    assert_eq!(
+        estimate["config"]["world-size"], "2",
+        "DDP over the pod's 2 GPUs"
+    );
+}
+
+#[test]
+fn prints_patches_rebased_onto_each_document_and_is_idempotent() {
+    let out = memguard(&["mutate", "-f", "-", "-o", "patch"], Some(WORKLOADS));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let patches: Vec<Value> = stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one patch per line"))
+        .collect();
+    assert_eq!(patches.len(), 3);
+    for op in patches[0].as_array().expect("ops") {
+        assert!(
+            op["path"]
+                .as_str()
+                .is_some_and(|p| p.starts_with("/spec/template/")),
+            "{op}"
+        );
+    }
+    assert_eq!(
+        patches[1],
+        serde_json::json!([]),
+        "a Service is not patched"
+    );
+
+    // The mutated output, mutated again, needs no patch.
+    let yaml = memguard(&["mutate", "-f", "-"], Some(WORKLOADS));
+    let again = memguard(&["mutate", "-f", "-", "-o", "patch"], Some(&stdout(&yaml)));
+    assert!(again.status.success(), "{}", stderr(&again));
+    assert!(
+        stdout(&again).lines().all(|l| l == "[]"),
+        "{}",
+        stdout(&again)
+    );
+}
+
+#[test]
+fn bad_annotations_still_print_the_pod_but_exit_2() {
+    let pod = fixture("pods/bad-annotations.yaml");
+    let out = memguard(&["mutate", "-f", pod.to_str().expect("utf-8")], None);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("did you mean `optimizer`"),
+        "{}",
+        stderr(&out)
+    );
+    let mutated: Value = serde_saphyr::from_str(&stdout(&out)).expect("YAML out");
+    assert!(mutated["metadata"]["annotations"]["memguard.io/error"].is_string());
+}
+
+#[test]
+fn bad_input_is_a_clear_error_and_exit_2() {
+    let cases: [(&[&str], Option<&str>, &str); 5] = [
+        (
+            &["mutate", "-f", "-"],
+            Some("kind: [unclosed"),
+            "not valid YAML",
+        ),
+        (
+            &["mutate", "-f", "/nonexistent/pod.yaml"],
+            None,
+            "reading /nonexistent/pod.yaml",
+        ),
+        (&["mutate", "-f", "-"], Some(""), "no documents"),
+        (
+            &["mutate", "-f", "-"],
+            Some("- just\n- a list\n"),
+            "not a Kubernetes object",
+        ),
+        (
+            &["mutate", "-f", "-"],
+            Some("kind: Pod\nmetadata: {name: x}\nspec: {containers: 3}\n"),
+            "not a valid pod",
+        ),
+    ];
+    for (args, stdin, message) in cases {
+        let out = memguard(args, stdin);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains(message), "{args:?}: {}", stderr(&out));
+    }
+    let bad_policy = memguard(
+        &["mutate", "-f", "-", "--safety-ratio", "1.5"],
+        Some(WORKLOADS),
+    );
+    assert_eq!(bad_policy.status.code(), Some(2));
+    assert!(
+        stderr(&bad_policy).contains("safetyRatio"),
+        "{}",
+        stderr(&bad_policy)
+    );
+}

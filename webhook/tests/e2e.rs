@@ -1,0 +1,193 @@
+//! End to end: the real `memguard-webhook` binary, a certificate made at test time, real TLS.
+
+mod common;
+
+use base64::Engine;
+use common::{Ca, Conn, Server, admission_review, fixture_pod, scrape, write_secret};
+use k8s_openapi::api::core::v1::Pod;
+use std::time::{Duration, Instant};
+
+fn apply(pod: &serde_json::Value, review: &serde_json::Value) -> serde_json::Value {
+    let encoded = review["response"]["patch"].as_str().expect("a patch");
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(encoded)
+        .expect("base64");
+    let patch: json_patch::Patch = serde_json::from_slice(&bytes).expect("JSON patch");
+    let mut out = pod.clone();
+    json_patch::patch(&mut out, &patch).expect("the patch applies to the pod");
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_admission_reviews_over_tls_and_drains_on_sigterm() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = Ca::new();
+    let (cert, key, _) = ca.leaf("memguard-webhook.memguard.svc");
+    write_secret(dir.path(), 1, &cert, &key);
+    let server = Server::start(dir.path(), &[]);
+
+    let mut conn = Conn::open(server.https, ca.client_config())
+        .await
+        .expect("TLS handshake with the generated CA");
+    let (status, body) = conn
+        .request("GET", "/healthz", Vec::new())
+        .await
+        .expect("healthz");
+    assert_eq!((status, body.as_slice()), (200, b"ok".as_slice()));
+
+    // A training pod: mutated, and the result is still a pod with a native sidecar.
+    let pod = fixture_pod("single-gpu-lora");
+    let (status, body) = conn
+        .request("POST", "/mutate", admission_review(&pod, "uid-1"))
+        .await
+        .expect("mutate");
+    assert_eq!(status, 200);
+    let review: serde_json::Value = serde_json::from_slice(&body).expect("AdmissionReview");
+    assert_eq!(review["response"]["uid"], "uid-1");
+    assert_eq!(review["response"]["allowed"], true);
+    let mutated = apply(&pod, &review);
+    let typed: Pod = serde_json::from_value(mutated.clone()).expect("still a Pod");
+    let spec = typed.spec.expect("spec");
+    let sidecar = &spec.init_containers.expect("initContainers")[0];
+    assert_eq!(sidecar.name, "memguard-sidecar");
+    assert_eq!(sidecar.restart_policy.as_deref(), Some("Always"));
+    assert_eq!(spec.share_process_namespace, Some(true));
+
+    // Reinvocation on the mutated pod: allowed, no patch (same keep-alive connection).
+    let (_, body) = conn
+        .request("POST", "/mutate", admission_review(&mutated, "uid-2"))
+        .await
+        .expect("reinvocation");
+    let again: serde_json::Value = serde_json::from_slice(&body).expect("AdmissionReview");
+    assert_eq!(again["response"]["allowed"], true);
+    assert!(again["response"].get("patch").is_none(), "{again}");
+
+    // Bad annotations: still allowed, with a warning and the error annotation.
+    let bad = fixture_pod("bad-annotations");
+    let (_, body) = conn
+        .request("POST", "/mutate", admission_review(&bad, "uid-3"))
+        .await
+        .expect("bad pod");
+    let skipped: serde_json::Value = serde_json::from_slice(&body).expect("AdmissionReview");
+    assert_eq!(skipped["response"]["allowed"], true);
+    assert!(apply(&bad, &skipped)["metadata"]["annotations"]["memguard.io/error"].is_string());
+
+    // Not an AdmissionReview: 400.
+    let (status, _) = conn
+        .request("POST", "/mutate", b"{\"hello\": 1}".to_vec())
+        .await
+        .expect("bad body");
+    assert_eq!(status, 400);
+
+    let metrics = scrape(server.metrics).await;
+    for line in [
+        "memguard_webhook_admission_requests_total{outcome=\"mutated\"} 1",
+        "memguard_webhook_admission_requests_total{outcome=\"unchanged\"} 1",
+        "memguard_webhook_admission_requests_total{outcome=\"skipped\"} 1",
+        "memguard_webhook_admission_requests_total{outcome=\"error\"} 1",
+        "memguard_webhook_certificate_expiry_timestamp_seconds ",
+    ] {
+        assert!(metrics.contains(line), "missing `{line}` in\n{metrics}");
+    }
+    drop(conn);
+
+    let status = server.terminate();
+    assert!(status.success(), "graceful exit, got {status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rotated_certificates_are_served_without_a_failed_request() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = Ca::new();
+    let (cert1, key1, der1) = ca.leaf("generation-1");
+    write_secret(dir.path(), 1, &cert1, &key1);
+    let server = Server::start(dir.path(), &[]);
+    let config = ca.client_config();
+    let pod = fixture_pod("multi-gpu-fsdp");
+
+    // One long-lived keep-alive connection, plus a new connection per request.
+    let mut kept = Conn::open(server.https, config.clone())
+        .await
+        .expect("connect");
+    assert_eq!(kept.peer_cert, der1);
+    let mut served = Vec::new();
+    let mut failures = Vec::new();
+    let request = async |conn: &mut Conn, n: usize| -> bool {
+        match conn
+            .request(
+                "POST",
+                "/mutate",
+                admission_review(&pod, &format!("uid-{n}")),
+            )
+            .await
+        {
+            Ok((200, body)) => serde_json::from_slice::<serde_json::Value>(&body)
+                .is_ok_and(|r| r["response"]["allowed"] == true),
+            _ => false,
+        }
+    };
+
+    let (cert2, key2, der2) = ca.leaf("generation-2");
+    let mut n = 0;
+    let mut rotated_at = None;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        n += 1;
+        let mut fresh = match Conn::open(server.https, config.clone()).await {
+            Ok(c) => c,
+            Err(e) => {
+                failures.push(format!("connect {n}: {e}"));
+                continue;
+            }
+        };
+        served.push(fresh.peer_cert.clone());
+        if !request(&mut fresh, n).await {
+            failures.push(format!("request {n} on a new connection"));
+        }
+        if !request(&mut kept, n).await {
+            failures.push(format!("request {n} on the kept connection"));
+        }
+        if n == 20 {
+            write_secret(dir.path(), 2, &cert2, &key2);
+            rotated_at = Some(served.len());
+        }
+        let seen_new = served.iter().filter(|c| **c == der2).count();
+        if seen_new >= 20 || Instant::now() > deadline {
+            break;
+        }
+    }
+    assert!(failures.is_empty(), "failed: {failures:?}");
+    let rotated_at = rotated_at.expect("rotated");
+    assert!(served[..rotated_at].iter().all(|c| *c == der1));
+    let first_new = served
+        .iter()
+        .position(|c| *c == der2)
+        .expect("the new certificate is served without a restart");
+    assert!(
+        served[first_new..].iter().all(|c| *c == der2),
+        "once reloaded, only the new certificate is served"
+    );
+
+    // A broken update keeps the current certificate.
+    write_secret(dir.path(), 3, "not a certificate", &key2);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let metrics = scrape(server.metrics).await;
+        if metrics.contains("memguard_webhook_certificate_reloads_total{result=\"error\"} 1") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the bad certificate was never noticed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut after = Conn::open(server.https, config.clone())
+        .await
+        .expect("still serving");
+    assert_eq!(
+        after.peer_cert, der2,
+        "the previous certificate stays in service"
+    );
+    assert!(request(&mut after, 0).await);
+}
