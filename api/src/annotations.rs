@@ -4,8 +4,8 @@
 //! parser ([`TrainingAnnotations::parse_keys`]), so a pod and a command line can never disagree.
 
 use memguard_estimator::{
-    Bytes, ConfigError, Device, LoraTargets, Method, ModelShape, Optimizer, Parallelism,
-    Precision, TrainingConfig, catalog, parse_bytes, parse_count,
+    Bytes, ConfigError, Device, LoraTargets, Method, ModelShape, Optimizer, Parallelism, Precision,
+    TrainingConfig, catalog, parse_bytes, parse_count,
 };
 use std::collections::BTreeMap;
 use std::fmt;
@@ -446,11 +446,7 @@ impl Parser<'_> {
             .map(String::as_str)
     }
 
-    fn parse_with<T>(
-        &mut self,
-        key: &str,
-        f: impl FnOnce(&str) -> Result<T, String>,
-    ) -> Option<T> {
+    fn parse_with<T>(&mut self, key: &str, f: impl FnOnce(&str) -> Result<T, String>) -> Option<T> {
         let value = self.get(key)?.to_string();
         match f(&value) {
             Ok(v) => Some(v),
@@ -674,7 +670,10 @@ mod tests {
         let mut keys: Vec<&str> = errs.iter().map(|e| e.key.as_str()).collect();
         assert!(errs[0].message.contains("did you mean `batch-size`"));
         keys.sort();
-        assert_eq!(keys, ["batch-size", "batchsize", "optimizer", "safety-ratio"]);
+        assert_eq!(
+            keys,
+            ["batch-size", "batchsize", "optimizer", "safety-ratio"]
+        );
     }
 
     #[test]
@@ -682,7 +681,11 @@ mod tests {
         let errs =
             TrainingAnnotations::parse(&annotations(&[(HIDDEN_SIZE, "4096")])).expect_err("bad");
         assert_eq!(errs.len(), 1);
-        assert!(errs[0].message.contains("num-layers, num-heads, vocab-size"));
+        assert!(
+            errs[0]
+                .message
+                .contains("num-layers, num-heads, vocab-size")
+        );
     }
 
     #[test]
@@ -699,12 +702,15 @@ mod tests {
 
     #[test]
     fn rejects_bad_env_map_entries() {
-        for bad in ["batch=X", "batch-size", "batch-size=1X", "batch-size=MEMGUARD_X"] {
-            let errs = TrainingAnnotations::parse(&annotations(&[
-                (MODEL, "llama-3-8b"),
-                (ENV_MAP, bad),
-            ]))
-            .expect_err(bad);
+        for bad in [
+            "batch=X",
+            "batch-size",
+            "batch-size=1X",
+            "batch-size=MEMGUARD_X",
+        ] {
+            let errs =
+                TrainingAnnotations::parse(&annotations(&[(MODEL, "llama-3-8b"), (ENV_MAP, bad)]))
+                    .expect_err(bad);
             assert_eq!(errs[0].key, "env-map", "{bad}");
         }
     }

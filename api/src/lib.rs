@@ -16,6 +16,6 @@ pub mod summary;
 pub mod crd;
 
 pub use annotations::{AnnotationError, EnvMap, Knob, TrainingAnnotations};
-pub use signal::{Level, Pressure, Report, Signal};
 pub use policy::{Policy, PolicySpec};
+pub use signal::{Level, Pressure, Report, Signal};
 pub use summary::Summary;

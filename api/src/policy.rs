@@ -289,7 +289,9 @@ mod tests {
 
     #[test]
     fn empty_spec_resolves_to_documented_defaults() {
-        let p = PolicySpec::default().resolved().expect("defaults are valid");
+        let p = PolicySpec::default()
+            .resolved()
+            .expect("defaults are valid");
         assert_eq!(p.safety_ratio, 0.9);
         assert_eq!(p.default_gpu_memory, Bytes::gib(80));
         assert_eq!(p.sidecar_mode, SidecarMode::Native);

@@ -177,6 +177,9 @@ mod tests {
     fn levels_order_by_severity() {
         assert!(Level::Ok < Level::Warn && Level::Warn < Level::Downgrade);
         assert!(Level::Downgrade < Level::Critical);
-        assert_eq!(serde_json::to_string(&Level::Critical).expect("ok"), "\"critical\"");
+        assert_eq!(
+            serde_json::to_string(&Level::Critical).expect("ok"),
+            "\"critical\""
+        );
     }
 }
