@@ -90,6 +90,8 @@ pub enum Component {
     RuntimeOverhead,
     /// Caching-allocator reserve above live tensors.
     AllocatorCache,
+    /// Inference serving: the key/value cache at its ceiling (never part of a training step).
+    KvCache,
 }
 
 impl Component {
@@ -106,6 +108,7 @@ impl Component {
             Component::Transient => "transient",
             Component::RuntimeOverhead => "runtime_overhead",
             Component::AllocatorCache => "allocator_cache",
+            Component::KvCache => "kv_cache",
         }
     }
 

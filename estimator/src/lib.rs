@@ -31,5 +31,6 @@ pub use config::{
     TrainingConfig,
 };
 pub use estimate::{Component, Estimate, estimate};
+pub use inference::{ServingConfig, estimate_serving};
 pub use plan::{DowngradePlan, Floors, LADDER, Rung, Step, plan, plan_with_floors};
 pub use units::{Bytes, ParseError, parse_bytes, parse_count};

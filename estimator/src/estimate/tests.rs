@@ -1,14 +1,336 @@
 use super::*;
 use crate::catalog;
+use crate::config::LoraTargets;
 
-fn llama8b() -> TrainingConfig {
-    TrainingConfig::new(catalog::lookup("llama-3-8b").expect("catalog"))
+fn model(name: &str) -> TrainingConfig {
+    TrainingConfig::new(catalog::lookup(name).expect("catalog"))
+}
+
+fn est(cfg: &TrainingConfig) -> Estimate {
+    estimate(cfg).expect("valid config")
+}
+
+fn per_param(bytes: Bytes, params: f64) -> f64 {
+    bytes.as_f64() / params
+}
+
+/// Weights + master + gradients + optimizer states, per parameter.
+fn static_per_param(cfg: &TrainingConfig) -> f64 {
+    let e = est(cfg);
+    let p = params::total_params(&cfg.model) as f64;
+    let parts = [
+        Component::Weights,
+        Component::MasterWeights,
+        Component::Gradients,
+        Component::OptimizerStates,
+    ];
+    parts.iter().map(|c| per_param(e.component(*c), p)).sum()
 }
 
 #[test]
-fn components_sum_to_the_totals() {
-    let e = estimate(&llama8b()).expect("valid");
+fn components_sum_to_the_totals_and_tensor_peak_excludes_runtime() {
+    let e = est(&model("llama-3-8b"));
     let sum: Bytes = e.components.iter().map(|(_, b)| *b).sum();
     assert_eq!(sum, e.total);
-    assert!(e.tensor_peak < e.total);
+    let tensors: Bytes = e
+        .components
+        .iter()
+        .filter(|(c, _)| c.is_tensor())
+        .map(|(_, b)| *b)
+        .sum();
+    assert_eq!(tensors, e.tensor_peak);
+    assert_eq!(e.component(Component::RuntimeOverhead), CUDA_CONTEXT);
+}
+
+#[test]
+fn full_finetune_holds_16_bytes_per_parameter_under_fp32_and_mixed_precision() {
+    for precision in [Precision::Fp32, Precision::Bf16Mixed, Precision::Fp16Mixed] {
+        let mut cfg = model("llama-3-8b");
+        cfg.precision = precision;
+        let b = static_per_param(&cfg);
+        assert!((b - 16.0).abs() < 1e-6, "{precision}: {b} B/param");
+    }
+}
+
+#[test]
+fn pure_bf16_halves_the_static_part_with_states_in_the_parameter_dtype() {
+    let mut cfg = model("llama-3-8b");
+    cfg.precision = Precision::Bf16;
+    assert!((static_per_param(&cfg) - 8.0).abs() < 1e-6);
+    let e = est(&cfg);
+    let p = params::total_params(&cfg.model) as f64;
+    assert!((per_param(e.component(Component::OptimizerStates), p) - 4.0).abs() < 1e-6);
+}
+
+#[test]
+fn optimizer_states_depend_on_the_optimizer() {
+    let states = |o: Optimizer| {
+        let mut cfg = model("llama-3-8b");
+        cfg.optimizer = o;
+        let p = params::total_params(&cfg.model) as f64;
+        per_param(est(&cfg).component(Component::OptimizerStates), p)
+    };
+    assert!((states(Optimizer::AdamW) - 8.0).abs() < 1e-6);
+    assert!((states(Optimizer::Adam) - 8.0).abs() < 1e-6);
+    assert_eq!(states(Optimizer::Sgd), 0.0);
+    assert!((states(Optimizer::SgdMomentum) - 4.0).abs() < 1e-6);
+    let eight_bit = states(Optimizer::AdamW8bit);
+    assert!(eight_bit > 2.0 && eight_bit < 2.1, "{eight_bit}");
+    // Factored: rows + columns per matrix, a tiny fraction of one state per parameter.
+    assert!(states(Optimizer::Adafactor) < 0.01);
+}
+
+#[test]
+fn qlora_stores_half_a_byte_per_quantized_weight_plus_block_scales() {
+    let mut cfg = model("llama-2-7b");
+    cfg.method = Method::Qlora;
+    let e = est(&cfg);
+    let m = &cfg.model;
+    let counts = ParamCounts::of(m);
+    let unq = counts.unquantized(m.num_layers) as f64;
+    let quantized = params::total_params(m) as f64 - unq;
+    let adapters = trainable_params(&cfg, 0.0) * 4.0;
+    let expected = quantized * 0.5 + unq * 2.0 + adapters;
+    assert!((e.component(Component::Weights).as_f64() - expected).abs() < 2.0);
+    let scales = e.component(Component::QuantScales).as_f64();
+    assert!((scales - quantized / 64.0 * 4.0).abs() < 2.0);
+
+    cfg.double_quant = true;
+    let dq = est(&cfg).component(Component::QuantScales).as_f64();
+    // 8-bit scales plus one fp32 per 256 of them: ~0.127 instead of 0.5 bits per weight.
+    assert!((dq / scales - (1.0 + 4.0 / 256.0) / 4.0).abs() < 1e-3);
+}
+
+#[test]
+fn lora_trains_only_the_adapters() {
+    let mut cfg = model("llama-3-8b");
+    cfg.method = Method::Lora;
+    cfg.lora_targets = LoraTargets::ALL_LINEAR;
+    let e = est(&cfg);
+    let adapters = trainable_params(&cfg, 0.0);
+    assert!(adapters > 1e7 && adapters < 1e8, "{adapters}");
+    assert_eq!(
+        e.component(Component::Gradients),
+        Bytes::from_f64(adapters * 4.0)
+    );
+    // Frozen base in bf16: 2 bytes per parameter plus fp32 adapters.
+    let p = params::total_params(&cfg.model) as f64;
+    assert_eq!(
+        e.component(Component::Weights),
+        Bytes::from_f64(p * 2.0 + adapters * 4.0)
+    );
+}
+
+#[test]
+fn lora_rank_and_layers_scale_the_adapter() {
+    let mut cfg = model("llama-3-8b");
+    cfg.method = Method::Lora;
+    let base = trainable_params(&cfg, 0.0);
+    cfg.lora_rank *= 2;
+    assert!((trainable_params(&cfg, 0.0) - 2.0 * base).abs() < 1.0);
+    cfg.lora_rank /= 2;
+    cfg.lora_layers = Some(16);
+    assert!((trainable_params(&cfg, 0.0) - base / 2.0).abs() < 1.0);
+}
+
+#[test]
+fn dora_adds_magnitudes_and_activations_over_lora() {
+    let mut lora = model("llama-3-8b");
+    lora.method = Method::Lora;
+    let mut dora = lora.clone();
+    dora.method = Method::Dora;
+    let (l, d) = (est(&lora), est(&dora));
+    let magnitudes = 32.0 * (4096.0 + 1024.0);
+    assert!((trainable_params(&dora, 0.0) - trainable_params(&lora, 0.0) - magnitudes).abs() < 1.0);
+    assert!(d.component(Component::Activations) > l.component(Component::Activations));
+    assert!(d.total > l.total);
+}
+
+#[test]
+fn moe_counts_every_expert_in_the_weights_and_only_routed_experts_in_activations() {
+    let mixtral = model("mixtral-8x7b");
+    let mut one_expert = mixtral.clone();
+    one_expert.model.num_experts = 1;
+    one_expert.model.experts_per_token = 1;
+    one_expert.model.params = None;
+    let moe = ParamCounts::of(&mixtral.model);
+    let dense = ParamCounts::of(&one_expert.model);
+    let ffn = (moe.ffn_per_expert * mixtral.model.num_layers) as f64;
+    let extra = moe.total as f64 - dense.total as f64;
+    // Seven more experts' FFNs (plus the tiny router), counted exactly once.
+    assert!((extra / ffn - 7.0).abs() < 0.01, "{}", extra / ffn);
+
+    let mut top1 = mixtral.clone();
+    top1.model.experts_per_token = 1;
+    let act = |c: &TrainingConfig| est(c).component(Component::Activations).as_f64();
+    assert!(act(&mixtral) > act(&top1));
+    let ffn_bytes = 4.0 * 2.0 * 14336.0 * 2048.0 * 32.0;
+    assert!((act(&mixtral) - act(&top1) - ffn_bytes).abs() / ffn_bytes < 1e-9);
+}
+
+#[test]
+fn gradient_checkpointing_keeps_one_input_per_layer_plus_one_layer() {
+    let mut cfg = model("llama-3-8b");
+    cfg.batch_size = 4;
+    let full = est(&cfg).component(Component::Activations);
+    cfg.grad_checkpointing = true;
+    let ckpt = est(&cfg).component(Component::Activations);
+    assert!(ckpt.as_f64() < full.as_f64() / 4.0);
+    let tokens = 4.0 * 2048.0;
+    let layer = layer_activation_bytes_per_token(&cfg, 2.0);
+    let expected = tokens * (32.0 * 2.0 * 4096.0 + layer + 6.0 * 4096.0);
+    assert!((ckpt.as_f64() - expected).abs() < 2.0);
+}
+
+#[test]
+fn attention_without_flash_grows_with_the_square_of_the_sequence() {
+    let act = |seq: u64, flash: bool| {
+        let mut cfg = model("llama-2-7b");
+        cfg.seq_length = seq;
+        cfg.flash_attention = flash;
+        est(&cfg).component(Component::Activations).as_f64()
+    };
+    // Linear with flash attention: doubling the sequence doubles the activations.
+    assert!((act(4096, true) / act(2048, true) - 2.0).abs() < 1e-9);
+    // Without it the scores add heads·S² per layer: more than double.
+    assert!(act(4096, false) / act(2048, false) > 2.5);
+    assert!(act(2048, false) > act(2048, true));
+}
+
+#[test]
+fn logits_dominate_small_models_with_large_vocabularies() {
+    let mut cfg = model("qwen2.5-0.5b");
+    cfg.batch_size = 8;
+    let e = est(&cfg);
+    let logits = e.component(Component::Logits);
+    let expected = 8.0 * 2048.0 * 151_936.0 * (2.0 + 12.0);
+    assert_eq!(logits, Bytes::from_f64(expected));
+    assert_eq!(e.components[0].0, Component::Logits);
+}
+
+#[test]
+fn classifiers_without_an_lm_head_have_no_logits() {
+    let cfg = model("bert-large-uncased");
+    assert_eq!(est(&cfg).component(Component::Logits), Bytes::ZERO);
+}
+
+#[test]
+fn full_finetuning_activations_use_every_layer_whatever_lora_layers_says() {
+    let mut cfg = model("llama-3-8b");
+    let all = est(&cfg).component(Component::Activations);
+    cfg.lora_layers = Some(2);
+    assert_eq!(est(&cfg).component(Component::Activations), all);
+}
+
+#[test]
+fn zero_stages_shard_what_they_promise() {
+    let shard = |par: Parallelism, n: u64| {
+        let mut cfg = model("llama-3-8b");
+        cfg.parallelism = par;
+        cfg.world_size = n;
+        est(&cfg)
+    };
+    let one = shard(Parallelism::Zero1, 1);
+    let z1 = shard(Parallelism::Zero1, 8);
+    let z2 = shard(Parallelism::Zero2, 8);
+    let z3 = shard(Parallelism::Zero3, 8);
+    let states = Component::OptimizerStates;
+    assert_eq!(z1.component(states).0, one.component(states).0.div_ceil(8));
+    assert_eq!(
+        z1.component(Component::Weights),
+        one.component(Component::Weights)
+    );
+    assert!(z2.component(Component::Gradients) < z1.component(Component::Gradients));
+    assert!(z3.component(Component::Weights) < z2.component(Component::Weights));
+    assert!(z3.tensor_peak < z2.tensor_peak && z2.tensor_peak < z1.tensor_peak);
+}
+
+#[test]
+fn ddp_replicates_everything_and_adds_gradient_buckets() {
+    let mut single = model("llama-3.2-1b");
+    single.precision = Precision::Bf16;
+    let mut ddp = single.clone();
+    ddp.parallelism = Parallelism::Ddp;
+    ddp.world_size = 4;
+    let p = params::total_params(&single.model) as f64;
+    let diff = est(&ddp).tensor_peak.as_f64() - est(&single).tensor_peak.as_f64();
+    assert!((diff - p * 2.0).abs() < 4.0, "{diff}");
+}
+
+#[test]
+fn device_kinds_carry_their_own_runtime_overhead() {
+    let mut cfg = model("gpt2");
+    cfg.device = Device::Cpu;
+    let cpu = est(&cfg);
+    assert_eq!(
+        cpu.component(Component::RuntimeOverhead),
+        CPU_PROCESS_BASELINE
+    );
+    cfg.device = Device::Metal;
+    let metal = est(&cfg);
+    assert_eq!(metal.component(Component::AllocatorCache), Bytes::ZERO);
+    assert_eq!(metal.total, metal.tensor_peak + METAL_RUNTIME);
+}
+
+#[test]
+fn allocator_cache_scales_with_per_step_tensors_not_with_weights() {
+    let mut small_batch = model("llama-3-8b");
+    small_batch.method = Method::Lora;
+    let mut big_batch = small_batch.clone();
+    big_batch.batch_size = 8;
+    let cache = |c: &TrainingConfig| est(c).component(Component::AllocatorCache).as_f64();
+    let per_step = |c: &TrainingConfig| {
+        let e = est(c);
+        e.components
+            .iter()
+            .filter(|(k, _)| k.is_tensor() && !k.is_static())
+            .map(|(_, b)| b.as_f64())
+            .sum::<f64>()
+    };
+    for cfg in [&small_batch, &big_batch] {
+        let expected = per_step(cfg) * CUDA_CACHE_FRACTION;
+        assert!((cache(cfg) - expected).abs() < 2.0);
+    }
+}
+
+#[test]
+fn a_published_parameter_count_drives_the_weight_sized_terms() {
+    let mut cfg = model("llama-3-8b");
+    cfg.model.params = Some(10_000_000_000);
+    let e = est(&cfg);
+    assert_eq!(
+        e.component(Component::OptimizerStates),
+        Bytes(80_000_000_000)
+    );
+}
+
+#[test]
+fn absurd_input_is_an_error_not_an_overflow() {
+    let mut cfg = model("llama-3-8b");
+    cfg.batch_size = u64::MAX;
+    cfg.model.hidden_size = u64::MAX;
+    let errors = estimate(&cfg).expect_err("caps exceeded");
+    let fields: Vec<&str> = errors.iter().map(|e| e.field()).collect();
+    assert!(fields.contains(&"batch-size") && fields.contains(&"hidden-size"));
+
+    // At the caps themselves the estimate saturates instead of wrapping around.
+    let mut max = model("llama-3-8b");
+    max.batch_size = crate::config::limits::BATCH_SIZE;
+    max.seq_length = crate::config::limits::SEQ_LENGTH;
+    max.flash_attention = false;
+    assert!(est(&max).total > Bytes::gib(1 << 20));
+}
+
+#[test]
+fn an_explicit_head_dim_lifts_the_heads_divide_hidden_check() {
+    let mut odd = model("gemma-2-9b");
+    odd.model.num_heads = 6;
+    odd.model.num_kv_heads = 6;
+    // 6 heads of 256 over a 3584-wide model: valid with an explicit head_dim…
+    assert!(estimate(&odd).is_ok());
+    assert_eq!(odd.model.q_dim(), 6 * 256);
+    // …and an error without one, since 6 does not divide 3584.
+    odd.model.head_dim = None;
+    let errors = estimate(&odd).expect_err("heads do not divide hidden");
+    assert!(errors.iter().any(|e| e.field() == "num-heads"));
 }
