@@ -412,10 +412,13 @@ def test_hf_callback_without_attach_warns_and_changes_nothing(caplog: pytest.Log
     assert "attach" in caplog.text
 
 
-def test_real_transformers_trainer_rechunks(tmp_path: Path) -> None:
-    """A real tiny Trainer run; skipped where torch and transformers are not installed."""
+@pytest.mark.parametrize("loss_kwargs", [False, True], ids=["mean-loss", "num-items-loss"])
+def test_real_transformers_trainer_rechunks(tmp_path: Path, loss_kwargs: bool) -> None:
+    """A real tiny Trainer run with a downgrade after step 2; skipped where torch,
+    transformers and accelerate are not installed."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
     from memguard_client.hf import attach
 
     class Tiny(torch.nn.Module):
@@ -424,12 +427,27 @@ def test_real_transformers_trainer_rechunks(tmp_path: Path) -> None:
             self.lin = torch.nn.Linear(3, 1)
             self.rows: List[int] = []
 
-        def forward(self, x: Any, labels: Any = None) -> Any:
+        def forward(self, x: Any, labels: Any = None, **kwargs: Any) -> Any:
             self.rows.append(x.shape[0])
             out = self.lin(x).squeeze(-1)
-            return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+            n = kwargs.get("num_items_in_batch")
+            if n is not None:
+                loss = ((out - labels) ** 2).sum() / n  # normalised over the accumulated batch
+            else:
+                loss = torch.nn.functional.mse_loss(out, labels)
+            return {"loss": loss, "logits": out}
 
+    if not loss_kwargs:
+        Tiny.forward.__signature__ = __import__("inspect").signature(  # type: ignore[attr-defined]
+            lambda self, x, labels=None: None
+        )
     data = [{"x": torch.tensor(x), "labels": torch.tensor(y)} for x, y in _dataset(64)]
+    signal = tmp_path / "signal.json"
+
+    class Sidecar(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step == 2:
+                write_atomic(signal, signal_dict(1, batch=3, accum=6, level="downgrade"))
 
     def run(with_guard: bool) -> Any:
         torch.manual_seed(0)
@@ -441,12 +459,44 @@ def test_real_transformers_trainer_rechunks(tmp_path: Path) -> None:
             dataloader_drop_last=False,
         )
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        assert trainer.model_accepts_loss_kwargs == loss_kwargs
         if with_guard:
-            attach(trainer, Guard(env={"MEMGUARD_BATCH_SIZE": "3", "MEMGUARD_GRAD_ACCUMULATION": "6"}))
+            write_atomic(signal, signal_dict(0, batch=8, accum=2))
+            cb = attach(trainer, Guard(signal_file=str(signal), env={}))
+            trainer.add_callback(Sidecar())
         trainer.train()
+        if with_guard:
+            assert cb.downgrades == 1
         return model
 
     ref, guarded = run(False), run(True)
-    assert set(ref.rows) == {8} and max(guarded.rows) == 3 and sum(guarded.rows) == sum(ref.rows)
+    assert set(ref.rows) == {8}
+    # Steps 0 and 1 (2 batches of 8 each) at the starting size, then micro-batches of <= 3.
+    assert guarded.rows[:4] == [8, 8, 8, 8] and max(guarded.rows[4:]) == 3
+    assert sum(guarded.rows) == sum(ref.rows) == 64
     for a, b in zip(ref.parameters(), guarded.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_real_torch_micro_batcher_gradient_equals_full_batch(signal_path: Path) -> None:
+    """Skipped where torch is not installed."""
+    torch = pytest.importorskip("torch")
+    from memguard_client.torch import MicroBatcher
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 4), torch.randn(16)
+    model = torch.nn.Linear(4, 1)
+
+    def loss_fn(mb: Any) -> Any:
+        return torch.nn.functional.mse_loss(model(mb[0]).squeeze(-1), mb[1])
+
+    loss_fn((x, y)).backward()
+    full = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    write_atomic(signal_path, signal_dict(3, batch=5, accum=4, level="critical"))
+    batcher = MicroBatcher(Guard(signal_file=str(signal_path), env={"MEMGUARD_BATCH_SIZE": "16"}))
+    assert batcher.refresh() and batcher.micro_batch_size == 5
+    value = batcher.backward((x, y), loss_fn, model=model)
+    assert value == pytest.approx(float(loss_fn((x, y)).detach()), rel=1e-6)
+    for p, g in zip(model.parameters(), full):
+        torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-7)
