@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -425,6 +426,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if reason:
         print(f"SKIP: survival proof not run: {reason}", flush=True)
         return SKIP
+    # SIGTERM unwinds like Ctrl-C, so every `finally` removes its cgroup and stops the sidecar.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     arms_wanted = [a for a in args.arms.split(",") if a]
     sidecar = find_sidecar(args.sidecar)
     if any(a.startswith("memguard") for a in arms_wanted) and (sidecar is None or not sidecar.is_file()):
