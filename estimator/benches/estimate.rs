@@ -1,7 +1,41 @@
-//! Criterion benchmark: one estimate and one full downgrade plan (filled in by the estimator work).
+//! Criterion benchmark: one estimate and one full downgrade plan.
+//!
+//! `cargo bench -p memguard-estimator --bench estimate -- --warm-up-time 1 --measurement-time 3`
 use criterion::{Criterion, criterion_group, criterion_main};
+use memguard_estimator::{Bytes, Calibration, Method, TrainingConfig, catalog, estimate, plan};
+use std::hint::black_box;
 
-fn benches(_c: &mut Criterion) {}
+/// LoRA on Llama 3 8B at batch 8, sequence 4096, rank 64, no checkpointing.
+fn heavy() -> TrainingConfig {
+    let mut cfg = TrainingConfig::new(catalog::lookup("llama-3-8b").expect("catalog"));
+    cfg.method = Method::Lora;
+    cfg.batch_size = 8;
+    cfg.grad_accumulation = 2;
+    cfg.seq_length = 4096;
+    cfg.lora_rank = 64;
+    cfg
+}
+
+fn benches(c: &mut Criterion) {
+    let cfg = heavy();
+    c.bench_function("estimate/llama-3-8b-lora", |b| {
+        b.iter(|| estimate(black_box(&cfg)))
+    });
+
+    // 20 GiB with a 1.1 calibration: checkpointing, three batch halvings and two sequence
+    // halvings (six rungs, seven estimates).
+    let runs = vec![(Bytes(100), Bytes(110)); 3];
+    let calibration = Calibration::from_runs(&runs);
+    let budget = Bytes::gib(20);
+    let steps = plan(&cfg, budget, &calibration).map(|p| p.steps.len());
+    assert!(
+        matches!(steps, Ok(n) if n >= 4),
+        "the plan needs several rungs: {steps:?}"
+    );
+    c.bench_function("plan/llama-3-8b-lora-to-20GiB", |b| {
+        b.iter(|| plan(black_box(&cfg), black_box(budget), &calibration))
+    });
+}
 
 criterion_group!(estimator, benches);
 criterion_main!(estimator);

@@ -586,7 +586,7 @@ pub fn estimate(cfg: &TrainingConfig) -> Result<Estimate, Vec<ConfigError>> {
     let grads = gradients(&x);
     let buckets = communication_buckets(&x);
 
-    let backward = vec![
+    let backward = [
         (Component::Gradients, grads),
         (Component::Activations, activations(&x)),
         (Component::Logits, logits(&x)),
@@ -595,25 +595,26 @@ pub fn estimate(cfg: &TrainingConfig) -> Result<Estimate, Vec<ConfigError>> {
             forward_backward_workspace(&x) + buckets,
         ),
     ];
-    let step = vec![
+    let step = [
         (Component::Gradients, grads),
         (Component::Transient, optimizer_workspace(&x) + buckets),
     ];
     let sum = |v: &[(Component, Bytes)]| v.iter().map(|(_, b)| *b).sum::<Bytes>();
-    let per_step = if sum(&backward) >= sum(&step) {
-        backward
+    let per_step: &[(Component, Bytes)] = if sum(&backward) >= sum(&step) {
+        &backward
     } else {
-        step
+        &step
     };
-    let per_step_total = sum(&per_step);
+    let per_step_total = sum(per_step);
 
-    let mut components = vec![
+    let mut components = Vec::with_capacity(10);
+    components.extend_from_slice(&[
         (Component::Weights, weights(&x)),
         (Component::QuantScales, quant_scales(&x)),
         (Component::MasterWeights, master_weights(&x)),
         (Component::OptimizerStates, optimizer_states(&x)),
-    ];
-    components.extend(per_step);
+    ]);
+    components.extend_from_slice(per_step);
     components.push((Component::RuntimeOverhead, runtime_overhead(cfg.device)));
     components.push((
         Component::AllocatorCache,

@@ -235,3 +235,170 @@ pub fn plan_with_floors(
         calibration: *calibration,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog;
+    use crate::config::Method;
+
+    /// LoRA on Llama 3 8B, batch 8 × accumulation 2, sequence 4096, rank 64, no checkpointing.
+    fn heavy() -> TrainingConfig {
+        let mut cfg = TrainingConfig::new(catalog::lookup("llama-3-8b").expect("catalog"));
+        cfg.method = Method::Lora;
+        cfg.batch_size = 8;
+        cfg.grad_accumulation = 2;
+        cfg.seq_length = 4096;
+        cfg.lora_rank = 64;
+        cfg
+    }
+
+    fn total(cfg: &TrainingConfig) -> Bytes {
+        estimate(cfg).expect("valid").total
+    }
+
+    fn with(f: impl Fn(&mut TrainingConfig)) -> TrainingConfig {
+        let mut cfg = heavy();
+        f(&mut cfg);
+        cfg
+    }
+
+    fn calibrated(factor: f64) -> Calibration {
+        let runs: Vec<(Bytes, Bytes)> = (0..3)
+            .map(|_| (Bytes(1000), Bytes::from_f64(1000.0 * factor)))
+            .collect();
+        Calibration::from_runs(&runs)
+    }
+
+    #[test]
+    fn walks_the_ladder_in_order_and_stops_as_soon_as_it_fits() {
+        use Rung::*;
+        // (name, budget = the total of the config the plan should reach, expected rungs)
+        let table: Vec<(&str, Bytes, Vec<Rung>)> = vec![
+            ("already fits", total(&heavy()), vec![]),
+            (
+                "checkpointing is enough",
+                total(&with(|c| c.grad_checkpointing = true)),
+                vec![GradCheckpointing],
+            ),
+            (
+                "then the batch, twice",
+                total(&with(|c| {
+                    c.grad_checkpointing = true;
+                    c.batch_size = 2;
+                })),
+                vec![GradCheckpointing, HalveBatch, HalveBatch],
+            ),
+            (
+                "then the sequence once the batch is at its floor",
+                total(&with(|c| {
+                    c.grad_checkpointing = true;
+                    c.batch_size = 1;
+                    c.seq_length = 1024;
+                })),
+                vec![
+                    GradCheckpointing,
+                    HalveBatch,
+                    HalveBatch,
+                    HalveBatch,
+                    HalveSeqLength,
+                    HalveSeqLength,
+                ],
+            ),
+        ];
+        for (name, budget, expected) in table {
+            let p = plan(&heavy(), budget, &Calibration::none()).expect("valid");
+            let rungs: Vec<Rung> = p.steps.iter().map(|s| s.rung).collect();
+            assert_eq!(rungs, expected, "{name}");
+            assert!(p.fits, "{name}");
+            assert!(p.total() <= budget, "{name}");
+            let c = &p.config;
+            assert_eq!(
+                c.batch_size * c.grad_accumulation,
+                16,
+                "{name}: effective batch"
+            );
+        }
+    }
+
+    #[test]
+    fn reaches_lora_rank_and_layers_last() {
+        let floor_everything = with(|c| {
+            c.grad_checkpointing = true;
+            c.batch_size = 1;
+            c.seq_length = 256;
+            c.lora_rank = 4;
+            c.lora_layers = Some(8);
+        });
+        let p = plan(&heavy(), total(&floor_everything), &Calibration::none()).expect("valid");
+        assert!(p.fits);
+        let rungs: Vec<Rung> = p.steps.iter().map(|s| s.rung).collect();
+        let first = |r: Rung| rungs.iter().position(|x| *x == r);
+        assert!(first(Rung::HalveSeqLength) < first(Rung::HalveLoraRank));
+        assert!(first(Rung::HalveLoraRank) < first(Rung::HalveLoraLayers));
+        assert_eq!(p.config.lora_rank, 4);
+        assert_eq!(p.config.lora_layers, Some(8));
+    }
+
+    #[test]
+    fn says_clearly_when_nothing_fits_and_keeps_the_most_downgraded_config() {
+        let p = plan(&heavy(), Bytes::gib(1), &Calibration::none()).expect("valid");
+        assert!(!p.fits);
+        let c = &p.config;
+        let floors = Floors::default();
+        assert!(c.grad_checkpointing);
+        assert_eq!(c.batch_size, floors.batch_size);
+        assert_eq!(c.grad_accumulation, 16);
+        assert_eq!(c.seq_length, floors.seq_length);
+        assert_eq!(c.lora_rank, floors.lora_rank);
+        assert_eq!(c.lora_layers, Some(floors.lora_layers));
+        assert!(p.total() > p.budget);
+        assert!(p.total() < p.initial_total());
+    }
+
+    #[test]
+    fn full_finetuning_never_touches_lora_rungs() {
+        let mut cfg = heavy();
+        cfg.method = Method::Full;
+        let p = plan(&cfg, Bytes::gib(1), &Calibration::none()).expect("valid");
+        assert!(!p.fits);
+        assert!(
+            p.steps
+                .iter()
+                .all(|s| !matches!(s.rung, Rung::HalveLoraRank | Rung::HalveLoraLayers))
+        );
+    }
+
+    #[test]
+    fn calibration_is_honoured_at_every_step() {
+        let cfg = heavy();
+        let budget = total(&cfg);
+        let none = plan(&cfg, budget, &Calibration::none()).expect("valid");
+        assert!(none.fits && none.steps.is_empty());
+
+        let cal = calibrated(1.2);
+        assert!(cal.is_active());
+        let p = plan(&cfg, budget, &cal).expect("valid");
+        assert!(!p.steps.is_empty(), "a 1.2 factor must force downgrades");
+        assert!(p.fits);
+        for step in &p.steps {
+            assert!(step.total_after.as_f64() > 0.0);
+        }
+        let last = p.steps.last().expect("steps");
+        assert_eq!(last.total_after, cal.apply(p.estimate.total));
+        assert!(p.total() <= budget);
+    }
+
+    #[test]
+    fn halving_an_odd_batch_keeps_the_effective_batch_exactly() {
+        let mut cfg = heavy();
+        cfg.batch_size = 5;
+        cfg.grad_accumulation = 3;
+        let (next, why) = Rung::HalveBatch
+            .apply(&cfg, &Floors::default())
+            .expect("applies");
+        assert_eq!(next.batch_size * next.grad_accumulation, 15);
+        assert!(next.batch_size <= 2);
+        assert!(why.contains("effective batch 15 kept"));
+    }
+}
