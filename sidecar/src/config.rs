@@ -90,10 +90,10 @@ pub struct Args {
     )]
     pub log_format: LogFormat,
     /// Exit (writing the summary) when the watched cgroup empties after having held a process.
-    #[arg(long, env = "MEMGUARD_SIDECAR_EXIT_WHEN_EMPTY", default_value = "true", value_parser = parse_bool)]
+    #[arg(long, env = "MEMGUARD_SIDECAR_EXIT_WHEN_EMPTY", default_value = "true", value_parser = parse_bool, action = clap::ArgAction::Set)]
     pub exit_when_empty: bool,
     /// Register kernel events (cgroup v1 thresholds, PSI triggers, inotify); the poll always runs.
-    #[arg(long, env = "MEMGUARD_SIDECAR_EVENTS", default_value = "true", value_parser = parse_bool)]
+    #[arg(long, env = "MEMGUARD_SIDECAR_EVENTS", default_value = "true", value_parser = parse_bool, action = clap::ArgAction::Set)]
     pub events: bool,
 }
 
@@ -309,6 +309,10 @@ mod tests {
             .expect_err("out of order");
         assert!(matches!(e, ConfigError::Thresholds(_)));
         assert!(Args::try_parse_from(["x", "--interval", "soon"]).is_err());
+        let a = args(&["--events", "false", "--exit-when-empty", "no"]);
+        assert!(!a.events && !a.exit_when_empty);
+        let a = args(&[]);
+        assert!(a.events && a.exit_when_empty);
     }
 
     #[test]
