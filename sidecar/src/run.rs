@@ -63,6 +63,22 @@ fn open_source(config: &Config) -> (Box<dyn MemorySource>, Option<PathBuf>) {
     }
 }
 
+/// The cgroup's own PSI file: `memory.pressure` in a v2 directory; for a v1 directory under
+/// `<root>/memory/<path>` on a hybrid host, `<root>/unified/<path>/memory.pressure` when it exists.
+pub fn cgroup_psi_path(root: &Path, dir: &Path) -> PathBuf {
+    let own = dir.join("memory.pressure");
+    if own.exists() {
+        return own;
+    }
+    match dir.strip_prefix(root.join("memory")) {
+        Ok(rel) => {
+            let hybrid = root.join("unified").join(rel).join("memory.pressure");
+            if hybrid.exists() { hybrid } else { own }
+        }
+        Err(_) => own,
+    }
+}
+
 async fn serve(
     addr: SocketAddr,
     router: Router,
@@ -200,7 +216,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let visible = gpu::parse_visible(config.nvidia_visible_devices.as_deref());
     let gpu = gpu::open(&visible);
     tracing::info!(gpu = %gpu.describe(), "GPU source");
-    let psi_cgroup = dir.as_ref().map(|d| d.join("memory.pressure"));
+    let psi_cgroup = dir.as_deref().map(|d| cgroup_psi_path(&a.cgroup_root, d));
     let host = a.proc_root.join("pressure/memory");
     let mut policy = PolicyConfig::new(config.thresholds);
     policy.cooldown_ms = a.cooldown.as_millis() as u64;
@@ -286,4 +302,32 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     }
     tracing::info!(exit_reason, "memguard-sidecar stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_v1_cgroup_on_a_hybrid_host_takes_its_psi_from_the_unified_tree() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let root = tmp.path();
+        let v1 = root.join("memory/kubepods/pod1");
+        let v2 = root.join("unified/kubepods/pod1");
+        std::fs::create_dir_all(&v1).expect("mkdir");
+        assert_eq!(
+            cgroup_psi_path(root, &v1),
+            v1.join("memory.pressure"),
+            "not known: absent"
+        );
+        std::fs::create_dir_all(&v2).expect("mkdir");
+        std::fs::write(
+            v2.join("memory.pressure"),
+            "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",
+        )
+        .expect("w");
+        assert_eq!(cgroup_psi_path(root, &v1), v2.join("memory.pressure"));
+        let own = root.join("elsewhere");
+        assert_eq!(cgroup_psi_path(root, &own), own.join("memory.pressure"));
+    }
 }
