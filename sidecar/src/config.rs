@@ -75,6 +75,9 @@ pub struct Args {
     /// Least time between two downgrades (entering critical skips it once).
     #[arg(long, env = "MEMGUARD_SIDECAR_COOLDOWN", default_value = "30s", value_parser = parse_duration)]
     pub cooldown: Duration,
+    /// How long the figures must allow a lower level before the level falls (no flapping).
+    #[arg(long, env = "MEMGUARD_SIDECAR_RELAX_AFTER", default_value = "5s", value_parser = parse_duration)]
+    pub relax_after: Duration,
     /// A steady growth that reaches the limit within this time counts as downgrade pressure.
     #[arg(long, env = "MEMGUARD_SIDECAR_LEAK_HORIZON", default_value = "60s", value_parser = parse_duration)]
     pub leak_horizon: Duration,

@@ -2,7 +2,9 @@
 //!
 //! Each source gives a pressure figure (working set / effective limit, PSI `some avg10`, GPU
 //! used/total, time to the limit of a steady growth). The level is the worst of them, with
-//! hysteresis: a level is left only when its figure falls below its threshold minus a margin.
+//! hysteresis: a level is left only when its figure falls below its threshold minus a margin,
+//! and has stayed there for a hold time (a trainer's memory swings with every micro-batch;
+//! without the hold the level would flap at the sampling rate).
 //! At `downgrade` or above, the batch is halved (floor 1) and accumulation doubled so the
 //! effective batch is kept; then a cooldown must pass before the next downgrade (entering
 //! `critical` skips it once). At batch 1, gradient checkpointing is the last lever.
@@ -20,17 +22,21 @@ pub struct PolicyConfig {
     pub hysteresis: f64,
     /// Least milliseconds between two downgrades.
     pub cooldown_ms: u64,
+    /// Milliseconds the figures must allow a lower level before the level falls.
+    pub relax_after_ms: u64,
     /// A steady growth reaching the limit within this many seconds counts as downgrade pressure.
     pub leak_horizon_s: f64,
 }
 
 impl PolicyConfig {
-    /// Defaults: 0.05 hysteresis, 30 s cooldown, 60 s leak horizon.
+    /// Defaults: 0.05 hysteresis, 30 s cooldown, 5 s hold before a level falls, 60 s leak
+    /// horizon.
     pub fn new(thresholds: Thresholds) -> Self {
         PolicyConfig {
             thresholds,
             hysteresis: 0.05,
             cooldown_ms: 30_000,
+            relax_after_ms: 5_000,
             leak_horizon_s: 60.0,
         }
     }
@@ -64,6 +70,8 @@ pub struct State {
     pub last_downgrade_ms: Option<u64>,
     /// Downgrades issued.
     pub downgrades: u64,
+    /// Since when (ms) the figures have allowed a level below the current one.
+    pub relax_since_ms: Option<u64>,
 }
 
 impl State {
@@ -76,6 +84,7 @@ impl State {
             grad_checkpointing,
             last_downgrade_ms: None,
             downgrades: 0,
+            relax_since_ms: None,
         }
     }
 
@@ -191,14 +200,30 @@ pub fn halved_batch(batch: u64, accumulation: u64) -> (u64, u64) {
 pub fn assess(state: &State, inputs: &Inputs, now_ms: u64, c: &PolicyConfig) -> Decision {
     let (enter, enter_why) = raw_level(inputs, c, false);
     let (keep, keep_why) = raw_level(inputs, c, true);
+    let mut next = state.clone();
     let (level, mut reason) = if enter >= state.level {
+        next.relax_since_ms = None;
         (enter, enter_why)
     } else {
-        // Falling: leave a level only when the relaxed figures allow it.
+        // Falling: leave a level only when the relaxed figures allow it, for the hold time.
         let l = keep.min(state.level).max(enter);
-        (l, if l == enter { enter_why } else { keep_why })
+        if l == state.level {
+            next.relax_since_ms = None;
+            (l, keep_why)
+        } else {
+            let since = state.relax_since_ms.unwrap_or(now_ms);
+            if now_ms.saturating_sub(since) >= c.relax_after_ms {
+                next.relax_since_ms = None;
+                (l, if l == enter { enter_why } else { keep_why })
+            } else {
+                next.relax_since_ms = Some(since);
+                (
+                    state.level,
+                    format!("{keep_why}; holding {} before relaxing", state.level),
+                )
+            }
+        }
     };
-    let mut next = state.clone();
     next.level = level;
     let mut downgraded = false;
     // Downgrade again only while the figures are over the threshold, not merely held by hysteresis.
@@ -310,8 +335,43 @@ pub fn leak_eta(points: &[(u64, u64)], limit: u64) -> Option<f64> {
 mod tests {
     use super::*;
 
+    /// The defaults without the hold time, so each table isolates one mechanism; the hold has
+    /// its own test.
     fn cfg() -> PolicyConfig {
-        PolicyConfig::new(Thresholds::default())
+        PolicyConfig {
+            relax_after_ms: 0,
+            ..PolicyConfig::new(Thresholds::default())
+        }
+    }
+
+    #[test]
+    fn a_level_falls_only_after_the_figures_stay_low_for_the_hold_time() {
+        let c = PolicyConfig::new(Thresholds::default());
+        assert_eq!(c.relax_after_ms, 5_000);
+        // A trainer whose memory swings with every micro-batch: 0.72 at the top, 0.40 between.
+        let mut state = State::new(4, 1, false);
+        let mut levels = Vec::new();
+        for (t, r) in [
+            (0, 0.72),
+            (100, 0.40),
+            (200, 0.72),
+            (300, 0.40),
+            (1_000, 0.40),
+            (5_200, 0.40),
+            (5_300, 0.40),
+            (10_300, 0.40),
+        ] {
+            state = assess(&state, &mem(r), t, &c).state;
+            levels.push(state.level);
+        }
+        use Level::*;
+        // Warn is held through the swings (no flapping), and released once the figures have
+        // been low for 5 s without interruption (from 300 ms on: at 5.3 s, not at 5.2 s).
+        assert_eq!(levels, vec![Warn, Warn, Warn, Warn, Warn, Warn, Ok, Ok]);
+        // Rising is never delayed.
+        let rising = assess(&State::new(4, 1, false), &mem(0.90), 0, &c);
+        assert_eq!(rising.state.level, Downgrade);
+        assert!(rising.downgraded);
     }
 
     fn mem(r: f64) -> Inputs {

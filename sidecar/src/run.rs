@@ -220,6 +220,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let host = a.proc_root.join("pressure/memory");
     let mut policy = PolicyConfig::new(config.thresholds);
     policy.cooldown_ms = a.cooldown.as_millis() as u64;
+    policy.relax_after_ms = a.relax_after.as_millis() as u64;
     policy.leak_horizon_s = a.leak_horizon.as_secs_f64();
     let mut engine = Engine::new(
         source,
