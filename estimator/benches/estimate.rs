@@ -22,8 +22,8 @@ fn benches(c: &mut Criterion) {
         b.iter(|| estimate(black_box(&cfg)))
     });
 
-    // 20 GiB with a 1.1 calibration: checkpointing, three batch halvings and two sequence
-    // halvings (six rungs, seven estimates).
+    // 20 GiB with a 1.1 calibration: checkpointing, three batch halvings and three sequence
+    // halvings (seven rungs, eight estimates).
     let runs = vec![(Bytes(100), Bytes(110)); 3];
     let calibration = Calibration::from_runs(&runs);
     let budget = Bytes::gib(20);
