@@ -42,8 +42,10 @@ pub mod constants {
     /// pre-training peak minus the model's bytes).
     pub const CPU_PROCESS_BASELINE: Bytes = Bytes(444_000_000);
     /// The CPU heap (glibc malloc arenas) does not return every freed block at once: the
-    /// excess over live tensors as a fraction of the per-step tensors.
-    pub const CPU_HEAP_FRACTION: f64 = 0.20;
+    /// excess over live tensors as a fraction of the per-step tensors. Chosen as the smallest
+    /// value that keeps every measured CPU run within −10 % (an under-estimate is an OOM);
+    /// 0.20 fits the median better (3.3 %) but under-estimates LoRA + checkpointing by 14 %.
+    pub const CPU_HEAP_FRACTION: f64 = 0.40;
     /// Apple silicon: Python, the framework and the Metal device; unified memory, no
     /// separate context. Not fitted on data (none published with a device-level figure).
     pub const METAL_RUNTIME: Bytes = Bytes(600_000_000);

@@ -14,14 +14,6 @@ use memguard_estimator::Device;
 const MEDIAN_APE: f64 = 0.10;
 const WORST_UNDER: f64 = -0.10;
 
-/// Rows known to be under-estimated beyond the target, each with the floor it must stay
-/// above (see `docs/accuracy.md`).
-const KNOWN_UNDER: &[(&str, f64)] = &[
-    // LoRA + checkpointing on CPU: 0.3 GB above the model, unexplained; the three other
-    // LoRA + checkpointing runs are within 10 %.
-    ("CPU-s7_b4_s256_lora16_adamw_ck1_fp32", -0.16),
-];
-
 fn scored() -> Vec<harness::Scored> {
     harness::score_all().expect("every ground-truth row parses and validates")
 }
@@ -53,16 +45,11 @@ fn no_row_is_under_estimated_by_more_than_ten_percent() {
         let Some(err) = row.signed_error() else {
             continue;
         };
-        let floor = KNOWN_UNDER
-            .iter()
-            .find(|(id, _)| *id == row.id)
-            .map_or(WORST_UNDER, |(_, f)| *f);
         assert!(
-            err >= floor,
-            "{}: under-estimated by {:.1} % (floor {:.0} %)",
+            err >= WORST_UNDER,
+            "{}: under-estimated by {:.1} %",
             row.id,
-            err * 100.0,
-            floor * 100.0
+            err * 100.0
         );
     }
 }
