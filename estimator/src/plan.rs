@@ -214,6 +214,10 @@ pub fn plan_with_floors(
                 continue 'ladder;
             };
             let next_estimate = estimate(&next)?;
+            // A rung that saves nothing would cost quality for no memory: try the next one.
+            if next_estimate.total >= current_estimate.total {
+                continue 'ladder;
+            }
             steps.push(Step {
                 rung,
                 explanation,
@@ -354,6 +358,24 @@ mod tests {
         assert_eq!(c.lora_layers, Some(floors.lora_layers));
         assert!(p.total() > p.budget);
         assert!(p.total() < p.initial_total());
+    }
+
+    #[test]
+    fn every_step_saves_memory_and_a_rung_that_saves_nothing_is_skipped() {
+        let p = plan(&heavy(), Bytes::gib(1), &Calibration::none()).expect("valid");
+        let mut before = p.initial_total();
+        for step in &p.steps {
+            assert!(
+                step.total_after < before,
+                "{} saved nothing",
+                step.explanation
+            );
+            before = step.total_after;
+        }
+        // Checkpointing already on: the first rung is skipped, not repeated.
+        let on = with(|c| c.grad_checkpointing = true);
+        let p = plan(&on, Bytes(total(&on).0 / 2), &Calibration::none()).expect("valid");
+        assert!(p.steps.iter().all(|s| s.rung != Rung::GradCheckpointing));
     }
 
     #[test]
