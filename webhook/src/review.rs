@@ -98,15 +98,38 @@ pub enum ReviewError {
 }
 
 /// Answers one AdmissionReview body.
+///
+/// The fast path parses the request with its object as a typed `Pod` in one pass. Only when
+/// that fails is the body parsed again generically, to tell "not an AdmissionReview" (an error,
+/// HTTP 400) from "an AdmissionReview whose object is not a valid Pod" (allowed, with a warning).
 pub fn review(body: &[u8], policy: &Policy, profiles: &Profiles) -> Result<Reviewed, ReviewError> {
+    if let Ok(review) = serde_json::from_slice::<AdmissionReview<Pod>>(body) {
+        let request: AdmissionRequest<Pod> =
+            review.try_into().map_err(|_| ReviewError::NoRequest)?;
+        return Ok(answer(
+            &request,
+            Ok(request.object.as_ref()),
+            policy,
+            profiles,
+        ));
+    }
     let review: AdmissionReview<DynamicObject> = serde_json::from_slice(body)?;
     let request: AdmissionRequest<DynamicObject> =
         review.try_into().map_err(|_| ReviewError::NoRequest)?;
-    Ok(answer(&request, policy, profiles))
+    let pod: Result<Option<Pod>, String> = match &request.object {
+        None => Ok(None),
+        Some(object) => serde_json::to_value(object)
+            .and_then(serde_json::from_value::<Pod>)
+            .map(Some)
+            .map_err(|e| e.to_string()),
+    };
+    let pod = pod.as_ref().map(Option::as_ref).map_err(Clone::clone);
+    Ok(answer(&request, pod, policy, profiles))
 }
 
-fn answer(
-    request: &AdmissionRequest<DynamicObject>,
+fn answer<T: kube::Resource>(
+    request: &AdmissionRequest<T>,
+    pod: Result<Option<&Pod>, String>,
     policy: &Policy,
     profiles: &Profiles,
 ) -> Reviewed {
@@ -139,19 +162,17 @@ fn answer(
     if request.operation != Operation::Create || !is_pod || request.sub_resource.is_some() {
         return done(None, Disposition::Unchanged, 0, Vec::new());
     }
-    let Some(object) = &request.object else {
-        return done(None, Disposition::Unchanged, 0, Vec::new());
-    };
-    let pod: Pod = match serde_json::to_value(object).and_then(serde_json::from_value) {
-        Ok(pod) => pod,
+    let pod = match pod {
+        Ok(Some(pod)) => pod,
+        Ok(None) => return done(None, Disposition::Unchanged, 0, Vec::new()),
         Err(e) => {
             let warning = mutate::truncate(&format!("memguard: object is not a valid Pod: {e}"));
             return done(None, Disposition::Error, 0, vec![warning]);
         }
     };
 
-    let outcome = mutate::mutate(&pod, policy, profiles);
-    let patch = patch::build(&pod, &outcome);
+    let outcome = mutate::mutate(pod, policy, profiles);
+    let patch = patch::build(pod, &outcome);
     let (disposition, steps, warnings) = match &outcome {
         Outcome::Unchanged => (Disposition::Unchanged, 0, Vec::new()),
         Outcome::Skipped { warning, .. } => (Disposition::Skipped, 0, vec![warning.clone()]),
