@@ -355,13 +355,13 @@ impl TrainingAnnotations {
         let env_map = p.env_map().unwrap_or_default();
 
         // Config-level checks (heads dividing hidden size, rank 0, …) name the same keys.
-        if p.errors.is_empty() {
-            if let Err(errs) = config.validate() {
-                p.errors.extend(
-                    errs.into_iter()
-                        .map(|e: ConfigError| AnnotationError::new(e.field(), config_message(&e))),
-                );
-            }
+        if p.errors.is_empty()
+            && let Err(errs) = config.validate()
+        {
+            p.errors.extend(
+                errs.into_iter()
+                    .map(|e: ConfigError| AnnotationError::new(e.field(), config_message(&e))),
+            );
         }
         if p.errors.is_empty() {
             Ok(TrainingAnnotations {
