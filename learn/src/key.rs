@@ -1,0 +1,387 @@
+//! The profile key of a pod, and the `MemoryProfile` object name it maps to.
+//!
+//! The key is computed from the pod's *spec* alone (annotations, resources, node selector and
+//! affinity), never from where it ran: the webhook must find the same profile at admission,
+//! before the pod has a node, that the controller wrote after it finished.
+
+use k8s_openapi::api::core::v1::{Container, Pod};
+use memguard_api::TrainingAnnotations;
+use memguard_api::crd::{DeviceClass, MemoryProfileSpec};
+use memguard_api::labels;
+use memguard_estimator::params::total_params;
+use memguard_estimator::{Device, TrainingConfig};
+use std::collections::BTreeMap;
+
+/// Longest Kubernetes object name we produce (a DNS-1123 label).
+pub const MAX_NAME_LEN: usize = 63;
+/// `device` of a GPU pod not pinned to exactly one GPU product.
+pub const ANY_GPU: &str = "gpu";
+/// `device` of a CPU (or Metal) pod.
+pub const CPU: &str = "cpu";
+
+/// Why a pod has no profile key.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    /// The training annotations do not parse (the webhook skipped this pod too).
+    #[error("training annotations: {0}")]
+    Annotations(String),
+    /// `memguard.io/container` names no container, or the pod has none.
+    #[error("{0}")]
+    Trainer(String),
+}
+
+/// What the webhook and the controller both derive from a pod's spec.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodKey {
+    /// The profile key.
+    pub spec: MemoryProfileSpec,
+    /// The `MemoryProfile` object name ([`object_name`] of `spec`).
+    pub name: String,
+    /// The annotated training config, device resolved as the webhook does.
+    pub config: TrainingConfig,
+    /// Name of the trainer container.
+    pub trainer: String,
+}
+
+/// The profile key of `pod`: model (catalog name or shape key), method, precision, device class
+/// and device (the one GPU product the pod is pinned to, [`ANY_GPU`], or [`CPU`]).
+pub fn pod_key(pod: &Pod) -> Result<PodKey, KeyError> {
+    let empty = BTreeMap::new();
+    let annotations = pod.metadata.annotations.as_ref().unwrap_or(&empty);
+    let parsed = TrainingAnnotations::parse(annotations).map_err(|errors| {
+        KeyError::Annotations(
+            errors
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; "),
+        )
+    })?;
+    let containers = pod
+        .spec
+        .as_ref()
+        .map(|s| s.containers.as_slice())
+        .unwrap_or_default();
+    let trainer = pick_trainer(containers, parsed.container.as_deref())?;
+    let mut config = parsed.config;
+    if !parsed.device_given {
+        config.device = if gpu_count(trainer) > 0 {
+            Device::Cuda
+        } else {
+            Device::Cpu
+        };
+    }
+    let (device_class, device) = match config.device {
+        Device::Cuda => {
+            let products = gpu_products(pod);
+            let device = match products.as_slice() {
+                [one] => one.clone(),
+                _ => ANY_GPU.to_string(),
+            };
+            (DeviceClass::Gpu, device)
+        }
+        Device::Cpu | Device::Metal => (DeviceClass::Cpu, CPU.to_string()),
+    };
+    let spec = MemoryProfileSpec {
+        model: model_key(&config),
+        method: config.method.name().to_string(),
+        precision: config.precision.name().to_string(),
+        device_class,
+        device,
+    };
+    Ok(PodKey {
+        name: object_name(&spec),
+        spec,
+        config,
+        trainer: trainer.name.clone(),
+    })
+}
+
+/// The catalog name, or `shape-<params>-<layers>x<hidden>` for a model given by its shape
+/// (`shape-7e9-32x4096`).
+pub fn model_key(cfg: &TrainingConfig) -> String {
+    if let Some(name) = &cfg.model.name {
+        return name.clone();
+    }
+    let m = &cfg.model;
+    let params = m.params.unwrap_or_else(|| total_params(m));
+    format!(
+        "shape-{}-{}x{}",
+        compact_count(params),
+        m.num_layers,
+        m.hidden_size
+    )
+}
+
+/// `7000000000` → `7e9`; a count without three trailing zeros stays as it is.
+fn compact_count(n: u64) -> String {
+    if n == 0 {
+        return "0".into();
+    }
+    let (mut mantissa, mut exp) = (n, 0u32);
+    while mantissa.is_multiple_of(10) {
+        mantissa /= 10;
+        exp += 1;
+    }
+    if exp >= 3 {
+        format!("{mantissa}e{exp}")
+    } else {
+        n.to_string()
+    }
+}
+
+/// The object name of a profile: `<model>-<method>-<precision>-<device>`, lower-cased, every
+/// run of characters outside `[a-z0-9]` turned into one `-`. When that loses information
+/// (upper case, other characters) or exceeds [`MAX_NAME_LEN`], the name is cut to leave room
+/// and ends in `-` plus 8 hex digits of a stable hash (FNV-1a) of the exact key, so two keys
+/// that sanitize alike still get two profiles.
+pub fn object_name(spec: &MemoryProfileSpec) -> String {
+    let raw = format!(
+        "{}-{}-{}-{}",
+        spec.model, spec.method, spec.precision, spec.device
+    );
+    let mut clean = String::with_capacity(raw.len());
+    for c in raw.chars() {
+        if c.is_ascii_lowercase() || c.is_ascii_digit() {
+            clean.push(c);
+        } else if !clean.is_empty() && !clean.ends_with('-') {
+            clean.push('-');
+        }
+    }
+    let clean = clean.trim_end_matches('-').to_string();
+    if clean == raw && clean.len() <= MAX_NAME_LEN {
+        return clean;
+    }
+    let hash = format!("{:08x}", fnv1a(raw.as_bytes()) as u32);
+    let room = MAX_NAME_LEN - hash.len() - 1;
+    let head: String = clean.chars().take(room).collect();
+    let head = head.trim_end_matches('-');
+    if head.is_empty() {
+        format!("p-{hash}")
+    } else {
+        format!("{head}-{hash}")
+    }
+}
+
+/// FNV-1a, 64 bits: small, stable across releases and platforms (unlike `DefaultHasher`).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// The trainer: the container `memguard.io/container` names, else the first requesting a GPU,
+/// else the first. memguard's own sidecar is never the trainer. (The webhook's rule.)
+pub fn pick_trainer<'a>(
+    containers: &'a [Container],
+    named: Option<&str>,
+) -> Result<&'a Container, KeyError> {
+    let candidates = || {
+        containers
+            .iter()
+            .filter(|c| c.name != labels::SIDECAR_CONTAINER)
+    };
+    if let Some(name) = named {
+        return candidates()
+            .find(|c| c.name == name)
+            .ok_or_else(|| KeyError::Trainer(format!("no container named `{name}`")));
+    }
+    candidates()
+        .find(|c| gpu_count(c) > 0)
+        .or_else(|| candidates().next())
+        .ok_or_else(|| KeyError::Trainer("the pod has no container".into()))
+}
+
+/// GPUs the container asks for (`limits`, else `requests`, of `nvidia.com/gpu`).
+fn gpu_count(c: &Container) -> u64 {
+    let resources = c.resources.as_ref();
+    let from = |m: Option<&BTreeMap<String, _>>| {
+        m.and_then(|m| m.get(labels::NVIDIA_GPU_RESOURCE)).and_then(
+            |q: &k8s_openapi::apimachinery::pkg::api::resource::Quantity| {
+                q.0.trim().parse::<u64>().ok()
+            },
+        )
+    };
+    from(resources.and_then(|r| r.limits.as_ref()))
+        .or_else(|| from(resources.and_then(|r| r.requests.as_ref())))
+        .unwrap_or(0)
+}
+
+/// The `nvidia.com/gpu.product` values the pod is pinned to: the node selector's, else the
+/// union of the required node-affinity terms' `In` values when every term constrains it.
+/// Empty when unknown. (The webhook's rule.)
+pub fn gpu_products(pod: &Pod) -> Vec<String> {
+    let Some(spec) = pod.spec.as_ref() else {
+        return Vec::new();
+    };
+    if let Some(p) = spec
+        .node_selector
+        .as_ref()
+        .and_then(|s| s.get(labels::NVIDIA_GPU_PRODUCT_LABEL))
+    {
+        return vec![p.clone()];
+    }
+    let terms = spec
+        .affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|n| {
+            n.required_during_scheduling_ignored_during_execution
+                .as_ref()
+        })
+        .map(|r| r.node_selector_terms.as_slice())
+        .unwrap_or_default();
+    let mut products = Vec::new();
+    for term in terms {
+        let values: Vec<&String> = term
+            .match_expressions
+            .iter()
+            .flatten()
+            .filter(|e| e.key == labels::NVIDIA_GPU_PRODUCT_LABEL && e.operator == "In")
+            .flat_map(|e| e.values.iter().flatten())
+            .collect();
+        if values.is_empty() {
+            return Vec::new();
+        }
+        products.extend(values.into_iter().cloned());
+    }
+    products.sort();
+    products.dedup();
+    products
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::PodBuilder;
+
+    fn spec(model: &str, method: &str, precision: &str, device: &str) -> MemoryProfileSpec {
+        MemoryProfileSpec {
+            model: model.into(),
+            method: method.into(),
+            precision: precision.into(),
+            device_class: if device == CPU {
+                DeviceClass::Cpu
+            } else {
+                DeviceClass::Gpu
+            },
+            device: device.into(),
+        }
+    }
+
+    #[test]
+    fn keys_a_pod_by_model_method_precision_and_device() {
+        // (name, pod, expected key)
+        let table = [
+            (
+                "catalog model on one pinned GPU product",
+                PodBuilder::trainer()
+                    .annotate("model", "llama-3-8b")
+                    .annotate("method", "lora")
+                    .gpus(1)
+                    .node_selector(labels::NVIDIA_GPU_PRODUCT_LABEL, "NVIDIA-A100-SXM4-80GB"),
+                spec("llama-3-8b", "lora", "bf16-mixed", "NVIDIA-A100-SXM4-80GB"),
+            ),
+            (
+                "GPU without a product: any GPU",
+                PodBuilder::trainer()
+                    .annotate("model", "llama-3-8b")
+                    .gpus(2),
+                spec("llama-3-8b", "full", "bf16-mixed", ANY_GPU),
+            ),
+            (
+                "no GPU: CPU, whatever the precision",
+                PodBuilder::trainer()
+                    .annotate("model", "llama-3-8b")
+                    .annotate("precision", "fp32"),
+                spec("llama-3-8b", "full", "fp32", CPU),
+            ),
+            (
+                "shape instead of a catalog name",
+                PodBuilder::trainer()
+                    .annotate("model-params", "7e9")
+                    .annotate("hidden-size", "4096")
+                    .annotate("num-layers", "32")
+                    .annotate("num-heads", "32")
+                    .annotate("vocab-size", "32000")
+                    .gpus(1),
+                spec("shape-7e9-32x4096", "full", "bf16-mixed", ANY_GPU),
+            ),
+        ];
+        for (name, pod, want) in table {
+            let key = pod_key(&pod.build()).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(key.spec, want, "{name}");
+            assert_eq!(key.name, object_name(&want), "{name}");
+        }
+    }
+
+    #[test]
+    fn a_pod_with_bad_annotations_or_no_container_has_no_key() {
+        let bad = PodBuilder::trainer()
+            .annotate("model", "no-such-model")
+            .build();
+        assert!(matches!(pod_key(&bad), Err(KeyError::Annotations(_))));
+        let wrong = PodBuilder::trainer()
+            .annotate("model", "llama-3-8b")
+            .annotate("container", "nope")
+            .build();
+        assert!(matches!(pod_key(&wrong), Err(KeyError::Trainer(_))));
+    }
+
+    #[test]
+    fn object_names_are_dns_labels_and_distinct_for_distinct_keys() {
+        let long = "m".repeat(80);
+        // (name, key, expected object name; `None`: only check the shape)
+        let table: [(&str, MemoryProfileSpec, Option<&str>); 4] = [
+            (
+                "already clean: kept as is",
+                spec("llama-3-8b", "lora", "bf16", CPU),
+                Some("llama-3-8b-lora-bf16-cpu"),
+            ),
+            (
+                "upper case and dots: sanitized, hash added",
+                spec("llama-3-8b", "lora", "bf16-mixed", "NVIDIA-A100-SXM4-80GB"),
+                None,
+            ),
+            (
+                "too long: cut, hash added",
+                spec(&long, "lora", "bf16", CPU),
+                None,
+            ),
+            ("nothing usable", spec("___", "", "", ""), None),
+        ];
+        for (name, key, want) in table {
+            let got = object_name(&key);
+            assert!(got.len() <= MAX_NAME_LEN, "{name}: {got}");
+            assert!(
+                got.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'),
+                "{name}: {got}"
+            );
+            assert!(
+                got.starts_with(|c: char| c.is_ascii_alphanumeric())
+                    && got.ends_with(|c: char| c.is_ascii_alphanumeric()),
+                "{name}: {got}"
+            );
+            if let Some(want) = want {
+                assert_eq!(got, want, "{name}");
+            }
+            assert_eq!(got, object_name(&key), "{name}: stable");
+        }
+        let upper = spec("m", "lora", "bf16", "A100");
+        let lower = spec("m", "lora", "bf16", "a100");
+        assert_ne!(object_name(&upper), object_name(&lower));
+        assert_eq!(object_name(&lower), "m-lora-bf16-a100");
+    }
+
+    #[test]
+    fn counts_are_compacted_only_when_exact() {
+        assert_eq!(compact_count(7_000_000_000), "7e9");
+        assert_eq!(compact_count(125_000_000), "125e6");
+        assert_eq!(compact_count(6_738_415_616), "6738415616");
+        assert_eq!(compact_count(1_500), "1500");
+    }
+}

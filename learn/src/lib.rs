@@ -1,0 +1,22 @@
+//! Learning from runs: what finished training pods teach memguard, kept in `MemoryProfile`.
+//!
+//! - [`key`]: the profile key of a pod and the object name it maps to (pure).
+//! - [`observe`]: a finished pod → an [`Observation`] (pure).
+//! - [`update`]: an observation folded into a profile status, idempotently (pure).
+//! - [`adjust`]: a profile → the [`Adjustments`] the webhook applies at admission (pure).
+//! - `controller` (feature `controller`): watches finished pods and writes profiles, under a
+//!   leader lease.
+#![deny(missing_docs)]
+
+pub mod adjust;
+pub mod key;
+pub mod observe;
+pub mod update;
+
+#[cfg(test)]
+pub(crate) mod testutil;
+
+pub use adjust::{Adjustments, adjustments, recovery_start};
+pub use key::{PodKey, object_name, pod_key};
+pub use observe::{NotObserved, Observation, observe, try_observe};
+pub use update::apply;

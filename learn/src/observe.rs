@@ -1,0 +1,376 @@
+//! What a finished pod taught: [`observe`] reads the trainer's terminated state, the sidecar's
+//! summary, the estimate and the knobs the pod ran with. Pure: a `&Pod` in, a value out.
+
+use crate::key::{PodKey, pod_key};
+use k8s_openapi::api::core::v1::{ContainerStateTerminated, ContainerStatus, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use memguard_api::annotations as keys;
+use memguard_api::crd::{DeviceClass, TrainingKnobs};
+use memguard_api::{Level, Summary, env, labels};
+use memguard_estimator::{Bytes, TrainingConfig, parse_bytes};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// `reason` of a container the kernel OOM-killed.
+pub const OOM_KILLED: &str = "OOMKilled";
+/// Exit code of a process killed by SIGKILL (128 + 9), what an OOM kill looks like from outside.
+pub const SIGKILL_EXIT: i32 = 137;
+/// `reason` recorded for a SIGKILL the kubelet did not attribute to the OOM killer.
+pub const KILLED_EXIT_137: &str = "Killed(137)";
+/// Pod condition the control plane sets on pods it evicts, preempts or deletes.
+pub const DISRUPTION_TARGET: &str = "DisruptionTarget";
+
+/// One terminated trainer, with everything the profile learns from it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Observation {
+    /// Pod name.
+    pub pod: String,
+    /// Pod UID.
+    pub uid: String,
+    /// The profile key, its object name, the annotated config and the trainer's name.
+    pub key: PodKey,
+    /// When the trainer finished (the container's own `finishedAt`: the same on every replay).
+    pub finished_at: Time,
+    /// The trainer's exit code.
+    pub exit_code: i32,
+    /// Set when the trainer ran out of memory: `OOMKilled` or [`KILLED_EXIT_137`].
+    pub oom: Option<String>,
+    /// The webhook's estimate for the config the pod ran with, before calibration.
+    pub estimate: Option<Bytes>,
+    /// Peak the sidecar measured on the profile's device class (GPU or host memory).
+    pub measured_peak: Option<Bytes>,
+    /// Memory the trainer had: GPU memory per device, or its memory limit.
+    pub limit: Option<Bytes>,
+    /// The knobs the pod ran with (the trainer's `MEMGUARD_*` env).
+    pub knobs: TrainingKnobs,
+    /// The annotated config with `knobs` applied: the config that ran.
+    pub ran: TrainingConfig,
+    /// The sidecar's summary, when it left one.
+    pub summary: Option<Summary>,
+}
+
+/// Why a pod is not (yet) an observation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotObserved {
+    /// No `memguard.io/enabled=true` label.
+    NotOptedIn,
+    /// The pod has no name or UID.
+    NoIdentity,
+    /// The trainer has not terminated.
+    Running,
+    /// The trainer terminated, the sidecar is still writing its summary: wait for it.
+    AwaitingSummary,
+    /// The trainer's terminated state carries no time (nothing to be idempotent on).
+    NoFinishTime,
+    /// The pod has no profile key.
+    NoKey(String),
+}
+
+/// [`try_observe`], for callers that do not care why not.
+pub fn observe(pod: &Pod) -> Option<Observation> {
+    try_observe(pod).ok()
+}
+
+/// Reads a pod whose trainer has terminated (now, or before a restart in place) into an
+/// [`Observation`].
+///
+/// A trainer that terminated while the sidecar still runs is not observed yet: the summary with
+/// the measured peak comes when the sidecar stops, and a run is recorded once. The exceptions
+/// are a pod in a final phase (`Succeeded`/`Failed`), a pod without a sidecar status, and a
+/// trainer already restarted in place (its `lastState`; the sidecar keeps running and will
+/// summarize the whole pod later).
+pub fn try_observe(pod: &Pod) -> Result<Observation, NotObserved> {
+    let opted_in = pod
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(labels::ENABLED_LABEL))
+        .is_some_and(|v| v == labels::ENABLED_VALUE);
+    if !opted_in {
+        return Err(NotObserved::NotOptedIn);
+    }
+    let (Some(name), Some(uid)) = (&pod.metadata.name, &pod.metadata.uid) else {
+        return Err(NotObserved::NoIdentity);
+    };
+    let key = pod_key(pod).map_err(|e| NotObserved::NoKey(e.to_string()))?;
+    let status = pod.status.as_ref();
+    let statuses = |init: bool| {
+        status
+            .and_then(|s| {
+                if init {
+                    s.init_container_statuses.as_ref()
+                } else {
+                    s.container_statuses.as_ref()
+                }
+            })
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+    };
+    let trainer = statuses(false).iter().find(|s| s.name == key.trainer);
+    let (terminated, restarted) = match trainer {
+        Some(ContainerStatus {
+            state: Some(state), ..
+        }) if state.terminated.is_some() => (state.terminated.as_ref(), false),
+        Some(s) => (
+            s.last_state.as_ref().and_then(|l| l.terminated.as_ref()),
+            true,
+        ),
+        None => (None, false),
+    };
+    let Some(terminated) = terminated else {
+        return Err(NotObserved::Running);
+    };
+    let finished_at = terminated
+        .finished_at
+        .clone()
+        .or_else(|| terminated.started_at.clone())
+        .ok_or(NotObserved::NoFinishTime)?;
+
+    let sidecar = statuses(true)
+        .iter()
+        .chain(statuses(false))
+        .find(|s| s.name == labels::SIDECAR_CONTAINER);
+    let sidecar_done = sidecar
+        .and_then(|s| s.state.as_ref())
+        .and_then(|s| s.terminated.as_ref());
+    let final_phase = matches!(
+        status.and_then(|s| s.phase.as_deref()),
+        Some("Succeeded" | "Failed")
+    );
+    if !restarted && sidecar.is_some() && sidecar_done.is_none() && !final_phase {
+        return Err(NotObserved::AwaitingSummary);
+    }
+    let summary = if restarted {
+        None
+    } else {
+        sidecar_done
+            .and_then(|t| t.message.as_deref())
+            .and_then(parse_summary)
+    };
+
+    let empty = BTreeMap::new();
+    let annotations = pod.metadata.annotations.as_ref().unwrap_or(&empty);
+    let annotation = annotations
+        .get(keys::ESTIMATE)
+        .and_then(|s| serde_json::from_str::<EstimateAnnotation>(s).ok());
+    let trainer_env = trainer_env(pod, &key.trainer);
+    let knobs = knobs_from_env(&trainer_env);
+    let ran = with_knobs(&key.config, &knobs);
+
+    let estimate = annotation
+        .as_ref()
+        .and_then(EstimateAnnotation::uncalibrated)
+        .or_else(|| env_u64(&trainer_env, env::ESTIMATE_BYTES).map(Bytes))
+        .or_else(|| summary.as_ref().and_then(|s| s.estimate_bytes).map(Bytes))
+        .filter(|b| b.0 > 0);
+    let gpu = key.spec.device_class == DeviceClass::Gpu;
+    let measured_peak = summary
+        .as_ref()
+        .and_then(|s| if gpu { s.gpu_peak_bytes } else { s.peak_bytes })
+        .filter(|b| *b > 0)
+        .map(Bytes);
+    let limit = if gpu {
+        annotation
+            .as_ref()
+            .and_then(|a| a.gpu_memory)
+            .or_else(|| summary.as_ref().and_then(|s| s.limit_bytes))
+    } else {
+        summary
+            .as_ref()
+            .and_then(|s| s.limit_bytes)
+            .or_else(|| trainer_memory_limit(pod, &key.trainer))
+    }
+    .filter(|b| *b > 0)
+    .map(Bytes);
+
+    Ok(Observation {
+        pod: name.clone(),
+        uid: uid.clone(),
+        finished_at,
+        exit_code: terminated.exit_code,
+        oom: oom_reason(pod, terminated, summary.as_ref()),
+        estimate,
+        measured_peak,
+        limit,
+        knobs,
+        ran,
+        summary,
+        key,
+    })
+}
+
+/// Whether, and how, the trainer ran out of memory:
+///
+/// | trainer | sidecar summary | pod | → |
+/// | --- | --- | --- | --- |
+/// | `reason: OOMKilled` | any | any | `OOMKilled` |
+/// | exit 137 | counted an OOM kill | any | `OOMKilled` |
+/// | exit 137 | none counted | `DisruptionTarget` or being deleted | not an OOM (evicted, preempted, deleted) |
+/// | exit 137 | none counted | otherwise | [`KILLED_EXIT_137`] |
+/// | other non-zero exit | level `critical` and an OOM kill counted | any | `OOMKilled` |
+/// | anything else | | | not an OOM |
+pub fn oom_reason(
+    pod: &Pod,
+    trainer: &ContainerStateTerminated,
+    summary: Option<&Summary>,
+) -> Option<String> {
+    if trainer.reason.as_deref() == Some(OOM_KILLED) {
+        return Some(OOM_KILLED.into());
+    }
+    let sidecar_saw_oom = summary.is_some_and(|s| s.oom_events > 0);
+    match trainer.exit_code {
+        0 => None,
+        SIGKILL_EXIT if sidecar_saw_oom => Some(OOM_KILLED.into()),
+        SIGKILL_EXIT if disrupted(pod) => None,
+        SIGKILL_EXIT => Some(KILLED_EXIT_137.into()),
+        _ if sidecar_saw_oom && summary.is_some_and(|s| s.max_level == Level::Critical) => {
+            Some(OOM_KILLED.into())
+        }
+        _ => None,
+    }
+}
+
+fn disrupted(pod: &Pod) -> bool {
+    pod.metadata.deletion_timestamp.is_some()
+        || pod
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| {
+                c.iter()
+                    .any(|c| c.type_ == DISRUPTION_TARGET && c.status == "True")
+            })
+}
+
+/// The sidecar's termination message as a [`Summary`]; `None` for anything else (a garbled or
+/// truncated message teaches nothing, and is not an error).
+pub fn parse_summary(message: &str) -> Option<Summary> {
+    let line = message.trim();
+    if line.is_empty() || line.len() > memguard_api::summary::MAX_SUMMARY_BYTES {
+        return None;
+    }
+    serde_json::from_str(line).ok()
+}
+
+/// The fields of `memguard.io/estimate` the controller reads.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct EstimateAnnotation {
+    /// The calibrated total the plan compared with the budget.
+    total: Option<u64>,
+    /// The total before calibration (written by webhooks that know about profiles).
+    uncalibrated: Option<u64>,
+    calibration: Option<FactorOnly>,
+    gpu_memory: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct FactorOnly {
+    factor: f64,
+}
+
+impl EstimateAnnotation {
+    /// The estimate before calibration: `uncalibrated`, else `total / calibration.factor`, else
+    /// `total`. The profile must learn from the raw estimate, or each calibration would be
+    /// measured against itself and the factor would drift back to 1.
+    fn uncalibrated(&self) -> Option<Bytes> {
+        if let Some(raw) = self.uncalibrated {
+            return Some(Bytes(raw));
+        }
+        let total = self.total?;
+        match &self.calibration {
+            Some(c) if c.factor.is_finite() && c.factor > 0.0 => {
+                Some(Bytes::from_f64(total as f64 / c.factor))
+            }
+            _ => Some(Bytes(total)),
+        }
+    }
+}
+
+/// The trainer's literal env values (`valueFrom` entries carry no value here).
+fn trainer_env(pod: &Pod, trainer: &str) -> BTreeMap<String, String> {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.containers.iter().find(|c| c.name == trainer))
+        .and_then(|c| c.env.as_ref())
+        .map(|vars| {
+            vars.iter()
+                .filter_map(|v| Some((v.name.clone(), v.value.clone()?)))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn env_u64(vars: &BTreeMap<String, String>, name: &str) -> Option<u64> {
+    vars.get(name).and_then(|v| v.trim().parse().ok())
+}
+
+/// The knobs the webhook wrote into the trainer (`MEMGUARD_BATCH_SIZE`, …); absent or garbled
+/// values are `None`.
+pub fn knobs_from_env(vars: &BTreeMap<String, String>) -> TrainingKnobs {
+    TrainingKnobs {
+        batch_size: env_u64(vars, env::BATCH_SIZE).filter(|v| *v > 0),
+        grad_accumulation: env_u64(vars, env::GRAD_ACCUMULATION).filter(|v| *v > 0),
+        grad_checkpointing: vars
+            .get(env::GRAD_CHECKPOINTING)
+            .and_then(|v| v.trim().parse().ok()),
+        seq_length: env_u64(vars, env::SEQ_LENGTH).filter(|v| *v > 0),
+        lora_rank: env_u64(vars, env::LORA_RANK).filter(|v| *v > 0),
+        lora_layers: env_u64(vars, env::LORA_LAYERS).filter(|v| *v > 0),
+    }
+}
+
+/// `cfg` with every knob that is set in `knobs`.
+pub fn with_knobs(cfg: &TrainingConfig, knobs: &TrainingKnobs) -> TrainingConfig {
+    let mut out = cfg.clone();
+    if let Some(v) = knobs.batch_size {
+        out.batch_size = v;
+    }
+    if let Some(v) = knobs.grad_accumulation {
+        out.grad_accumulation = v;
+    }
+    if let Some(v) = knobs.grad_checkpointing {
+        out.grad_checkpointing = v;
+    }
+    if let Some(v) = knobs.seq_length {
+        out.seq_length = v;
+    }
+    if let Some(v) = knobs.lora_rank {
+        out.lora_rank = v;
+    }
+    if let Some(v) = knobs.lora_layers {
+        out.lora_layers = Some(v);
+    }
+    out
+}
+
+/// The knobs of `cfg` (LoRA knobs only for adapter methods).
+pub fn knobs_of(cfg: &TrainingConfig) -> TrainingKnobs {
+    let adapter = cfg.is_adapter();
+    TrainingKnobs {
+        batch_size: Some(cfg.batch_size),
+        grad_accumulation: Some(cfg.grad_accumulation),
+        grad_checkpointing: Some(cfg.grad_checkpointing),
+        seq_length: Some(cfg.seq_length),
+        lora_rank: adapter.then_some(cfg.lora_rank),
+        lora_layers: adapter.then(|| cfg.adapted_layers()),
+    }
+}
+
+fn trainer_memory_limit(pod: &Pod, trainer: &str) -> Option<u64> {
+    pod.spec
+        .as_ref()?
+        .containers
+        .iter()
+        .find(|c| c.name == trainer)?
+        .resources
+        .as_ref()?
+        .limits
+        .as_ref()?
+        .get("memory")
+        .and_then(|q| parse_bytes(&q.0).ok())
+        .map(|b| b.0)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,273 @@
+use super::*;
+use crate::testutil::{PodBuilder, summary};
+
+const GIB: u64 = 1 << 30;
+
+fn gpu_pod() -> PodBuilder {
+    PodBuilder::trainer()
+        .annotate("model", "llama-3-8b")
+        .annotate("method", "lora")
+        .gpus(1)
+        .env(env::BATCH_SIZE, "16")
+        .env(env::GRAD_ACCUMULATION, "1")
+        .env(env::GRAD_CHECKPOINTING, "true")
+        .env(env::ESTIMATE_BYTES, "12000000000")
+}
+
+#[test]
+fn waits_for_the_trainer_and_for_the_sidecars_summary() {
+    let done = summary(None, Some(15 * GIB), Some(16 * GIB));
+    // (name, pod, expected)
+    let table: Vec<(&str, Pod, Result<(), NotObserved>)> = vec![
+        (
+            "not opted in",
+            {
+                let mut p = gpu_pod().trainer_terminated("Completed", 0, 100).build();
+                p.metadata.labels = None;
+                p
+            },
+            Err(NotObserved::NotOptedIn),
+        ),
+        (
+            "trainer running",
+            gpu_pod().trainer_running().native_sidecar_running().build(),
+            Err(NotObserved::Running),
+        ),
+        (
+            "no status at all",
+            gpu_pod().build(),
+            Err(NotObserved::Running),
+        ),
+        (
+            "trainer done, sidecar still summarizing",
+            gpu_pod()
+                .trainer_terminated("Completed", 0, 100)
+                .native_sidecar_running()
+                .build(),
+            Err(NotObserved::AwaitingSummary),
+        ),
+        (
+            "trainer done, sidecar running, but the pod failed: take it without a summary",
+            gpu_pod()
+                .trainer_terminated("Error", 1, 100)
+                .native_sidecar_running()
+                .phase("Failed")
+                .build(),
+            Ok(()),
+        ),
+        (
+            "trainer and native sidecar done",
+            gpu_pod()
+                .trainer_terminated("Completed", 0, 100)
+                .native_sidecar_done(&done)
+                .build(),
+            Ok(()),
+        ),
+        (
+            "trainer restarted in place after an OOM kill: observe the last state now",
+            gpu_pod()
+                .trainer_restarted("OOMKilled", 137, 100)
+                .native_sidecar_running()
+                .build(),
+            Ok(()),
+        ),
+        (
+            "no key: bad annotations",
+            PodBuilder::trainer()
+                .annotate("model", "nope")
+                .trainer_terminated("Completed", 0, 100)
+                .build(),
+            Err(NotObserved::NoKey(String::new())),
+        ),
+    ];
+    for (name, pod, want) in table {
+        let got = try_observe(&pod).map(|_| ());
+        match (&got, &want) {
+            (Err(NotObserved::NoKey(_)), Err(NotObserved::NoKey(_))) => {}
+            _ => assert_eq!(got, want, "{name}"),
+        }
+    }
+}
+
+#[test]
+fn reads_the_summary_from_native_or_classic_sidecars() {
+    let s = summary(Some(3 * GIB), Some(15 * GIB), Some(16 * GIB));
+    let native = gpu_pod()
+        .trainer_terminated("Completed", 0, 100)
+        .native_sidecar_done(&s)
+        .build();
+    let message = serde_json::to_string(&s).expect("serializes");
+    let classic = gpu_pod()
+        .trainer_terminated("Completed", 0, 100)
+        .classic_sidecar_done(&message)
+        .build();
+    for pod in [native, classic] {
+        let obs = try_observe(&pod).expect("observed");
+        assert_eq!(obs.summary.as_ref(), Some(&s));
+        // A GPU profile learns from the GPU peak, not the host's.
+        assert_eq!(obs.measured_peak, Some(Bytes(15 * GIB)));
+        assert_eq!(obs.limit, Some(Bytes(16 * GIB)));
+        assert_eq!(obs.oom, None);
+        assert_eq!(obs.finished_at, crate::testutil::at(100));
+        assert_eq!(obs.pod, "trainer-0");
+        assert_eq!(obs.uid, "uid-0");
+    }
+    let garbled = gpu_pod()
+        .trainer_terminated("Completed", 0, 100)
+        .classic_sidecar_done("panicked at …")
+        .build();
+    let obs = try_observe(&garbled).expect("observed without a summary");
+    assert_eq!((obs.summary, obs.measured_peak), (None, None));
+}
+
+#[test]
+fn a_cpu_profile_learns_from_host_memory_and_the_memory_limit() {
+    let pod = PodBuilder::trainer()
+        .annotate("model", "llama-3-8b")
+        .memory_limit("32Gi")
+        .trainer_terminated("Completed", 0, 100)
+        .classic_sidecar_done(
+            &serde_json::to_string(&summary(Some(20 * GIB), None, None)).expect("json"),
+        )
+        .build();
+    let obs = try_observe(&pod).expect("observed");
+    assert_eq!(obs.key.spec.device_class, DeviceClass::Cpu);
+    assert_eq!(obs.measured_peak, Some(Bytes(20 * GIB)));
+    assert_eq!(obs.limit, Some(Bytes(32 * GIB)));
+}
+
+#[test]
+fn the_estimate_is_read_before_calibration() {
+    // (name, estimate annotation, expected raw estimate)
+    let table = [
+        (
+            "uncalibrated given",
+            Some(r#"{"total":1200,"uncalibrated":1000,"calibration":{"factor":1.2,"runs":3}}"#),
+            Some(1000),
+        ),
+        (
+            "total divided by the factor",
+            Some(r#"{"total":1200,"calibration":{"factor":1.2,"runs":3}}"#),
+            Some(1000),
+        ),
+        (
+            "no calibration: total",
+            Some(r#"{"total":1000}"#),
+            Some(1000),
+        ),
+        (
+            "garbled annotation: the env",
+            Some("{not json"),
+            Some(12_000_000_000),
+        ),
+        ("no annotation: the env", None, Some(12_000_000_000)),
+    ];
+    for (name, annotation, want) in table {
+        let mut pod = gpu_pod();
+        if let Some(a) = annotation {
+            pod = pod.annotate(keys::ESTIMATE, a);
+        }
+        let obs = try_observe(&pod.trainer_terminated("Completed", 0, 1).build()).expect(name);
+        assert_eq!(obs.estimate, want.map(Bytes), "{name}");
+    }
+}
+
+/// (name, reason, exit code, summary, disrupted, expected)
+type OomCase<'a> = (
+    &'a str,
+    &'a str,
+    i32,
+    Option<&'a Summary>,
+    bool,
+    Option<&'a str>,
+);
+
+#[test]
+fn knows_an_oom_kill_from_other_deaths() {
+    let oom_summary = Summary {
+        oom_events: 1,
+        max_level: Level::Critical,
+        ..summary(None, None, None)
+    };
+    let quiet = summary(None, None, None);
+    // (name, reason, exit code, summary, disrupted, expected)
+    let table: [OomCase; 8] = [
+        (
+            "kernel OOM kill",
+            "OOMKilled",
+            137,
+            None,
+            false,
+            Some(OOM_KILLED),
+        ),
+        ("success", "Completed", 0, Some(&quiet), false, None),
+        (
+            "SIGKILL and the sidecar counted an OOM",
+            "Error",
+            137,
+            Some(&oom_summary),
+            false,
+            Some(OOM_KILLED),
+        ),
+        (
+            "SIGKILL of an evicted pod",
+            "Error",
+            137,
+            Some(&quiet),
+            true,
+            None,
+        ),
+        (
+            "SIGKILL, no other explanation",
+            "Error",
+            137,
+            None,
+            false,
+            Some(KILLED_EXIT_137),
+        ),
+        (
+            "crash after a critical level and an OOM event",
+            "Error",
+            1,
+            Some(&oom_summary),
+            false,
+            Some(OOM_KILLED),
+        ),
+        ("ordinary crash", "Error", 1, Some(&quiet), false, None),
+        ("crash without summary", "Error", 1, None, false, None),
+    ];
+    for (name, reason, code, summary, disrupted, want) in table {
+        let mut pod = gpu_pod().build();
+        if disrupted {
+            pod.metadata.deletion_timestamp = Some(crate::testutil::at(5));
+        }
+        let terminated = ContainerStateTerminated {
+            reason: Some(reason.into()),
+            exit_code: code,
+            ..ContainerStateTerminated::default()
+        };
+        assert_eq!(
+            oom_reason(&pod, &terminated, summary).as_deref(),
+            want,
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn the_config_that_ran_is_the_annotations_with_the_trainers_env() {
+    let obs = try_observe(
+        &gpu_pod()
+            .annotate("batch-size", "32")
+            .env(env::SEQ_LENGTH, "garbage")
+            .trainer_terminated("OOMKilled", 137, 7)
+            .build(),
+    )
+    .expect("observed");
+    assert_eq!(obs.knobs.batch_size, Some(16));
+    assert_eq!(obs.knobs.seq_length, None, "garbled values are ignored");
+    assert_eq!(obs.ran.batch_size, 16);
+    assert!(obs.ran.grad_checkpointing);
+    assert_eq!(obs.ran.seq_length, obs.key.config.seq_length);
+    assert_eq!(obs.oom.as_deref(), Some(OOM_KILLED));
+}

@@ -1,0 +1,262 @@
+//! Pod builders for tests: `PodBuilder::trainer().annotate("model", "llama-3-8b").gpus(1)`.
+
+use k8s_openapi::api::core::v1::{
+    Container, ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStatus,
+    EnvVar, Pod, PodSpec, PodStatus, ResourceRequirements,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use memguard_api::{Summary, labels};
+use std::collections::BTreeMap;
+
+/// `seconds` after the epoch.
+pub fn at(seconds: i64) -> Time {
+    Time(k8s_openapi::jiff::Timestamp::from_second(seconds).expect("in range"))
+}
+
+/// A pod under construction: one container `trainer`, opted in, in namespace `ml`.
+#[derive(Debug, Clone)]
+pub struct PodBuilder {
+    pod: Pod,
+}
+
+impl PodBuilder {
+    /// `trainer-0` (UID `uid-0`) in `ml`, labelled for memguard, one container `trainer`.
+    pub fn trainer() -> Self {
+        let pod = Pod {
+            metadata: ObjectMeta {
+                name: Some("trainer-0".into()),
+                namespace: Some("ml".into()),
+                uid: Some("uid-0".into()),
+                labels: Some(BTreeMap::from([(
+                    labels::ENABLED_LABEL.to_string(),
+                    labels::ENABLED_VALUE.to_string(),
+                )])),
+                annotations: Some(BTreeMap::new()),
+                ..ObjectMeta::default()
+            },
+            spec: Some(PodSpec {
+                containers: vec![Container {
+                    name: "trainer".into(),
+                    ..Container::default()
+                }],
+                ..PodSpec::default()
+            }),
+            status: Some(PodStatus::default()),
+        };
+        PodBuilder { pod }
+    }
+
+    fn meta(&mut self) -> &mut ObjectMeta {
+        &mut self.pod.metadata
+    }
+
+    fn spec(&mut self) -> &mut PodSpec {
+        self.pod.spec.get_or_insert_with(PodSpec::default)
+    }
+
+    fn status(&mut self) -> &mut PodStatus {
+        self.pod.status.get_or_insert_with(PodStatus::default)
+    }
+
+    /// Sets `memguard.io/<key>` (or `key` itself when it already has a prefix).
+    pub fn annotate(mut self, key: &str, value: &str) -> Self {
+        let key = if key.contains('/') {
+            key.to_string()
+        } else {
+            format!("memguard.io/{key}")
+        };
+        self.meta()
+            .annotations
+            .get_or_insert_with(BTreeMap::new)
+            .insert(key, value.to_string());
+        self
+    }
+
+    /// Name and UID.
+    pub fn named(mut self, name: &str, uid: &str) -> Self {
+        self.meta().name = Some(name.into());
+        self.meta().uid = Some(uid.into());
+        self
+    }
+
+    /// `nvidia.com/gpu` limit of the trainer.
+    pub fn gpus(mut self, n: u64) -> Self {
+        self.spec().containers[0]
+            .resources
+            .get_or_insert_with(ResourceRequirements::default)
+            .limits
+            .get_or_insert_with(BTreeMap::new)
+            .insert(labels::NVIDIA_GPU_RESOURCE.into(), Quantity(n.to_string()));
+        self
+    }
+
+    /// `limits.memory` of the trainer.
+    pub fn memory_limit(mut self, quantity: &str) -> Self {
+        self.spec().containers[0]
+            .resources
+            .get_or_insert_with(ResourceRequirements::default)
+            .limits
+            .get_or_insert_with(BTreeMap::new)
+            .insert("memory".into(), Quantity(quantity.into()));
+        self
+    }
+
+    /// A node selector entry.
+    pub fn node_selector(mut self, key: &str, value: &str) -> Self {
+        self.spec()
+            .node_selector
+            .get_or_insert_with(BTreeMap::new)
+            .insert(key.into(), value.into());
+        self
+    }
+
+    /// A literal env variable of the trainer.
+    pub fn env(mut self, name: &str, value: &str) -> Self {
+        self.spec().containers[0]
+            .env
+            .get_or_insert_with(Vec::new)
+            .push(EnvVar {
+                name: name.into(),
+                value: Some(value.into()),
+                value_from: None,
+            });
+        self
+    }
+
+    /// The trainer's current state: terminated with `reason` and `exit_code` at `finished`.
+    pub fn trainer_terminated(mut self, reason: &str, exit_code: i32, finished: i64) -> Self {
+        let status = container_status("trainer", terminated(reason, exit_code, finished, None));
+        self.status()
+            .container_statuses
+            .get_or_insert_with(Vec::new)
+            .push(status);
+        self
+    }
+
+    /// The trainer running again after it terminated (restarted in place).
+    pub fn trainer_restarted(mut self, reason: &str, exit_code: i32, finished: i64) -> Self {
+        let mut status = container_status(
+            "trainer",
+            ContainerState {
+                running: Some(ContainerStateRunning::default()),
+                ..ContainerState::default()
+            },
+        );
+        status.last_state = Some(terminated(reason, exit_code, finished, None));
+        status.restart_count = 1;
+        self.status()
+            .container_statuses
+            .get_or_insert_with(Vec::new)
+            .push(status);
+        self
+    }
+
+    /// The trainer still running.
+    pub fn trainer_running(mut self) -> Self {
+        let status = container_status(
+            "trainer",
+            ContainerState {
+                running: Some(ContainerStateRunning::default()),
+                ..ContainerState::default()
+            },
+        );
+        self.status()
+            .container_statuses
+            .get_or_insert_with(Vec::new)
+            .push(status);
+        self
+    }
+
+    /// The native sidecar (in `initContainerStatuses`) terminated with `summary` as message.
+    pub fn native_sidecar_done(mut self, summary: &Summary) -> Self {
+        let message = serde_json::to_string(summary).expect("a summary serializes");
+        let status = container_status(
+            labels::SIDECAR_CONTAINER,
+            terminated("Completed", 0, 0, Some(message)),
+        );
+        self.status()
+            .init_container_statuses
+            .get_or_insert_with(Vec::new)
+            .push(status);
+        self
+    }
+
+    /// The classic sidecar (in `containerStatuses`) terminated with `message`.
+    pub fn classic_sidecar_done(mut self, message: &str) -> Self {
+        let status = container_status(
+            labels::SIDECAR_CONTAINER,
+            terminated("Completed", 0, 0, Some(message.into())),
+        );
+        self.status()
+            .container_statuses
+            .get_or_insert_with(Vec::new)
+            .push(status);
+        self
+    }
+
+    /// The native sidecar still running.
+    pub fn native_sidecar_running(mut self) -> Self {
+        let status = container_status(
+            labels::SIDECAR_CONTAINER,
+            ContainerState {
+                running: Some(ContainerStateRunning::default()),
+                ..ContainerState::default()
+            },
+        );
+        self.status()
+            .init_container_statuses
+            .get_or_insert_with(Vec::new)
+            .push(status);
+        self
+    }
+
+    /// `status.phase`.
+    pub fn phase(mut self, phase: &str) -> Self {
+        self.status().phase = Some(phase.into());
+        self
+    }
+
+    /// The pod.
+    pub fn build(self) -> Pod {
+        self.pod
+    }
+}
+
+fn container_status(name: &str, state: ContainerState) -> ContainerStatus {
+    ContainerStatus {
+        name: name.into(),
+        state: Some(state),
+        ..ContainerStatus::default()
+    }
+}
+
+fn terminated(
+    reason: &str,
+    exit_code: i32,
+    finished: i64,
+    message: Option<String>,
+) -> ContainerState {
+    ContainerState {
+        terminated: Some(ContainerStateTerminated {
+            reason: Some(reason.into()),
+            exit_code,
+            finished_at: Some(at(finished)),
+            message,
+            ..ContainerStateTerminated::default()
+        }),
+        ..ContainerState::default()
+    }
+}
+
+/// A summary with the given peaks and limit.
+pub fn summary(peak: Option<u64>, gpu_peak: Option<u64>, limit: Option<u64>) -> Summary {
+    Summary {
+        version: 1,
+        peak_bytes: peak,
+        gpu_peak_bytes: gpu_peak,
+        limit_bytes: limit,
+        exit_reason: "trainer-exited".into(),
+        ..Summary::default()
+    }
+}

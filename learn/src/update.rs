@@ -1,0 +1,113 @@
+//! Folding an [`Observation`] into a `MemoryProfile` status. Pure and idempotent.
+
+use crate::observe::{Observation, knobs_of};
+use memguard_api::crd::{MemoryProfileStatus, OomEvent, ProfileRun, Recovery};
+use memguard_estimator::calibration::FACTOR_RANGE;
+use memguard_estimator::{Bytes, Floors, LADDER, TrainingConfig};
+
+/// The status after `obs`. Recording the same pod again (same UID and `finishedAt`) returns
+/// `status` unchanged, also once the run has left the bounded history (see
+/// [`MemoryProfileStatus::record_run`]): the controller may replay every pod after a restart.
+///
+/// Every run is recorded with its (uncalibrated) estimate and measured peak; a run that was
+/// OOM-killed also adds an [`OomEvent`] and sets the [`Recovery`] from [`recovery`]. A later
+/// successful run keeps the recovery: it shows the recovery config works, while dropping it
+/// would send the next pod back to the config that died (a person clears it, see the docs).
+///
+/// There is no `now`: every time recorded is the container's own `finishedAt`, so a replay
+/// writes exactly what the first pass wrote.
+pub fn apply(status: &MemoryProfileStatus, obs: &Observation) -> MemoryProfileStatus {
+    let mut next = status.clone();
+    let recorded = next.record_run(ProfileRun {
+        pod: obs.pod.clone(),
+        uid: obs.uid.clone(),
+        estimate_bytes: obs.estimate.map_or(0, |b| b.0),
+        measured_peak_bytes: obs.measured_peak.map(|b| b.0),
+        finished_at: obs.finished_at.clone(),
+        oom_killed: obs.oom.is_some(),
+    });
+    if !recorded {
+        return status.clone();
+    }
+    if let Some(reason) = &obs.oom {
+        next.record_oom(OomEvent {
+            pod: obs.pod.clone(),
+            at: obs.finished_at.clone(),
+            reason: reason.clone(),
+            config: obs.knobs.clone(),
+        });
+        next.recovery = Some(recovery(obs, status.recovery.as_ref()));
+    }
+    next
+}
+
+/// The recovery after an OOM kill: start the next pod one rung of the ladder below the config
+/// that died, *and* plan it with the factor the kill implies (the memory the pod had, or its
+/// measured peak if higher, over the estimate of the config that died). Doing both is at least
+/// as safe as either; the factor also covers an estimate that was far off, the rung a kill that
+/// the factor alone would not prevent (a config already estimated above the limit). A factor
+/// never falls below the previous recovery's.
+pub fn recovery(obs: &Observation, previous: Option<&Recovery>) -> Recovery {
+    let died = &obs.ran;
+    let step = LADDER
+        .iter()
+        .find_map(|rung| rung.apply(died, &Floors::default()));
+    let implied = match (obs.limit, obs.estimate) {
+        (Some(limit), Some(estimate)) if estimate.0 > 0 => {
+            let need = limit.max(obs.measured_peak.unwrap_or(Bytes::ZERO));
+            Some((need.as_f64() / estimate.as_f64()).clamp(1.0, FACTOR_RANGE.1))
+        }
+        _ => None,
+    };
+    let factor = match (implied, previous.and_then(|r| r.factor)) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    };
+    let mut figures = Vec::new();
+    if let Some(limit) = obs.limit {
+        figures.push(format!("limit {limit}"));
+    }
+    if let Some(peak) = obs.measured_peak {
+        figures.push(format!("peak {peak}"));
+    }
+    let figures = if figures.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", figures.join(", "))
+    };
+    let oom = obs.oom.as_deref().unwrap_or("ran out of memory");
+    let what = describe(died);
+    let (rungs, config, action) = match step {
+        Some((next, explanation)) => (1, knobs_of(&next), format!("start with {explanation}")),
+        None => (
+            0,
+            knobs_of(died),
+            "every knob is at its floor: start from the same config".to_string(),
+        ),
+    };
+    let mut reason = format!("pod {} {oom} at {what}{figures}: {action}", obs.pod);
+    if let Some(f) = factor {
+        reason.push_str(&format!("; plan with factor ≥ {f:.2}"));
+    }
+    Recovery {
+        rungs,
+        config,
+        factor,
+        reason,
+    }
+}
+
+/// `batch 16, seq 4096` (and `rank 64` for adapters): what a person recognizes of a config.
+fn describe(cfg: &TrainingConfig) -> String {
+    let mut parts = vec![
+        format!("batch {}", cfg.batch_size),
+        format!("seq {}", cfg.seq_length),
+    ];
+    if cfg.is_adapter() {
+        parts.push(format!("rank {}", cfg.lora_rank));
+    }
+    parts.join(", ")
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,256 @@
+use super::*;
+use crate::observe::try_observe;
+use crate::testutil::{PodBuilder, at, summary};
+use memguard_api::crd::{MAX_RUNS, TrainingKnobs};
+use memguard_api::env;
+
+const GIB: u64 = 1 << 30;
+
+/// A LoRA pod on one GPU that ran at batch 16 with checkpointing, estimated at 12 GiB.
+fn pod(name: &str, finished: i64) -> PodBuilder {
+    PodBuilder::trainer()
+        .named(name, &format!("uid-{name}"))
+        .annotate("model", "llama-3-8b")
+        .annotate("method", "lora")
+        .annotate("gpu-memory", "16Gi")
+        .annotate(
+            "memguard.io/estimate",
+            &format!(r#"{{"total":{},"gpuMemory":{}}}"#, 12 * GIB, 16 * GIB),
+        )
+        .gpus(1)
+        .env(env::BATCH_SIZE, "16")
+        .env(env::GRAD_ACCUMULATION, "1")
+        .env(env::GRAD_CHECKPOINTING, "true")
+        .trainer_terminated("Completed", 0, finished)
+}
+
+fn ok_run(name: &str, finished: i64, peak: u64) -> Observation {
+    try_observe(
+        &pod(name, finished)
+            .native_sidecar_done(&summary(None, Some(peak), Some(16 * GIB)))
+            .build(),
+    )
+    .expect("observed")
+}
+
+fn oom_run(name: &str, finished: i64) -> Observation {
+    let mut p = pod(name, finished).build();
+    let status = p
+        .status
+        .as_mut()
+        .and_then(|s| s.container_statuses.as_mut())
+        .and_then(|s| s.first_mut())
+        .and_then(|s| s.state.as_mut())
+        .and_then(|s| s.terminated.as_mut())
+        .expect("terminated trainer");
+    status.reason = Some("OOMKilled".into());
+    status.exit_code = 137;
+    p.status.as_mut().expect("status").phase = Some("Failed".into());
+    try_observe(&p).expect("observed")
+}
+
+#[test]
+fn a_successful_run_is_recorded_with_its_estimate_and_peak() {
+    let status = apply(&MemoryProfileStatus::default(), &ok_run("a", 10, 13 * GIB));
+    assert_eq!(status.run_count, 1);
+    let run = &status.runs[0];
+    assert_eq!(
+        (
+            run.pod.as_str(),
+            run.uid.as_str(),
+            run.estimate_bytes,
+            run.measured_peak_bytes
+        ),
+        ("a", "uid-a", 12 * GIB, Some(13 * GIB))
+    );
+    assert_eq!(run.finished_at, at(10));
+    assert!(!run.oom_killed);
+    assert!(status.oom_events.is_empty() && status.recovery.is_none());
+}
+
+#[test]
+fn the_factor_appears_after_three_runs() {
+    let mut status = MemoryProfileStatus::default();
+    for (i, name) in ["a", "b"].into_iter().enumerate() {
+        status = apply(&status, &ok_run(name, i as i64, 12 * GIB * 6 / 5));
+    }
+    assert_eq!(status.median_correction_factor, None);
+    status = apply(&status, &ok_run("c", 3, 12 * GIB * 6 / 5));
+    let factor = status.median_correction_factor.expect("three runs");
+    assert!((factor - 1.2).abs() < 1e-6, "{factor}");
+}
+
+#[test]
+fn replaying_a_pod_changes_nothing_even_after_it_left_the_history() {
+    let first = ok_run("first", 1, 13 * GIB);
+    let mut status = apply(&MemoryProfileStatus::default(), &first);
+    assert_eq!(
+        apply(&status, &first),
+        status,
+        "replay while in the history"
+    );
+    for i in 0..MAX_RUNS {
+        status = apply(&status, &ok_run(&format!("p{i}"), 10 + i as i64, 13 * GIB));
+    }
+    assert!(status.runs.iter().all(|r| r.pod != "first"));
+    assert_eq!(
+        apply(&status, &first),
+        status,
+        "replay after it was dropped"
+    );
+    let oom = oom_run("dead", 1000);
+    let after = apply(&status, &oom);
+    assert_eq!(apply(&after, &oom), after, "an OOM is recorded once");
+    assert_eq!(after.oom_events.len(), 1);
+}
+
+#[test]
+fn an_oom_kill_records_the_event_and_a_recovery_one_rung_down() {
+    let status = apply(&MemoryProfileStatus::default(), &oom_run("trainer-0", 50));
+    assert_eq!(status.oom_events.len(), 1);
+    let event = &status.oom_events[0];
+    assert_eq!(
+        (event.pod.as_str(), event.reason.as_str()),
+        ("trainer-0", "OOMKilled")
+    );
+    assert_eq!(event.config.batch_size, Some(16));
+    assert_eq!(status.last_oom_at, Some(at(50)));
+    assert!(status.runs[0].oom_killed);
+
+    let recovery = status.recovery.expect("a recovery");
+    // Checkpointing was already on: the next rung halves the batch, keeping the effective batch.
+    assert_eq!(recovery.rungs, 1);
+    assert_eq!(recovery.config.batch_size, Some(8));
+    assert_eq!(recovery.config.grad_accumulation, Some(2));
+    // Died with 16 GiB against an estimate of 12 GiB: plan with at least 16/12.
+    let factor = recovery.factor.expect("limit and estimate known");
+    assert!((factor - 16.0 / 12.0).abs() < 1e-9, "{factor}");
+    assert!(
+        recovery.reason.starts_with(
+            "pod trainer-0 OOMKilled at batch 16, seq 2048, rank 16 (limit 16.00 GiB): start with batch 16 → 8"
+        ),
+        "{}",
+        recovery.reason
+    );
+    assert!(
+        recovery.reason.ends_with("plan with factor ≥ 1.33"),
+        "{}",
+        recovery.reason
+    );
+}
+
+/// (rungs, batch, checkpointing, factor)
+type Want = (u32, Option<u64>, Option<bool>, Option<f64>);
+
+#[test]
+fn recovery_decisions() {
+    let base = oom_run("x", 1);
+    let knobs = |b: u64, ckpt: bool| TrainingKnobs {
+        batch_size: Some(b),
+        grad_accumulation: Some(1),
+        grad_checkpointing: Some(ckpt),
+        ..TrainingKnobs::default()
+    };
+    let with = |f: &dyn Fn(&mut Observation)| {
+        let mut o = base.clone();
+        f(&mut o);
+        o
+    };
+    // (name, observation, previous recovery factor, expected (rungs, batch, checkpointing, factor))
+    let table: Vec<(&str, Observation, Option<f64>, Want)> = vec![
+        (
+            "checkpointing off: switch it on first",
+            with(&|o| {
+                o.ran.grad_checkpointing = false;
+                o.knobs = knobs(16, false);
+            }),
+            None,
+            (1, Some(16), Some(true), Some(16.0 / 12.0)),
+        ),
+        (
+            "peak above the limit: the peak sets the factor",
+            with(&|o| o.measured_peak = Some(Bytes(18 * GIB))),
+            None,
+            (1, Some(8), Some(true), Some(18.0 / 12.0)),
+        ),
+        (
+            "estimate already above the limit: factor at least 1",
+            with(&|o| o.estimate = Some(Bytes(20 * GIB))),
+            None,
+            (1, Some(8), Some(true), Some(1.0)),
+        ),
+        (
+            "no estimate: the rung alone",
+            with(&|o| o.estimate = None),
+            None,
+            (1, Some(8), Some(true), None),
+        ),
+        (
+            "a previous, larger factor is kept",
+            base.clone(),
+            Some(2.0),
+            (1, Some(8), Some(true), Some(2.0)),
+        ),
+        (
+            "everything at its floor: no rung, same config",
+            with(&|o| {
+                o.ran.batch_size = 1;
+                o.ran.seq_length = 256;
+                o.ran.lora_rank = 4;
+                o.ran.lora_layers = Some(1);
+            }),
+            None,
+            (0, Some(1), Some(true), Some(16.0 / 12.0)),
+        ),
+    ];
+    for (name, obs, previous, want) in table {
+        let prev = previous.map(|f| Recovery {
+            factor: Some(f),
+            ..Recovery::default()
+        });
+        let r = recovery(&obs, prev.as_ref());
+        let got = (
+            r.rungs,
+            r.config.batch_size,
+            r.config.grad_checkpointing,
+            r.factor,
+        );
+        assert_eq!(got.0, want.0, "{name}: rungs");
+        assert_eq!(got.1, want.1, "{name}: batch");
+        assert_eq!(got.2, want.2, "{name}: checkpointing");
+        match (got.3, want.3) {
+            (Some(a), Some(b)) => assert!((a - b).abs() < 1e-9, "{name}: {a} vs {b}"),
+            (a, b) => assert_eq!(a, b, "{name}: factor"),
+        }
+        assert!(
+            r.reason.starts_with("pod x OOMKilled at batch "),
+            "{name}: {}",
+            r.reason
+        );
+    }
+    assert!(
+        recovery(
+            &with(&|o| {
+                o.ran.batch_size = 1;
+                o.ran.seq_length = 256;
+                o.ran.lora_rank = 4;
+                o.ran.lora_layers = Some(1);
+            }),
+            None
+        )
+        .reason
+        .contains("every knob is at its floor")
+    );
+}
+
+#[test]
+fn a_successful_run_after_an_oom_keeps_the_recovery() {
+    let after_oom = apply(&MemoryProfileStatus::default(), &oom_run("dead", 10));
+    let after_success = apply(&after_oom, &ok_run("alive", 20, 11 * GIB));
+    assert_eq!(after_success.recovery, after_oom.recovery);
+    assert_eq!(after_success.run_count, 2);
+    // A second kill steps further down from the config that died then.
+    let again = apply(&after_success, &oom_run("dead-again", 30));
+    assert_eq!(again.oom_events.len(), 2);
+    assert_eq!(again.last_oom_at, Some(at(30)));
+}
