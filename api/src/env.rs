@@ -32,7 +32,9 @@ pub const SIDECAR_DOWNGRADE: &str = "MEMGUARD_SIDECAR_DOWNGRADE";
 /// Sidecar: ratio of the effective limit at which the level becomes `critical`.
 pub const SIDECAR_CRITICAL: &str = "MEMGUARD_SIDECAR_CRITICAL";
 /// Sidecar: PSI memory `some avg10` percentage counted as `downgrade` pressure.
-pub const SIDECAR_PSI_SOME_AVG10: &str = "MEMGUARD_SIDECAR_PSI_SOME_AVG10";
+pub const SIDECAR_PSI_THRESHOLD: &str = "MEMGUARD_SIDECAR_PSI_THRESHOLD";
+/// Sidecar: path of the signal file it writes.
+pub const SIDECAR_SIGNAL_FILE: &str = "MEMGUARD_SIDECAR_SIGNAL_FILE";
 /// Sidecar: sampling interval (e.g. `100ms`).
 pub const SIDECAR_INTERVAL: &str = "MEMGUARD_SIDECAR_INTERVAL";
 /// Sidecar: address of the pod-local trainer API (default [`crate::labels::SIDECAR_LISTEN`]).

@@ -486,7 +486,7 @@ fn sidecar_plan(
     } = policy.thresholds;
     let mut env: Vec<(String, String)> = vec![
         (env::TRAINER_CONTAINER.into(), trainer.into()),
-        (env::SIGNAL_FILE.into(), labels::SIGNAL_FILE.into()),
+        (env::SIDECAR_SIGNAL_FILE.into(), labels::SIGNAL_FILE.into()),
         (env::SIDECAR_LISTEN.into(), labels::SIDECAR_LISTEN.into()),
         (
             env::SIDECAR_METRICS_LISTEN.into(),
@@ -500,7 +500,7 @@ fn sidecar_plan(
         (env::SIDECAR_DOWNGRADE.into(), downgrade.to_string()),
         (env::SIDECAR_CRITICAL.into(), critical.to_string()),
         (
-            env::SIDECAR_PSI_SOME_AVG10.into(),
+            env::SIDECAR_PSI_THRESHOLD.into(),
             psi_some_avg10.to_string(),
         ),
         (env::BATCH_SIZE.into(), cfg.batch_size.to_string()),
