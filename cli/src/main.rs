@@ -18,7 +18,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Estimate the peak memory of one training step, and plan downgrades to fit a budget.
-    Estimate(estimate::Args),
+    Estimate(Box<estimate::Args>),
     /// Apply the webhook's mutation to a manifest on disk (pod, or a workload's pod template).
     Mutate(mutate::Args),
     /// Write the CRD manifests (MemguardPolicy, MemoryProfile).
@@ -31,7 +31,7 @@ const EXIT_BAD_INPUT: u8 = 2;
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Estimate(args) => estimate::run(args),
+        Command::Estimate(args) => estimate::run(*args),
         Command::Mutate(args) => mutate::run(args),
         Command::Crdgen(args) => crdgen::run(args),
     };
