@@ -13,6 +13,13 @@ pub mod key;
 pub mod observe;
 pub mod update;
 
+#[cfg(feature = "controller")]
+pub mod controller;
+#[cfg(feature = "controller")]
+pub mod lease;
+#[cfg(feature = "controller")]
+pub mod metrics;
+
 #[cfg(test)]
 pub(crate) mod testutil;
 

@@ -1,0 +1,321 @@
+//! The controller's API traffic against a mocked apiserver (controller-rs' scenario verifier):
+//! each expected request is checked for method, path and body, and answered in turn.
+
+use super::*;
+use crate::testutil::{PodBuilder, summary};
+use http::{Method, Request, Response, StatusCode};
+use kube::client::Body;
+use memguard_api::crd::{MemoryProfileSpec, MemoryProfileStatus};
+use memguard_api::env;
+use tower_test::mock;
+
+const GIB: u64 = 1 << 30;
+const PROFILES: &str = "/apis/memguard.io/v1alpha1/namespaces/ml/memoryprofiles";
+
+type Handle = mock::Handle<Request<Body>, Response<Body>>;
+
+/// One expected request and the answer to give.
+struct Step {
+    method: Method,
+    /// Path without the query.
+    path: String,
+    /// Checks the JSON body (requests without one get `Value::Null`).
+    check: Box<dyn Fn(&Value) + Send>,
+    status: StatusCode,
+    answer: Value,
+}
+
+fn step(method: Method, path: &str, status: StatusCode, answer: Value) -> Step {
+    Step {
+        method,
+        path: path.to_string(),
+        check: Box::new(|_| {}),
+        status,
+        answer,
+    }
+}
+
+impl Step {
+    fn body(mut self, check: impl Fn(&Value) + Send + 'static) -> Self {
+        self.check = Box::new(check);
+        self
+    }
+}
+
+/// Serves `steps` in order, asserting each request; panics on anything unexpected.
+async fn verify(mut handle: Handle, steps: Vec<Step>) {
+    for (i, step) in steps.into_iter().enumerate() {
+        let (request, send) = handle.next_request().await.unwrap_or_else(|| {
+            panic!(
+                "step {i}: no request, expected {} {}",
+                step.method, step.path
+            )
+        });
+        assert_eq!(request.method(), step.method, "step {i}");
+        assert_eq!(request.uri().path(), step.path, "step {i}");
+        let bytes = request
+            .into_body()
+            .collect_bytes()
+            .await
+            .expect("request body");
+        let body = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes).expect("JSON body")
+        };
+        (step.check)(&body);
+        let response = Response::builder()
+            .status(step.status)
+            .body(Body::from(serde_json::to_vec(&step.answer).expect("json")))
+            .expect("response");
+        send.send_response(response);
+    }
+}
+
+fn client() -> (Client, Handle) {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    (Client::new(service, "default"), handle)
+}
+
+fn status_error(code: u16, reason: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+           "message": reason, "reason": reason, "code": code})
+}
+
+fn pod() -> PodBuilder {
+    PodBuilder::trainer()
+        .annotate("model", "llama-3-8b")
+        .annotate("method", "lora")
+        .annotate(
+            "memguard.io/estimate",
+            &format!(r#"{{"total":{},"gpuMemory":{}}}"#, 12 * GIB, 16 * GIB),
+        )
+        .gpus(1)
+        .env(env::BATCH_SIZE, "16")
+        .env(env::GRAD_ACCUMULATION, "1")
+        .env(env::GRAD_CHECKPOINTING, "true")
+}
+
+fn profile_name() -> String {
+    crate::pod_key(&pod().build()).expect("key").name
+}
+
+fn key() -> MemoryProfileSpec {
+    crate::pod_key(&pod().build()).expect("key").spec
+}
+
+fn profile(rv: &str, status: Option<&MemoryProfileStatus>) -> Value {
+    let mut p = MemoryProfile::new(&profile_name(), key());
+    p.metadata.namespace = Some("ml".into());
+    p.metadata.resource_version = Some(rv.into());
+    p.status = status.cloned();
+    serde_json::to_value(&p).expect("json")
+}
+
+fn finished_pod() -> Pod {
+    pod()
+        .trainer_terminated("Completed", 0, 100)
+        .native_sidecar_done(&summary(None, Some(13 * GIB), Some(16 * GIB)))
+        .build()
+}
+
+fn oom_pod() -> Pod {
+    pod()
+        .trainer_terminated("OOMKilled", 137, 100)
+        .phase("Failed")
+        .build()
+}
+
+async fn record(pod: Pod, steps: Vec<Step>) -> Result<Recorded, Error> {
+    let (client, handle) = client();
+    let verifier = tokio::spawn(verify(handle, steps));
+    let recorder = Recorder::new(client, Metrics::default());
+    let out = recorder.record(&pod).await;
+    verifier.await.expect("scenario verified");
+    out
+}
+
+#[tokio::test]
+async fn a_finished_pod_creates_its_profile_and_patches_the_run_into_the_status() {
+    let name = profile_name();
+    let item = format!("{PROFILES}/{name}");
+    let want_key = serde_json::to_value(key()).expect("json");
+    let steps = vec![
+        step(
+            Method::GET,
+            &item,
+            StatusCode::NOT_FOUND,
+            status_error(404, "NotFound"),
+        ),
+        step(
+            Method::POST,
+            PROFILES,
+            StatusCode::CREATED,
+            profile("1", None),
+        )
+        .body(move |body| {
+            assert_eq!(body["metadata"]["name"], json!(profile_name()));
+            assert_eq!(body["spec"], want_key);
+            assert_eq!(body["metadata"]["labels"][MANAGED_BY.0], MANAGED_BY.1);
+            assert!(body.get("status").is_none_or(Value::is_null));
+        }),
+        step(
+            Method::PATCH,
+            &format!("{item}/status"),
+            StatusCode::OK,
+            profile("2", None),
+        )
+        .body(|body| {
+            assert_eq!(body["metadata"]["resourceVersion"], "1");
+            let runs = &body["status"]["runs"];
+            assert_eq!(runs.as_array().map(Vec::len), Some(1), "{body}");
+            assert_eq!(runs[0]["pod"], "trainer-0");
+            assert_eq!(runs[0]["uid"], "uid-0");
+            assert_eq!(runs[0]["estimateBytes"], 12 * GIB);
+            assert_eq!(runs[0]["measuredPeakBytes"], 13 * GIB);
+            assert_eq!(body["status"]["runCount"], 1);
+            assert!(body["status"].get("recovery").is_none());
+        }),
+    ];
+    let out = record(finished_pod(), steps).await.expect("recorded");
+    assert_eq!(
+        out,
+        Recorded::Updated {
+            profile: name,
+            oom: false
+        }
+    );
+}
+
+#[tokio::test]
+async fn an_oom_killed_pod_patches_the_event_and_the_recovery() {
+    let item = format!("{PROFILES}/{}", profile_name());
+    let steps = vec![
+        step(Method::GET, &item, StatusCode::OK, profile("7", None)),
+        step(
+            Method::PATCH,
+            &format!("{item}/status"),
+            StatusCode::OK,
+            profile("8", None),
+        )
+        .body(|body| {
+            let status = &body["status"];
+            assert_eq!(status["oomEvents"][0]["pod"], "trainer-0");
+            assert_eq!(status["oomEvents"][0]["reason"], "OOMKilled");
+            assert_eq!(status["oomEvents"][0]["config"]["batchSize"], 16);
+            assert_eq!(status["runs"][0]["oomKilled"], true);
+            assert_eq!(status["recovery"]["rungs"], 1);
+            assert_eq!(status["recovery"]["config"]["batchSize"], 8);
+            let reason = status["recovery"]["reason"].as_str().unwrap_or_default();
+            assert!(
+                reason.starts_with("pod trainer-0 OOMKilled at batch 16"),
+                "{reason}"
+            );
+            assert!(status["lastOomAt"].is_string());
+        }),
+    ];
+    let out = record(oom_pod(), steps).await.expect("recorded");
+    assert!(matches!(out, Recorded::Updated { oom: true, .. }));
+}
+
+#[tokio::test]
+async fn a_conflict_is_retried_from_a_fresh_read() {
+    let item = format!("{PROFILES}/{}", profile_name());
+    let status_path = format!("{item}/status");
+    let steps = vec![
+        step(Method::GET, &item, StatusCode::OK, profile("1", None)),
+        step(
+            Method::PATCH,
+            &status_path,
+            StatusCode::CONFLICT,
+            status_error(409, "Conflict"),
+        ),
+        step(Method::GET, &item, StatusCode::OK, profile("2", None)),
+        step(
+            Method::PATCH,
+            &status_path,
+            StatusCode::OK,
+            profile("3", None),
+        )
+        .body(|body| assert_eq!(body["metadata"]["resourceVersion"], "2")),
+    ];
+    let out = record(finished_pod(), steps).await.expect("recorded");
+    assert!(matches!(out, Recorded::Updated { oom: false, .. }));
+}
+
+#[tokio::test]
+async fn endless_conflicts_give_up_with_an_error() {
+    let item = format!("{PROFILES}/{}", profile_name());
+    let (client, handle) = client();
+    let mut recorder = Recorder::new(client, Metrics::default());
+    recorder.max_attempts = 2;
+    let steps = (0..2)
+        .flat_map(|i| {
+            [
+                step(
+                    Method::GET,
+                    &item,
+                    StatusCode::OK,
+                    profile(&i.to_string(), None),
+                ),
+                step(
+                    Method::PATCH,
+                    &format!("{item}/status"),
+                    StatusCode::CONFLICT,
+                    status_error(409, "Conflict"),
+                ),
+            ]
+        })
+        .collect();
+    let verifier = tokio::spawn(verify(handle, steps));
+    let err = recorder
+        .record(&finished_pod())
+        .await
+        .expect_err("gives up");
+    verifier.await.expect("scenario verified");
+    assert_eq!(err.metric_label(), "conflicts");
+}
+
+#[tokio::test]
+async fn a_run_already_recorded_is_not_written_again() {
+    let obs = try_observe(&finished_pod()).expect("observed");
+    let status = apply(&MemoryProfileStatus::default(), &obs);
+    let item = format!("{PROFILES}/{}", profile_name());
+    let steps = vec![step(
+        Method::GET,
+        &item,
+        StatusCode::OK,
+        profile("5", Some(&status)),
+    )];
+    let out = record(finished_pod(), steps).await.expect("no write");
+    assert_eq!(out, Recorded::Unchanged);
+}
+
+#[tokio::test]
+async fn a_profile_with_another_key_is_an_error_not_an_overwrite() {
+    let item = format!("{PROFILES}/{}", profile_name());
+    let mut other = profile("1", None);
+    other["spec"]["method"] = json!("full");
+    let steps = vec![step(Method::GET, &item, StatusCode::OK, other)];
+    let err = record(finished_pod(), steps).await.expect_err("collision");
+    assert_eq!(err.metric_label(), "key_collision");
+}
+
+#[tokio::test]
+async fn a_running_pod_makes_no_api_call() {
+    let pod = pod().trainer_running().native_sidecar_running().build();
+    let out = record(pod, vec![]).await.expect("skipped");
+    assert_eq!(out, Recorded::Skipped(NotObserved::Running));
+}
+
+#[test]
+fn the_status_patch_nulls_fields_that_went_away() {
+    let old = json!({"runs": [], "runCount": 3, "medianCorrectionFactor": 1.2});
+    let new = json!({"runs": [1], "runCount": 4});
+    let patch = status_patch(Some("9"), &old, &new);
+    assert_eq!(
+        patch,
+        json!({"metadata": {"resourceVersion": "9"},
+               "status": {"runs": [1], "runCount": 4, "medianCorrectionFactor": null}})
+    );
+}
