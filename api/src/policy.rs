@@ -12,6 +12,30 @@ use std::collections::BTreeMap;
 pub const DEFAULT_SAFETY_RATIO: f64 = 0.9;
 /// Default GPU memory when neither annotation nor product table says (an 80 GiB A100/H100).
 pub const DEFAULT_GPU_MEMORY: &str = "80Gi";
+/// Memory per GPU by `nvidia.com/gpu.product` label value (GPU feature discovery), as NVML
+/// reports the device's total (`nvidia-smi --query-gpu=memory.total`), which is what a training
+/// step can have — not the marketing figure (an "A10G 24 GB" has 23028 MiB). A policy's own
+/// `gpuMemory` entries override these.
+pub const BUILTIN_GPU_MEMORY: &[(&str, &str)] = &[
+    ("Tesla-T4", "15360Mi"),
+    ("Tesla-V100-SXM2-16GB", "16160Mi"),
+    ("Tesla-V100-SXM2-32GB", "32510Mi"),
+    ("NVIDIA-A10", "23028Mi"),
+    ("NVIDIA-A10G", "23028Mi"),
+    ("NVIDIA-L4", "23034Mi"),
+    ("NVIDIA-L40S", "46068Mi"),
+    ("NVIDIA-A100-PCIE-40GB", "40960Mi"),
+    ("NVIDIA-A100-SXM4-40GB", "40960Mi"),
+    ("NVIDIA-A100-80GB-PCIe", "81920Mi"),
+    ("NVIDIA-A100-SXM4-80GB", "81920Mi"),
+    ("NVIDIA-H100-PCIe", "81559Mi"),
+    ("NVIDIA-H100-80GB-HBM3", "81559Mi"),
+    ("NVIDIA-H100-NVL", "95830Mi"),
+    ("NVIDIA-H200", "143771Mi"),
+    ("NVIDIA-GeForce-RTX-3090", "24576Mi"),
+    ("NVIDIA-GeForce-RTX-4090", "24564Mi"),
+];
+
 /// Default sidecar image.
 pub const DEFAULT_SIDECAR_IMAGE: &str = "ghcr.io/memguard/memguard:0.1.0";
 
@@ -171,7 +195,8 @@ pub struct PolicySpec {
     /// GPU memory per device when no product is known (default `80Gi`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default_gpu_memory: Option<String>,
-    /// GPU memory per `nvidia.com/gpu.product` label value, e.g. `NVIDIA-A10G: 24Gi`.
+    /// GPU memory per `nvidia.com/gpu.product` label value, e.g. `NVIDIA-A10G: 23028Mi`; these
+    /// entries override (and add to) memguard's built-in table of common NVIDIA products.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub gpu_memory: BTreeMap<String, String>,
     /// The injected sidecar.
@@ -247,8 +272,12 @@ impl PolicySpec {
                 .as_deref()
                 .unwrap_or(DEFAULT_GPU_MEMORY),
         );
-        let gpu_memory: BTreeMap<String, Bytes> = self
-            .gpu_memory
+        let builtin = BUILTIN_GPU_MEMORY
+            .iter()
+            .map(|(product, q)| (product.to_string(), q.to_string()));
+        let mut entries: BTreeMap<String, String> = builtin.collect();
+        entries.extend(self.gpu_memory.clone());
+        let gpu_memory: BTreeMap<String, Bytes> = entries
             .iter()
             .filter_map(|(product, q)| {
                 quantity(&format!("gpuMemory[{product}]"), q).map(|b| (product.clone(), b))
@@ -309,6 +338,25 @@ mod tests {
         let errors = spec.resolved().expect_err("values are not");
         assert_eq!(errors.len(), 3, "{errors:?}");
         assert!(errors[1].starts_with("gpuMemory[NVIDIA-A10G]"));
+    }
+
+    #[test]
+    fn builtin_gpu_table_applies_and_policy_entries_override_it() {
+        let p = PolicySpec::default()
+            .resolved()
+            .expect("defaults are valid");
+        assert_eq!(p.gpu_memory.get("NVIDIA-A10G"), Some(&Bytes::mib(23028)));
+        assert_eq!(
+            p.gpu_memory.get("NVIDIA-H100-80GB-HBM3"),
+            Some(&Bytes::mib(81559))
+        );
+        let spec: PolicySpec =
+            serde_json::from_str(r#"{"gpuMemory": {"NVIDIA-A10G": "20Gi", "Custom-GPU": "12Gi"}}"#)
+                .expect("valid");
+        let p = spec.resolved().expect("valid");
+        assert_eq!(p.gpu_memory.get("NVIDIA-A10G"), Some(&Bytes::gib(20)));
+        assert_eq!(p.gpu_memory.get("Custom-GPU"), Some(&Bytes::gib(12)));
+        assert_eq!(p.gpu_memory.get("NVIDIA-L4"), Some(&Bytes::mib(23034)));
     }
 
     #[test]
