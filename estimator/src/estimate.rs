@@ -150,6 +150,24 @@ pub struct Estimate {
 }
 
 impl Estimate {
+    /// An estimate from its parts: zero parts dropped, largest first, `total` the sum of all,
+    /// `tensor_peak` the sum of the live tensors.
+    pub fn from_components(mut components: Vec<(Component, Bytes)>) -> Estimate {
+        components.retain(|(_, b)| *b > Bytes::ZERO);
+        components.sort_by_key(|(_, b)| std::cmp::Reverse(*b));
+        let tensor_peak = components
+            .iter()
+            .filter(|(c, _)| c.is_tensor())
+            .map(|(_, b)| *b)
+            .sum();
+        let total = components.iter().map(|(_, b)| *b).sum();
+        Estimate {
+            total,
+            tensor_peak,
+            components,
+        }
+    }
+
     /// Bytes of one component (zero when absent).
     pub fn component(&self, c: Component) -> Bytes {
         self.components
@@ -622,20 +640,7 @@ pub fn estimate(cfg: &TrainingConfig) -> Result<Estimate, Vec<ConfigError>> {
         Component::AllocatorCache,
         allocator_cache(cfg.device, per_step_total),
     ));
-    components.retain(|(_, b)| *b > Bytes::ZERO);
-    components.sort_by_key(|(_, b)| std::cmp::Reverse(*b));
-
-    let tensor_peak = components
-        .iter()
-        .filter(|(c, _)| c.is_tensor())
-        .map(|(_, b)| *b)
-        .sum();
-    let total = components.iter().map(|(_, b)| *b).sum();
-    Ok(Estimate {
-        total,
-        tensor_peak,
-        components,
-    })
+    Ok(Estimate::from_components(components))
 }
 
 #[cfg(test)]

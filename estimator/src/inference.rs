@@ -132,7 +132,7 @@ fn serving_workspace(cfg: &ServingConfig) -> (Bytes, Bytes) {
 pub fn estimate_serving(cfg: &ServingConfig) -> Result<Estimate, Vec<ConfigError>> {
     cfg.validate()?;
     let (workspace, logits) = serving_workspace(cfg);
-    let mut components = vec![
+    let components = vec![
         (Component::Weights, serving_weights(cfg)),
         (Component::QuantScales, serving_scales(cfg)),
         (Component::KvCache, kv_cache(cfg)),
@@ -140,19 +140,7 @@ pub fn estimate_serving(cfg: &ServingConfig) -> Result<Estimate, Vec<ConfigError
         (Component::Logits, logits),
         (Component::RuntimeOverhead, runtime_overhead(cfg.device)),
     ];
-    components.retain(|(_, b)| *b > Bytes::ZERO);
-    components.sort_by_key(|(_, b)| std::cmp::Reverse(*b));
-    let tensor_peak = components
-        .iter()
-        .filter(|(c, _)| c.is_tensor())
-        .map(|(_, b)| *b)
-        .sum();
-    let total = components.iter().map(|(_, b)| *b).sum();
-    Ok(Estimate {
-        total,
-        tensor_peak,
-        components,
-    })
+    Ok(Estimate::from_components(components))
 }
 
 #[cfg(test)]
