@@ -43,6 +43,29 @@ pub struct Args {
     /// `native` or `classic`; overrides the policy file.
     #[arg(long, value_parser = parse_mode)]
     pub sidecar_mode: Option<memguard_api::policy::SidecarMode>,
+
+    /// A `MemoryProfile` (YAML or JSON, e.g. `kubectl get memoryprofile NAME -o yaml`) to apply
+    /// as the webhook would from its watch cache: its correction factor and pending recovery
+    /// apply to pods with the same key. Repeat for several; a file may hold several documents.
+    #[arg(long = "profile", value_name = "FILE")]
+    pub profiles: Vec<PathBuf>,
+}
+
+/// Reads every `MemoryProfile` in `paths`.
+fn read_profiles(paths: &[PathBuf]) -> Result<memguard_webhook::Profiles, String> {
+    let mut profiles = memguard_webhook::Profiles::default();
+    for path in paths {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("reading {}: {e}", path.display()))?;
+        let docs: Vec<Value> = serde_saphyr::from_multiple(&text)
+            .map_err(|e| format!("{}: not valid YAML: {e}", path.display()))?;
+        for doc in docs.into_iter().filter(|d| !d.is_null()) {
+            let profile: memguard_api::crd::MemoryProfile = serde_json::from_value(doc)
+                .map_err(|e| format!("{}: not a MemoryProfile: {e}", path.display()))?;
+            profiles.insert(profile);
+        }
+    }
+    Ok(profiles)
 }
 
 /// Output format.
@@ -109,7 +132,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         return bad_input(format!("{source}: no documents"));
     }
 
-    let profiles = memguard_webhook::Profiles::default();
+    let profiles = match read_profiles(&args.profiles) {
+        Ok(p) => p,
+        Err(e) => return bad_input(e),
+    };
     let mut results: Vec<Mutated> = Vec::with_capacity(documents.len());
     for (i, doc) in documents.iter().enumerate() {
         match mutate_document(doc, &policy, &profiles) {

@@ -11,33 +11,70 @@
 
 use k8s_openapi::api::core::v1::{Container, Pod};
 use memguard_api::annotations::{self as keys, TrainingAnnotations};
+use memguard_api::crd::MemoryProfile;
 use memguard_api::policy::{SidecarMode, SidecarResources, Thresholds};
 use memguard_api::{Knob, Policy, env, labels};
 use memguard_estimator::{
     Bytes, Calibration, Device, DowngradePlan, Parallelism, TrainingConfig, plan_with_floors,
 };
+use memguard_learn::{Adjustments, PodKey, adjustments, pod_key};
 use serde::Serialize;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// Kubernetes advises keeping admission warnings under 120 characters.
 pub const MAX_WARNING_CHARS: usize = 120;
 
-/// Calibrations learnt from past runs (the `MemoryProfile` status), keyed by model and device.
-/// The webhook fills it from a watch cache; the CLI and tests pass [`Profiles::default`].
-#[derive(Debug, Clone, Default)]
+/// A read-only view of `MemoryProfile`s: the webhook's watch cache (a kube reflector store) or
+/// profiles read from files. Lookups never call the API.
+pub trait ProfileSource: Send + Sync {
+    /// The profile `name` in `namespace`, if cached.
+    fn get(&self, namespace: &str, name: &str) -> Option<MemoryProfile>;
+}
+
+/// What memguard learnt from past runs, as the mutation sees it. The webhook fills it from a
+/// watch cache ([`Profiles::from_source`]); `memguard mutate --profile` from files
+/// ([`Profiles::insert`]); tests and a webhook without a cluster pass [`Profiles::default`].
+#[derive(Clone, Default)]
 pub struct Profiles {
-    by_key: HashMap<(String, Device), Calibration>,
+    /// Profiles given directly, matched by key (spec), whatever their name or namespace.
+    listed: Vec<MemoryProfile>,
+    source: Option<Arc<dyn ProfileSource>>,
+}
+
+impl std::fmt::Debug for Profiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Profiles")
+            .field("listed", &self.listed.len())
+            .field("source", &self.source.is_some())
+            .finish()
+    }
 }
 
 impl Profiles {
-    /// Records the calibration of `model` on `device`.
-    pub fn insert(&mut self, model: &str, device: Device, calibration: Calibration) {
-        self.by_key.insert((model.to_string(), device), calibration);
+    /// Profiles looked up in `source` by namespace and object name.
+    pub fn from_source(source: Arc<dyn ProfileSource>) -> Self {
+        Profiles {
+            listed: Vec::new(),
+            source: Some(source),
+        }
     }
 
-    /// The calibration of `model` on `device`, when one exists.
-    pub fn get(&self, model: &str, device: Device) -> Option<Calibration> {
-        self.by_key.get(&(model.to_string(), device)).copied()
+    /// Adds a profile; it applies to every pod with its key (`spec`).
+    pub fn insert(&mut self, profile: MemoryProfile) {
+        self.listed.push(profile);
+    }
+
+    /// The adjustments for a pod with `key` in `namespace`: from the first listed profile with
+    /// that key, else from the source's profile named after the key (when its spec matches:
+    /// a profile edited into another key adjusts nothing).
+    pub fn adjustments(&self, namespace: Option<&str>, key: &PodKey) -> Option<Adjustments> {
+        let status = |p: &MemoryProfile| adjustments(&p.status.clone().unwrap_or_default());
+        if let Some(p) = self.listed.iter().find(|p| p.spec == key.spec) {
+            return Some(status(p));
+        }
+        let found = self.source.as_ref()?.get(namespace?, &key.name)?;
+        (found.spec == key.spec).then(|| status(&found))
     }
 }
 
@@ -145,8 +182,13 @@ struct EstimateSummary<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     budget_source: Option<&'a BudgetSource>,
     config: BTreeMap<&'static str, String>,
+    /// The calibrated total before calibration: what the profile controller learns from.
+    uncalibrated: Bytes,
     #[serde(skip_serializing_if = "Option::is_none")]
     calibration: Option<Calibration>,
+    /// The pending recovery of the pod's profile, after an OOM kill: its reason.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    recovery: Option<&'a str>,
 }
 
 /// Decides what to do with `pod` under `policy`. Never panics, never fails.
@@ -230,14 +272,22 @@ fn decide(
         },
     };
 
-    let calibration = config
-        .model
-        .name
-        .as_deref()
-        .and_then(|model| profiles.get(model, config.device))
-        .unwrap_or_else(Calibration::none);
+    // What past runs of this profile teach: a calibration, and a recovery after an OOM kill.
+    // A pod without a key, or without a profile, plans as before.
+    let adjust = pod_key(pod)
+        .ok()
+        .and_then(|key| profiles.adjustments(pod.metadata.namespace.as_deref(), &key))
+        .unwrap_or_default();
+    let calibration = adjust.effective_calibration();
+    let start = adjust.start(&config, &policy.floors);
+    if let Some(recovery) = &adjust.recovery {
+        warnings.push(truncate(&format!(
+            "memguard: recovery: {}",
+            recovery.reason
+        )));
+    }
     let target = budget.as_ref().map_or(Bytes(u64::MAX), |b| b.bytes);
-    let plan = plan_with_floors(&config, target, &calibration, &policy.floors).map_err(|errs| {
+    let plan = plan_with_floors(&start, target, &calibration, &policy.floors).map_err(|errs| {
         errs.iter()
             .map(ToString::to_string)
             .collect::<Vec<_>>()
@@ -303,7 +353,7 @@ fn decide(
     }
 
     let sidecar = sidecar_plan(policy, &trainer.name, &plan, budget.as_ref());
-    let estimate_annotation = estimate_annotation(&plan, budget.as_ref(), &config);
+    let estimate_annotation = estimate_annotation(&plan, budget.as_ref(), &config, &adjust);
 
     Ok(Mutation {
         trainer_index,
@@ -529,6 +579,7 @@ fn estimate_annotation(
     plan: &DowngradePlan,
     budget: Option<&Budget>,
     config: &TrainingConfig,
+    adjust: &Adjustments,
 ) -> String {
     let cfg = &plan.config;
     let config_map: BTreeMap<&'static str, String> = knobs_for(cfg)
@@ -549,7 +600,9 @@ fn estimate_annotation(
             .map(|b| b.device_memory),
         budget_source: budget.map(|b| &b.source),
         config: config_map,
-        calibration: plan.calibration.is_active().then_some(plan.calibration),
+        uncalibrated: plan.estimate.total,
+        calibration: adjust.calibration.is_active().then_some(adjust.calibration),
+        recovery: adjust.recovery.as_ref().map(|r| r.reason.as_str()),
     };
     // Serializing plain integers, strings and bools cannot fail.
     serde_json::to_string(&summary).unwrap_or_else(|_| "{}".into())

@@ -372,25 +372,103 @@ fn lora_knobs_only_for_adapter_methods() {
     assert_eq!(env_of(&full, env::LORA_LAYERS), None);
 }
 
+/// A profile for the key of `pod`, with `status`.
+fn profile_for(pod: &Pod, status: memguard_api::crd::MemoryProfileStatus) -> MemoryProfile {
+    let key = memguard_learn::pod_key(pod).expect("a key");
+    let mut p = MemoryProfile::new(&key.name, key.spec);
+    p.status = Some(status);
+    p
+}
+
+fn runs_at(factor: f64, n: usize) -> memguard_api::crd::MemoryProfileStatus {
+    let mut status = memguard_api::crd::MemoryProfileStatus::default();
+    for i in 0..n {
+        status.record_run(memguard_api::crd::ProfileRun {
+            pod: format!("p{i}"),
+            uid: format!("u{i}"),
+            estimate_bytes: 1000,
+            measured_peak_bytes: Some((1000.0 * factor) as u64),
+            finished_at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::from_second(i as i64).expect("in range"),
+            ),
+            oom_killed: false,
+        });
+    }
+    status
+}
+
 #[test]
 fn calibration_from_profiles_scales_the_estimate() {
     let pod = || trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "100Ti");
     let plain = mutated(pod(), &Policy::default());
     let mut profiles = Profiles::default();
-    profiles.insert(
-        "llama-3-8b",
-        Device::Cuda,
-        Calibration {
-            factor: 2.0,
-            runs: 5,
-        },
-    );
+    profiles.insert(profile_for(&pod().build(), runs_at(2.0, 5)));
     let Outcome::Mutated(calibrated) = mutate(&pod().build(), &Policy::default(), &profiles) else {
         panic!("mutated")
     };
     assert_eq!(calibrated.plan.total().0, 2 * plain.plan.total().0);
-    assert_eq!(annotation(&calibrated)["calibration"]["runs"], 5);
+    let a = annotation(&calibrated);
+    assert_eq!(a["calibration"]["runs"], 5);
+    assert_eq!(a["calibration"]["factor"], 2.0);
+    assert_eq!(a["uncalibrated"], plain.plan.total().0);
     assert!(annotation(&plain).get("calibration").is_none());
+}
+
+#[test]
+fn a_profile_of_another_key_or_with_too_few_runs_changes_nothing() {
+    let pod = || trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "100Ti");
+    let plain = mutated(pod(), &Policy::default());
+    let mut other = profile_for(&pod().build(), runs_at(2.0, 5));
+    other.spec.method = "qlora".into();
+    let mut profiles = Profiles::default();
+    profiles.insert(other);
+    profiles.insert(profile_for(&pod().build(), runs_at(2.0, 2)));
+    let Outcome::Mutated(m) = mutate(&pod().build(), &Policy::default(), &profiles) else {
+        panic!("mutated")
+    };
+    assert_eq!(m.plan.total(), plain.plan.total());
+    assert!(annotation(&m).get("calibration").is_none());
+}
+
+#[test]
+fn a_pending_recovery_starts_below_the_config_that_died_and_says_why() {
+    let pod = || {
+        trainer_pod()
+            .gpus(1)
+            .annotate(keys::GPU_MEMORY, "100Ti")
+            .annotate(keys::BATCH_SIZE, "16")
+    };
+    let status = memguard_api::crd::MemoryProfileStatus {
+        recovery: Some(memguard_api::crd::Recovery {
+            rungs: 1,
+            config: memguard_api::crd::TrainingKnobs {
+                batch_size: Some(8),
+                grad_accumulation: Some(2),
+                grad_checkpointing: Some(true),
+                ..Default::default()
+            },
+            factor: None,
+            reason: "pod t-0 OOMKilled at batch 16: start with batch 16 → 8".into(),
+        }),
+        ..Default::default()
+    };
+    let mut profiles = Profiles::default();
+    profiles.insert(profile_for(&pod().build(), status));
+    let Outcome::Mutated(m) = mutate(&pod().build(), &Policy::default(), &profiles) else {
+        panic!("mutated")
+    };
+    assert_eq!(m.plan.config.batch_size, 8);
+    assert!(m.plan.config.grad_checkpointing);
+    assert_eq!(env_of(&m, env::BATCH_SIZE), Some("8"));
+    assert_eq!(
+        annotation(&m)["recovery"],
+        "pod t-0 OOMKilled at batch 16: start with batch 16 → 8"
+    );
+    assert!(
+        m.warnings
+            .iter()
+            .any(|w| w.starts_with("memguard: recovery: pod t-0"))
+    );
 }
 
 #[test]
