@@ -7,8 +7,8 @@ use anyhow::Context;
 use memguard_api::annotations::TrainingAnnotations;
 use memguard_api::policy::DEFAULT_SAFETY_RATIO;
 use memguard_estimator::{
-    Bytes, Calibration, DowngradePlan, Estimate, TrainingConfig, catalog, parse_bytes,
-    plan_with_floors,
+    Bytes, Calibration, DowngradePlan, Estimate, ServingConfig, TrainingConfig, catalog,
+    estimate_serving, parse_bytes, plan_with_floors,
 };
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -37,6 +37,16 @@ macro_rules! annotation_flags {
             /// List the catalog's model names and exit.
             #[arg(long)]
             list_models: bool,
+            /// Estimate inference serving instead of training: weights plus the KV-cache
+            /// ceiling for --max-sequences sequences of --seq-length tokens.
+            #[arg(long, help_heading = "Serving")]
+            serve: bool,
+            /// Sequences served at once (the engine's max_num_seqs); with --serve.
+            #[arg(long, value_name = "N", default_value_t = 1, help_heading = "Serving")]
+            max_sequences: u64,
+            /// Bits of one cached key or value element (16, or 8 for an fp8 cache); with --serve.
+            #[arg(long, value_name = "BITS", default_value_t = 16, help_heading = "Serving")]
+            kv_cache_bits: u32,
         }
 
         impl Args {
@@ -145,6 +155,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Err(message) => return Ok(bad_input([message])),
     };
     let cfg = &parsed.config;
+    if args.serve {
+        return serve(&args, cfg, budget, &mut out);
+    }
     let estimate = match memguard_estimator::estimate(cfg) {
         Ok(e) => e,
         Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
@@ -166,6 +179,131 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Output::Table => write_table(&mut out, cfg, &estimate, plan.as_ref())?,
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--serve`: weights plus the KV-cache ceiling; with a budget, whether it fits and how many
+/// sequences would.
+fn serve(
+    args: &Args,
+    cfg: &TrainingConfig,
+    budget: Option<Bytes>,
+    out: &mut impl Write,
+) -> anyhow::Result<ExitCode> {
+    let mut serving = ServingConfig::new(cfg.model.clone());
+    serving.model_bits = cfg.model_bits.unwrap_or(16);
+    serving.max_seq_length = cfg.seq_length;
+    serving.max_sequences = args.max_sequences;
+    serving.kv_cache_bits = args.kv_cache_bits;
+    serving.device = cfg.device;
+    let estimate = match estimate_serving(&serving) {
+        Ok(e) => e,
+        Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
+    };
+    let max_fitting = budget.map(|b| max_sequences_within(&serving, b));
+    match args.output {
+        Output::Json => {
+            let components: serde_json::Map<String, Value> = estimate
+                .components
+                .iter()
+                .map(|(c, b)| (c.name().to_string(), json!(b.0)))
+                .collect();
+            let mut value = json!({
+                "model": cfg.model.name,
+                "mode": "serve",
+                "max_sequences": serving.max_sequences,
+                "max_seq_length": serving.max_seq_length,
+                "total_bytes": estimate.total.0,
+                "tensor_peak_bytes": estimate.tensor_peak.0,
+                "components": components,
+            });
+            if let (Some(budget), Some(max)) = (budget, max_fitting) {
+                value["budget_bytes"] = json!(budget.0);
+                value["fits"] = json!(estimate.total <= budget);
+                value["max_sequences_within_budget"] = json!(max);
+            }
+            serde_json::to_writer_pretty(&mut *out, &value)?;
+            writeln!(out)?;
+        }
+        Output::Table => {
+            let name = cfg.model.name.as_deref().unwrap_or("custom shape");
+            writeln!(
+                out,
+                "{name}: serving {} sequences × {} tokens, {}-bit weights, {}-bit KV cache on {}",
+                serving.max_sequences,
+                serving.max_seq_length,
+                serving.model_bits,
+                serving.kv_cache_bits,
+                serving.device
+            )?;
+            writeln!(out)?;
+            write_components(out, &estimate)?;
+            if let (Some(budget), Some(max)) = (budget, max_fitting) {
+                let verdict = if estimate.total <= budget {
+                    "fits"
+                } else {
+                    "DOES NOT FIT"
+                };
+                writeln!(out)?;
+                writeln!(
+                    out,
+                    "budget {budget}: {verdict}; at most {max} sequences fit"
+                )?;
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The most sequences whose KV-cache ceiling fits `budget` (0 when not even one does).
+fn max_sequences_within(serving: &ServingConfig, budget: Bytes) -> u64 {
+    let fits = |n: u64| {
+        let mut c = serving.clone();
+        c.max_sequences = n;
+        estimate_serving(&c).is_ok_and(|e| e.total <= budget)
+    };
+    if !fits(1) {
+        return 0;
+    }
+    // Doubling, then bisection: the total grows monotonically with the sequence count.
+    let (mut lo, mut hi) = (1u64, 2u64);
+    while fits(hi) {
+        lo = hi;
+        if hi >= 1 << 20 {
+            return lo;
+        }
+        hi *= 2;
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
+/// Each component with its share, then the tensor peak and the total.
+fn write_components(out: &mut impl Write, estimate: &Estimate) -> std::io::Result<()> {
+    writeln!(out, "{:<20} {:>12} {:>7}", "component", "memory", "share")?;
+    let total = estimate.total.as_f64().max(1.0);
+    for (component, bytes) in &estimate.components {
+        writeln!(
+            out,
+            "{:<20} {:>12} {:>6.1}%",
+            component.name(),
+            bytes.to_string(),
+            100.0 * bytes.as_f64() / total
+        )?;
+    }
+    writeln!(
+        out,
+        "{:<20} {:>12}",
+        "tensor peak",
+        estimate.tensor_peak.to_string()
+    )?;
+    writeln!(out, "{:<20} {:>12}", "total", estimate.total.to_string())
 }
 
 /// Prints each problem on its own line and returns the bad-input exit code.
@@ -258,24 +396,7 @@ fn write_table(
         if cfg.grad_checkpointing { "on" } else { "off" },
     )?;
     writeln!(out)?;
-    writeln!(out, "{:<20} {:>12} {:>7}", "component", "memory", "share")?;
-    let total = estimate.total.as_f64().max(1.0);
-    for (component, bytes) in &estimate.components {
-        writeln!(
-            out,
-            "{:<20} {:>12} {:>6.1}%",
-            component.name(),
-            bytes.to_string(),
-            100.0 * bytes.as_f64() / total
-        )?;
-    }
-    writeln!(
-        out,
-        "{:<20} {:>12}",
-        "tensor peak",
-        estimate.tensor_peak.to_string()
-    )?;
-    writeln!(out, "{:<20} {:>12}", "total", estimate.total.to_string())?;
+    write_components(out, estimate)?;
     let Some(plan) = plan else {
         return Ok(());
     };

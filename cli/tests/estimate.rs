@@ -181,3 +181,32 @@ fn lists_catalog_models() {
             .any(|l| l == "llama-3-8b")
     );
 }
+
+#[test]
+fn serving_counts_the_kv_cache_ceiling_and_how_many_sequences_fit() {
+    let base = [
+        "estimate",
+        "--serve",
+        "--model",
+        "llama-3-8b",
+        "--seq-length",
+        "8192",
+    ];
+    let one = json(&[&base[..], &["--max-sequences", "1"]].concat());
+    let sixteen = json(&[&base[..], &["--max-sequences", "16", "--budget", "80GiB"]].concat());
+    assert_eq!(one["mode"], "serve");
+    // Llama 3 8B caches 2 · 32 layers · 8 KV heads · 128 dims · 2 bytes = 128 KiB per token.
+    let kv = |v: &Value| v["components"]["kv_cache"].as_u64().expect("kv_cache");
+    assert_eq!(kv(&one), 8192 * 128 * 1024);
+    assert_eq!(kv(&sixteen), 16 * kv(&one));
+    assert_eq!(sixteen["fits"], true);
+    let max = u64_at(&sixteen, "max_sequences_within_budget");
+    assert!(max >= 16, "{max}");
+    // The reported maximum fits, one more does not.
+    let at = |n: u64| {
+        let n = n.to_string();
+        json(&[&base[..], &["--max-sequences", &n, "--budget", "80GiB"]].concat())
+    };
+    assert_eq!(at(max)["fits"], true);
+    assert_eq!(at(max + 1)["fits"], false);
+}
