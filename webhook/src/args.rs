@@ -76,6 +76,28 @@ pub struct Args {
     pub shutdown_grace_seconds: u64,
 
     /// Log format: `json` (default) or `text`. Levels come from `RUST_LOG` (default `info`).
+    /// Run without a cluster: no MemoryProfile watch cache, no profile controller. Without the
+    /// flag they start when a Kubernetes config is found (in-cluster or kubeconfig); when none
+    /// is, the webhook logs it once and runs with its flags and policy file only.
+    #[arg(long, env = "MEMGUARD_WEBHOOK_NO_KUBE")]
+    pub no_kube: bool,
+
+    /// Namespace of the profile controller's leader Lease (the chart passes the release's).
+    #[arg(
+        long,
+        env = "MEMGUARD_WEBHOOK_LEASE_NAMESPACE",
+        default_value = "default"
+    )]
+    pub lease_namespace: String,
+
+    /// This replica's identity in the Lease (the chart passes the pod name); default: `$HOSTNAME`.
+    #[arg(long, env = "MEMGUARD_WEBHOOK_LEASE_IDENTITY")]
+    pub lease_identity: Option<String>,
+
+    /// Seconds a Lease lasts without renewal; renewed every third of it.
+    #[arg(long, env = "MEMGUARD_WEBHOOK_LEASE_SECONDS", default_value_t = 15)]
+    pub lease_seconds: u64,
+
     #[arg(long, env = "MEMGUARD_WEBHOOK_LOG_FORMAT", default_value = "json")]
     pub log_format: LogFormat,
 }

@@ -15,6 +15,8 @@ pub mod manifest;
 pub mod metrics;
 pub mod mutate;
 pub mod patch;
+#[cfg(feature = "server")]
+pub mod profiles;
 pub mod quantity;
 pub mod review;
 #[cfg(feature = "server")]

@@ -38,6 +38,12 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Adds the profile controller's metrics (`memguard_webhook_profile_*`).
+    pub fn with_profile_metrics(mut self, profile: &memguard_learn::metrics::Metrics) -> Self {
+        profile.register(&mut self.registry);
+        self
+    }
+
     /// Registers every metric under `memguard_webhook`.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("memguard_webhook");

@@ -171,7 +171,19 @@ fn answer<T: kube::Resource>(
         }
     };
 
-    let outcome = mutate::mutate(pod, policy, profiles);
+    // A pod being created often has no namespace yet: the request carries it, and profiles
+    // are looked up in it.
+    let in_namespace;
+    let decided_on = match (&pod.metadata.namespace, &request.namespace) {
+        (None, Some(ns)) => {
+            let mut p = pod.clone();
+            p.metadata.namespace = Some(ns.clone());
+            in_namespace = p;
+            &in_namespace
+        }
+        _ => pod,
+    };
+    let outcome = mutate::mutate(decided_on, policy, profiles);
     let patch = patch::build(pod, &outcome);
     let (disposition, steps, warnings) = match &outcome {
         Outcome::Unchanged => (Disposition::Unchanged, 0, Vec::new()),

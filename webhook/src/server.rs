@@ -19,6 +19,7 @@ use memguard_api::{Policy, labels};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::task::JoinHandle;
 use tower_http::timeout::TimeoutLayer;
 
 /// Kubernetes caps request bodies at 3 MiB; an AdmissionReview is never larger.
@@ -141,7 +142,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let policy = crate::config::policy_from_str(policy_text.as_deref(), &args.overrides())
         .map_err(|errors| anyhow::anyhow!("invalid policy: {}", errors.join("; ")))?;
 
-    let metrics = Arc::new(Metrics::new());
+    let profile_metrics = memguard_learn::metrics::Metrics::default();
+    let metrics = Arc::new(Metrics::new().with_profile_metrics(&profile_metrics));
+    let (profiles, kube_tasks) = connect(&args, profile_metrics).await;
     let files = CertFiles {
         cert: args.tls_cert_file.clone(),
         key: args.tls_key_file.clone(),
@@ -162,7 +165,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 
     let state = AppState {
         policy: Arc::new(policy),
-        profiles: Arc::new(Profiles::default()),
+        profiles: Arc::new(profiles),
         metrics: metrics.clone(),
     };
     let handle: Handle<SocketAddr> = Handle::new();
@@ -199,6 +202,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let drained = tokio::time::timeout(grace + Duration::from_secs(1), https).await;
     watcher.abort();
     metrics_server.abort();
+    kube_tasks.iter().for_each(JoinHandle::abort);
     match drained {
         Ok(Ok(Ok(()))) => {
             tracing::info!("stopped");
@@ -211,6 +215,41 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// The profile watch cache and controller when a cluster is configured; nothing (logged once)
+/// with `--no-kube` or without a Kubernetes config. Never fails: profiles are an improvement,
+/// not a requirement.
+async fn connect(
+    args: &Args,
+    metrics: memguard_learn::metrics::Metrics,
+) -> (Profiles, Vec<JoinHandle<()>>) {
+    if args.no_kube {
+        tracing::info!("--no-kube: no MemoryProfile cache, no profile controller");
+        return (Profiles::default(), Vec::new());
+    }
+    let client = match kube::Client::try_default().await {
+        Ok(client) => client,
+        Err(error) => {
+            tracing::info!(%error, "no Kubernetes config: running without MemoryProfiles");
+            return (Profiles::default(), Vec::new());
+        }
+    };
+    let identity = args
+        .lease_identity
+        .clone()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| format!("memguard-webhook-{}", std::process::id()));
+    tracing::info!(identity, lease_namespace = %args.lease_namespace, "profile controller enabled");
+    crate::profiles::start(
+        client,
+        metrics,
+        crate::profiles::ControllerOptions {
+            lease_namespace: args.lease_namespace.clone(),
+            identity,
+            lease_duration: Duration::from_secs(args.lease_seconds.max(3)),
+        },
+    )
 }
 
 /// SIGTERM (what the kubelet sends) or ctrl-c.
