@@ -82,15 +82,13 @@ pub struct Args {
     #[arg(long, env = "MEMGUARD_WEBHOOK_NO_KUBE")]
     pub no_kube: bool,
 
-    /// Namespace of the profile controller's leader Lease (the chart passes the release's).
-    #[arg(
-        long,
-        env = "MEMGUARD_WEBHOOK_LEASE_NAMESPACE",
-        default_value = "default"
-    )]
-    pub lease_namespace: String,
+    /// Namespace of the profile controller's leader Lease; default: `$POD_NAMESPACE` (the
+    /// chart sets it from the downward API), else the client's default namespace.
+    #[arg(long, env = "MEMGUARD_WEBHOOK_LEASE_NAMESPACE")]
+    pub lease_namespace: Option<String>,
 
-    /// This replica's identity in the Lease (the chart passes the pod name); default: `$HOSTNAME`.
+    /// This replica's identity in the Lease; default: `$POD_NAME` (the chart sets it), else
+    /// `$HOSTNAME`.
     #[arg(long, env = "MEMGUARD_WEBHOOK_LEASE_IDENTITY")]
     pub lease_identity: Option<String>,
 

@@ -235,17 +235,24 @@ async fn connect(
             return (Profiles::default(), Vec::new());
         }
     };
+    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+    let lease_namespace = args
+        .lease_namespace
+        .clone()
+        .or_else(|| env("POD_NAMESPACE"))
+        .unwrap_or_else(|| client.default_namespace().to_string());
     let identity = args
         .lease_identity
         .clone()
-        .or_else(|| std::env::var("HOSTNAME").ok())
+        .or_else(|| env("POD_NAME"))
+        .or_else(|| env("HOSTNAME"))
         .unwrap_or_else(|| format!("memguard-webhook-{}", std::process::id()));
-    tracing::info!(identity, lease_namespace = %args.lease_namespace, "profile controller enabled");
+    tracing::info!(identity, lease_namespace, "profile controller enabled");
     crate::profiles::start(
         client,
         metrics,
         crate::profiles::ControllerOptions {
-            lease_namespace: args.lease_namespace.clone(),
+            lease_namespace,
             identity,
             lease_duration: Duration::from_secs(args.lease_seconds.max(3)),
         },
