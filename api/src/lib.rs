@@ -14,6 +14,8 @@ pub mod summary;
 
 #[cfg(feature = "crd")]
 pub mod crd;
+#[cfg(feature = "crd")]
+pub mod pod;
 
 pub use annotations::{AnnotationError, EnvMap, Knob, TrainingAnnotations};
 pub use policy::{Policy, PolicySpec};

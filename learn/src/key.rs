@@ -4,10 +4,10 @@
 //! affinity), never from where it ran: the webhook must find the same profile at admission,
 //! before the pod has a node, that the controller wrote after it finished.
 
-use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use memguard_api::TrainingAnnotations;
 use memguard_api::crd::{DeviceClass, MemoryProfileSpec};
-use memguard_api::labels;
+use memguard_api::pod::{gpu_count, gpu_products, pick_trainer};
 use memguard_estimator::params::total_params;
 use memguard_estimator::{Device, TrainingConfig};
 use std::collections::BTreeMap;
@@ -62,7 +62,8 @@ pub fn pod_key(pod: &Pod) -> Result<PodKey, KeyError> {
         .as_ref()
         .map(|s| s.containers.as_slice())
         .unwrap_or_default();
-    let trainer = pick_trainer(containers, parsed.container.as_deref())?;
+    let (_, trainer) =
+        pick_trainer(containers, parsed.container.as_deref()).map_err(KeyError::Trainer)?;
     let mut config = parsed.config;
     if !parsed.device_given {
         config.device = if gpu_count(trainer) > 0 {
@@ -173,89 +174,10 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     h
 }
 
-/// The trainer: the container `memguard.io/container` names, else the first requesting a GPU,
-/// else the first. memguard's own sidecar is never the trainer. (The webhook's rule.)
-pub fn pick_trainer<'a>(
-    containers: &'a [Container],
-    named: Option<&str>,
-) -> Result<&'a Container, KeyError> {
-    let candidates = || {
-        containers
-            .iter()
-            .filter(|c| c.name != labels::SIDECAR_CONTAINER)
-    };
-    if let Some(name) = named {
-        return candidates()
-            .find(|c| c.name == name)
-            .ok_or_else(|| KeyError::Trainer(format!("no container named `{name}`")));
-    }
-    candidates()
-        .find(|c| gpu_count(c) > 0)
-        .or_else(|| candidates().next())
-        .ok_or_else(|| KeyError::Trainer("the pod has no container".into()))
-}
-
-/// GPUs the container asks for (`limits`, else `requests`, of `nvidia.com/gpu`).
-fn gpu_count(c: &Container) -> u64 {
-    let resources = c.resources.as_ref();
-    let from = |m: Option<&BTreeMap<String, _>>| {
-        m.and_then(|m| m.get(labels::NVIDIA_GPU_RESOURCE)).and_then(
-            |q: &k8s_openapi::apimachinery::pkg::api::resource::Quantity| {
-                q.0.trim().parse::<u64>().ok()
-            },
-        )
-    };
-    from(resources.and_then(|r| r.limits.as_ref()))
-        .or_else(|| from(resources.and_then(|r| r.requests.as_ref())))
-        .unwrap_or(0)
-}
-
-/// The `nvidia.com/gpu.product` values the pod is pinned to: the node selector's, else the
-/// union of the required node-affinity terms' `In` values when every term constrains it.
-/// Empty when unknown. (The webhook's rule.)
-pub fn gpu_products(pod: &Pod) -> Vec<String> {
-    let Some(spec) = pod.spec.as_ref() else {
-        return Vec::new();
-    };
-    if let Some(p) = spec
-        .node_selector
-        .as_ref()
-        .and_then(|s| s.get(labels::NVIDIA_GPU_PRODUCT_LABEL))
-    {
-        return vec![p.clone()];
-    }
-    let terms = spec
-        .affinity
-        .as_ref()
-        .and_then(|a| a.node_affinity.as_ref())
-        .and_then(|n| {
-            n.required_during_scheduling_ignored_during_execution
-                .as_ref()
-        })
-        .map(|r| r.node_selector_terms.as_slice())
-        .unwrap_or_default();
-    let mut products = Vec::new();
-    for term in terms {
-        let values: Vec<&String> = term
-            .match_expressions
-            .iter()
-            .flatten()
-            .filter(|e| e.key == labels::NVIDIA_GPU_PRODUCT_LABEL && e.operator == "In")
-            .flat_map(|e| e.values.iter().flatten())
-            .collect();
-        if values.is_empty() {
-            return Vec::new();
-        }
-        products.extend(values.into_iter().cloned());
-    }
-    products.sort();
-    products.dedup();
-    products
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use memguard_api::labels;
     use crate::testutil::PodBuilder;
 
     fn spec(model: &str, method: &str, precision: &str, device: &str) -> MemoryProfileSpec {

@@ -17,7 +17,6 @@ pub mod mutate;
 pub mod patch;
 #[cfg(feature = "server")]
 pub mod profiles;
-pub mod quantity;
 pub mod review;
 #[cfg(feature = "server")]
 pub mod server;

@@ -12,6 +12,7 @@
 use k8s_openapi::api::core::v1::{Container, Pod};
 use memguard_api::annotations::{self as keys, TrainingAnnotations};
 use memguard_api::crd::MemoryProfile;
+use memguard_api::pod::{gpu_count, gpu_products, parse_quantity, pick_trainer};
 use memguard_api::policy::{SidecarMode, SidecarResources, Thresholds};
 use memguard_api::{Knob, Policy, env, labels};
 use memguard_estimator::{
@@ -368,42 +369,6 @@ fn decide(
     })
 }
 
-/// The trainer: the container the annotation names, else the first requesting a GPU, else the
-/// first. memguard's own sidecar (classic mode) is never the trainer.
-fn pick_trainer<'a>(
-    containers: &'a [Container],
-    named: Option<&str>,
-) -> Result<(usize, &'a Container), String> {
-    let candidates = || {
-        containers
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| c.name != labels::SIDECAR_CONTAINER)
-    };
-    if let Some(name) = named {
-        return candidates()
-            .find(|(_, c)| c.name == name)
-            .ok_or_else(|| format!("{}: no container named `{name}`", keys::CONTAINER));
-    }
-    candidates()
-        .find(|(_, c)| gpu_count(c) > 0)
-        .or_else(|| candidates().next())
-        .ok_or_else(|| "the pod has no container".to_string())
-}
-
-/// GPUs the container asks for (`limits`, else `requests`, of `nvidia.com/gpu`).
-fn gpu_count(c: &Container) -> u64 {
-    let resources = c.resources.as_ref();
-    let from =
-        |m: Option<&BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>| {
-            m.and_then(|m| m.get(labels::NVIDIA_GPU_RESOURCE))
-                .and_then(|q| crate::quantity::parse(&q.0))
-        };
-    from(resources.and_then(|r| r.limits.as_ref()))
-        .or_else(|| from(resources.and_then(|r| r.requests.as_ref())))
-        .unwrap_or(0)
-}
-
 /// The container's `limits.memory` (LimitRange defaults are applied before webhooks run).
 fn memory_limit(c: &Container) -> Option<Bytes> {
     c.resources
@@ -411,7 +376,7 @@ fn memory_limit(c: &Container) -> Option<Bytes> {
         .limits
         .as_ref()?
         .get("memory")
-        .and_then(|q| crate::quantity::parse(&q.0))
+        .and_then(|q| parse_quantity(&q.0))
         .filter(|b| *b > 0)
         .map(Bytes)
 }
@@ -445,49 +410,6 @@ fn gpu_memory(
             (policy.default_gpu_memory, BudgetSource::PolicyDefault)
         }
     }
-}
-
-/// The `nvidia.com/gpu.product` values the pod is pinned to: the node selector's, else the
-/// union of the required node-affinity terms' `In` values when every term constrains it (terms
-/// are ORed: one unconstrained term means any product). Empty when unknown.
-pub fn gpu_products(pod: &Pod) -> Vec<String> {
-    let Some(spec) = pod.spec.as_ref() else {
-        return Vec::new();
-    };
-    if let Some(p) = spec
-        .node_selector
-        .as_ref()
-        .and_then(|s| s.get(labels::NVIDIA_GPU_PRODUCT_LABEL))
-    {
-        return vec![p.clone()];
-    }
-    let terms = spec
-        .affinity
-        .as_ref()
-        .and_then(|a| a.node_affinity.as_ref())
-        .and_then(|n| {
-            n.required_during_scheduling_ignored_during_execution
-                .as_ref()
-        })
-        .map(|r| r.node_selector_terms.as_slice())
-        .unwrap_or_default();
-    let mut products = Vec::new();
-    for term in terms {
-        let values: Vec<&String> = term
-            .match_expressions
-            .iter()
-            .flatten()
-            .filter(|e| e.key == labels::NVIDIA_GPU_PRODUCT_LABEL && e.operator == "In")
-            .flat_map(|e| e.values.iter().flatten())
-            .collect();
-        if values.is_empty() {
-            return Vec::new();
-        }
-        products.extend(values.into_iter().cloned());
-    }
-    products.sort();
-    products.dedup();
-    products
 }
 
 fn budget(device_memory: Bytes, safety_ratio: f64, source: BudgetSource) -> Budget {
