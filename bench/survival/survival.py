@@ -7,8 +7,9 @@ Arms (each in a fresh cgroup ``/sys/fs/cgroup/memory/memguard-survival-<pid>-<ar
 * ``reference``: no memory limit, no memguard: the run as its author meant it (peak, weights);
 * ``baseline``: the limit, no memguard: the kernel's OOM killer ends it (SIGKILL, ``oom_kill``);
 * ``memguard``: the limit, the real ``memguard-sidecar`` binary watching the cgroup, the trainer
-  following the signal file (and the sidecar URL) through ``memguard_client``: it must finish
-  every step with the effective batch unchanged and end with the reference's weights;
+  following the signal file alone (no long-poll; reports still go to the sidecar URL) through
+  ``memguard_client``: it must finish every step with the effective batch unchanged and end
+  with the reference's weights;
 * ``memguard-http``: the same with only ``MEMGUARD_SIDECAR_URL``: the signal reaches the
   trainer through the client's long-poll of ``GET /v1/signal`` alone.
 
@@ -165,7 +166,7 @@ def free_port() -> int:
     return int(port)
 
 
-def trainer_cmd(args: argparse.Namespace, log: Path, weights: Path) -> List[str]:
+def trainer_cmd(args: argparse.Namespace, log: Path, weights: Path, file_only: bool = False) -> List[str]:
     return [
         sys.executable,
         str(HERE / "trainer.py"),
@@ -176,7 +177,7 @@ def trainer_cmd(args: argparse.Namespace, log: Path, weights: Path) -> List[str]
         "--max-len", str(args.max_len),
         "--log", str(log),
         "--weights", str(weights),
-    ]
+    ] + (["--no-long-poll"] if file_only else [])
 
 
 def run_trainer_in(cg: Cgroup, cmd: List[str], env: Dict[str, str], timeout: float) -> "tuple[int, float]":
@@ -340,7 +341,8 @@ def run_arm(name: str, args: argparse.Namespace, out: Path, sidecar: Optional[Pa
                 MEMGUARD_BATCH_SIZE=str(args.batch_size),
                 MEMGUARD_GRAD_ACCUMULATION="1",
             )
-        code, arm.seconds = run_trainer_in(cg, trainer_cmd(args, log, weights), env, args.timeout)
+        cmd = trainer_cmd(args, log, weights, file_only=name == "memguard")
+        code, arm.seconds = run_trainer_in(cg, cmd, env, args.timeout)
         arm.exit_code = code
         arm.oom_kill, arm.oom_kill_counter = cg.oom_kills()
         arm.failcnt = int(cg.read("memory.failcnt"))

@@ -131,11 +131,16 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log", default="-", help="JSON-lines log file, '-' for stdout")
     p.add_argument("--weights", help="write final parameters here (.npz)")
+    p.add_argument(
+        "--no-long-poll",
+        action="store_true",
+        help="follow the signal file only (reports still go to the sidecar URL)",
+    )
     a = p.parse_args(argv)
 
     out = sys.stdout if a.log == "-" else open(a.log, "a", buffering=1)
     log = Log(out)
-    guard = Guard(batch_size=a.batch_size, grad_accumulation=1)
+    guard = Guard(batch_size=a.batch_size, grad_accumulation=1, background=not a.no_long_poll)
     effective = guard.initial.effective_batch
     data = Data(a.samples, a.dim, a.min_len, a.max_len, a.seed)
     model = Model(a.dim, a.hidden, a.seed)
