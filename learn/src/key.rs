@@ -177,8 +177,8 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use memguard_api::labels;
     use crate::testutil::PodBuilder;
+    use memguard_api::labels;
 
     fn spec(model: &str, method: &str, precision: &str, device: &str) -> MemoryProfileSpec {
         MemoryProfileSpec {
