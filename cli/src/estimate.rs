@@ -202,11 +202,6 @@ fn serve(
     let max_fitting = budget.map(|b| max_sequences_within(&serving, b));
     match args.output {
         Output::Json => {
-            let components: serde_json::Map<String, Value> = estimate
-                .components
-                .iter()
-                .map(|(c, b)| (c.name().to_string(), json!(b.0)))
-                .collect();
             let mut value = json!({
                 "model": cfg.model.name,
                 "mode": "serve",
@@ -214,7 +209,7 @@ fn serve(
                 "max_seq_length": serving.max_seq_length,
                 "total_bytes": estimate.total.0,
                 "tensor_peak_bytes": estimate.tensor_peak.0,
-                "components": components,
+                "components": components_json(&estimate),
             });
             if let (Some(budget), Some(max)) = (budget, max_fitting) {
                 value["budget_bytes"] = json!(budget.0);
@@ -339,12 +334,16 @@ fn config_json(cfg: &TrainingConfig) -> Value {
     })
 }
 
-fn to_json(cfg: &TrainingConfig, estimate: &Estimate, plan: Option<&DowngradePlan>) -> Value {
-    let components: serde_json::Map<String, Value> = estimate
+/// The components as a JSON object, name → bytes.
+fn components_json(estimate: &Estimate) -> serde_json::Map<String, Value> {
+    estimate
         .components
         .iter()
         .map(|(c, b)| (c.name().to_string(), json!(b.0)))
-        .collect();
+        .collect()
+}
+
+fn to_json(cfg: &TrainingConfig, estimate: &Estimate, plan: Option<&DowngradePlan>) -> Value {
     let mut value = json!({
         "model": cfg.model.name,
         "method": cfg.method.name(),
@@ -352,7 +351,7 @@ fn to_json(cfg: &TrainingConfig, estimate: &Estimate, plan: Option<&DowngradePla
         "device": cfg.device.name(),
         "total_bytes": estimate.total.0,
         "tensor_peak_bytes": estimate.tensor_peak.0,
-        "components": components,
+        "components": components_json(estimate),
     });
     if let Some(plan) = plan {
         let steps: Vec<Value> = plan
