@@ -8,6 +8,8 @@
 #      coordinated omission does not hide queueing).
 #
 # Needs `oha` (cargo install oha --locked) and openssl. BUILD=0 skips the release build.
+# PIN=1 runs the webhook on CPU 1 and the generator on CPU 0 (taskset), so the generator does not
+# steal the webhook's time slices: what a webhook with its own CPU sees in a cluster.
 # `-w` waits for the requests in flight at the deadline, so none is counted as aborted. Results: $OUT_DIR/*.json and a summary.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -34,7 +36,15 @@ printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=critical,CA:
 openssl x509 -req -in "$tmp/tls.csr" -CA "$tmp/ca.crt" -CAkey "$tmp/ca.key" -CAcreateserial \
   -days 1 -extfile "$tmp/ext" -out "$tmp/tls.crt" 2>/dev/null
 
-RUST_LOG=${RUST_LOG:-info} target/release/memguard-webhook \
+if [ "${PIN:-0}" = 1 ]; then
+  server_cpu=(taskset -c 1)
+  client_cpu=(taskset -c 0)
+else
+  server_cpu=()
+  client_cpu=()
+fi
+
+RUST_LOG=${RUST_LOG:-info} "${server_cpu[@]}" target/release/memguard-webhook --no-kube \
   --listen "127.0.0.1:$PORT" --metrics-listen "127.0.0.1:$METRICS_PORT" \
   --tls-cert-file "$tmp/tls.crt" --tls-key-file "$tmp/tls.key" >"$tmp/webhook.log" 2>&1 &
 pid=$!
@@ -48,9 +58,9 @@ common=(--no-tui --output-format json -w -m POST -T application/json -D "$BODY"
         --cacert "$tmp/ca.crt" "https://localhost:$PORT/mutate")
 
 echo "== throughput: $CONNS connections, $DURATION" >&2
-"$OHA" -z "$DURATION" -c "$CONNS" "${common[@]}" >"$OUT_DIR/throughput.json"
+"${client_cpu[@]}" "$OHA" -z "$DURATION" -c "$CONNS" "${common[@]}" >"$OUT_DIR/throughput.json"
 echo "== latency: fixed $RATE req/s, $DURATION" >&2
-"$OHA" -z "$DURATION" -q "$RATE" --latency-correction -c 8 "${common[@]}" >"$OUT_DIR/fixed-rate.json"
+"${client_cpu[@]}" "$OHA" -z "$DURATION" -q "$RATE" --latency-correction -c 8 "${common[@]}" >"$OUT_DIR/fixed-rate.json"
 curl -sf "http://127.0.0.1:$METRICS_PORT/metrics" >"$OUT_DIR/metrics.txt"
 
 python3 - "$OUT_DIR" <<'PY'
