@@ -501,3 +501,56 @@ fn truncate_keeps_short_text_and_marks_the_cut() {
     assert_eq!(cut.chars().count(), MAX_WARNING_CHARS);
     assert!(cut.ends_with('…'));
 }
+
+/// A watch cache that answers for one namespace and records what admission asked it.
+struct OneNamespace {
+    namespace: &'static str,
+    profile: MemoryProfile,
+    asked: std::sync::Mutex<Vec<(String, String)>>,
+}
+
+impl crate::mutate::ProfileSource for OneNamespace {
+    fn get(&self, namespace: &str, name: &str) -> Option<MemoryProfile> {
+        self.asked
+            .lock()
+            .expect("not poisoned")
+            .push((namespace.to_string(), name.to_string()));
+        (namespace == self.namespace && name == self.profile.metadata.name.as_deref()?)
+            .then(|| self.profile.clone())
+    }
+}
+
+#[test]
+fn admission_looks_profiles_up_in_the_request_namespace_when_the_pod_has_none() {
+    let pod = || trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "100Ti");
+    let source = std::sync::Arc::new(OneNamespace {
+        namespace: "ml",
+        profile: profile_for(&pod().build(), runs_at(2.0, 5)),
+        asked: std::sync::Mutex::new(Vec::new()),
+    });
+    let profiles = Profiles::from_source(source.clone());
+    // At CREATE the pod usually has no namespace: only the request carries it.
+    let mut object = pod().json();
+    object["metadata"]
+        .as_object_mut()
+        .expect("metadata")
+        .remove("namespace");
+    let body = crate::testutil::admission_review(object, "CREATE", false);
+    let body = serde_json::to_vec(&body).expect("serializes");
+    let reviewed = crate::review::review(&body, &Policy::default(), &profiles).expect("reviewed");
+    let asked = source.asked.lock().expect("not poisoned").clone();
+    assert_eq!(asked.len(), 1, "{asked:?}");
+    assert_eq!(asked[0].0, "ml", "looked up in the request's namespace");
+    // The profile found there was applied: the estimate annotation says so.
+    let response = serde_json::to_value(&reviewed.review).expect("serializes");
+    let encoded = response["response"]["patch"].as_str().expect("a patch");
+    use base64::Engine as _;
+    let patch = base64::engine::general_purpose::STANDARD
+        .decode(encoded)
+        .expect("base64");
+    let patch = String::from_utf8(patch).expect("utf-8");
+    assert!(
+        patch.contains(r#"\"calibration\":{\"factor\":2.0,\"runs\":5}"#),
+        "{patch}"
+    );
+}
