@@ -386,7 +386,13 @@ class Guard:
         Returns the body sent (or that would have been sent with no sidecar), or ``None`` when
         no framework had figures.
         """
-        figures = framework_memory()
+        return self.report_figures(framework_memory(), step)
+
+    def report_figures(
+        self, figures: Optional[Mapping[str, Any]], step: Optional[int] = None
+    ) -> Optional[Dict[str, Any]]:
+        """Report framework figures (``report()`` keyword names) with the step and the current
+        batch size; returns the body, or ``None`` when there were no figures."""
         if figures is None:
             return None
         body: Dict[str, Any] = dict(figures)

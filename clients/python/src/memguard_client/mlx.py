@@ -32,12 +32,4 @@ def memory() -> Optional[Dict[str, Any]]:
 
 def report_memory(guard: Guard, step: Optional[int] = None) -> Optional[Dict[str, Any]]:
     """POST the MLX figures to the sidecar; returns the body, or ``None`` without MLX."""
-    figures = memory()
-    if figures is None:
-        return None
-    body: Dict[str, Any] = dict(figures)
-    if step is not None:
-        body["step"] = step
-    body.setdefault("batch_size", guard.batch_size)
-    guard.report(**body)
-    return body
+    return guard.report_figures(memory(), step)
