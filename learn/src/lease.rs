@@ -148,13 +148,56 @@ impl LeaseLock {
         }
     }
 
+    /// Gives the lease up if we hold it, as client-go's `ReleaseOnCancel` does: holder cleared,
+    /// a 1 s duration, renewed `now`, so another replica takes over at its next attempt instead
+    /// of waiting for the lease to expire. `Ok(true)` when released; `Ok(false)` when there was
+    /// nothing of ours to release (no lease, another holder, or a concurrent write).
+    pub async fn release(&self, now: Timestamp) -> Result<bool, Error> {
+        let Some(mut lease) = self
+            .api
+            .get_opt(&self.name)
+            .await
+            .map_err(Error::kube("get lease"))?
+        else {
+            return Ok(false);
+        };
+        let Some(spec) = lease
+            .spec
+            .as_mut()
+            .filter(|s| s.holder_identity.as_deref() == Some(self.identity.as_str()))
+        else {
+            return Ok(false);
+        };
+        spec.holder_identity = None;
+        spec.lease_duration_seconds = Some(1);
+        spec.renew_time = Some(MicroTime(now));
+        // The resourceVersion read stays in `metadata`: if another replica took the lease since,
+        // the replace fails with 409 and its lease is left alone.
+        match self
+            .api
+            .replace(&self.name, &PostParams::default(), &lease)
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(kube::Error::Api(s)) if s.is_conflict() || s.is_not_found() => Ok(false),
+            Err(e) => Err(Error::kube("write lease")(e)),
+        }
+    }
+
     /// Acquires and renews every `duration / 3`, publishing leadership on `leader` until the
-    /// receivers are gone. After an API error a leader keeps leading until its last renewal
-    /// would expire (minus one renew period), then steps down.
-    pub async fn hold(self, leader: watch::Sender<bool>, metrics: crate::metrics::Metrics) {
+    /// receivers are gone or `stop` completes. After an API error a leader keeps leading until
+    /// its last renewal would expire (minus one renew period), then steps down. On `stop` it
+    /// publishes `false`, then releases the lease if it was leading.
+    pub async fn hold(
+        self,
+        leader: watch::Sender<bool>,
+        metrics: crate::metrics::Metrics,
+        stop: impl Future<Output = ()>,
+    ) {
         let period = self.duration / 3;
         let mut renewed_at: Option<tokio::time::Instant> = None;
-        loop {
+        let mut stop = std::pin::pin!(stop);
+        let was_leading = loop {
             let leading = match self.try_acquire_or_renew(Timestamp::now()).await {
                 Ok(true) => {
                     renewed_at = Some(tokio::time::Instant::now());
@@ -177,7 +220,26 @@ impl LeaseLock {
             if leader.send(leading).is_err() {
                 return;
             }
-            tokio::time::sleep(period).await;
+            tokio::select! {
+                () = &mut stop => break leading,
+                () = tokio::time::sleep(period) => {}
+            }
+        };
+        // Step down before releasing, so the controller stops writing before another replica
+        // can start.
+        metrics.leader.set(0);
+        leader.send_replace(false);
+        if !was_leading {
+            return;
+        }
+        tracing::info!(leading = false, identity = %self.identity, "profile controller leadership");
+        match self.release(Timestamp::now()).await {
+            Ok(true) => tracing::info!(lease = %self.name, "lease released"),
+            Ok(false) => {}
+            Err(error) => {
+                metrics.error(error.metric_label());
+                tracing::warn!(%error, lease = %self.name, "lease release failed");
+            }
         }
     }
 }
@@ -215,6 +277,12 @@ mod tests {
             (
                 "nobody's",
                 Some(held(None, Some(99), Some(15))),
+                100,
+                LeaseDecision::TakeOver,
+            ),
+            (
+                "released: empty holder",
+                Some(held(Some(""), Some(99), Some(1))),
                 100,
                 LeaseDecision::TakeOver,
             ),
@@ -257,6 +325,248 @@ mod tests {
         ];
         for (name, spec, now, want) in table {
             assert_eq!(decide(spec.as_ref(), "a", at(now), d), want, "{name}");
+        }
+    }
+
+    // The lock against a mocked apiserver: method, path and body of every request.
+    mod api {
+        use super::*;
+        use crate::metrics::Metrics;
+        use crate::mock_api::{Step, client, status_error, step, verify};
+        use http::{Method, StatusCode};
+        use serde_json::{Value, json};
+        use tokio::sync::oneshot;
+
+        const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/memguard/leases";
+        const NAME: &str = "profiles";
+        const ME: &str = "a";
+
+        fn item() -> String {
+            format!("{LEASES}/{NAME}")
+        }
+
+        fn time(seconds: i64) -> Value {
+            serde_json::to_value(MicroTime(at(seconds))).expect("json")
+        }
+
+        /// A lease as the apiserver returns it.
+        fn lease(rv: &str, holder: &str, renewed: i64, transitions: i32) -> Value {
+            json!({
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {"name": NAME, "namespace": "memguard", "resourceVersion": rv},
+                "spec": {
+                    "holderIdentity": holder,
+                    "leaseDurationSeconds": 15,
+                    "acquireTime": time(0),
+                    "renewTime": time(renewed),
+                    "leaseTransitions": transitions,
+                },
+            })
+        }
+
+        fn lock(client: kube::Client) -> LeaseLock {
+            LeaseLock::new(
+                Api::namespaced(client, "memguard"),
+                NAME,
+                ME,
+                Duration::from_secs(15),
+            )
+        }
+
+        async fn acquire(steps: Vec<Step>) -> Result<bool, Error> {
+            let (client, handle) = client();
+            let verifier = tokio::spawn(verify(handle, steps));
+            let out = lock(client).try_acquire_or_renew(at(100)).await;
+            verifier.await.expect("scenario verified");
+            out
+        }
+
+        async fn release(steps: Vec<Step>) -> Result<bool, Error> {
+            let (client, handle) = client();
+            let verifier = tokio::spawn(verify(handle, steps));
+            let out = lock(client).release(at(100)).await;
+            verifier.await.expect("scenario verified");
+            out
+        }
+
+        fn not_found() -> Step {
+            step(
+                Method::GET,
+                &item(),
+                StatusCode::NOT_FOUND,
+                status_error(404, "NotFound"),
+            )
+        }
+
+        #[tokio::test]
+        async fn no_lease_creates_it_held_by_us() {
+            let steps = vec![
+                not_found(),
+                step(
+                    Method::POST,
+                    LEASES,
+                    StatusCode::CREATED,
+                    lease("1", ME, 100, 0),
+                )
+                .body(|body| {
+                    assert_eq!(body["metadata"]["name"], NAME);
+                    let spec = &body["spec"];
+                    assert_eq!(spec["holderIdentity"], ME);
+                    assert_eq!(spec["leaseDurationSeconds"], 15);
+                    assert_eq!(spec["acquireTime"], time(100));
+                    assert_eq!(spec["renewTime"], time(100));
+                    assert_eq!(spec["leaseTransitions"], 0);
+                }),
+            ];
+            assert!(acquire(steps).await.expect("created"));
+        }
+
+        #[tokio::test]
+        async fn our_lease_is_renewed_with_the_resource_version_read() {
+            let steps = vec![
+                step(Method::GET, &item(), StatusCode::OK, lease("7", ME, 95, 2)),
+                step(Method::PUT, &item(), StatusCode::OK, lease("8", ME, 100, 2)).body(|body| {
+                    assert_eq!(body["metadata"]["resourceVersion"], "7");
+                    let spec = &body["spec"];
+                    assert_eq!(spec["holderIdentity"], ME);
+                    assert_eq!(spec["renewTime"], time(100));
+                    assert_eq!(spec["acquireTime"], time(0), "not re-acquired");
+                    assert_eq!(spec["leaseTransitions"], 2);
+                }),
+            ];
+            assert!(acquire(steps).await.expect("renewed"));
+        }
+
+        #[tokio::test]
+        async fn another_replicas_fresh_lease_is_only_read() {
+            let steps = vec![step(
+                Method::GET,
+                &item(),
+                StatusCode::OK,
+                lease("7", "b", 95, 2),
+            )];
+            assert!(!acquire(steps).await.expect("followed"));
+        }
+
+        #[tokio::test]
+        async fn another_replicas_expired_lease_is_taken_over() {
+            let steps = vec![
+                step(Method::GET, &item(), StatusCode::OK, lease("3", "b", 50, 2)),
+                step(Method::PUT, &item(), StatusCode::OK, lease("4", ME, 100, 3)).body(|body| {
+                    assert_eq!(body["metadata"]["resourceVersion"], "3");
+                    let spec = &body["spec"];
+                    assert_eq!(spec["holderIdentity"], ME);
+                    assert_eq!(spec["acquireTime"], time(100));
+                    assert_eq!(spec["renewTime"], time(100));
+                    assert_eq!(spec["leaseTransitions"], 3);
+                }),
+            ];
+            assert!(acquire(steps).await.expect("taken over"));
+        }
+
+        #[tokio::test]
+        async fn a_conflict_on_the_take_over_means_another_replica_won() {
+            let steps = vec![
+                step(Method::GET, &item(), StatusCode::OK, lease("3", "b", 50, 2)),
+                step(
+                    Method::PUT,
+                    &item(),
+                    StatusCode::CONFLICT,
+                    status_error(409, "Conflict"),
+                ),
+            ];
+            assert!(!acquire(steps).await.expect("lost the race"));
+        }
+
+        /// The PUT that gives the lease up, keeping the resourceVersion `rv` read.
+        fn release_put(rv: &'static str, status: StatusCode, answer: Value) -> Step {
+            step(Method::PUT, &item(), status, answer).body(move |body| {
+                assert_eq!(body["metadata"]["resourceVersion"], rv);
+                let spec = &body["spec"];
+                assert!(spec["holderIdentity"].is_null(), "holder cleared: {body}");
+                assert_eq!(spec["leaseDurationSeconds"], 1);
+                assert_eq!(spec["renewTime"], time(100));
+                assert_eq!(spec["leaseTransitions"], 2);
+            })
+        }
+
+        #[tokio::test]
+        async fn our_lease_is_released() {
+            let steps = vec![
+                step(Method::GET, &item(), StatusCode::OK, lease("7", ME, 95, 2)),
+                release_put("7", StatusCode::OK, lease("8", "", 100, 2)),
+            ];
+            assert!(release(steps).await.expect("released"));
+        }
+
+        #[tokio::test]
+        async fn another_replicas_lease_is_not_released() {
+            let steps = vec![step(
+                Method::GET,
+                &item(),
+                StatusCode::OK,
+                lease("7", "b", 95, 2),
+            )];
+            assert!(!release(steps).await.expect("left alone"));
+        }
+
+        #[tokio::test]
+        async fn no_lease_has_nothing_to_release() {
+            assert!(!release(vec![not_found()]).await.expect("nothing"));
+        }
+
+        #[tokio::test]
+        async fn a_conflict_on_the_release_leaves_the_lease_alone() {
+            let steps = vec![
+                step(Method::GET, &item(), StatusCode::OK, lease("7", ME, 95, 2)),
+                release_put("7", StatusCode::CONFLICT, status_error(409, "Conflict")),
+            ];
+            assert!(!release(steps).await.expect("someone else wrote it"));
+        }
+
+        // Paused time: the renew period's sleep only ends if the test lets the runtime idle,
+        // and it never does before `stop`, so exactly one acquire happens.
+        #[tokio::test(start_paused = true)]
+        async fn hold_leads_then_steps_down_and_releases_on_stop() {
+            let (client, handle) = client();
+            let (leader_tx, mut leader_rx) = watch::channel(false);
+            let during_release = leader_rx.clone();
+            let steps = vec![
+                not_found(),
+                step(
+                    Method::POST,
+                    LEASES,
+                    StatusCode::CREATED,
+                    lease("1", ME, 100, 0),
+                ),
+                step(Method::GET, &item(), StatusCode::OK, lease("1", ME, 100, 0)),
+                step(Method::PUT, &item(), StatusCode::OK, lease("2", "", 100, 0)).body(
+                    move |body| {
+                        assert!(!*during_release.borrow(), "stepped down before releasing");
+                        assert_eq!(body["metadata"]["resourceVersion"], "1");
+                        assert!(body["spec"]["holderIdentity"].is_null(), "{body}");
+                        assert_eq!(body["spec"]["leaseDurationSeconds"], 1);
+                    },
+                ),
+            ];
+            let verifier = tokio::spawn(verify(handle, steps));
+            let (stop_tx, stop_rx) = oneshot::channel::<()>();
+            let metrics = Metrics::default();
+            let holder = tokio::spawn(lock(client).hold(leader_tx, metrics.clone(), async {
+                let _ = stop_rx.await;
+            }));
+
+            leader_rx.changed().await.expect("published");
+            assert!(*leader_rx.borrow_and_update(), "leads after acquiring");
+            assert_eq!(metrics.leader.get(), 1);
+
+            stop_tx.send(()).expect("holder listening");
+            leader_rx.changed().await.expect("published");
+            assert!(!*leader_rx.borrow_and_update(), "steps down on stop");
+            holder.await.expect("hold returns after the release");
+            verifier.await.expect("scenario verified");
+            assert_eq!(metrics.leader.get(), 0);
         }
     }
 }

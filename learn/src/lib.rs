@@ -20,6 +20,8 @@ pub mod lease;
 #[cfg(feature = "controller")]
 pub mod metrics;
 
+#[cfg(all(test, feature = "controller"))]
+pub(crate) mod mock_api;
 #[cfg(test)]
 pub(crate) mod testutil;
 

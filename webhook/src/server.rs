@@ -19,7 +19,6 @@ use memguard_api::{Policy, labels};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::task::JoinHandle;
 use tower_http::timeout::TimeoutLayer;
 
 /// Kubernetes caps request bodies at 3 MiB; an AdmissionReview is never larger.
@@ -199,10 +198,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         "shutting down: draining connections"
     );
     handle.graceful_shutdown(Some(grace));
-    let drained = tokio::time::timeout(grace + Duration::from_secs(1), https).await;
+    // The lease is handed over while connections drain: the other replica need not wait for
+    // our drain, and admission here keeps reading the (now frozen) profile cache.
+    let (drained, ()) = tokio::join!(
+        tokio::time::timeout(grace + Duration::from_secs(1), https),
+        kube_tasks.shutdown(crate::profiles::RELEASE_DEADLINE),
+    );
     watcher.abort();
     metrics_server.abort();
-    kube_tasks.iter().for_each(JoinHandle::abort);
     match drained {
         Ok(Ok(Ok(()))) => {
             tracing::info!("stopped");
@@ -223,16 +226,16 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 async fn connect(
     args: &Args,
     metrics: memguard_learn::metrics::Metrics,
-) -> (Profiles, Vec<JoinHandle<()>>) {
+) -> (Profiles, crate::profiles::KubeTasks) {
     if args.no_kube {
         tracing::info!("--no-kube: no MemoryProfile cache, no profile controller");
-        return (Profiles::default(), Vec::new());
+        return (Profiles::default(), crate::profiles::KubeTasks::default());
     }
     let client = match kube::Client::try_default().await {
         Ok(client) => client,
         Err(error) => {
             tracing::info!(%error, "no Kubernetes config: running without MemoryProfiles");
-            return (Profiles::default(), Vec::new());
+            return (Profiles::default(), crate::profiles::KubeTasks::default());
         }
     };
     let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());

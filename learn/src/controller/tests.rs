@@ -1,86 +1,15 @@
-//! The controller's API traffic against a mocked apiserver (controller-rs' scenario verifier):
-//! each expected request is checked for method, path and body, and answered in turn.
+//! The controller's API traffic against a mocked apiserver ([`crate::mock_api`]): each expected
+//! request is checked for method, path and body, and answered in turn.
 
 use super::*;
+use crate::mock_api::{Step, client, status_error, step, verify};
 use crate::testutil::{PodBuilder, summary};
-use http::{Method, Request, Response, StatusCode};
-use kube::client::Body;
+use http::{Method, StatusCode};
 use memguard_api::crd::{MemoryProfileSpec, MemoryProfileStatus};
 use memguard_api::env;
-use tower_test::mock;
 
 const GIB: u64 = 1 << 30;
 const PROFILES: &str = "/apis/memguard.io/v1alpha1/namespaces/ml/memoryprofiles";
-
-type Handle = mock::Handle<Request<Body>, Response<Body>>;
-
-/// One expected request and the answer to give.
-struct Step {
-    method: Method,
-    /// Path without the query.
-    path: String,
-    /// Checks the JSON body (requests without one get `Value::Null`).
-    check: Box<dyn Fn(&Value) + Send>,
-    status: StatusCode,
-    answer: Value,
-}
-
-fn step(method: Method, path: &str, status: StatusCode, answer: Value) -> Step {
-    Step {
-        method,
-        path: path.to_string(),
-        check: Box::new(|_| {}),
-        status,
-        answer,
-    }
-}
-
-impl Step {
-    fn body(mut self, check: impl Fn(&Value) + Send + 'static) -> Self {
-        self.check = Box::new(check);
-        self
-    }
-}
-
-/// Serves `steps` in order, asserting each request; panics on anything unexpected.
-async fn verify(mut handle: Handle, steps: Vec<Step>) {
-    for (i, step) in steps.into_iter().enumerate() {
-        let (request, send) = handle.next_request().await.unwrap_or_else(|| {
-            panic!(
-                "step {i}: no request, expected {} {}",
-                step.method, step.path
-            )
-        });
-        assert_eq!(request.method(), step.method, "step {i}");
-        assert_eq!(request.uri().path(), step.path, "step {i}");
-        let bytes = request
-            .into_body()
-            .collect_bytes()
-            .await
-            .expect("request body");
-        let body = if bytes.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_slice(&bytes).expect("JSON body")
-        };
-        (step.check)(&body);
-        let response = Response::builder()
-            .status(step.status)
-            .body(Body::from(serde_json::to_vec(&step.answer).expect("json")))
-            .expect("response");
-        send.send_response(response);
-    }
-}
-
-fn client() -> (Client, Handle) {
-    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
-    (Client::new(service, "default"), handle)
-}
-
-fn status_error(code: u16, reason: &str) -> Value {
-    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-           "message": reason, "reason": reason, "code": code})
-}
 
 fn pod() -> PodBuilder {
     PodBuilder::trainer()
