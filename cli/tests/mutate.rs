@@ -220,3 +220,75 @@ fn bad_input_is_a_clear_error_and_exit_2() {
         stderr(&bad_policy)
     );
 }
+
+#[test]
+fn a_memguard_policy_manifest_works_as_the_policy_file() {
+    let spec = std::fs::read_to_string(fixture("policy.yaml")).expect("fixture policy");
+    // The fixture as `kubectl apply` takes it: the spec indented under a MemguardPolicy.
+    let spec_lines: String = spec.lines().map(|l| format!("  {l}\n")).collect();
+    let manifest = format!(
+        "apiVersion: memguard.io/v1alpha1\nkind: MemguardPolicy\nmetadata:\n  name: default\n\
+         spec:\n{spec_lines}"
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("memguardpolicy.yaml");
+    std::fs::write(&path, &manifest).expect("write");
+    let pod = fixture("pods/single-gpu-lora.yaml");
+    let run = |policy: &Path| {
+        memguard(
+            &[
+                "mutate",
+                "-f",
+                pod.to_str().expect("utf-8"),
+                "-o",
+                "patch",
+                "--policy-file",
+                policy.to_str().expect("utf-8"),
+                "--sidecar-image",
+                "flag:1",
+            ],
+            None,
+        )
+    };
+    let from_spec = run(&fixture("policy.yaml"));
+    let from_manifest = run(&path);
+    assert_eq!(
+        from_manifest.status.code(),
+        Some(0),
+        "{}",
+        stderr(&from_manifest)
+    );
+    assert_eq!(stdout(&from_manifest), stdout(&from_spec));
+    assert!(stdout(&from_manifest).contains("flag:1"), "flags still win");
+    // The fixture's A10G entry (24Gi × 0.9), not the built-in table's.
+    assert!(
+        stderr(&from_manifest).contains("fit 21.60 GiB"),
+        "the manifest's spec is the policy: {}",
+        stderr(&from_manifest)
+    );
+
+    // Another kind, or another version of ours, is named in a clear error.
+    for (text, message) in [
+        (
+            "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: memguard-policy}\n".to_string(),
+            "`kind: ConfigMap` is not a policy",
+        ),
+        (
+            manifest.replace("memguard.io/v1alpha1", "memguard.io/v1"),
+            "apiVersion `memguard.io/v1`",
+        ),
+        (
+            manifest.replace("safetyRatio: 0.9", "safetyRatio: 9"),
+            "safetyRatio",
+        ),
+    ] {
+        std::fs::write(&path, &text).expect("write");
+        let out = run(&path);
+        assert_eq!(out.status.code(), Some(2), "{text}: {}", stderr(&out));
+        assert!(stderr(&out).contains(message), "{text}: {}", stderr(&out));
+        assert!(
+            stdout(&out).is_empty(),
+            "nothing mutated under a bad policy"
+        );
+    }
+}

@@ -31,23 +31,34 @@ pub struct Args {
     #[arg(long, env = "MEMGUARD_WEBHOOK_TLS_KEY_FILE")]
     pub tls_key_file: PathBuf,
 
-    /// Policy document (YAML or JSON `PolicySpec`: the `MemguardPolicy` spec).
+    /// Policy document (YAML or JSON `PolicySpec`, or a whole `MemguardPolicy` manifest): the
+    /// policy until the watched `MemguardPolicy` shows, and again after it is deleted.
     #[arg(long, env = "MEMGUARD_WEBHOOK_POLICY_FILE")]
     pub policy_file: Option<PathBuf>,
 
-    /// Fraction of device memory a plan may use, in (0, 1]; overrides the policy file.
+    /// The cluster-scoped `MemguardPolicy` to watch; once present and valid it replaces the
+    /// policy file (the flags below still win).
+    #[arg(
+        long,
+        env = "MEMGUARD_WEBHOOK_POLICY_NAME",
+        default_value = memguard_api::crd::DEFAULT_POLICY_NAME,
+        value_parser = parse_policy_name
+    )]
+    pub policy_name: String,
+
+    /// Fraction of device memory a plan may use, in (0, 1]; overrides the policy.
     #[arg(long, env = "MEMGUARD_WEBHOOK_SAFETY_RATIO")]
     pub safety_ratio: Option<f64>,
 
-    /// GPU memory when no product is known (e.g. `80Gi`); overrides the policy file.
+    /// GPU memory when no product is known (e.g. `80Gi`); overrides the policy.
     #[arg(long, env = "MEMGUARD_WEBHOOK_DEFAULT_GPU_MEMORY")]
     pub default_gpu_memory: Option<String>,
 
-    /// Sidecar image; overrides the policy file.
+    /// Sidecar image; overrides the policy.
     #[arg(long, env = "MEMGUARD_WEBHOOK_SIDECAR_IMAGE")]
     pub sidecar_image: Option<String>,
 
-    /// `native` (initContainers, restartPolicy Always) or `classic`; overrides the policy file.
+    /// `native` (initContainers, restartPolicy Always) or `classic`; overrides the policy.
     #[arg(long, env = "MEMGUARD_WEBHOOK_SIDECAR_MODE", value_parser = parse_mode)]
     pub sidecar_mode: Option<SidecarMode>,
 
@@ -75,10 +86,10 @@ pub struct Args {
     )]
     pub shutdown_grace_seconds: u64,
 
-    /// Log format: `json` (default) or `text`. Levels come from `RUST_LOG` (default `info`).
-    /// Run without a cluster: no MemoryProfile watch cache, no profile controller. Without the
-    /// flag they start when a Kubernetes config is found (in-cluster or kubeconfig); when none
-    /// is, the webhook logs it once and runs with its flags and policy file only.
+    /// Run without a cluster: no MemguardPolicy watch, no MemoryProfile watch cache, no profile
+    /// controller. Without the flag they start when a Kubernetes config is found (in-cluster or
+    /// kubeconfig); when none is, the webhook logs it once and runs with its flags and policy
+    /// file only.
     #[arg(long, env = "MEMGUARD_WEBHOOK_NO_KUBE")]
     pub no_kube: bool,
 
@@ -96,6 +107,7 @@ pub struct Args {
     #[arg(long, env = "MEMGUARD_WEBHOOK_LEASE_SECONDS", default_value_t = 15)]
     pub lease_seconds: u64,
 
+    /// Log format: `json` (default) or `text`. Levels come from `RUST_LOG` (default `info`).
     #[arg(long, env = "MEMGUARD_WEBHOOK_LOG_FORMAT", default_value = "json")]
     pub log_format: LogFormat,
 }
@@ -123,6 +135,21 @@ impl Args {
     /// `--request-timeout-ms` as a duration.
     pub fn request_timeout(&self) -> Duration {
         Duration::from_millis(self.request_timeout_ms.max(1))
+    }
+}
+
+/// A Kubernetes object name (DNS subdomain), so it is safe inside a field selector.
+pub fn parse_policy_name(s: &str) -> Result<String, String> {
+    let valid = !s.is_empty()
+        && s.len() <= 253
+        && s.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+        && s.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && s.ends_with(|c: char| c.is_ascii_alphanumeric());
+    if valid {
+        Ok(s.to_string())
+    } else {
+        Err(format!("`{s}` is not a Kubernetes object name"))
     }
 }
 

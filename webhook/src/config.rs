@@ -1,10 +1,16 @@
-//! The policy document from a file (YAML or JSON `PolicySpec`) and flags, shared by the server
-//! and `memguard mutate`. Pure: callers read the file.
+//! The policy in force, from its sources: a document (YAML or JSON `PolicySpec`, or a whole
+//! `MemguardPolicy` manifest), the watched `MemguardPolicy` and flags. Shared by the server and
+//! `memguard mutate`. Pure: callers read the file and watch the cluster.
+//!
+//! Precedence: flags > the `MemguardPolicy` > the policy file > built-in defaults. The resource
+//! replaces the file's spec as a whole; flags apply on top of whichever is in force.
 
+use kube::Resource;
+use memguard_api::crd::MemguardPolicy;
 use memguard_api::policy::SidecarMode;
 use memguard_api::{Knob, Policy, PolicySpec};
 
-/// Flag overrides applied on top of the policy file.
+/// Flag overrides applied on top of the policy file or resource.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Overrides {
     /// `--safety-ratio`.
@@ -17,15 +23,60 @@ pub struct Overrides {
     pub sidecar_mode: Option<SidecarMode>,
 }
 
-/// Parses a policy document (YAML, of which JSON is a subset), applies `overrides`, fills the
-/// defaults and checks every field. Returns every problem found.
+/// Just enough of a manifest to tell a `MemguardPolicy` from a bare `PolicySpec`.
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct TypeMeta {
+    api_version: Option<String>,
+    kind: Option<String>,
+}
+
+/// Parses a policy document (YAML, of which JSON is a subset; see [`spec_from_str`]), applies
+/// `overrides`, fills the defaults and checks every field. Returns every problem found.
 pub fn policy_from_str(text: Option<&str>, overrides: &Overrides) -> Result<Policy, Vec<String>> {
-    let mut spec: PolicySpec = match text {
-        Some(t) if !t.trim().is_empty() => {
-            serde_saphyr::from_str(t).map_err(|e| vec![format!("policy document: {e}")])?
-        }
-        _ => PolicySpec::default(),
+    let spec = spec_from_str(text)?;
+    effective_policy(spec.as_ref(), None, overrides)
+}
+
+/// Parses a policy document: a `PolicySpec`, or a `MemguardPolicy` manifest (what users
+/// `kubectl apply`), whose `spec` is taken. `None` when there is no document or it is blank.
+pub fn spec_from_str(text: Option<&str>) -> Result<Option<PolicySpec>, Vec<String>> {
+    let Some(text) = text.filter(|t| !t.trim().is_empty()) else {
+        return Ok(None);
     };
+    // Not a mapping at all: the PolicySpec parse below says why.
+    let meta = serde_saphyr::from_str::<TypeMeta>(text).ok();
+    let expected = MemguardPolicy::api_version(&());
+    match meta.and_then(|m| m.kind.map(|kind| (kind, m.api_version))) {
+        None => serde_saphyr::from_str(text)
+            .map(Some)
+            .map_err(|e| vec![format!("policy document: {e}")]),
+        Some((kind, api_version)) if kind == MemguardPolicy::kind(&()) => {
+            if api_version.as_deref() != Some(&*expected) {
+                return Err(vec![format!(
+                    "policy document: apiVersion `{}` of MemguardPolicy is not `{expected}`",
+                    api_version.unwrap_or_default()
+                )]);
+            }
+            serde_saphyr::from_str::<MemguardPolicy>(text)
+                .map(|resource| Some(resource.spec.0))
+                .map_err(|e| vec![format!("MemguardPolicy: {e}")])
+        }
+        Some((kind, _)) => Err(vec![format!(
+            "policy document: `kind: {kind}` is not a policy; expected a PolicySpec or a \
+             MemguardPolicy ({expected})"
+        )]),
+    }
+}
+
+/// The policy in force: `resource` (the watched `MemguardPolicy`'s spec) when present, else
+/// `file`, else the defaults; then `overrides`, then validation. Returns every problem found.
+pub fn effective_policy(
+    file: Option<&PolicySpec>,
+    resource: Option<&PolicySpec>,
+    overrides: &Overrides,
+) -> Result<Policy, Vec<String>> {
+    let mut spec = resource.or(file).cloned().unwrap_or_default();
     if let Some(r) = overrides.safety_ratio {
         spec.safety_ratio = Some(r);
     }
@@ -121,5 +172,97 @@ mod tests {
         assert_eq!(errors.len(), 3, "{errors:?}");
         let typo = policy_from_str(Some("safetyRatoi: 0.5"), &Overrides::default());
         assert!(typo.is_err(), "unknown fields are refused");
+    }
+
+    /// What `kubectl get memguardpolicy default -o yaml` prints.
+    const MANIFEST: &str = r#"
+apiVersion: memguard.io/v1alpha1
+kind: MemguardPolicy
+metadata:
+  name: default
+  generation: 3
+  creationTimestamp: "2025-01-02T03:04:05Z"
+  labels: {app.kubernetes.io/name: memguard}
+  managedFields:
+    - manager: kubectl
+      operation: Update
+      apiVersion: memguard.io/v1alpha1
+spec:
+  safetyRatio: 0.75
+  gpuMemory:
+    NVIDIA-A10G: 22Gi
+"#;
+
+    #[test]
+    fn a_memguard_policy_manifest_is_read_for_its_spec() {
+        let p = policy_from_str(Some(MANIFEST), &Overrides::default()).expect("valid");
+        assert_eq!(p.safety_ratio, 0.75);
+        assert_eq!(p.gpu_memory.get("NVIDIA-A10G"), Some(&Bytes::gib(22)));
+        let as_json = serde_json::to_string(
+            &serde_saphyr::from_str::<serde_json::Value>(MANIFEST).expect("YAML"),
+        )
+        .expect("JSON");
+        assert_eq!(
+            policy_from_str(Some(&as_json), &Overrides::default()),
+            Ok(p)
+        );
+        // The spec is still checked like a file's.
+        let bad = MANIFEST.replace("0.75", "1.5");
+        let errors = policy_from_str(Some(&bad), &Overrides::default()).expect_err("invalid");
+        assert!(errors[0].contains("safetyRatio"), "{errors:?}");
+        let typo = MANIFEST.replace("safetyRatio", "safetyRatoi");
+        let errors = policy_from_str(Some(&typo), &Overrides::default()).expect_err("invalid");
+        assert!(errors[0].contains("safetyRatoi"), "{errors:?}");
+    }
+
+    #[test]
+    fn other_kinds_and_versions_are_refused_by_name() {
+        let configmap = "apiVersion: v1\nkind: ConfigMap\ndata: {policy.yaml: ''}\n";
+        let errors = policy_from_str(Some(configmap), &Overrides::default()).expect_err("no");
+        assert_eq!(errors.len(), 1);
+        assert!(
+            errors[0].contains("`kind: ConfigMap` is not a policy"),
+            "{errors:?}"
+        );
+        let v2 = MANIFEST.replace("memguard.io/v1alpha1\nkind", "memguard.io/v2\nkind");
+        let errors = policy_from_str(Some(&v2), &Overrides::default()).expect_err("no");
+        assert!(
+            errors[0].contains("apiVersion `memguard.io/v2`"),
+            "{errors:?}"
+        );
+        assert_eq!(
+            spec_from_str(Some("  \n")),
+            Ok(None),
+            "blank means defaults"
+        );
+    }
+
+    #[test]
+    fn the_resource_replaces_the_file_as_a_whole_and_flags_win_over_both() {
+        let file: PolicySpec = serde_saphyr::from_str(
+            "safetyRatio: 0.8\ndefaultGpuMemory: 40Gi\nsidecar: {image: file:1}\n",
+        )
+        .expect("spec");
+        let resource: PolicySpec = serde_saphyr::from_str("safetyRatio: 0.6\n").expect("spec");
+        let none = Overrides::default();
+        let p = effective_policy(Some(&file), Some(&resource), &none).expect("valid");
+        assert_eq!(p.safety_ratio, 0.6);
+        assert_eq!(
+            (p.default_gpu_memory, p.sidecar_image.as_str()),
+            (Bytes::gib(80), memguard_api::policy::DEFAULT_SIDECAR_IMAGE),
+            "not merged with the file: the resource's omissions take the defaults"
+        );
+        assert_eq!(
+            effective_policy(Some(&file), None, &none).map(|p| p.safety_ratio),
+            Ok(0.8)
+        );
+        assert_eq!(effective_policy(None, None, &none), Ok(Policy::default()));
+        let flags = Overrides {
+            safety_ratio: Some(0.5),
+            sidecar_image: Some("flag:1".into()),
+            ..Overrides::default()
+        };
+        let p = effective_policy(Some(&file), Some(&resource), &flags).expect("valid");
+        assert_eq!((p.safety_ratio, p.sidecar_image.as_str()), (0.5, "flag:1"));
     }
 }

@@ -16,6 +16,8 @@ pub mod metrics;
 pub mod mutate;
 pub mod patch;
 #[cfg(feature = "server")]
+pub mod policy_watch;
+#[cfg(feature = "server")]
 pub mod profiles;
 pub mod review;
 #[cfg(feature = "server")]

@@ -29,6 +29,8 @@ pub struct Metrics {
     downgrade_steps: Counter,
     cert_expiry: Gauge<i64, AtomicI64>,
     cert_reloads: Family<ResultLabel, Counter>,
+    policy_reloads: Family<ResultLabel, Counter>,
+    policy_generation: Gauge<i64, AtomicI64>,
 }
 
 impl Default for Metrics {
@@ -78,6 +80,19 @@ impl Metrics {
             "Certificate reloads after the files changed, by result (ok|error)",
             cert_reloads.clone(),
         );
+        let policy_reloads = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "policy_reloads",
+            "Changes of the policy in force from the watched MemguardPolicy (applied, or deleted: \
+             back to the policy file), by result (ok|error: invalid, the policy in force kept)",
+            policy_reloads.clone(),
+        );
+        let policy_generation = Gauge::<i64, AtomicI64>::default();
+        registry.register(
+            "policy_generation",
+            "metadata.generation of the MemguardPolicy in force; 0 when the policy file is",
+            policy_generation.clone(),
+        );
         Metrics {
             registry,
             requests,
@@ -85,6 +100,8 @@ impl Metrics {
             downgrade_steps,
             cert_expiry,
             cert_reloads,
+            policy_reloads,
+            policy_generation,
         }
     }
 
@@ -114,6 +131,19 @@ impl Metrics {
             .inc();
     }
 
+    /// Records a change of the policy in force from the `MemguardPolicy`, or a rejected one.
+    pub fn policy_reload(&self, ok: bool) {
+        let result = if ok { "ok" } else { "error" };
+        self.policy_reloads
+            .get_or_create(&ResultLabel { result })
+            .inc();
+    }
+
+    /// Records the generation of the `MemguardPolicy` in force (0: the policy file).
+    pub fn set_policy_generation(&self, generation: i64) {
+        self.policy_generation.set(generation);
+    }
+
     /// The OpenMetrics text exposition.
     pub fn encode(&self) -> String {
         let mut out = String::new();
@@ -134,6 +164,10 @@ mod tests {
         m.observe(Disposition::Skipped, 0, Duration::from_micros(100));
         m.set_cert_expiry(1_900_000_000);
         m.cert_reload(false);
+        m.policy_reload(true);
+        m.policy_reload(false);
+        m.policy_reload(true);
+        m.set_policy_generation(7);
         let text = m.encode();
         for line in [
             "memguard_webhook_admission_requests_total{outcome=\"mutated\"} 1",
@@ -142,6 +176,9 @@ mod tests {
             "memguard_webhook_admission_duration_seconds_count 2",
             "memguard_webhook_certificate_expiry_timestamp_seconds 1900000000",
             "memguard_webhook_certificate_reloads_total{result=\"error\"} 1",
+            "memguard_webhook_policy_reloads_total{result=\"ok\"} 2",
+            "memguard_webhook_policy_reloads_total{result=\"error\"} 1",
+            "memguard_webhook_policy_generation 7",
         ] {
             assert!(text.contains(line), "missing `{line}` in\n{text}");
         }

@@ -48,11 +48,17 @@ pub struct KubeTasks {
     /// Tells the lease holder to step down and release the lease.
     stop: Option<oneshot::Sender<()>>,
     lease: Option<JoinHandle<()>>,
-    /// The reflector and the controller: nothing to hand over, aborted.
+    /// The watches and the controller: nothing to hand over, aborted.
     others: Vec<JoinHandle<()>>,
 }
 
 impl KubeTasks {
+    /// Adds a task with nothing to hand over (a watch): aborted at shutdown.
+    pub fn with(mut self, task: JoinHandle<()>) -> Self {
+        self.others.push(task);
+        self
+    }
+
     /// Stops the lease holder and waits up to `deadline` for it to release the lease, so the
     /// other replica takes over at its next attempt rather than after the lease expires; then
     /// aborts the rest.

@@ -4,9 +4,11 @@
 use crate::args::{Args, LogFormat};
 use crate::metrics::Metrics;
 use crate::mutate::Profiles;
+use crate::policy_watch::{LivePolicy, PolicyWatch};
 use crate::review::{self, Disposition};
 use crate::tls::{self, CertFiles};
 use anyhow::Context;
+use arc_swap::ArcSwap;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{StatusCode, header};
@@ -15,7 +17,7 @@ use axum::routing::{get, post};
 use axum_server::Handle;
 use axum_server::tls_rustls::RustlsConfig;
 use bytes::Bytes;
-use memguard_api::{Policy, labels};
+use memguard_api::labels;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,8 +29,8 @@ pub const MAX_BODY_BYTES: usize = 3 * 1024 * 1024;
 /// What every handler shares.
 #[derive(Clone)]
 pub struct AppState {
-    /// The policy (a `MemguardPolicy` watch can swap it later; handlers only read it).
-    pub policy: Arc<Policy>,
+    /// The policy in force; the `MemguardPolicy` watch swaps it, handlers only load it.
+    pub policy: LivePolicy,
     /// Calibrations from `MemoryProfile`s.
     pub profiles: Arc<Profiles>,
     /// Metrics.
@@ -74,7 +76,9 @@ async fn ok() -> &'static str {
 
 async fn mutate(State(state): State<AppState>, body: Bytes) -> Response {
     let start = Instant::now();
-    match review::review(&body, &state.policy, &state.profiles) {
+    // One lock-free load per review: the whole review sees one policy, even across a swap.
+    let policy = state.policy.load();
+    match review::review(&body, &policy, &state.profiles) {
         Ok(r) => {
             state
                 .metrics
@@ -138,12 +142,26 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let policy = crate::config::policy_from_str(policy_text.as_deref(), &args.overrides())
-        .map_err(|errors| anyhow::anyhow!("invalid policy: {}", errors.join("; ")))?;
+    // A bad file stops the start (nothing would be in force); a bad resource later never does.
+    let invalid = |errors: Vec<String>| anyhow::anyhow!("invalid policy: {}", errors.join("; "));
+    let file = crate::config::spec_from_str(policy_text.as_deref()).map_err(invalid)?;
+    let overrides = args.overrides();
+    let file_policy = Arc::new(
+        crate::config::effective_policy(file.as_ref(), None, &overrides).map_err(invalid)?,
+    );
 
     let profile_metrics = memguard_learn::metrics::Metrics::default();
     let metrics = Arc::new(Metrics::new().with_profile_metrics(&profile_metrics));
-    let (profiles, kube_tasks) = connect(&args, profile_metrics).await;
+    let policy: LivePolicy = Arc::new(ArcSwap::new(file_policy.clone()));
+    let policy_watch = PolicyWatch::new(
+        args.policy_name.clone(),
+        file,
+        overrides,
+        file_policy,
+        policy.clone(),
+        metrics.clone(),
+    );
+    let (profiles, kube_tasks) = connect(&args, profile_metrics, policy_watch).await;
     let files = CertFiles {
         cert: args.tls_cert_file.clone(),
         key: args.tls_key_file.clone(),
@@ -163,7 +181,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     ));
 
     let state = AppState {
-        policy: Arc::new(policy),
+        policy,
         profiles: Arc::new(profiles),
         metrics: metrics.clone(),
     };
@@ -220,24 +238,33 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
 }
 
-/// The profile watch cache and controller when a cluster is configured; nothing (logged once)
-/// with `--no-kube` or without a Kubernetes config. Never fails: profiles are an improvement,
-/// not a requirement.
+/// The MemguardPolicy watch, the profile watch cache and the controller when a cluster is
+/// configured; nothing (logged once) with `--no-kube` or without a Kubernetes config. Never
+/// fails: the policy file stays in force, and profiles are an improvement, not a requirement.
 async fn connect(
     args: &Args,
     metrics: memguard_learn::metrics::Metrics,
+    policy_watch: PolicyWatch,
 ) -> (Profiles, crate::profiles::KubeTasks) {
     if args.no_kube {
-        tracing::info!("--no-kube: no MemoryProfile cache, no profile controller");
+        tracing::info!(
+            "--no-kube: policy file only (no MemguardPolicy watch), no MemoryProfile cache, \
+             no profile controller"
+        );
         return (Profiles::default(), crate::profiles::KubeTasks::default());
     }
     let client = match kube::Client::try_default().await {
         Ok(client) => client,
         Err(error) => {
-            tracing::info!(%error, "no Kubernetes config: running without MemoryProfiles");
+            tracing::info!(
+                %error,
+                "no Kubernetes config: running with the policy file, without MemoryProfiles"
+            );
             return (Profiles::default(), crate::profiles::KubeTasks::default());
         }
     };
+    tracing::info!(policy = policy_watch.name(), "watching the MemguardPolicy");
+    let policy_task = crate::policy_watch::spawn(client.clone(), policy_watch);
     let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
     let lease_namespace = args
         .lease_namespace
@@ -251,7 +278,7 @@ async fn connect(
         .or_else(|| env("HOSTNAME"))
         .unwrap_or_else(|| format!("memguard-webhook-{}", std::process::id()));
     tracing::info!(identity, lease_namespace, "profile controller enabled");
-    crate::profiles::start(
+    let (profiles, tasks) = crate::profiles::start(
         client,
         metrics,
         crate::profiles::ControllerOptions {
@@ -259,7 +286,8 @@ async fn connect(
             identity,
             lease_duration: Duration::from_secs(args.lease_seconds.max(3)),
         },
-    )
+    );
+    (profiles, tasks.with(policy_task))
 }
 
 /// SIGTERM (what the kubelet sends) or ctrl-c.

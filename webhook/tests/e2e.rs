@@ -3,7 +3,9 @@
 mod common;
 
 use base64::Engine;
-use common::{Ca, Conn, Server, admission_review, fixture_pod, scrape, write_secret};
+use common::{
+    Ca, Conn, Server, admission_review, fixture_pod, promtool_check, scrape, write_secret,
+};
 use k8s_openapi::api::core::v1::Pod;
 use std::time::{Duration, Instant};
 
@@ -86,9 +88,12 @@ async fn serves_admission_reviews_over_tls_and_drains_on_sigterm() {
         "memguard_webhook_admission_requests_total{outcome=\"skipped\"} 1",
         "memguard_webhook_admission_requests_total{outcome=\"error\"} 1",
         "memguard_webhook_certificate_expiry_timestamp_seconds ",
+        // No MemguardPolicy here: the file policy (here the defaults) is in force.
+        "memguard_webhook_policy_generation 0",
     ] {
         assert!(metrics.contains(line), "missing `{line}` in\n{metrics}");
     }
+    promtool_check(&metrics);
     drop(conn);
 
     let status = server.terminate();
@@ -190,4 +195,35 @@ async fn rotated_certificates_are_served_without_a_failed_request() {
         "the previous certificate stays in service"
     );
     assert!(request(&mut after, 0).await);
+}
+
+#[test]
+fn a_policy_file_that_is_not_a_policy_stops_the_start_with_a_clear_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("policy.yaml");
+    std::fs::write(&file, "apiVersion: v1\nkind: ConfigMap\ndata: {}\n").expect("write");
+    let run = |extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_memguard-webhook"))
+            .args(["--no-kube", "--tls-cert-file", "/nonexistent/tls.crt"])
+            .args([
+                "--tls-key-file",
+                "/nonexistent/tls.key",
+                "--log-format",
+                "text",
+            ])
+            .args(extra)
+            .output()
+            .expect("the webhook binary runs")
+    };
+    let out = run(&["--policy-file", file.to_str().expect("utf-8")]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("invalid policy") && stderr.contains("`kind: ConfigMap` is not a policy"),
+        "{stderr}"
+    );
+    // The name goes into a field selector: only object names are taken.
+    let out = run(&["--policy-name", "default,metadata.name=other"]);
+    assert_eq!(out.status.code(), Some(2), "a usage error");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a Kubernetes object name"));
 }

@@ -9,7 +9,7 @@ use tower::ServiceExt;
 
 fn state() -> AppState {
     AppState {
-        policy: Arc::new(Policy::default()),
+        policy: Arc::new(ArcSwap::from_pointee(memguard_api::Policy::default())),
         profiles: Arc::new(Profiles::default()),
         metrics: Arc::new(Metrics::new()),
     }
@@ -171,4 +171,63 @@ async fn health_endpoints_and_metrics() {
         text.contains("memguard_webhook_admission_requests_total{outcome=\"mutated\"} 1"),
         "{text}"
     );
+}
+
+/// The `memguard.io/estimate` annotation a review wrote.
+fn estimate(pod: &Value, response: &Value) -> Value {
+    let out = apply_response(pod, response);
+    let text = out["metadata"]["annotations"]["memguard.io/estimate"]
+        .as_str()
+        .expect("an estimate annotation");
+    serde_json::from_str(text).expect("JSON")
+}
+
+#[tokio::test]
+async fn a_policy_swapped_in_by_the_watch_applies_to_the_next_review() {
+    use crate::policy_watch::{Change, PolicyWatch};
+    use kube::runtime::watcher::Event;
+    use memguard_api::crd::{MemguardPolicy, MemguardPolicySpec};
+
+    let s = state();
+    let file = Arc::new(memguard_api::Policy::default());
+    let mut watch = PolicyWatch::new(
+        "default",
+        None,
+        crate::config::Overrides::default(),
+        file,
+        s.policy.clone(),
+        s.metrics.clone(),
+    );
+    let app = router(s, Duration::from_secs(4));
+    let pod = trainer_pod()
+        .annotate(memguard_api::annotations::GRAD_CHECKPOINTING, "true")
+        .gpus(1)
+        .json();
+    let before = estimate(
+        &pod,
+        &review(app.clone(), admission_review(pod.clone(), "CREATE", false)).await,
+    );
+    assert_eq!(before["fits"], true, "{before}");
+    assert_eq!(before["steps"], json!([]), "fits as annotated: {before}");
+
+    // `kubectl edit memguardpolicy default`: a quarter of the 80 GiB default only.
+    let spec = serde_json::from_value(json!({"safetyRatio": 0.25})).expect("spec");
+    let mut edited = MemguardPolicy::new("default", MemguardPolicySpec(spec));
+    edited.metadata.generation = Some(2);
+    assert_eq!(
+        watch.handle(Event::Apply(edited)),
+        Some(Change::Applied { generation: 2 })
+    );
+
+    let after = estimate(
+        &pod,
+        &review(app, admission_review(pod.clone(), "CREATE", false)).await,
+    );
+    let budget = |e: &Value| e["budget"].as_u64().expect("a budget");
+    assert_eq!(
+        budget(&after) * 90,
+        budget(&before) * 25,
+        "{before} {after}"
+    );
+    assert_ne!(after["steps"], json!([]), "downgraded to fit: {after}");
 }
