@@ -1,8 +1,9 @@
 //! Helpers for memguard's cross-crate tests: the workspace layout, the external tools the chart
-//! tests drive (helm, kubernetes-validate, python's jsonschema), and multi-document YAML.
+//! tests drive (helm, kubernetes-validate, python's jsonschema, promtool), multi-document YAML,
+//! and the metric names the binaries export.
 //!
-//! A missing tool fails the test in CI (`CI=true`) and prints a loud SKIP elsewhere: a test never
-//! passes silently without having run.
+//! A missing tool fails the test in CI (`CI=true`) or with `MEMGUARD_REQUIRE_TOOLS=1`, and prints
+//! a loud SKIP elsewhere: a test never passes silently without having run.
 #![forbid(unsafe_code)]
 
 use serde_json::Value;
@@ -22,21 +23,35 @@ pub fn chart_dir() -> PathBuf {
     workspace_root().join("charts/memguard")
 }
 
-/// Whether we run in CI, where a missing tool is a failure rather than a skip.
+fn env_flag(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "false" && v != "0")
+}
+
+/// Whether we run in CI (`CI=true`).
 pub fn in_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false" && v != "0")
+    env_flag("CI")
+}
+
+/// Whether a missing tool is a failure rather than a skip: in CI, or with
+/// `MEMGUARD_REQUIRE_TOOLS=1` (to prove locally that nothing was skipped).
+pub fn tools_required() -> bool {
+    in_ci() || env_flag("MEMGUARD_REQUIRE_TOOLS")
 }
 
 /// How to install the tools, for messages.
 pub const INSTALL_HINT: &str = "install them with `../shared/tools/install-helm.sh` (helm, kubectl; \
      put its output folder on PATH, in MEMGUARD_TOOLS=<dir>/.. or HELM=<dir>/helm) and \
-     `pip install kubernetes-validate jsonschema`";
+     `pip install kubernetes-validate jsonschema`; promtool: `apt-get install prometheus` (or \
+     `scripts/install-deps.sh`, which installs all of them)";
 
-/// Reports a missing tool: panics in CI, prints a loud SKIP otherwise. Returns `None` so a test
-/// can `let Some(helm) = … else { return };`.
+/// Reports a missing tool: panics when [`tools_required`], prints a loud SKIP otherwise. Returns
+/// `None` so a test can `let Some(helm) = … else { return };`.
 pub fn missing<T>(what: &str) -> Option<T> {
-    if in_ci() {
-        panic!("{what} is required in CI (CI=true) but was not found; {INSTALL_HINT}");
+    if tools_required() {
+        panic!(
+            "{what} is required (CI=true or MEMGUARD_REQUIRE_TOOLS set) but was not found; \
+             {INSTALL_HINT}"
+        );
     }
     eprintln!(
         "\n==================== SKIP ====================\n\
@@ -81,6 +96,11 @@ pub fn helm() -> Option<PathBuf> {
 pub fn kubernetes_validate() -> Option<PathBuf> {
     find_tool("kubernetes-validate", "KUBERNETES_VALIDATE")
         .or_else(|| missing("kubernetes-validate"))
+}
+
+/// Prometheus' `promtool` (Debian's `prometheus` package), or a SKIP / panic.
+pub fn promtool() -> Option<PathBuf> {
+    find_tool("promtool", "PROMTOOL").or_else(|| missing("promtool"))
 }
 
 /// A python interpreter that can `import jsonschema`, or a SKIP / panic.
@@ -195,7 +215,14 @@ pub fn validate_manifests(tool: &Path, files: &[PathBuf]) -> Result<String, Stri
 pub fn validate_against_crd(python: &Path, schema: &Value, instance: &Value) -> Result<(), String> {
     const SCRIPT: &str = r#"
 import json, sys, jsonschema
-schema, instance = json.load(sys.stdin).values()
+# By key: serde_json (without preserve_order) writes the keys sorted, instance first.
+data = json.load(sys.stdin)
+schema, instance = data["schema"], data["instance"]
+# The API server always accepts apiVersion, kind and metadata at the root, listed or not.
+props = schema.setdefault("properties", {})
+props.setdefault("apiVersion", {"type": "string"})
+props.setdefault("kind", {"type": "string"})
+props.setdefault("metadata", {"type": "object"})
 def close(s):
     if isinstance(s, dict):
         if s.get("type") == "object" and "properties" in s and "additionalProperties" not in s:
@@ -247,4 +274,183 @@ sys.exit(1 if errors else 0)
             String::from_utf8_lossy(&out.stderr)
         ))
     }
+}
+
+/// Where the exported metric families are registered: (exposed name prefix, source file, the
+/// prefix as the source registers it, whether it is prometheus-client in OpenMetrics format,
+/// which appends `_total` to a counter's registered name). Longest prefix first: the profile
+/// controller's metrics are registered by memguard-learn under `profile` inside the webhook's
+/// `memguard_webhook` registry.
+pub const METRIC_SOURCES: &[(&str, &str, &str, bool)] = &[
+    (
+        "memguard_webhook_profile_",
+        "learn/src/metrics.rs",
+        "profile",
+        true,
+    ),
+    (
+        "memguard_webhook_",
+        "webhook/src/metrics.rs",
+        "memguard_webhook",
+        true,
+    ),
+    (
+        "memguard_sidecar_",
+        "sidecar/src/metrics.rs",
+        "memguard_sidecar",
+        false,
+    ),
+];
+
+/// The `memguard_*` metric names in a PromQL expression (or any text), with a histogram's
+/// `_bucket`/`_sum`/`_count` suffix removed. Recording-rule names (`memguard:…`) are not metrics
+/// the binaries export and are not returned.
+pub fn metric_names_in(text: &str) -> std::collections::BTreeSet<String> {
+    text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+        .filter(|t| t.starts_with("memguard_") && !t.contains(':'))
+        .map(|t| {
+            ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| t.strip_suffix(s))
+                .unwrap_or(t)
+                .to_string()
+        })
+        .collect()
+}
+
+/// Whether `source` registers a family `name`: the quoted name is the first argument of a
+/// `register(` (prometheus-client) or of the sidecar's `gauge(`, `counter(` or `family(`. A mere
+/// mention (a label value such as `"oom_kill"`, a comment) does not count.
+fn registers(source: &str, name: &str) -> bool {
+    let quoted = format!("\"{name}\"");
+    source.match_indices(&quoted).any(|(i, _)| {
+        source[..i]
+            .trim_end()
+            .strip_suffix('(')
+            .is_some_and(|before| {
+                ["register", "gauge", "counter", "family"]
+                    .iter()
+                    .any(|f| before.ends_with(f))
+            })
+    })
+}
+
+/// Panics unless every name in `metrics` is registered by the code that exports it (a source
+/// check of `webhook/src/metrics.rs`, `learn/src/metrics.rs` and `sidecar/src/metrics.rs`: the
+/// binaries are not run). A counter registered as `foo` is exposed as `foo_total` (OpenMetrics,
+/// prometheus-client); the sidecar writes its names whole. `user` names the reader, for messages.
+pub fn assert_metrics_registered<'a>(metrics: impl IntoIterator<Item = &'a str>, user: &str) {
+    let mut unknown = Vec::new();
+    for metric in metrics {
+        let Some((prefix, file, registered_prefix, openmetrics)) = METRIC_SOURCES
+            .iter()
+            .find(|(prefix, ..)| metric.starts_with(prefix))
+        else {
+            unknown.push(format!("{metric} (no memguard binary exports this prefix)"));
+            continue;
+        };
+        let source = std::fs::read_to_string(workspace_root().join(file))
+            .unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert!(
+            source.contains(&format!("\"{registered_prefix}\"")),
+            "{file} does not register the {prefix} prefix"
+        );
+        let name = &metric[prefix.len()..];
+        let counter = name.strip_suffix("_total").filter(|_| *openmetrics);
+        if !registers(&source, name) && !counter.is_some_and(|base| registers(&source, base)) {
+            unknown.push(format!("{metric} (not registered in {file})"));
+        }
+    }
+    assert!(
+        unknown.is_empty(),
+        "{user} reads metrics no memguard binary exports: {unknown:?}"
+    );
+}
+
+/// Validates a rendered `monitoring.coreos.com/v1` `PrometheusRule` with python's jsonschema:
+/// no schema for the Prometheus Operator's CRDs is available offline, so this is the v1 API's
+/// shape as its reference documents it (`spec.groups[]`: `name`, `interval`, `limit`,
+/// `partial_response_strategy`, `query_offset`, `labels`, `rules[]`: `alert` or `record`, `expr`,
+/// `for`, `keep_firing_for`, `labels`, `annotations`), closed against unknown fields like the
+/// API server's strict field validation, plus the object metadata the chart sets.
+pub fn validate_prometheus_rule(python: &Path, doc: &Value) -> Result<(), String> {
+    use serde_json::json;
+    let duration = json!({
+        "type": "string",
+        "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
+    });
+    let strings = json!({"type": "object", "additionalProperties": {"type": "string"}});
+    let dns_subdomain = json!({
+        "type": "string",
+        "maxLength": 253,
+        "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+    });
+    let rule = json!({
+        "type": "object",
+        "required": ["expr"],
+        "oneOf": [
+            {"required": ["alert"], "not": {"required": ["record"]}},
+            {"required": ["record"], "not": {"anyOf": [
+                {"required": ["alert"]}, {"required": ["annotations"]}, {"required": ["for"]}
+            ]}}
+        ],
+        "properties": {
+            "alert": {"type": "string", "minLength": 1},
+            "record": {"type": "string", "pattern": "^[a-zA-Z_:][a-zA-Z0-9_:]*$"},
+            "expr": {"type": ["string", "integer"]},
+            "for": duration,
+            "keep_firing_for": duration,
+            "labels": strings,
+            "annotations": strings
+        }
+    });
+    let schema = json!({
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": "PrometheusRule"},
+            "metadata": {
+                "type": "object",
+                "required": ["name", "namespace"],
+                "properties": {
+                    "name": dns_subdomain,
+                    "namespace": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+                    "labels": strings,
+                    "annotations": strings
+                }
+            },
+            "spec": {
+                "type": "object",
+                "properties": {
+                    "groups": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["name"],
+                            "properties": {
+                                "name": {"type": "string", "minLength": 1},
+                                "interval": duration,
+                                "query_offset": duration,
+                                "limit": {"type": "integer"},
+                                "partial_response_strategy": {"type": "string"},
+                                "labels": strings,
+                                "rules": {"type": "array", "items": rule}
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    });
+    validate_against_crd(python, &schema, doc)?;
+    // `groups` is a list map keyed by `name`: the API server rejects duplicates.
+    let mut names = std::collections::BTreeSet::new();
+    for group in doc["spec"]["groups"].as_array().into_iter().flatten() {
+        let name = group["name"].as_str().unwrap_or_default();
+        if !names.insert(name) {
+            return Err(format!("spec/groups: duplicate group name {name:?}"));
+        }
+    }
+    Ok(())
 }

@@ -222,7 +222,9 @@ const BUILTIN_API_VERSIONS: &[&str] = &[
     "admissionregistration.k8s.io/v1",
     "networking.k8s.io/v1",
 ];
-/// Third-party kinds: no schema here to validate against (cert-manager, Prometheus Operator).
+/// Third-party kinds: no schema here to validate against (cert-manager, Prometheus Operator), except
+/// the PrometheusRule, checked against its v1 shape ([`validate_prometheus_rule`]) here and with
+/// promtool in `tests/alerts.rs`.
 const THIRD_PARTY_API_VERSIONS: &[&str] = &["cert-manager.io/v1", "monitoring.coreos.com/v1"];
 
 #[test]
@@ -243,6 +245,7 @@ fn every_rendered_manifest_is_valid_for_kubernetes_1_33() {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut files = Vec::new();
     let mut skipped = BTreeSet::new();
+    let mut rules = 0;
     for (label, docs) in renderings(&helm) {
         assert!(docs.len() >= 10, "{label}: only {} documents", docs.len());
         for (i, doc) in docs.iter().enumerate() {
@@ -266,6 +269,10 @@ fn every_rendered_manifest_is_valid_for_kubernetes_1_33() {
                     .spec
                     .resolved()
                     .unwrap_or_else(|e| panic!("{what}: {e:?}"));
+            } else if api_version == "monitoring.coreos.com/v1" && doc["kind"] == "PrometheusRule" {
+                validate_prometheus_rule(&python, doc)
+                    .unwrap_or_else(|e| panic!("{what} is not a valid PrometheusRule:\n{e}"));
+                rules += 1;
             } else if THIRD_PARTY_API_VERSIONS.contains(&api_version) {
                 skipped.insert(format!(
                     "{api_version} {}",
@@ -279,6 +286,10 @@ fn every_rendered_manifest_is_valid_for_kubernetes_1_33() {
     if let Err(out) = validate_manifests(&validator, &files) {
         panic!("kubernetes-validate --strict rejected rendered manifests:\n{out}");
     }
+    assert!(
+        rules > 0,
+        "no ci/*.yaml renders the PrometheusRule: its schema check never ran"
+    );
     eprintln!(
         "note: not schema-validated (third-party CRDs, no schema offline): {skipped:?}; \
          their fields are checked by the chart tests below"
@@ -1059,29 +1070,8 @@ fn notes_show_how_to_opt_in_and_verify_with_contract_names() {
 }
 
 /// The dashboard's metric names are registered by the code that exports them (a source check:
-/// the binaries are not run here).
+/// the binaries are not run).
 #[test]
 fn dashboard_metrics_are_registered_by_the_webhook_and_the_sidecar() {
-    for (prefix, file) in [
-        ("memguard_webhook_", "webhook/src/metrics.rs"),
-        ("memguard_sidecar_", "sidecar/src/metrics.rs"),
-    ] {
-        let source = std::fs::read_to_string(workspace_root().join(file))
-            .unwrap_or_else(|e| panic!("{file}: {e}"));
-        assert!(
-            source.contains(&format!("\"{}\"", prefix.trim_end_matches('_'))),
-            "{file} does not register the {prefix} prefix"
-        );
-        for metric in DASHBOARD_METRICS
-            .iter()
-            .filter_map(|m| m.strip_prefix(prefix))
-        {
-            let base = metric.strip_suffix("_total").unwrap_or(metric);
-            assert!(
-                source.contains(&format!("\"{metric}\""))
-                    || source.contains(&format!("\"{base}\"")),
-                "the dashboard reads {prefix}{metric}, which {file} does not register"
-            );
-        }
-    }
+    assert_metrics_registered(DASHBOARD_METRICS.iter().copied(), "the dashboard");
 }

@@ -31,6 +31,10 @@ deployment.yaml; the schema (values.schema.json) has already checked types and n
 {{- if eq (int $w.port) (int $w.metricsPort) }}
 {{- fail "memguard: webhook.port and webhook.metricsPort must differ" }}
 {{- end }}
+{{- $rule := .Values.monitoring.prometheusRule }}
+{{- if and $rule.enabled (not .Values.monitoring.serviceMonitor.enabled) (not $rule.webhookJob) (not (has "MemguardWebhookDown" $rule.disabledAlerts)) }}
+{{- fail "memguard: monitoring.prometheusRule.enabled needs the webhook scraped, or its alert MemguardWebhookDown fires forever: enable monitoring.serviceMonitor, or set monitoring.prometheusRule.webhookJob to the job label your own scrape config gives the webhook, or add MemguardWebhookDown to monitoring.prometheusRule.disabledAlerts" }}
+{{- end }}
 {{- $t := .Values.policy.thresholds }}
 {{- if not (and (lt 0.0 (float64 $t.warn)) (lt (float64 $t.warn) (float64 $t.downgrade)) (lt (float64 $t.downgrade) (float64 $t.critical)) (le (float64 $t.critical) 1.0)) }}
 {{- fail (printf "memguard: policy.thresholds must satisfy 0 < warn < downgrade < critical <= 1 (got %v, %v, %v)" $t.warn $t.downgrade $t.critical) }}
