@@ -3,7 +3,6 @@
 //! The flags are the pod annotations without the `memguard.io/` prefix and go through the very
 //! same parser ([`TrainingAnnotations::parse_keys`]), so the CLI and the webhook cannot disagree.
 
-use anyhow::Context;
 use memguard_api::annotations::TrainingAnnotations;
 use memguard_api::policy::DEFAULT_SAFETY_RATIO;
 use memguard_estimator::{
@@ -163,11 +162,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
     };
     let plan = match budget {
-        Some(budget) => Some(
-            plan_with_floors(cfg, budget, &Calibration::none(), &Default::default())
-                .map_err(|e| anyhow::anyhow!("{e:?}"))
-                .context("planning")?,
-        ),
+        Some(budget) => {
+            match plan_with_floors(cfg, budget, &Calibration::none(), &Default::default()) {
+                Ok(plan) => Some(plan),
+                Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
+            }
+        }
         None => None,
     };
     match args.output {

@@ -213,7 +213,11 @@ pub fn plan_with_floors(
             let Some((next, explanation)) = rung.apply(&current, floors) else {
                 continue 'ladder;
             };
-            let next_estimate = estimate(&next)?;
+            // A step past a sanity limit (accumulation doubled beyond it) is not a config anyone
+            // can run: the rung is exhausted, not the plan.
+            let Ok(next_estimate) = estimate(&next) else {
+                continue 'ladder;
+            };
             // A rung that saves nothing would cost quality for no memory: try the next one.
             if next_estimate.total >= current_estimate.total {
                 continue 'ladder;
@@ -422,5 +426,25 @@ mod tests {
         assert_eq!(next.batch_size * next.grad_accumulation, 15);
         assert!(next.batch_size <= 2);
         assert!(why.contains("effective batch 15 kept"));
+    }
+
+    #[test]
+    fn a_step_past_a_sanity_limit_ends_its_rung_not_the_plan() {
+        let mut cfg = heavy();
+        cfg.batch_size = 2;
+        cfg.grad_accumulation = crate::config::limits::COUNT;
+        let plan = plan(&cfg, Bytes(1), &Calibration::none()).expect("a plan, not an error");
+        assert!(!plan.fits);
+        assert!(
+            plan.steps.iter().all(|s| s.rung != Rung::HalveBatch),
+            "doubling the accumulation past its limit is not a step: {:?}",
+            plan.steps
+        );
+        assert_eq!(plan.config.grad_accumulation, crate::config::limits::COUNT);
+        assert!(
+            plan.steps.iter().any(|s| s.rung == Rung::HalveSeqLength),
+            "later rungs still run: {:?}",
+            plan.steps
+        );
     }
 }
