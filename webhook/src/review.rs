@@ -12,6 +12,11 @@ use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionReview, Operation};
 use memguard_api::Policy;
 use serde::Serialize;
+use std::panic::AssertUnwindSafe;
+
+/// The warning of a review that hit a bug in memguard (a panic).
+pub const INTERNAL_ERROR: &str =
+    "memguard: internal error; pod admitted unchanged (see the webhook's logs)";
 
 /// How one review ended, for metrics and logs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -183,8 +188,17 @@ fn answer<T: kube::Resource>(
         }
         _ => pod,
     };
-    let outcome = mutate::mutate(decided_on, policy, profiles);
-    let patch = patch::build(pod, &outcome);
+    // A bug of ours must cost neither the pod its admission nor the replica its other requests:
+    // a panic is answered like any other memguard failure (allowed, unchanged, with a warning).
+    let decided = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        let outcome = mutate::mutate(decided_on, policy, profiles);
+        let patch = patch::build(pod, &outcome);
+        (outcome, patch)
+    }));
+    let Ok((outcome, patch)) = decided else {
+        tracing::error!(pod = %pod_name, "memguard panicked while deciding; admitted unchanged");
+        return done(None, Disposition::Error, 0, vec![INTERNAL_ERROR.into()]);
+    };
     let (disposition, steps, warnings) = match &outcome {
         Outcome::Unchanged => (Disposition::Unchanged, 0, Vec::new()),
         Outcome::Skipped { warning, .. } => (Disposition::Skipped, 0, vec![warning.clone()]),

@@ -231,3 +231,50 @@ async fn a_policy_swapped_in_by_the_watch_applies_to_the_next_review() {
     );
     assert_ne!(after["steps"], json!([]), "downgraded to fit: {after}");
 }
+
+/// A profile store with a bug: every lookup panics.
+struct PanickingProfiles;
+
+impl crate::mutate::ProfileSource for PanickingProfiles {
+    fn get(&self, _namespace: &str, _name: &str) -> Option<memguard_api::crd::MemoryProfile> {
+        panic!("a bug in a profile lookup");
+    }
+}
+
+#[tokio::test]
+async fn a_panic_while_deciding_admits_the_pod_unchanged_and_the_server_goes_on() {
+    let mut s = state();
+    s.profiles = Arc::new(Profiles::from_source(Arc::new(PanickingProfiles)));
+    let app = router(s.clone(), Duration::from_secs(4));
+    for _ in 0..2 {
+        let r = review(
+            app.clone(),
+            admission_review(trainer_pod().gpus(1).json(), "CREATE", false),
+        )
+        .await;
+        assert_eq!(r["response"]["allowed"], true);
+        assert_eq!(r["response"]["uid"], "705ab4f5-6393-11e8-b7cc-42010a800002");
+        assert!(r["response"]["patch"].is_null(), "unchanged: {r}");
+        assert_eq!(
+            r["response"]["warnings"],
+            json!([crate::review::INTERNAL_ERROR])
+        );
+    }
+    let text = s.metrics.encode();
+    assert!(
+        text.contains("memguard_webhook_admission_requests_total{outcome=\"error\"} 2"),
+        "{text}"
+    );
+    // What makes this hold in the shipped binary: a release profile that unwinds. With
+    // `panic = "abort"` the first panic would take every in-flight review down with the process.
+    let manifest = include_str!("../../../Cargo.toml");
+    let release = manifest
+        .split("[profile.release]")
+        .nth(1)
+        .and_then(|rest| rest.split("\n[").next())
+        .unwrap_or_default();
+    assert!(
+        !release.contains("panic = \"abort\""),
+        "the release profile must unwind:\n{release}"
+    );
+}
