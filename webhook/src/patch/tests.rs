@@ -319,3 +319,109 @@ fn contains_ignores_extra_fields_but_not_different_ones() {
     assert!(!contains(&have, &json!({"b": [{"x": 1}, {"x": 2}]})));
     assert!(!contains(&have, &json!({"missing": 1})));
 }
+
+/// Hostile annotation values, on every input key, alone and three at a time: no panic, a
+/// decision every time, and a mutated pod is a valid Pod that a second pass leaves alone.
+#[test]
+fn hostile_annotations_never_panic_and_always_yield_a_valid_idempotent_patch() {
+    use memguard_api::annotations::INPUT_KEYS;
+    const HOSTILE: &[&str] = &[
+        "",
+        " ",
+        "0",
+        "-1",
+        "1",
+        "2",
+        "3",
+        "7",
+        "1e308",
+        "1e-308",
+        "NaN",
+        "inf",
+        "-0",
+        "18446744073709551615",
+        "18446744073709551616",
+        "4294967297",
+        "0.5",
+        "1.5",
+        "1,000",
+        "１２",
+        "true",
+        "false",
+        "yes",
+        "lora",
+        "qlora",
+        "full",
+        "zero3",
+        "fsdp",
+        "cpu",
+        "mps",
+        "80GiB",
+        "1Ki",
+        "999999999999Ei",
+        "0.0000001",
+        "llama-3-8b",
+        "mixtral-8x7b",
+        "batch-size=A,seq-length=B",
+        "batch-size=MEMGUARD_X",
+        "=",
+        "q,v,,",
+        "train",
+        "nope",
+        "\u{0}",
+        "a\nb",
+        "😀",
+    ];
+    let policy = policy("native");
+    let (mut checked, mut mutated, mut skipped) = (0usize, 0usize, 0usize);
+    let mut check = |pod: PodBuilder, what: &str| {
+        let json = pod.json();
+        let built: Pod = serde_json::from_value(json.clone()).expect("builder makes valid pods");
+        let outcome = mutate(&built, &policy, &Profiles::default());
+        mutated += usize::from(matches!(outcome, Outcome::Mutated(_)));
+        skipped += usize::from(matches!(outcome, Outcome::Skipped { .. }));
+        let patch = build(&built, &outcome);
+        let mut out = json.clone();
+        json_patch::patch(&mut out, &patch).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let again: Pod = serde_json::from_value(out.clone())
+            .unwrap_or_else(|e| panic!("{what}: the patched pod is not a Pod: {e}"));
+        let second = build(&again, &mutate(&again, &policy, &Profiles::default()));
+        assert!(second.0.is_empty(), "{what}: not idempotent: {second:?}");
+        checked += 1;
+    };
+    for key in INPUT_KEYS {
+        for value in HOSTILE {
+            check(gpu_pod().annotate(key, value), &format!("{key}={value:?}"));
+            check(
+                bare_pod().annotate(key, value),
+                &format!("bare {key}={value:?}"),
+            );
+        }
+    }
+    // Three keys at a time, chosen by a fixed LCG so a failure reproduces.
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = |n: usize| {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        usize::try_from(state >> 33).unwrap_or(0) % n
+    };
+    for _ in 0..1500 {
+        let mut pod = gpu_pod();
+        let mut what = String::new();
+        for _ in 0..3 {
+            let (key, value) = (
+                INPUT_KEYS[next(INPUT_KEYS.len())],
+                HOSTILE[next(HOSTILE.len())],
+            );
+            pod = pod.annotate(key, value);
+            what.push_str(&format!("{key}={value:?} "));
+        }
+        check(pod, &what);
+    }
+    // Both paths are exercised, not just the early refusals.
+    assert!(
+        checked > 2000 && mutated > 50 && skipped > 1000,
+        "{checked} checked, {mutated} mutated, {skipped} skipped"
+    );
+}
