@@ -15,10 +15,10 @@ WORKDIR /src
 COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked \
-      -p memguard-webhook -p memguard-sidecar -p memguard \
+    cargo build --release --locked -p memguard-webhook -p memguard \
+    && cargo build --profile sidecar --locked -p memguard-sidecar \
     && mkdir -p /out \
-    && cp target/release/memguard-webhook target/release/memguard-sidecar target/release/memguard /out/
+    && cp target/release/memguard-webhook target/sidecar/memguard-sidecar target/release/memguard /out/
 
 FROM gcr.io/distroless/cc-debian12:nonroot
 LABEL org.opencontainers.image.source="https://github.com/memguard/memguard" \

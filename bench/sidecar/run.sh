@@ -13,19 +13,20 @@
 #      Repeated with --events false (poll only) for comparison.
 #   2. resident memory (VmRSS, VmHWM) and CPU (utime+stime) of the sidecar over IDLE_SECONDS.
 #   3. release binary size.
-# Uses target/release/memguard-sidecar (built if missing: cargo build --release -p memguard-sidecar).
+# Uses target/sidecar/memguard-sidecar, the shipped build (built if missing:
+# cargo build --profile sidecar -p memguard-sidecar).
 set -euo pipefail
 
 TRIALS=${1:-20}
 IDLE=${2:-30}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-BIN=${MEMGUARD_SIDECAR_BIN:-$ROOT/target/release/memguard-sidecar}
+BIN=${MEMGUARD_SIDECAR_BIN:-$ROOT/target/sidecar/memguard-sidecar}
 V1=/sys/fs/cgroup/memory
 LIMIT=$((256 * 1024 * 1024))
 
 [ "$(id -u)" = 0 ] || { echo "needs root (creates a cgroup)"; exit 2; }
 [ -e "$V1/memory.usage_in_bytes" ] || { echo "no cgroup v1 memory controller at $V1"; exit 2; }
-[ -x "$BIN" ] || (cd "$ROOT" && cargo build --release -p memguard-sidecar)
+[ -x "$BIN" ] || (cd "$ROOT" && cargo build --profile sidecar -p memguard-sidecar)
 
 own=$(awk -F: '$2 ~ /(^|,)memory(,|$)/ {print $3}' /proc/self/cgroup)
 parent="$V1${own}"

@@ -19,8 +19,8 @@ if [ -z "${MEMGUARD_SIDECAR_BIN:-}" ]; then
         (cd "$repo" && cargo build --quiet -p memguard-sidecar)
         MEMGUARD_SIDECAR_BIN="$repo/target/debug/memguard-sidecar"
     else
-        (cd "$repo" && cargo build --quiet --release -p memguard-sidecar)
-        MEMGUARD_SIDECAR_BIN="$repo/target/release/memguard-sidecar"
+        (cd "$repo" && cargo build --quiet --profile sidecar -p memguard-sidecar)
+        MEMGUARD_SIDECAR_BIN="$repo/target/sidecar/memguard-sidecar"
     fi
     export MEMGUARD_SIDECAR_BIN
 fi

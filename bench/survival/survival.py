@@ -92,7 +92,7 @@ def find_sidecar(explicit: Optional[str]) -> Optional[Path]:
     for cand in (explicit, os.environ.get("MEMGUARD_SIDECAR_BIN")):
         if cand:
             return Path(cand)
-    for profile in ("release", "debug"):
+    for profile in ("sidecar", "release", "debug"):
         p = REPO / "target" / profile / "memguard-sidecar"
         if p.is_file():
             return p
@@ -410,7 +410,7 @@ def print_summary(arms: Dict[str, Arm]) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description="memguard survival proof (real cgroup v1, real OOM killer)")
     p.add_argument("--out", default=None, help="directory for logs and results.json (default: a temp dir)")
-    p.add_argument("--sidecar", default=None, help="memguard-sidecar binary (default: target/{release,debug})")
+    p.add_argument("--sidecar", default=None, help="memguard-sidecar binary (default: target/{sidecar,release,debug})")
     p.add_argument("--arms", default="reference,baseline,memguard,memguard-http")
     p.add_argument("--limit-mib", type=int, default=160)
     p.add_argument("--samples", type=int, default=2048)

@@ -2,7 +2,8 @@
 
 Runs as root on a machine with a writable cgroup v1 memory controller (this one and CI);
 elsewhere it prints a loud SKIP. The sidecar binary is taken from ``MEMGUARD_SIDECAR_BIN``, else
-``target/release`` or ``target/debug``; when none exists it is built with cargo.
+``target/sidecar`` (the shipped profile), ``target/release`` or ``target/debug``; when none
+exists it is built with cargo.
 
     python -m pytest bench/survival -s -rs
 
