@@ -7,8 +7,9 @@
 #![forbid(unsafe_code)]
 
 use serde_json::Value;
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
 /// The workspace root (the parent of this crate).
 pub fn workspace_root() -> PathBuf {
@@ -101,6 +102,35 @@ pub fn kubernetes_validate() -> Option<PathBuf> {
 /// Prometheus' `promtool` (Debian's `prometheus` package), or a SKIP / panic.
 pub fn promtool() -> Option<PathBuf> {
     find_tool("promtool", "PROMTOOL").or_else(|| missing("promtool"))
+}
+
+/// `promtool check metrics` on an exposition in the classic Prometheus text format: names,
+/// HELP/TYPE lines and suffixes as Prometheus lints them. Shared by the webhook's and the
+/// sidecar's metrics tests; a missing promtool fails in CI and skips loudly elsewhere.
+pub fn promtool_check_metrics(text: &str) {
+    let Some(promtool) = promtool() else {
+        return;
+    };
+    let mut child = Command::new(&promtool)
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("running {}: {e}", promtool.display()));
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(text.as_bytes())
+        .expect("write to promtool");
+    let out = child.wait_with_output().expect("promtool runs");
+    assert!(
+        out.status.success(),
+        "promtool check metrics failed:\n{}{}\n--- metrics ---\n{text}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A python interpreter that can `import jsonschema`, or a SKIP / panic.

@@ -185,35 +185,7 @@ pub fn put(dir: &Path, name: &str, text: &str) {
     std::fs::rename(&tmp, dir.join(name)).expect("rename");
 }
 
-/// Runs `promtool check metrics` on `text` when promtool is installed; loud when it is not.
+/// Runs `promtool check metrics` on the sidecar's exposition (classic text format).
 pub fn promtool_check(text: &str) {
-    let child = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn();
-    let mut child = match child {
-        Ok(c) => c,
-        Err(_) => {
-            eprintln!(
-                "\n*** SKIP promtool: not installed (apt-get install -y prometheus); \
-                 metric names NOT checked ***\n"
-            );
-            return;
-        }
-    };
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(text.as_bytes())
-        .expect("write");
-    let out = child.wait_with_output().expect("promtool runs");
-    assert!(
-        out.status.success(),
-        "promtool check metrics failed:\n{}{}\n--- metrics ---\n{text}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    memguard_e2e::promtool_check_metrics(text);
 }

@@ -7,7 +7,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
 use rustls::pki_types::{CertificateDer, ServerName};
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -240,8 +240,7 @@ pub async fn scrape(addr: SocketAddr) -> String {
     String::from_utf8_lossy(&body).into_owned()
 }
 
-/// Runs `promtool check metrics` on the webhook's OpenMetrics `text` when promtool is
-/// installed; loud when it is not. promtool reads the classic text format, where a counter's
+/// Runs `promtool check metrics` on the webhook's OpenMetrics `text`. promtool reads the classic text format, where a counter's
 /// family is named with its `_total` suffix (OpenMetrics names it without, as Prometheus does
 /// on scraping); the family names are renamed to that form first, nothing else is touched.
 pub fn promtool_check(text: &str) {
@@ -264,33 +263,7 @@ pub fn promtool_check(text: &str) {
             format!("{line}\n")
         })
         .collect();
-    let text = classic.as_str();
-    let child = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn();
-    let Ok(mut child) = child else {
-        eprintln!(
-            "\n*** SKIP promtool: not installed (apt-get install -y prometheus); \
-             metric names NOT checked ***\n"
-        );
-        return;
-    };
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(text.as_bytes())
-        .expect("write");
-    let out = child.wait_with_output().expect("promtool runs");
-    assert!(
-        out.status.success(),
-        "promtool check metrics failed:\n{}{}\n--- metrics ---\n{text}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    memguard_e2e::promtool_check_metrics(&classic);
 }
 
 /// An AdmissionReview v1 for `pod`.
