@@ -390,6 +390,11 @@ mod tests {
             out
         }
 
+        /// The GET that reads the lease, answered with `lease`.
+        fn read(lease: Value) -> Step {
+            step(Method::GET, &item(), StatusCode::OK, lease)
+        }
+
         fn not_found() -> Step {
             step(
                 Method::GET,
@@ -425,7 +430,7 @@ mod tests {
         #[tokio::test]
         async fn our_lease_is_renewed_with_the_resource_version_read() {
             let steps = vec![
-                step(Method::GET, &item(), StatusCode::OK, lease("7", ME, 95, 2)),
+                read(lease("7", ME, 95, 2)),
                 step(Method::PUT, &item(), StatusCode::OK, lease("8", ME, 100, 2)).body(|body| {
                     assert_eq!(body["metadata"]["resourceVersion"], "7");
                     let spec = &body["spec"];
@@ -440,19 +445,14 @@ mod tests {
 
         #[tokio::test]
         async fn another_replicas_fresh_lease_is_only_read() {
-            let steps = vec![step(
-                Method::GET,
-                &item(),
-                StatusCode::OK,
-                lease("7", "b", 95, 2),
-            )];
+            let steps = vec![read(lease("7", "b", 95, 2))];
             assert!(!acquire(steps).await.expect("followed"));
         }
 
         #[tokio::test]
         async fn another_replicas_expired_lease_is_taken_over() {
             let steps = vec![
-                step(Method::GET, &item(), StatusCode::OK, lease("3", "b", 50, 2)),
+                read(lease("3", "b", 50, 2)),
                 step(Method::PUT, &item(), StatusCode::OK, lease("4", ME, 100, 3)).body(|body| {
                     assert_eq!(body["metadata"]["resourceVersion"], "3");
                     let spec = &body["spec"];
@@ -468,7 +468,7 @@ mod tests {
         #[tokio::test]
         async fn a_conflict_on_the_take_over_means_another_replica_won() {
             let steps = vec![
-                step(Method::GET, &item(), StatusCode::OK, lease("3", "b", 50, 2)),
+                read(lease("3", "b", 50, 2)),
                 step(
                     Method::PUT,
                     &item(),
@@ -494,7 +494,7 @@ mod tests {
         #[tokio::test]
         async fn our_lease_is_released() {
             let steps = vec![
-                step(Method::GET, &item(), StatusCode::OK, lease("7", ME, 95, 2)),
+                read(lease("7", ME, 95, 2)),
                 release_put("7", StatusCode::OK, lease("8", "", 100, 2)),
             ];
             assert!(release(steps).await.expect("released"));
@@ -502,12 +502,7 @@ mod tests {
 
         #[tokio::test]
         async fn another_replicas_lease_is_not_released() {
-            let steps = vec![step(
-                Method::GET,
-                &item(),
-                StatusCode::OK,
-                lease("7", "b", 95, 2),
-            )];
+            let steps = vec![read(lease("7", "b", 95, 2))];
             assert!(!release(steps).await.expect("left alone"));
         }
 
@@ -519,7 +514,7 @@ mod tests {
         #[tokio::test]
         async fn a_conflict_on_the_release_leaves_the_lease_alone() {
             let steps = vec![
-                step(Method::GET, &item(), StatusCode::OK, lease("7", ME, 95, 2)),
+                read(lease("7", ME, 95, 2)),
                 release_put("7", StatusCode::CONFLICT, status_error(409, "Conflict")),
             ];
             assert!(!release(steps).await.expect("someone else wrote it"));
@@ -540,7 +535,7 @@ mod tests {
                     StatusCode::CREATED,
                     lease("1", ME, 100, 0),
                 ),
-                step(Method::GET, &item(), StatusCode::OK, lease("1", ME, 100, 0)),
+                read(lease("1", ME, 100, 0)),
                 step(Method::PUT, &item(), StatusCode::OK, lease("2", "", 100, 0)).body(
                     move |body| {
                         assert!(!*during_release.borrow(), "stepped down before releasing");
