@@ -1,0 +1,270 @@
+//! The bodies of memguard's fuzz targets, one function per target.
+//!
+//! Each function takes arbitrary bytes, feeds them to the real parsers and decision code, and
+//! panics only when an invariant is broken (beyond "no panic" itself, each target checks what
+//! must hold for any input: round trips, bounds, the admission patch applying and being
+//! idempotent). Two callers share them, so the logic exists once:
+//! - the cargo-fuzz crate in `fuzz/` (libFuzzer, coverage-guided; `scripts/fuzz.sh`);
+//! - `tests/replay.rs`, which runs every committed corpus file under `fuzz/corpus/<target>/`
+//!   through the same function on the stable toolchain, in `cargo test`.
+#![deny(missing_docs)]
+
+use base64::Engine;
+use json_patch::Patch;
+use k8s_openapi::api::core::v1::Pod;
+use memguard_api::{Report, Signal, TrainingAnnotations};
+use memguard_sidecar::sample::cgroup::{self, Layout};
+use memguard_sidecar::sample::{Limit, procfs, psi};
+use memguard_webhook::review::{self, Disposition};
+use memguard_webhook::{Profiles, config};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::OnceLock;
+
+/// A target's body: arbitrary bytes in, a panic when an invariant breaks.
+pub type Target = fn(&[u8]);
+
+/// Every target, by the name its corpus directory and cargo-fuzz binary have.
+pub const TARGETS: &[(&str, Target)] = &[
+    ("annotations", annotations),
+    ("admission_review", admission_review),
+    ("quantities", quantities),
+    ("policy", policy),
+    ("cgroup_files", cgroup_files),
+    ("signal_report", signal_report),
+];
+
+/// Annotation parsing. The input is a pod's annotations, one `key=value` per line (a key
+/// without `memguard.io/` is prefixed, so the fuzzer reaches the parsers quickly); values may
+/// hold anything but a newline.
+pub fn annotations(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let mut map = BTreeMap::new();
+    for line in text.lines() {
+        let (key, value) = line.split_once('=').unwrap_or((line, ""));
+        let key = if key.contains('/') {
+            key.to_string()
+        } else {
+            format!("{}{key}", memguard_api::annotations::PREFIX)
+        };
+        map.insert(key, value.to_string());
+    }
+    match TrainingAnnotations::parse(&map) {
+        Ok(_) => {}
+        Err(errors) => {
+            assert!(!errors.is_empty(), "a refusal names at least one error");
+            for e in &errors {
+                assert!(!e.to_string().is_empty(), "an error says something");
+            }
+        }
+    }
+    let _ = memguard_api::annotations::has_training_input(&map);
+}
+
+/// The policy the webhook's golden fixtures run under (a table of GPU products, a sidecar with
+/// resources, an env name), so that reviews reach every part of the decision.
+fn fixture_policy() -> &'static memguard_api::Policy {
+    static POLICY: OnceLock<memguard_api::Policy> = OnceLock::new();
+    POLICY.get_or_init(|| {
+        let text = include_str!("../../webhook/tests/fixtures/policy.yaml");
+        config::policy_from_str(Some(text), &config::Overrides::default())
+            .expect("the fixture policy is valid")
+    })
+}
+
+/// The whole webhook path on an AdmissionReview body: parse, decide, patch, answer (under the
+/// webhook fixtures' policy, no profiles). Invariants: no panic (a panic caught by the webhook counts as
+/// one); the answer is JSON that admits the pod; a patch applies to the pod and yields a Pod;
+/// a second review of the patched pod returns no patch.
+pub fn admission_review(data: &[u8]) {
+    let policy = fixture_policy();
+    let profiles = Profiles::default();
+    let Ok(reviewed) = review::review(data, policy, &profiles) else {
+        return;
+    };
+    assert!(
+        !reviewed
+            .warnings
+            .iter()
+            .any(|w| w == review::INTERNAL_ERROR),
+        "memguard panicked while deciding"
+    );
+    let answer = serde_json::to_vec(&reviewed.review).expect("the answer serializes");
+    let answer: Value = serde_json::from_slice(&answer).expect("the answer is JSON");
+    assert_eq!(answer["response"]["allowed"], Value::Bool(true));
+    for w in &reviewed.warnings {
+        assert!(
+            w.chars().count() <= 120,
+            "warning over 120 characters: {w:?}"
+        );
+    }
+    let Some(patch_b64) = &reviewed.review.response.patch else {
+        return;
+    };
+    assert!(
+        matches!(
+            reviewed.disposition,
+            Disposition::Mutated | Disposition::Skipped
+        ),
+        "a patch comes with a mutation or a skip, not {:?}",
+        reviewed.disposition
+    );
+    let patch_json = base64::engine::general_purpose::STANDARD
+        .decode(patch_b64)
+        .expect("the patch is base64");
+    let patch: Patch = serde_json::from_slice(&patch_json).expect("the patch is a JSON patch");
+
+    // The pod as the API server holds it: the request's object, decoded and re-encoded.
+    let mut body: Value = serde_json::from_slice(data).expect("a reviewed body is JSON");
+    let object = body["request"]["object"].take();
+    let pod: Pod = serde_json::from_value(object).expect("a patched object is a Pod");
+    let mut doc = serde_json::to_value(&pod).expect("a Pod serializes");
+    json_patch::patch(&mut doc, &patch).unwrap_or_else(|e| panic!("the patch applies: {e}"));
+    let patched: Pod = serde_json::from_value(doc.clone())
+        .unwrap_or_else(|e| panic!("the patched object is a Pod: {e}"));
+
+    // A second pass (the API server re-invokes webhooks) changes nothing.
+    body["request"]["object"] = serde_json::to_value(&patched).expect("a Pod serializes");
+    let again = serde_json::to_vec(&body).expect("the body serializes");
+    let second = review::review(&again, policy, &profiles).expect("the patched review parses");
+    assert!(
+        second.review.response.patch.is_none(),
+        "a second review patches again: {:?}",
+        second
+            .review
+            .response
+            .patch
+            .as_deref()
+            .map(|p| base64::engine::general_purpose::STANDARD
+                .decode(p)
+                .map(|b| String::from_utf8_lossy(&b).into_owned()))
+    );
+}
+
+/// Quantities (`64Gi`, `1e9`), the estimator's sizes and counts (`24GiB`, `7B`) and the
+/// sidecar's durations (`100ms`, `2s`). Invariants: a plain integer parses to itself; the
+/// estimator's byte sizes are non-negative and finite by construction (no panic is the check).
+pub fn quantities(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let quantity = memguard_api::pod::parse_quantity(text);
+    if let Ok(n) = text.trim().parse::<u64>()
+        && n < (1u64 << 53)
+    {
+        assert_eq!(
+            quantity,
+            Some(n),
+            "an exact integer quantity parses to itself"
+        );
+    }
+    let _ = memguard_estimator::units::parse_bytes(text);
+    let _ = memguard_estimator::units::parse_count(text);
+    if let Ok(d) = memguard_sidecar::config::parse_duration(text)
+        && let Ok(secs) = text.trim().parse::<u64>()
+    {
+        assert_eq!(d.as_secs(), secs, "a bare number is seconds");
+    }
+    let _ = memguard_sidecar::config::parse_bool(text);
+}
+
+/// The policy document: a `PolicySpec` or a `MemguardPolicy` manifest, YAML or JSON, through
+/// the same function the webhook uses for its file and `memguard mutate` for `--policy`.
+/// Invariant: a policy that validates passes its own validation again (the thresholds are
+/// ordered and within range).
+pub fn policy(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    match config::policy_from_str(Some(text), &config::Overrides::default()) {
+        Ok(policy) => {
+            policy
+                .thresholds
+                .validate()
+                .unwrap_or_else(|e| panic!("an accepted policy has valid thresholds: {e}"));
+            assert!(
+                policy.safety_ratio > 0.0 && policy.safety_ratio <= 1.0,
+                "safety ratio {} accepted",
+                policy.safety_ratio
+            );
+        }
+        Err(errors) => assert!(!errors.is_empty(), "a refusal says why"),
+    }
+}
+
+/// The files the sidecar reads under a cgroup and `/proc`: single numbers, v1/v2 limits, keyed
+/// files (`memory.stat`, `memory.events`), PSI, `/proc/<pid>/status` and `/proc/<pid>/cgroup`.
+/// Invariants: a limit round-trips through its number; PSI averages are finite; the memory
+/// directory found from a `/proc/<pid>/cgroup` text never leaves the cgroup root.
+pub fn cgroup_files(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    if let Some(n) = cgroup::parse_u64(text) {
+        assert_eq!(cgroup::parse_v2_limit(text), Some(Limit::Bytes(n)));
+    }
+    let _ = cgroup::parse_v1_limit(text);
+    for key in [
+        "inactive_file",
+        "total_inactive_file",
+        "oom_kill",
+        "high",
+        "max",
+    ] {
+        let _ = cgroup::keyed(text, key);
+    }
+    let p = psi::parse_psi(text);
+    for line in [p.some, p.full].into_iter().flatten() {
+        let _ = (line.avg10, line.avg60, line.avg300, line.total_us);
+    }
+    let _ = procfs::parse_status_rss(text);
+    let root = Path::new("/sys/fs/cgroup");
+    for layout in [Layout::Unified, Layout::Legacy, Layout::Hybrid] {
+        if let Some(dir) = layout.memory_dir(root, text) {
+            assert!(
+                dir.starts_with(root)
+                    && !dir
+                        .components()
+                        .any(|c| c == std::path::Component::ParentDir),
+                "memory dir {dir:?} escapes {root:?}"
+            );
+        }
+    }
+}
+
+/// The signal file and the trainer's report, as the sidecar reads them: the signal kept from a
+/// previous run (`starting_signal`) and the `POST /v1/report` body. Invariants: a restarted
+/// sidecar's signal is newer and keeps batch × accumulation ≥ 1; what parses re-serializes and
+/// parses to the same value.
+pub fn signal_report(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let old = serde_json::from_str::<Signal>(text).ok();
+    let s = memguard_sidecar::engine::starting_signal(Some(text), 4, 2, false);
+    assert!(s.batch_size >= 1 && s.grad_accumulation >= 1);
+    if let Some(old) = &old
+        && old.version == s.version
+    {
+        assert!(
+            s.seq > old.seq || old.seq == u64::MAX,
+            "the new signal is newer"
+        );
+    }
+    if let Some(old) = old {
+        let again = serde_json::to_string(&old).expect("a signal serializes");
+        let back: Signal = serde_json::from_str(&again).expect("a serialized signal parses");
+        assert_eq!(
+            serde_json::to_value(&back).expect("serializes"),
+            serde_json::to_value(&old).expect("serializes")
+        );
+    }
+    if let Ok(report) = serde_json::from_slice::<Report>(data) {
+        let again = serde_json::to_vec(&report).expect("a report serializes");
+        let back: Report = serde_json::from_slice(&again).expect("a serialized report parses");
+        assert_eq!(back, report);
+    }
+}

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Coverage-guided fuzzing (cargo-fuzz, libFuzzer) of memguard's parsers and of the webhook's whole
+# review path. The targets' bodies live in fuzz-targets/ (also replayed by `cargo test`); fuzz/ is
+# the cargo-fuzz crate, its corpora under fuzz/corpus/<target>/ are committed.
+#
+#   scripts/fuzz.sh list                      the targets
+#   scripts/fuzz.sh run TARGET [SECONDS]      fuzz one target (default 300 s), growing its corpus
+#   scripts/fuzz.sh cmin TARGET               minimize a corpus before committing it
+#   scripts/fuzz.sh smoke [SECONDS]           every target for SECONDS each (default 5)
+#   scripts/fuzz.sh cov TARGET                the corpus's coverage (libFuzzer's cov/ft after replay)
+#
+# Stable toolchain: cargo-fuzz passes nightly-only flags (-Zsanitizer, -Cpasses=sancov-module…),
+# which RUSTC_BOOTSTRAP=1 lets stable rustc accept. No sanitizer (`-s none`): the workspace forbids
+# unsafe code, so AddressSanitizer would only halve the speed; panics, overflow checks
+# (debug-assertions are on) and timeouts/OOMs are what libFuzzer catches here.
+# Be frugal on shared machines: this runs under `nice -n 19`, one target at a time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+CARGO_FUZZ_VERSION=0.13.1
+export RUSTC_BOOTSTRAP=1
+
+targets() { sed -n 's/^name = "\([a-z_]*\)"$/\1/p' fuzz/Cargo.toml | grep -v '^memguard-fuzz$'; }
+
+ensure_cargo_fuzz() {
+  if ! cargo fuzz --version >/dev/null 2>&1; then
+    echo "fuzz: installing cargo-fuzz $CARGO_FUZZ_VERSION" >&2
+    cargo install cargo-fuzz --locked --version "$CARGO_FUZZ_VERSION" >&2
+  fi
+  # The fuzz crate is its own workspace: pin it to the versions the main workspace tested.
+  cp Cargo.lock fuzz/Cargo.lock
+}
+
+fuzz() { # fuzz TARGET [libFuzzer args...]
+  local target=$1
+  shift
+  mkdir -p "fuzz/corpus/$target" fuzz/artifacts
+  nice -n 19 cargo fuzz run -s none --debug-assertions "$target" "fuzz/corpus/$target" -- \
+    -artifact_prefix="fuzz/artifacts/$target-" -print_final_stats=1 "$@"
+}
+
+cmd=${1:-list}
+case $cmd in
+  list) targets ;;
+  run)
+    ensure_cargo_fuzz
+    fuzz "$2" -max_total_time="${3:-300}" -timeout=10 -rss_limit_mb=2048
+    ;;
+  cmin)
+    ensure_cargo_fuzz
+    nice -n 19 cargo fuzz cmin -s none --debug-assertions "$2" "fuzz/corpus/$2"
+    ;;
+  cov)
+    ensure_cargo_fuzz
+    fuzz "$2" -runs=0
+    ;;
+  smoke)
+    ensure_cargo_fuzz
+    for t in $(targets); do
+      # A scratch copy: the smoke run must not grow the committed corpus.
+      scratch=$(mktemp -d)
+      cp -r "fuzz/corpus/$t/." "$scratch/"
+      mkdir -p fuzz/artifacts
+      nice -n 19 cargo fuzz run -s none --debug-assertions "$t" "$scratch" -- \
+        -max_total_time="${2:-5}" -timeout=10 -rss_limit_mb=2048 \
+        -artifact_prefix="fuzz/artifacts/$t-" -print_final_stats=1
+      rm -rf "$scratch"
+    done
+    ;;
+  *)
+    echo "usage: $0 list|run TARGET [SECONDS]|cmin TARGET|cov TARGET|smoke [SECONDS]" >&2
+    exit 2
+    ;;
+esac
