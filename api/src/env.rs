@@ -20,6 +20,11 @@ pub const BUDGET_BYTES: &str = "MEMGUARD_BUDGET_BYTES";
 pub const SIGNAL_FILE: &str = "MEMGUARD_SIGNAL_FILE";
 /// URL of the sidecar's trainer API (e.g. `http://127.0.0.1:9091`).
 pub const SIDECAR_URL: &str = "MEMGUARD_SIDECAR_URL";
+/// Where the trainer writes its OOM record (default [`crate::labels::TERMINATION_LOG`]).
+pub const TERMINATION_LOG: &str = "MEMGUARD_TERMINATION_LOG";
+/// `true` when the webhook admitted the pod with "cannot fit" (retries exhausted or no plan
+/// fits): a fatal OOM then exits with [`crate::oom::EXIT_OOM_CANNOT_FIT`].
+pub const CANNOT_FIT: &str = "MEMGUARD_CANNOT_FIT";
 /// The trainer's memory limit in bytes, passed to the sidecar through the downward API.
 pub const TRAINER_MEMORY_LIMIT: &str = "MEMGUARD_TRAINER_MEMORY_LIMIT";
 /// The trainer container's name, passed to the sidecar.

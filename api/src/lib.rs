@@ -1,6 +1,6 @@
 //! The memguard contract, shared by every part: annotation keys and their parsing, the
 //! environment variables written into the trainer, the signal schema between sidecar and
-//! trainer, the termination summary, and (feature `crd`) the CRD types.
+//! trainer, the trainer's OOM record, the termination summary, and (feature `crd`) the CRD types.
 //!
 //! Every shared string is a named constant here, once. Keep these names stable.
 #![deny(missing_docs)]
@@ -8,6 +8,7 @@
 pub mod annotations;
 pub mod env;
 pub mod labels;
+pub mod oom;
 pub mod policy;
 pub mod signal;
 pub mod summary;
@@ -18,6 +19,7 @@ pub mod crd;
 pub mod pod;
 
 pub use annotations::{AnnotationError, EnvMap, Knob, TrainingAnnotations};
+pub use oom::{OomKind, OomOutcome, OomRecord};
 pub use policy::{Policy, PolicySpec};
 pub use signal::{Level, Pressure, Report, Signal};
 pub use summary::Summary;

@@ -142,6 +142,10 @@ pub struct Report {
     /// Batch size the step ran with.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch_size: Option<u64>,
+    /// An out-of-memory error the trainer just had, recovered or fatal
+    /// ([`crate::oom::OomRecord`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oom: Option<crate::oom::OomRecord>,
 }
 
 /// Now, as RFC 3339 UTC with milliseconds.

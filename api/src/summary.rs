@@ -33,6 +33,16 @@ pub struct Summary {
     pub batch_size: u64,
     /// Final recommended gradient accumulation.
     pub grad_accumulation: u64,
+    /// OOM records the trainer reported (recovered and fatal).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub oom_reports: u64,
+    /// The last OOM record the trainer reported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_oom: Option<crate::oom::OomRecord>,
     /// Why the sidecar stopped (`sigterm`, `trainer-exited`, …).
     pub exit_reason: String,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }

@@ -3,7 +3,7 @@
 //! out rather than reported as 0.
 
 use crate::state::Status;
-use memguard_api::Signal;
+use memguard_api::{OomKind, OomOutcome, Signal};
 use std::fmt::Write;
 
 /// Every metric prefix.
@@ -179,6 +179,20 @@ pub fn render(st: &Status, sig: &Signal) -> String {
         "oom_kills_total",
         "OOM kills in the trainer's cgroup since the sidecar started.",
         st.oom_events() as f64,
+    );
+    let mut ooms = Vec::new();
+    for kind in [OomKind::CudaOom, OomKind::CpuOom] {
+        for outcome in [OomOutcome::Recovered, OomOutcome::Fatal] {
+            let n = st.oom_records.get(&(kind, outcome)).copied().unwrap_or(0);
+            let labels = format!("{{kind=\"{kind}\",outcome=\"{outcome}\"}}");
+            ooms.push((labels, n as f64));
+        }
+    }
+    o.family(
+        "oom_records_total",
+        "counter",
+        "Out-of-memory errors the trainer reported, by kind (cuda_oom, cpu_oom) and outcome (recovered, fatal).",
+        &ooms,
     );
     o.counter("samples_total", "Samples taken.", st.samples_total as f64);
     o.counter(

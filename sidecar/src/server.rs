@@ -10,6 +10,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use memguard_api::Report;
+use memguard_api::oom::MAX_MESSAGE_CHARS;
 use serde::Deserialize;
 use std::sync::Arc;
 use std::time::Duration;
@@ -98,6 +99,12 @@ async fn post_report(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
     let gpu = report.reserved_bytes.or(report.allocated_bytes);
     if let Some(g) = gpu.max(report.peak_bytes) {
         st.gpu_peak = Some(st.gpu_peak.map_or(g, |p| p.max(g)));
+    }
+    if let Some(oom) = &report.oom {
+        *st.oom_records.entry((oom.kind, oom.outcome)).or_default() += 1;
+        let mut kept = oom.clone();
+        kept.message = kept.message.chars().take(MAX_MESSAGE_CHARS).collect();
+        st.last_oom = Some(kept);
     }
     st.report = Some(report);
     st.reports_total += 1;
@@ -223,6 +230,54 @@ mod tests {
             call(trainer_router(sh), req).await.0,
             StatusCode::BAD_REQUEST
         );
+    }
+
+    #[tokio::test]
+    async fn an_oom_record_is_counted_by_kind_and_outcome_and_carried_in_the_summary() {
+        let sh = shared();
+        let fixture: serde_json::Value =
+            serde_json::from_str(include_str!("../../api/fixtures/oom-record-v1.json"))
+                .expect("fixture");
+        let mut recovered = fixture.clone();
+        recovered["outcome"] = "recovered".into();
+        recovered["new_batch_size"] = 4.into();
+        for oom in [&recovered, &recovered, &fixture] {
+            let body = serde_json::json!({"step": 412, "batch_size": 8, "oom": oom});
+            let req = Request::post("/v1/report")
+                .body(Body::from(body.to_string()))
+                .expect("req");
+            assert_eq!(
+                call(trainer_router(sh.clone()), req).await.0,
+                StatusCode::NO_CONTENT
+            );
+        }
+        let (_, metrics) = call(trainer_router(sh.clone()), get_req("/metrics")).await;
+        for line in [
+            "memguard_sidecar_oom_records_total{kind=\"cuda_oom\",outcome=\"recovered\"} 2\n",
+            "memguard_sidecar_oom_records_total{kind=\"cuda_oom\",outcome=\"fatal\"} 1\n",
+            "memguard_sidecar_oom_records_total{kind=\"cpu_oom\",outcome=\"fatal\"} 0\n",
+        ] {
+            assert!(metrics.contains(line), "{line} in {metrics}");
+        }
+        let summary = crate::summary::build(&sh.status(), &sh.signal.borrow(), None, "sigterm");
+        assert_eq!(summary.oom_reports, 3);
+        let last = summary.last_oom.expect("carried");
+        assert_eq!(
+            (last.kind, last.outcome),
+            (
+                memguard_api::OomKind::CudaOom,
+                memguard_api::OomOutcome::Fatal
+            )
+        );
+        assert_eq!(last.requested_bytes, Some(2 << 30));
+        let req = Request::post("/v1/report")
+            .body(Body::from(r#"{"oom":{"version":1,"kind":"disk_oom"}}"#))
+            .expect("req");
+        assert_eq!(
+            call(trainer_router(sh.clone()), req).await.0,
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(sh.status().oom_reports(), 3);
     }
 
     #[tokio::test]

@@ -4,7 +4,7 @@ use crate::sample::MemorySample;
 use crate::sample::gpu::GpuMemory;
 use crate::sample::psi::Psi;
 use crate::trace::Trace;
-use memguard_api::{Level, Report, Signal};
+use memguard_api::{Level, OomKind, OomOutcome, OomRecord, Report, Signal};
 use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use tokio::sync::watch;
@@ -46,6 +46,10 @@ pub struct Status {
     pub oom_kill_now: Option<u64>,
     /// Downgrades issued.
     pub downgrades: u64,
+    /// OOM records the trainer reported, by kind and outcome.
+    pub oom_records: BTreeMap<(OomKind, OomOutcome), u64>,
+    /// The last OOM record the trainer reported.
+    pub last_oom: Option<OomRecord>,
     /// Seconds to the limit of a steady growth, when one is seen.
     pub seconds_to_limit: Option<f64>,
 }
@@ -57,6 +61,13 @@ impl Status {
             (Some(a), Some(b)) => b.saturating_sub(a),
             _ => 0,
         }
+    }
+}
+
+impl Status {
+    /// OOM records reported, all kinds and outcomes.
+    pub fn oom_reports(&self) -> u64 {
+        self.oom_records.values().sum()
     }
 }
 

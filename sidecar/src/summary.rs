@@ -24,6 +24,8 @@ pub fn build(st: &Status, sig: &Signal, estimate: Option<u64>, exit_reason: &str
         max_level: st.max_level.max(sig.level),
         batch_size: sig.batch_size,
         grad_accumulation: sig.grad_accumulation,
+        oom_reports: st.oom_reports(),
+        last_oom: st.last_oom.clone(),
         exit_reason: exit_reason.chars().take(200).collect(),
     }
 }
@@ -32,8 +34,12 @@ pub fn build(st: &Status, sig: &Signal, estimate: Option<u64>, exit_reason: &str
 pub fn to_line(summary: &Summary) -> String {
     let mut line = serde_json::to_string(summary).unwrap_or_else(|_| "{}".into());
     if line.len() + 1 > MAX_SUMMARY_BYTES {
+        // Drop the free text first: the figures are what the controller learns from.
         let mut s = summary.clone();
         s.exit_reason.clear();
+        if let Some(oom) = s.last_oom.as_mut() {
+            oom.message.clear();
+        }
         line = serde_json::to_string(&s).unwrap_or_else(|_| "{}".into());
     }
     line.push('\n');

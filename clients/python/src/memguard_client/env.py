@@ -25,6 +25,11 @@ SIGNAL_FILE = "MEMGUARD_SIGNAL_FILE"
 #: URL of the sidecar's trainer API.
 SIDECAR_URL = "MEMGUARD_SIDECAR_URL"
 
+#: Where a fatal OOM record is written (default: /dev/termination-log when it exists).
+TERMINATION_LOG = "MEMGUARD_TERMINATION_LOG"
+#: ``true`` when the webhook admitted the pod with "cannot fit": a fatal OOM exits 87, not 86.
+CANNOT_FIT = "MEMGUARD_CANNOT_FIT"
+
 #: Default signal file path (memguard_api::labels::SIGNAL_FILE).
 DEFAULT_SIGNAL_FILE = "/var/run/memguard/signal.json"
 

@@ -58,6 +58,10 @@ class Guard:
             HTTP source is asked only by :meth:`poll_http`.
         poll_wait: seconds the sidecar may hold a long-poll open.
         report_timeout: seconds :meth:`report` waits for the sidecar at most.
+        oom_hook: record an uncaught out-of-memory error (``sys.excepthook``, see
+            :func:`memguard_client.oom.install_excepthook`): the record goes to the sidecar and
+            the termination message, and the process exits 86. ``None`` (default) installs it
+            when a source is configured (a pod memguard admitted); ``False`` never does.
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class Guard:
         background: bool = True,
         poll_wait: float = 30.0,
         report_timeout: float = 0.5,
+        oom_hook: Optional[bool] = None,
     ) -> None:
         environ: Mapping[str, str] = os.environ if env is None else env
         if signal_file is None:
@@ -103,6 +108,7 @@ class Guard:
         self._seen_at: Optional[float] = None
         self._source: Optional[str] = None
         self._changed = False
+        self._last_step: Optional[int] = None
 
         self._file_key: Optional[_FileKey] = None
         self._file_racy = False
@@ -117,6 +123,10 @@ class Guard:
                 target=self._poll_loop, name="memguard-longpoll", daemon=True
             )
             self._thread.start()
+        if oom_hook or (oom_hook is None and self.enabled):
+            from .oom import install_excepthook
+
+            install_excepthook(self)
 
     # --- what the trainer reads -------------------------------------------------------------
 
@@ -179,6 +189,11 @@ class Guard:
     def source(self) -> Optional[str]:
         """Where the current signal came from: ``"file"``, ``"http"``, or ``None`` before any."""
         return self._source
+
+    @property
+    def last_step(self) -> Optional[int]:
+        """The step of the last :meth:`report` that gave one (what an OOM record names)."""
+        return self._last_step
 
     @property
     def seen_at(self) -> Optional[float]:
@@ -376,8 +391,21 @@ class Guard:
             n = _non_negative_int(value)
             if n is not None:
                 body[name] = n
+        if "step" in body:
+            self._last_step = body["step"]
         if isinstance(framework, str) and framework:
             body["framework"] = framework[:64]
+        return self._post_report(body)
+
+    def report_oom(self, record: Mapping[str, Any]) -> bool:
+        """POST an OOM record (:func:`memguard_client.oom.build_record`) to ``/v1/report``.
+
+        The sidecar counts it and applies a sticky downgrade. Never raises; True when accepted.
+        """
+        body: Dict[str, Any] = {"oom": dict(record)}
+        for name in ("step", "batch_size"):
+            if name in record:
+                body[name] = record[name]
         return self._post_report(body)
 
     def report_framework(self, step: Optional[int] = None) -> Optional[Dict[str, Any]]:
