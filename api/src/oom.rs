@@ -30,6 +30,37 @@ pub const EXIT_OOM_CANNOT_FIT: i32 = 87;
 /// Longest `message` kept in a record (the termination message holds at most 4096 bytes).
 pub const MAX_MESSAGE_CHARS: usize = 512;
 
+/// Text that means the accelerator's allocator ran out, as torch prints it (also in a
+/// traceback that reaches the termination message through `FallbackToLogsOnError`).
+pub const CUDA_OOM_TEXTS: &[&str] = &[
+    "CUDA out of memory",
+    "HIP out of memory",
+    "CUDA error: out of memory",
+    "torch.OutOfMemoryError",
+    "torch.cuda.OutOfMemoryError",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+];
+
+/// Text that means host memory ran out: torch's CPU allocator.
+pub const CPU_OOM_TEXTS: &[&str] = &["DefaultCPUAllocator: can't allocate memory"];
+
+/// The kind of out-of-memory error a log tail or message shows, if any: the texts above, or a
+/// line that starts with Python's `MemoryError` (the last line of its traceback).
+pub fn classify_text(text: &str) -> Option<OomKind> {
+    if CUDA_OOM_TEXTS.iter().any(|t| text.contains(t)) {
+        return Some(OomKind::CudaOom);
+    }
+    let memory_error = text.lines().any(|l| {
+        l.trim_start()
+            .strip_prefix("MemoryError")
+            .is_some_and(|r| r.is_empty() || r.starts_with(':'))
+    });
+    if memory_error || CPU_OOM_TEXTS.iter().any(|t| text.contains(t)) {
+        return Some(OomKind::CpuOom);
+    }
+    None
+}
+
 /// Which memory ran out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -182,6 +213,55 @@ mod tests {
             bad_kind.as_str(),
         ] {
             assert_eq!(OomRecord::from_termination_message(text), None, "{text}");
+        }
+    }
+
+    #[test]
+    fn classify_text_reads_torch_and_python_messages() {
+        let table: [(&str, &str, Option<OomKind>); 8] = [
+            (
+                "torch ≥ 2.1",
+                "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.",
+                Some(OomKind::CudaOom),
+            ),
+            (
+                "older torch",
+                "RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.78 GiB total capacity)",
+                Some(OomKind::CudaOom),
+            ),
+            (
+                "ROCm",
+                "HIP out of memory. Tried to allocate 8.00 MiB",
+                Some(OomKind::CudaOom),
+            ),
+            (
+                "CPU allocator",
+                "RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 1125899906842624 bytes.",
+                Some(OomKind::CpuOom),
+            ),
+            (
+                "Python MemoryError",
+                "Traceback (most recent call last):\n  File \"t.py\", line 1\nMemoryError\n",
+                Some(OomKind::CpuOom),
+            ),
+            (
+                "MemoryError with text",
+                "MemoryError: cannot allocate array",
+                Some(OomKind::CpuOom),
+            ),
+            (
+                "a name that starts the same",
+                "MemoryErrorHandler installed",
+                None,
+            ),
+            (
+                "another crash",
+                "RuntimeError: mat1 and mat2 shapes cannot be multiplied",
+                None,
+            ),
+        ];
+        for (name, text, kind) in table {
+            assert_eq!(classify_text(text), kind, "{name}");
         }
     }
 

@@ -39,6 +39,10 @@ pub struct Summary {
     /// The last OOM record the trainer reported.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_oom: Option<crate::oom::OomRecord>,
+    /// The batch of the sticky downgrade in force at exit (set after an OOM kill or an OOM
+    /// record; the trainer, restarted in place or not, never ran above it afterwards).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sticky_batch_size: Option<u64>,
     /// Why the sidecar stopped (`sigterm`, `trainer-exited`, …).
     pub exit_reason: String,
 }

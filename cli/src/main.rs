@@ -2,6 +2,7 @@
 
 mod crdgen;
 mod estimate;
+mod explain;
 mod mutate;
 
 use clap::{Parser, Subcommand};
@@ -21,6 +22,8 @@ enum Command {
     Estimate(Box<estimate::Args>),
     /// Apply the webhook's mutation to a manifest on disk (pod, or a workload's pod template).
     Mutate(mutate::Args),
+    /// Explain what happened to a pod's memory (`kubectl get pod NAME -o yaml | memguard explain -f -`).
+    Explain(explain::Args),
     /// Write the CRD manifests (MemguardPolicy, MemoryProfile).
     Crdgen(crdgen::Args),
 }
@@ -33,6 +36,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Estimate(args) => estimate::run(*args),
         Command::Mutate(args) => mutate::run(args),
+        Command::Explain(args) => explain::run(args),
         Command::Crdgen(args) => crdgen::run(args),
     };
     match result {

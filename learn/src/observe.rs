@@ -6,7 +6,7 @@ use k8s_openapi::api::core::v1::{ContainerStateTerminated, ContainerStatus, Pod}
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use memguard_api::annotations as keys;
 use memguard_api::crd::{DeviceClass, TrainingKnobs};
-use memguard_api::{Level, Summary, env, labels};
+use memguard_api::{Level, OomKind, OomOutcome, OomRecord, Summary, env, labels};
 use memguard_estimator::{Bytes, TrainingConfig, parse_bytes};
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -17,6 +17,12 @@ pub const OOM_KILLED: &str = "OOMKilled";
 pub const SIGKILL_EXIT: i32 = 137;
 /// `reason` recorded for a SIGKILL the kubelet did not attribute to the OOM killer.
 pub const KILLED_EXIT_137: &str = "Killed(137)";
+/// Reason recorded for a trainer that died of a CUDA (accelerator) out-of-memory error: its OOM
+/// record, or a termination message that says so.
+pub const CUDA_OOM: &str = "CudaOOM";
+/// Reason recorded for a trainer that died of a host out-of-memory error it caught itself
+/// (`MemoryError`, torch's CPU allocator): its OOM record or message.
+pub const CPU_OOM: &str = "CpuOOM";
 /// Pod condition the control plane sets on pods it evicts, preempts or deletes.
 pub const DISRUPTION_TARGET: &str = "DisruptionTarget";
 
@@ -33,7 +39,8 @@ pub struct Observation {
     pub finished_at: Time,
     /// The trainer's exit code.
     pub exit_code: i32,
-    /// Set when the trainer ran out of memory: `OOMKilled` or [`KILLED_EXIT_137`].
+    /// Set when the trainer ran out of memory: `OOMKilled`, [`KILLED_EXIT_137`], [`CUDA_OOM`] or
+    /// [`CPU_OOM`].
     pub oom: Option<String>,
     /// The webhook's estimate for the config the pod ran with, before calibration.
     pub estimate: Option<Bytes>,
@@ -204,6 +211,10 @@ pub fn try_observe(pod: &Pod) -> Result<Observation, NotObserved> {
 /// | trainer | sidecar summary | pod | → |
 /// | --- | --- | --- | --- |
 /// | `reason: OOMKilled` | any | any | `OOMKilled` |
+/// | exit 0 | any | any | not an OOM |
+/// | termination message is an OOM record (`memguard_api::OomRecord`) | any | any | [`CUDA_OOM`] / [`CPU_OOM`] by its kind |
+/// | termination message says so (`CUDA out of memory`, …: [`memguard_api::oom::classify_text`]) | any | any | [`CUDA_OOM`] / [`CPU_OOM`] |
+/// | other non-zero exit | carries a fatal OOM record (`last_oom`) | any | [`CUDA_OOM`] / [`CPU_OOM`] by its kind |
 /// | exit 137 | counted an OOM kill | any | `OOMKilled` |
 /// | exit 137 | none counted | `DisruptionTarget` or being deleted | not an OOM (evicted, preempted, deleted) |
 /// | exit 137 | none counted | otherwise | [`KILLED_EXIT_137`] |
@@ -217,6 +228,22 @@ pub fn oom_reason(
     if trainer.reason.as_deref() == Some(OOM_KILLED) {
         return Some(OOM_KILLED.into());
     }
+    if trainer.exit_code == 0 {
+        return None;
+    }
+    let message = trainer.message.as_deref().unwrap_or_default();
+    let kind = OomRecord::from_termination_message(message)
+        .map(|r| r.kind)
+        .or_else(|| memguard_api::oom::classify_text(message))
+        .or_else(|| {
+            summary
+                .and_then(|s| s.last_oom.as_ref())
+                .filter(|r| r.outcome == OomOutcome::Fatal)
+                .map(|r| r.kind)
+        });
+    if let Some(kind) = kind {
+        return Some(oom_kind_reason(kind).into());
+    }
     let sidecar_saw_oom = summary.is_some_and(|s| s.oom_events > 0);
     match trainer.exit_code {
         0 => None,
@@ -227,6 +254,14 @@ pub fn oom_reason(
             Some(OOM_KILLED.into())
         }
         _ => None,
+    }
+}
+
+/// The reason recorded for an OOM of `kind`.
+pub const fn oom_kind_reason(kind: OomKind) -> &'static str {
+    match kind {
+        OomKind::CudaOom => CUDA_OOM,
+        OomKind::CpuOom => CPU_OOM,
     }
 }
 

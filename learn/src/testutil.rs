@@ -134,6 +134,17 @@ impl PodBuilder {
         self
     }
 
+    /// The trainer's current state: `Error` with `exit_code` and a termination `message`.
+    pub fn trainer_failed_with(mut self, exit_code: i32, message: &str, finished: i64) -> Self {
+        let state = terminated("Error", exit_code, finished, Some(message.into()));
+        let status = container_status("trainer", state);
+        self.status()
+            .container_statuses
+            .get_or_insert_with(Vec::new)
+            .push(status);
+        self
+    }
+
     /// The trainer running again after it terminated (restarted in place).
     pub fn trainer_restarted(mut self, reason: &str, exit_code: i32, finished: i64) -> Self {
         let mut status = container_status(

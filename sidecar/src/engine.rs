@@ -37,6 +37,7 @@ pub struct Engine {
     write_failing: bool,
     pending_write: bool,
     errors_logged: u64,
+    oom_kill_seen: Option<u64>,
 }
 
 /// Where the engine reads PSI from.
@@ -75,7 +76,57 @@ impl Engine {
             write_failing: false,
             pending_write: true,
             errors_logged: 0,
+            oom_kill_seen: None,
         }
+    }
+
+    /// The sticky downgrade after an OOM kill counted in the cgroup since the last sample, or an
+    /// OOM record the trainer reported: the state to move to, and why.
+    fn after_oom(
+        &mut self,
+        state: &policy::State,
+        sample: Option<&MemorySample>,
+        now_ms: u64,
+    ) -> Option<(policy::State, String)> {
+        let mut out: Option<(policy::State, String)> = None;
+        if let Some(k) = sample.and_then(|s| s.events.oom_kill) {
+            let before = self.oom_kill_seen.replace(k);
+            if let Some(b) = before.filter(|b| k > *b) {
+                let next = policy::sticky_downgrade(state, self.state.knobs(), None, now_ms);
+                let why = format!("OOM kill in the trainer's cgroup (oom_kill {b} -> {k})");
+                out = Some((next, why));
+            }
+        }
+        let record = self.shared.status().pending_oom.take();
+        if let Some(r) = record {
+            let base = out.as_ref().map_or(state, |(s, _)| s).clone();
+            let in_force = policy::Knobs {
+                batch_size: r.batch_size.max(1),
+                grad_accumulation: r.grad_accumulation.max(1),
+                grad_checkpointing: r.grad_checkpointing,
+            };
+            let next = policy::sticky_downgrade(&base, in_force, r.new_batch_size, now_ms);
+            let step = r.step.map_or_else(|| "?".into(), |s| s.to_string());
+            let why = format!("trainer reported a {} {} at step {step}", r.outcome, r.kind);
+            out = Some(match out {
+                Some((_, first)) => (next, format!("{first}; {why}")),
+                None => (next, why),
+            });
+        }
+        out.map(|(next, why)| {
+            let what = format!(
+                "{why}: sticky downgrade to batch {}, accumulation {}{}",
+                next.batch_size,
+                next.grad_accumulation,
+                if next.grad_checkpointing {
+                    ", checkpointing on"
+                } else {
+                    ""
+                }
+            );
+            tracing::warn!(reason = %what, "out of memory");
+            (next, what)
+        })
     }
 
     /// The effective limit of the last sample.
@@ -165,7 +216,11 @@ impl Engine {
             gpu_ratio,
             seconds_to_limit,
         };
-        let decision = policy::assess(&self.state, &inputs, now_ms, &self.policy);
+        let mut decision = policy::assess(&self.state, &inputs, now_ms, &self.policy);
+        if let Some((state, why)) = self.after_oom(&decision.state, sample.as_ref(), now_ms) {
+            decision.state = state;
+            decision.reason = why;
+        }
         let changed = decision.state.signal_differs(&self.state);
         self.state = decision.state;
         let gpu_used = gpus.iter().map(|g| g.used_bytes).max();
@@ -183,6 +238,7 @@ impl Engine {
                 st.oom_kill_now = Some(k);
             }
             st.downgrades = self.state.downgrades;
+            st.sticky_batch_size = self.state.sticky.map(|k| k.batch_size);
             st.max_level = st.max_level.max(self.state.level);
             st.seconds_to_limit = seconds_to_limit;
             st.psi_cgroup = psi_cgroup;
@@ -371,6 +427,66 @@ mod tests {
         );
         assert_eq!(*shared.signal.borrow(), s);
         assert_eq!(shared.status().downgrades, 1);
+    }
+
+    fn killed(ws: u64, oom_kill: u64, populated: bool) -> Result<Option<MemorySample>, ()> {
+        let mut s = mem(ws, populated).expect("ok").expect("some");
+        s.events.oom_kill = Some(oom_kill);
+        Ok(Some(s))
+    }
+
+    #[test]
+    fn an_oom_kill_between_samples_writes_a_sticky_downgrade_even_as_the_trainer_goes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // The spike came and went between two samples: only the counter tells, and the cgroup
+        // is already empty in the same sample.
+        let (mut e, shared) = engine(
+            vec![killed(100, 3, true), killed(0, 4, false)],
+            FakeGpu(Ok(vec![])),
+            dir.path(),
+        );
+        e.flush();
+        assert_eq!(e.tick(0), Tick::Running);
+        assert_eq!(e.tick(100), Tick::TrainerGone);
+        let s = on_disk(dir.path());
+        assert_eq!(
+            (s.seq, s.level, s.batch_size, s.grad_accumulation),
+            (1, Level::Downgrade, 4, 4)
+        );
+        assert!(
+            s.reason
+                .starts_with("OOM kill in the trainer's cgroup (oom_kill 3 -> 4)"),
+            "{}",
+            s.reason
+        );
+        assert_eq!(shared.status().sticky_batch_size, Some(4));
+    }
+
+    #[test]
+    fn a_reported_oom_record_writes_a_sticky_downgrade_below_the_trainers_config() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut e, shared) = engine(vec![mem(100, true)], FakeGpu(Ok(vec![])), dir.path());
+        e.tick(0);
+        let mut record: memguard_api::OomRecord =
+            serde_json::from_str(include_str!("../../api/fixtures/oom-record-v1.json"))
+                .expect("fixture");
+        record.batch_size = 8;
+        record.grad_accumulation = 2;
+        record.outcome = memguard_api::OomOutcome::Recovered;
+        record.new_batch_size = Some(2);
+        shared.status().pending_oom = Some(record);
+        e.tick(100);
+        let s = on_disk(dir.path());
+        assert_eq!((s.batch_size, s.grad_accumulation), (2, 8));
+        assert!(
+            s.reason
+                .contains("trainer reported a recovered cuda_oom at step 412"),
+            "{}",
+            s.reason
+        );
+        assert!(shared.status().pending_oom.is_none(), "taken once");
+        e.tick(10_000);
+        assert_eq!(on_disk(dir.path()).batch_size, 2, "never relaxed");
     }
 
     #[test]

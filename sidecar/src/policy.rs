@@ -72,6 +72,19 @@ pub struct State {
     pub downgrades: u64,
     /// Since when (ms) the figures have allowed a level below the current one.
     pub relax_since_ms: Option<u64>,
+    /// The sticky downgrade after an OOM: the knobs are never relaxed above it for the pod's life.
+    pub sticky: Option<Knobs>,
+}
+
+/// Batch, accumulation, checkpointing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Knobs {
+    /// Per-device batch.
+    pub batch_size: u64,
+    /// Accumulation steps.
+    pub grad_accumulation: u64,
+    /// Gradient checkpointing.
+    pub grad_checkpointing: bool,
 }
 
 impl State {
@@ -85,6 +98,28 @@ impl State {
             last_downgrade_ms: None,
             downgrades: 0,
             relax_since_ms: None,
+            sticky: None,
+        }
+    }
+
+    /// The knobs recommended now.
+    pub fn knobs(&self) -> Knobs {
+        Knobs {
+            batch_size: self.batch_size,
+            grad_accumulation: self.grad_accumulation,
+            grad_checkpointing: self.grad_checkpointing,
+        }
+    }
+
+    fn hold_sticky(&mut self) {
+        if let Some(s) = self.sticky
+            && self.batch_size > s.batch_size
+        {
+            self.batch_size = s.batch_size;
+            self.grad_accumulation = s.grad_accumulation;
+        }
+        if self.sticky.is_some_and(|s| s.grad_checkpointing) {
+            self.grad_checkpointing = true;
         }
     }
 
@@ -257,11 +292,67 @@ pub fn assess(state: &State, inputs: &Inputs, now_ms: u64, c: &PolicyConfig) -> 
         next.downgrades += 1;
         next.last_downgrade_ms = Some(now_ms);
     }
+    next.hold_sticky();
     Decision {
         state: next,
         reason,
         downgraded,
     }
+}
+
+/// The sticky downgrade after an out-of-memory error: one rung below `in_force` (the batch
+/// halved with the effective batch kept, or checkpointing on once the batch is 1), never above
+/// what `state` already recommends nor above a sticky downgrade in force. `at_most_batch`: a
+/// batch the trainer already recovered with (an OOM record's `new_batch_size`).
+pub fn sticky_downgrade(
+    state: &State,
+    in_force: Knobs,
+    at_most_batch: Option<u64>,
+    now_ms: u64,
+) -> State {
+    let mut rung = in_force;
+    if in_force.batch_size > 1 {
+        let (b, a) = halved_batch(in_force.batch_size, in_force.grad_accumulation);
+        rung.batch_size = b;
+        rung.grad_accumulation = a;
+    } else {
+        rung.grad_checkpointing = true;
+    }
+    if let Some(b) = at_most_batch.filter(|b| *b >= 1 && *b < rung.batch_size) {
+        let effective = in_force
+            .batch_size
+            .saturating_mul(in_force.grad_accumulation);
+        rung.batch_size = b;
+        rung.grad_accumulation = if effective.is_multiple_of(b) {
+            effective / b
+        } else {
+            rung.grad_accumulation
+        };
+    }
+    let mut next = state.clone();
+    let current = state.knobs();
+    if rung.batch_size > current.batch_size {
+        rung.batch_size = current.batch_size;
+        rung.grad_accumulation = current.grad_accumulation;
+    }
+    rung.grad_checkpointing |= current.grad_checkpointing;
+    if let Some(old) = state.sticky
+        && old.batch_size < rung.batch_size
+    {
+        rung.batch_size = old.batch_size;
+        rung.grad_accumulation = old.grad_accumulation;
+    }
+    next.sticky = Some(rung);
+    next.batch_size = rung.batch_size;
+    next.grad_accumulation = rung.grad_accumulation;
+    next.grad_checkpointing = rung.grad_checkpointing;
+    next.level = next.level.max(Level::Downgrade);
+    next.relax_since_ms = None;
+    if next.knobs() != current {
+        next.downgrades += 1;
+        next.last_downgrade_ms = Some(now_ms);
+    }
+    next
 }
 
 /// A short history of (ms, working-set bytes), about one point a second, for leak detection.
@@ -559,6 +650,50 @@ mod tests {
             "training steps go up and down"
         );
         assert_eq!(leak_eta(&leak[..10], 2 * gib), None, "too short to tell");
+    }
+
+    #[test]
+    fn an_oom_sets_a_sticky_downgrade_one_rung_below_what_was_in_force() {
+        let k = |b, a, c| Knobs {
+            batch_size: b,
+            grad_accumulation: a,
+            grad_checkpointing: c,
+        };
+        let start = State::new(8, 2, false);
+        let s = sticky_downgrade(&start, start.knobs(), None, 10);
+        assert_eq!(s.knobs(), k(4, 4, false));
+        assert_eq!(
+            (s.level, s.downgrades, s.sticky),
+            (Level::Downgrade, 1, Some(k(4, 4, false)))
+        );
+        // A second OOM goes one more rung; a record's own recovery batch caps it.
+        let s2 = sticky_downgrade(&s, s.knobs(), None, 20);
+        assert_eq!(s2.knobs(), k(2, 8, false));
+        let rec = sticky_downgrade(&start, k(8, 2, false), Some(1), 30);
+        assert_eq!(rec.knobs(), k(1, 16, false));
+        // At batch 1: checkpointing.
+        let one = sticky_downgrade(&State::new(1, 16, false), k(1, 16, false), None, 40);
+        assert_eq!(one.knobs(), k(1, 16, true));
+        // An OOM at a config above what is already recommended does not raise it.
+        let low = State::new(2, 8, false);
+        assert_eq!(
+            sticky_downgrade(&low, k(8, 2, false), None, 50).knobs(),
+            k(2, 8, false)
+        );
+        // Never relaxed: calm figures for a long time keep the sticky knobs.
+        let mut state = s;
+        for t in 0..100 {
+            state = assess(&state, &mem(0.1), 1_000 * t, &cfg()).state;
+        }
+        assert_eq!(state.level, Level::Ok);
+        assert_eq!(state.knobs(), k(4, 4, false));
+        // Even a state someone raised by hand is held down at the next assessment.
+        state.batch_size = 8;
+        state.grad_accumulation = 2;
+        assert_eq!(
+            assess(&state, &mem(0.1), 200_000, &cfg()).state.knobs(),
+            k(4, 4, false)
+        );
     }
 
     #[test]

@@ -104,6 +104,7 @@ async fn post_report(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
         *st.oom_records.entry((oom.kind, oom.outcome)).or_default() += 1;
         let mut kept = oom.clone();
         kept.message = kept.message.chars().take(MAX_MESSAGE_CHARS).collect();
+        st.pending_oom = Some(kept.clone());
         st.last_oom = Some(kept);
     }
     st.report = Some(report);

@@ -50,6 +50,10 @@ pub struct Status {
     pub oom_records: BTreeMap<(OomKind, OomOutcome), u64>,
     /// The last OOM record the trainer reported.
     pub last_oom: Option<OomRecord>,
+    /// A reported OOM record the sampling loop has not turned into a sticky downgrade yet.
+    pub pending_oom: Option<OomRecord>,
+    /// The batch of the sticky downgrade in force (after an OOM kill or record).
+    pub sticky_batch_size: Option<u64>,
     /// Seconds to the limit of a steady growth, when one is seen.
     pub seconds_to_limit: Option<f64>,
 }

@@ -26,6 +26,7 @@ pub fn build(st: &Status, sig: &Signal, estimate: Option<u64>, exit_reason: &str
         grad_accumulation: sig.grad_accumulation,
         oom_reports: st.oom_reports(),
         last_oom: st.last_oom.clone(),
+        sticky_batch_size: st.sticky_batch_size,
         exit_reason: exit_reason.chars().take(200).collect(),
     }
 }

@@ -217,3 +217,151 @@ fn a_growing_process_is_told_to_downgrade_before_it_reaches_the_limit() {
     assert_eq!(summary.limit_bytes, Some(LIMIT));
     assert_eq!(summary.oom_events, 0);
 }
+
+/// A trainer on `memguard_client`: reads the signal file before its first step (the Guard does,
+/// at construction), then runs four steps whose activations are 40 MiB per sample, allocated
+/// at once: at batch 8 a step needs 320 MiB, over the 256 MiB limit, and the kernel kills it
+/// within milliseconds, long before any poll.
+const SPIKY_TRAINER: &str = r#"
+import sys
+sys.path.insert(0, sys.argv[2])
+from memguard_client import Guard
+guard = Guard(signal_file=sys.argv[1], sidecar_url="", oom_hook=False)
+batch, accum = guard.batch_size, guard.grad_accumulation
+print("START", batch, accum, guard.seq, flush=True)
+for step in range(4):
+    activations = b"\x01" * (batch * (40 << 20))
+    del activations
+    print("STEP", step, flush=True)
+print("DONE", batch, accum, flush=True)
+"#;
+
+#[test]
+fn an_oom_kill_faster_than_any_poll_makes_the_in_place_restart_start_smaller_and_finish() {
+    if !rustix::process::geteuid().is_root() {
+        return skip("not running as root");
+    }
+    if !Path::new(V1_ROOT).join("memory.usage_in_bytes").exists() {
+        return skip("no cgroup v1 memory controller");
+    }
+    let cg = parent_cgroup().join(format!("memguard-restart-{}", std::process::id()));
+    std::fs::create_dir(&cg).expect("create child cgroup as root");
+    let _guard = CgroupGuard(cg.clone());
+    std::fs::write(cg.join("memory.limit_in_bytes"), LIMIT.to_string()).expect("set limit");
+    let client = Path::new(env!("CARGO_MANIFEST_DIR")).join("../clients/python/src");
+
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let signal = tmp.path().join("signal.json");
+    let term = tmp.path().join("termination-log");
+    let (cg_s, sig_s, term_s) = (
+        cg.display().to_string(),
+        signal.display().to_string(),
+        term.display().to_string(),
+    );
+    // The sidecar runs throughout: it does not end its run when the trainer's cgroup empties
+    // between two starts.
+    let mut sidecar = Sidecar::spawn(&[
+        "--cgroup",
+        &cg_s,
+        "--signal-file",
+        &sig_s,
+        "--termination-log",
+        &term_s,
+        "--batch-size",
+        "8",
+        "--grad-accumulation",
+        "2",
+        "--exit-when-empty",
+        "false",
+    ]);
+    eventually(Duration::from_secs(10), "initial signal", || {
+        read_signal(&signal)
+    });
+
+    // The kubelet's part: start the container in its cgroup, and restart it in place (same
+    // env, no admission) when it dies, after a second's back-off, at most three times.
+    let script = format!("echo $$ > {cg_s}/cgroup.procs && exec python3 -c \"$0\" \"$1\" \"$2\"");
+    let mut starts: Vec<(String, Option<i32>, Option<i32>)> = Vec::new();
+    for _ in 0..3 {
+        let out = Command::new("sh")
+            .args(["-c", &script, SPIKY_TRAINER, &sig_s])
+            .arg(&client)
+            .output()
+            .expect("trainer starts");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let signal_no = std::os::unix::process::ExitStatusExt::signal(&out.status);
+        starts.push((stdout, out.status.code(), signal_no));
+        if out.status.success() {
+            break;
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    let log = sidecar.log_text();
+    eprintln!("starts: {starts:?}");
+    assert!(
+        starts.len() >= 2,
+        "the first start survived the spike: {starts:?}"
+    );
+    let (first, _, killed_by) = &starts[0];
+    assert!(
+        first.starts_with("START 8 2"),
+        "first start at the admitted batch: {first}"
+    );
+    assert!(
+        !first.contains("STEP 0"),
+        "killed in its first step: {first}"
+    );
+    assert_eq!(*killed_by, Some(9), "SIGKILL from the OOM killer");
+    let oom = std::fs::read_to_string(cg.join("memory.oom_control")).unwrap_or_default();
+    assert!(
+        oom.contains("oom_kill 1"),
+        "the kernel OOM-killed it: {oom}"
+    );
+
+    let (second, code, _) = &starts[1];
+    assert_eq!(*code, Some(0), "the second start finishes: {second}\n{log}");
+    let knobs: Vec<u64> = second
+        .split_whitespace()
+        .skip(1)
+        .take(2)
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let [batch, accum] = knobs[..] else {
+        panic!("no START line: {second}");
+    };
+    // One rung below what was in force when the kernel killed it. The usage-threshold events
+    // may have let the sidecar signal pressure downgrades during the spike (which the dying
+    // trainer never applied); they count as in force, so the batch is 4, 2 or 1.
+    assert!(batch < 8, "started smaller: {second}");
+    assert_eq!(batch * accum, 16, "effective batch kept: {second}");
+    assert!(
+        second.contains(&format!("DONE {batch} {accum}")),
+        "{second}"
+    );
+    assert!(
+        log.contains(&format!(
+            "OOM kill in the trainer's cgroup (oom_kill 0 -> 1): sticky downgrade to batch {batch}, accumulation {accum}"
+        )),
+        "{log}"
+    );
+    let sticky = read_signal(&signal).expect("signal");
+    assert_eq!(
+        (sticky.batch_size, sticky.grad_accumulation),
+        (batch, accum)
+    );
+
+    sidecar.terminate();
+    assert!(sidecar.wait_exit(Duration::from_secs(20)), "clean exit");
+    let summary: Summary = serde_json::from_str(
+        std::fs::read_to_string(&term)
+            .expect("termination log")
+            .trim(),
+    )
+    .expect("summary json");
+    assert_eq!(summary.oom_events, 1);
+    assert_eq!(summary.sticky_batch_size, Some(batch));
+    assert_eq!(
+        summary.batch_size, batch,
+        "never relaxed above the sticky downgrade"
+    );
+}

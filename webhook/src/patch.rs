@@ -19,6 +19,9 @@ use std::collections::BTreeMap;
 /// Longest `memguard.io/error` value written (the full list of annotation errors fits easily).
 pub const MAX_ERROR_CHARS: usize = 1024;
 
+/// The trainer's `terminationMessagePolicy` when the user set none.
+pub const FALLBACK_TO_LOGS_ON_ERROR: &str = "FallbackToLogsOnError";
+
 /// The sidecar's non-root user (the distroless `nonroot` uid).
 pub const SIDECAR_UID: i64 = 65532;
 
@@ -169,6 +172,16 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
             "volumeMounts",
             trainer.volume_mounts.is_some(),
             mount,
+        );
+    }
+
+    // A trainer that dies of a CUDA OOM without writing a record still reaches the profile
+    // controller: on an error exit with an empty termination message the kubelet keeps the log
+    // tail, which ends in "CUDA out of memory". A policy the user chose is theirs.
+    if trainer.termination_message_policy.is_none() {
+        ops.add(
+            &[&trainer_path[..], &["terminationMessagePolicy"]].concat(),
+            json!(FALLBACK_TO_LOGS_ON_ERROR),
         );
     }
 

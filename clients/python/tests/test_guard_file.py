@@ -222,3 +222,16 @@ def test_concurrent_atomic_replace_never_tears_never_raises_never_goes_back(
     assert seen == sorted(set(seen)), "seq went backwards or repeated"
     assert g.seq == writes, "the last signal was missed"
     assert refreshes >= 5000 and len(seen) > 10
+
+
+def test_a_restarted_trainer_starts_from_the_sticky_signal_before_its_first_step(
+    signal_path: Path,
+) -> None:
+    # The sidecar wrote a sticky downgrade after the previous start died; the env still says 8.
+    write_atomic(signal_path, signal_dict(5, batch=4, accum=4, level="downgrade"))
+    age(signal_path)
+    g = Guard(signal_file=str(signal_path), sidecar_url="", env={"MEMGUARD_BATCH_SIZE": "8",
+              "MEMGUARD_GRAD_ACCUMULATION": "2"}, oom_hook=False)
+    assert (g.batch_size, g.grad_accumulation, g.seq) == (4, 4, 5), "read at construction"
+    assert g.refresh() is True, "the first refresh reports it as new"
+    assert g.refresh() is False

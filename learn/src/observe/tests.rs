@@ -172,39 +172,128 @@ fn the_estimate_is_read_before_calibration() {
     }
 }
 
-/// (name, reason, exit code, summary, disrupted, expected)
+/// (name, reason, exit code, termination message, summary, disrupted, expected)
 type OomCase<'a> = (
     &'a str,
     &'a str,
     i32,
+    &'a str,
     Option<&'a Summary>,
     bool,
     Option<&'a str>,
 );
 
 #[test]
-fn knows_an_oom_kill_from_other_deaths() {
+fn knows_an_oom_from_other_deaths() {
     let oom_summary = Summary {
         oom_events: 1,
         max_level: Level::Critical,
         ..summary(None, None, None)
     };
     let quiet = summary(None, None, None);
-    // (name, reason, exit code, summary, disrupted, expected)
-    let table: [OomCase; 8] = [
+    let fixture = include_str!("../../../api/fixtures/oom-record-v1.json");
+    let record: OomRecord = serde_json::from_str(fixture).expect("fixture");
+    let cuda_line = serde_json::to_string(&record).expect("line");
+    let cpu_line = serde_json::to_string(&OomRecord {
+        kind: OomKind::CpuOom,
+        ..record.clone()
+    })
+    .expect("line");
+    let fatal_in_summary = Summary {
+        last_oom: Some(record.clone()),
+        oom_reports: 1,
+        ..summary(None, None, None)
+    };
+    let recovered_in_summary = Summary {
+        last_oom: Some(OomRecord {
+            outcome: OomOutcome::Recovered,
+            ..record.clone()
+        }),
+        oom_reports: 1,
+        ..summary(None, None, None)
+    };
+    let cuda_traceback = "  File \"train.py\", line 40, in <module>\n    loss.backward()\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.25 GiB";
+    let memory_error =
+        "Traceback (most recent call last):\n  File \"prep.py\", line 3\nMemoryError\n";
+    let table: [OomCase; 14] = [
         (
             "kernel OOM kill",
             "OOMKilled",
             137,
+            "",
             None,
             false,
             Some(OOM_KILLED),
         ),
-        ("success", "Completed", 0, Some(&quiet), false, None),
+        ("success", "Completed", 0, "", Some(&quiet), false, None),
+        (
+            "success after a recovered OOM",
+            "Completed",
+            0,
+            &cuda_line,
+            Some(&fatal_in_summary),
+            false,
+            None,
+        ),
+        (
+            "CUDA OOM record",
+            "Error",
+            86,
+            &cuda_line,
+            None,
+            false,
+            Some(CUDA_OOM),
+        ),
+        (
+            "host OOM record",
+            "Error",
+            86,
+            &cpu_line,
+            Some(&quiet),
+            false,
+            Some(CPU_OOM),
+        ),
+        (
+            "CUDA out of memory in the log tail",
+            "Error",
+            1,
+            cuda_traceback,
+            None,
+            false,
+            Some(CUDA_OOM),
+        ),
+        (
+            "MemoryError in the log tail",
+            "Error",
+            1,
+            memory_error,
+            None,
+            false,
+            Some(CPU_OOM),
+        ),
+        (
+            "fatal record only in the sidecar summary",
+            "Error",
+            86,
+            "",
+            Some(&fatal_in_summary),
+            false,
+            Some(CUDA_OOM),
+        ),
+        (
+            "crash after a recovered OOM",
+            "Error",
+            1,
+            "",
+            Some(&recovered_in_summary),
+            false,
+            None,
+        ),
         (
             "SIGKILL and the sidecar counted an OOM",
             "Error",
             137,
+            "",
             Some(&oom_summary),
             false,
             Some(OOM_KILLED),
@@ -213,6 +302,7 @@ fn knows_an_oom_kill_from_other_deaths() {
             "SIGKILL of an evicted pod",
             "Error",
             137,
+            "",
             Some(&quiet),
             true,
             None,
@@ -221,6 +311,7 @@ fn knows_an_oom_kill_from_other_deaths() {
             "SIGKILL, no other explanation",
             "Error",
             137,
+            "",
             None,
             false,
             Some(KILLED_EXIT_137),
@@ -229,14 +320,22 @@ fn knows_an_oom_kill_from_other_deaths() {
             "crash after a critical level and an OOM event",
             "Error",
             1,
+            "",
             Some(&oom_summary),
             false,
             Some(OOM_KILLED),
         ),
-        ("ordinary crash", "Error", 1, Some(&quiet), false, None),
-        ("crash without summary", "Error", 1, None, false, None),
+        (
+            "ordinary crash",
+            "Error",
+            1,
+            "ValueError: bad config",
+            Some(&quiet),
+            false,
+            None,
+        ),
     ];
-    for (name, reason, code, summary, disrupted, want) in table {
+    for (name, reason, code, message, summary, disrupted, want) in table {
         let mut pod = gpu_pod().build();
         if disrupted {
             pod.metadata.deletion_timestamp = Some(crate::testutil::at(5));
@@ -244,6 +343,7 @@ fn knows_an_oom_kill_from_other_deaths() {
         let terminated = ContainerStateTerminated {
             reason: Some(reason.into()),
             exit_code: code,
+            message: (!message.is_empty()).then(|| message.to_string()),
             ..ContainerStateTerminated::default()
         };
         assert_eq!(
@@ -252,6 +352,44 @@ fn knows_an_oom_kill_from_other_deaths() {
             "{name}"
         );
     }
+    let crash = ContainerStateTerminated {
+        exit_code: 1,
+        ..ContainerStateTerminated::default()
+    };
+    assert_eq!(
+        oom_reason(&gpu_pod().build(), &crash, None),
+        None,
+        "crash without summary"
+    );
+}
+
+#[test]
+fn a_cuda_oom_record_recovers_exactly_as_an_oom_kill() {
+    let record = include_str!("../../../api/fixtures/oom-record-v1.json").replace('\n', "");
+    let with = |pod: PodBuilder| {
+        let obs = try_observe(&pod.phase("Failed").build()).expect("observed");
+        let status = crate::update::apply(&Default::default(), &obs);
+        (obs.oom, status.recovery.expect("a recovery"))
+    };
+    let (reason, cuda) = with(gpu_pod().trainer_failed_with(86, &record, 7));
+    assert_eq!(reason.as_deref(), Some(CUDA_OOM));
+    let (_, traceback) = with(gpu_pod().trainer_failed_with(
+        1,
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.",
+        7,
+    ));
+    let (reason, killed) = with(gpu_pod().trainer_terminated("OOMKilled", 137, 7));
+    assert_eq!(reason.as_deref(), Some(OOM_KILLED));
+    for recovery in [&cuda, &traceback] {
+        assert_eq!(recovery.rungs, 1);
+        assert_eq!(recovery.config, killed.config, "the same step down");
+        assert_eq!(recovery.factor, killed.factor);
+    }
+    assert!(
+        cuda.reason.contains("CudaOOM at batch 16"),
+        "{}",
+        cuda.reason
+    );
 }
 
 #[test]

@@ -306,6 +306,22 @@ fn respects_what_the_pod_already_has() {
 }
 
 #[test]
+fn the_trainer_falls_back_to_its_logs_on_error_unless_the_user_chose() {
+    let (_, out) = apply(&gpu_pod().json(), &Policy::default());
+    let trainer = &out["spec"]["containers"][0];
+    assert_eq!(trainer["terminationMessagePolicy"], "FallbackToLogsOnError");
+    let (_, again) = apply(&out, &Policy::default());
+    assert_eq!(again, out, "idempotent");
+    let mut own = gpu_pod().json();
+    own["spec"]["containers"][0]["terminationMessagePolicy"] = json!("File");
+    let (_, out) = apply(&own, &Policy::default());
+    assert_eq!(
+        out["spec"]["containers"][0]["terminationMessagePolicy"],
+        "File"
+    );
+}
+
+#[test]
 fn unchanged_outcome_is_an_empty_patch() {
     let pod: Pod = serde_json::from_value(trainer_pod().unlabelled().json()).expect("pod");
     assert!(build(&pod, &Outcome::Unchanged).0.is_empty());

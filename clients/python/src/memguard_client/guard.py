@@ -123,6 +123,13 @@ class Guard:
                 target=self._poll_loop, name="memguard-longpoll", daemon=True
             )
             self._thread.start()
+        if self._signal_file is not None:
+            # Before the first step: a trainer restarted in place starts from the sidecar's
+            # (sticky) signal, not from the env it was admitted with. The first refresh()
+            # reports it as new.
+            first = self._read_file_if_changed(self._signal_file)
+            if first is not None:
+                self._apply(first, "file")
         if oom_hook or (oom_hook is None and self.enabled):
             from .oom import install_excepthook
 

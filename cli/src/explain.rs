@@ -1,0 +1,508 @@
+//! `memguard explain`: what happened to a pod's memory, from the pod as `kubectl get pod -o yaml`
+//! gives it (spec, annotations and status).
+//!
+//! Everything comes from the manifest: the webhook's `memguard.io/estimate` (budget, its source,
+//! the steps), the estimator run again on the config the trainer was given (the breakdown), the
+//! sidecar's termination summary (measured peak, run-time downgrades, OOM kills and records), the
+//! trainer's terminated state (the OOM and its kind, as the profile controller classifies it),
+//! and the profile controller's recovery for the next pod.
+
+use anyhow::Context;
+use k8s_openapi::api::core::v1::{ContainerStateTerminated, ContainerStatus, Pod};
+use memguard_api::crd::{MemoryProfileStatus, TrainingKnobs};
+use memguard_api::{OomRecord, Summary, annotations as keys, labels};
+use memguard_estimator::{Bytes, estimate};
+use memguard_learn::observe::{
+    NotObserved, knobs_from_env, knobs_of, oom_reason, parse_summary, try_observe, with_knobs,
+};
+use serde::Serialize;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Flags of `memguard explain`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The pod with its status (`kubectl get pod NAME -o yaml`), or `-` for stdin.
+    #[arg(short = 'f', long = "filename", value_name = "FILE")]
+    pub file: PathBuf,
+
+    /// `table` or `json`.
+    #[arg(short, long, value_enum, default_value_t = Output::Table)]
+    pub output: Output,
+}
+
+/// Output format.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum Output {
+    /// Aligned `field  value` lines, section by section.
+    Table,
+    /// One JSON object.
+    Json,
+}
+
+/// What happened to one pod's memory.
+#[derive(Debug, Serialize)]
+pub struct Explanation {
+    pod: String,
+    trainer: Option<String>,
+    /// `memguard.io/error`, when the webhook left the pod unchanged or said "cannot fit".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+    /// The config the trainer was given (annotations with its `MEMGUARD_*` env).
+    config: BTreeMap<&'static str, String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    estimate: Option<EstimateView>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    budget: Option<BudgetView>,
+    /// Downgrade steps the webhook applied at admission.
+    steps: Vec<String>,
+    /// The pending recovery the webhook applied at admission (after an earlier pod's OOM).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    admitted_after: Option<String>,
+    /// What the sidecar measured and did (its termination summary).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    run: Option<RunView>,
+    /// The trainer's OOMs: its current and last terminated states.
+    ooms: Vec<OomView>,
+    restarts: i32,
+    /// What the Job's next pod will get.
+    next: NextView,
+}
+
+#[derive(Debug, Serialize)]
+struct EstimateView {
+    total_bytes: Option<u64>,
+    uncalibrated_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    calibration_factor: Option<f64>,
+    /// The estimator's terms for the config the trainer was given, name → bytes.
+    components: BTreeMap<&'static str, u64>,
+    tensor_peak_bytes: Option<u64>,
+}
+
+#[derive(Debug, Serialize)]
+struct BudgetView {
+    bytes: Option<u64>,
+    source: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    gpu_memory_bytes: Option<u64>,
+    fits: Option<bool>,
+}
+
+#[derive(Debug, Serialize)]
+struct RunView {
+    peak_bytes: Option<u64>,
+    gpu_peak_bytes: Option<u64>,
+    limit_bytes: Option<u64>,
+    downgrades: u64,
+    max_level: String,
+    final_batch_size: u64,
+    final_grad_accumulation: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sticky_batch_size: Option<u64>,
+    oom_kills: u64,
+    oom_records: u64,
+    exit_reason: String,
+}
+
+#[derive(Debug, Serialize)]
+struct OomView {
+    /// `current` (the trainer's state now) or `last` (before an in-place restart).
+    state: &'static str,
+    exit_code: i32,
+    /// The profile controller's reason: `OOMKilled`, `CudaOOM`, `CpuOOM`, `Killed(137)`.
+    reason: String,
+    /// The OOM record the trainer wrote as its termination message, if it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    record: Option<OomRecord>,
+}
+
+#[derive(Debug, Serialize)]
+struct NextView {
+    /// `same` (no OOM), `one step down` (a recovery), or `floor` (nothing left to shrink).
+    verdict: &'static str,
+    reason: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    config: Option<TrainingKnobs>,
+}
+
+/// Runs `memguard explain`.
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let text = if args.file.as_os_str() == "-" {
+        let mut s = String::new();
+        std::io::stdin()
+            .read_to_string(&mut s)
+            .context("reading stdin")?;
+        s
+    } else {
+        std::fs::read_to_string(&args.file)
+            .with_context(|| format!("reading {}", args.file.display()))?
+    };
+    let pod: Pod = match serde_saphyr::from_str(&text) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("error: {}: not a pod manifest: {e}", args.file.display());
+            return Ok(ExitCode::from(crate::EXIT_BAD_INPUT));
+        }
+    };
+    let explanation = explain(&pod);
+    let mut out = std::io::stdout().lock();
+    match args.output {
+        Output::Json => {
+            serde_json::to_writer_pretty(&mut out, &explanation)?;
+            writeln!(out)?;
+        }
+        Output::Table => write_table(&mut out, &explanation)?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What happened to `pod`'s memory.
+pub fn explain(pod: &Pod) -> Explanation {
+    let empty = BTreeMap::new();
+    let annotations = pod.metadata.annotations.as_ref().unwrap_or(&empty);
+    let key = memguard_learn::key::pod_key(pod).ok();
+    let trainer = key.as_ref().map(|k| k.trainer.clone());
+    let env = trainer
+        .as_deref()
+        .map(|t| trainer_env(pod, t))
+        .unwrap_or_default();
+    let knobs = knobs_from_env(&env);
+    let ran = key.as_ref().map(|k| with_knobs(&k.config, &knobs));
+    let annotation: Value = annotations
+        .get(keys::ESTIMATE)
+        .and_then(|s| serde_json::from_str(s).ok())
+        .unwrap_or(Value::Null);
+    let u64_at = |k: &str| annotation.get(k).and_then(Value::as_u64);
+    let estimated = ran.as_ref().and_then(|c| estimate(c).ok());
+    let estimate_view = (annotation.is_object() || estimated.is_some()).then(|| EstimateView {
+        total_bytes: u64_at("total"),
+        uncalibrated_bytes: u64_at("uncalibrated"),
+        calibration_factor: annotation
+            .get("calibration")
+            .and_then(|c| c.get("factor"))
+            .and_then(Value::as_f64),
+        components: estimated
+            .as_ref()
+            .map(|e| e.components.iter().map(|(c, b)| (c.name(), b.0)).collect())
+            .unwrap_or_default(),
+        tensor_peak_bytes: u64_at("tensorPeak").or(estimated.as_ref().map(|e| e.tensor_peak.0)),
+    });
+    let budget = annotation.is_object().then(|| BudgetView {
+        bytes: u64_at("budget"),
+        source: annotation.get("budgetSource").map(|s| match s {
+            Value::Object(m) => match (m.get("kind"), m.get("detail")) {
+                (Some(Value::String(k)), Some(Value::String(d))) => format!("{k} ({d})"),
+                (Some(Value::String(k)), _) => k.clone(),
+                _ => s.to_string(),
+            },
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        }),
+        gpu_memory_bytes: u64_at("gpuMemory"),
+        fits: annotation.get("fits").and_then(Value::as_bool),
+    });
+    let steps = annotation
+        .get("steps")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(|s| s.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+
+    let summary = sidecar_summary(pod);
+    let run = summary.as_ref().map(|s| RunView {
+        peak_bytes: s.peak_bytes,
+        gpu_peak_bytes: s.gpu_peak_bytes,
+        limit_bytes: s.limit_bytes,
+        downgrades: s.downgrades,
+        max_level: s.max_level.to_string(),
+        final_batch_size: s.batch_size,
+        final_grad_accumulation: s.grad_accumulation,
+        sticky_batch_size: s.sticky_batch_size,
+        oom_kills: s.oom_events,
+        oom_records: s.oom_reports,
+        exit_reason: s.exit_reason.clone(),
+    });
+
+    let status = trainer
+        .as_deref()
+        .and_then(|t| trainer_status(pod, t))
+        .cloned();
+    let mut ooms = Vec::new();
+    let states = status.as_ref().map(|s| {
+        [
+            (
+                "current",
+                s.state.as_ref().and_then(|x| x.terminated.as_ref()),
+            ),
+            (
+                "last",
+                s.last_state.as_ref().and_then(|x| x.terminated.as_ref()),
+            ),
+        ]
+    });
+    for (state, terminated) in states.into_iter().flatten() {
+        let Some(t) = terminated else { continue };
+        // The summary describes the pod's whole run: it explains the current state only.
+        let s = if state == "current" {
+            summary.as_ref()
+        } else {
+            None
+        };
+        if let Some(reason) = oom_reason(pod, t, s) {
+            ooms.push(oom_view(state, t, reason));
+        }
+    }
+
+    let next = next_view(pod, ran.as_ref());
+    Explanation {
+        pod: pod.metadata.name.clone().unwrap_or_default(),
+        trainer,
+        error: annotations.get(keys::ERROR).cloned(),
+        config: ran
+            .as_ref()
+            .map(|c| {
+                let k = knobs_of(c);
+                let mut m = BTreeMap::new();
+                let mut put = |name: &'static str, v: Option<String>| {
+                    if let Some(v) = v {
+                        m.insert(name, v);
+                    }
+                };
+                put("batch-size", k.batch_size.map(|v| v.to_string()));
+                put(
+                    "grad-accumulation",
+                    k.grad_accumulation.map(|v| v.to_string()),
+                );
+                put(
+                    "grad-checkpointing",
+                    k.grad_checkpointing.map(|v| v.to_string()),
+                );
+                put("seq-length", k.seq_length.map(|v| v.to_string()));
+                put("lora-rank", k.lora_rank.map(|v| v.to_string()));
+                put("lora-layers", k.lora_layers.map(|v| v.to_string()));
+                m
+            })
+            .unwrap_or_default(),
+        estimate: estimate_view,
+        budget,
+        steps,
+        admitted_after: annotation
+            .get("recovery")
+            .and_then(Value::as_str)
+            .map(str::to_string),
+        run,
+        ooms,
+        restarts: status.as_ref().map_or(0, |s| s.restart_count),
+        next,
+    }
+}
+
+fn oom_view(state: &'static str, t: &ContainerStateTerminated, reason: String) -> OomView {
+    OomView {
+        state,
+        exit_code: t.exit_code,
+        reason,
+        record: t
+            .message
+            .as_deref()
+            .and_then(OomRecord::from_termination_message),
+    }
+}
+
+/// What the profile controller will record for this pod, and so what the next pod gets.
+fn next_view(pod: &Pod, ran: Option<&memguard_estimator::TrainingConfig>) -> NextView {
+    // A manifest saved without its UID still explains: the UID only makes the controller's
+    // records idempotent.
+    let mut pod = pod.clone();
+    pod.metadata.uid.get_or_insert_with(|| "explain".into());
+    pod.metadata.name.get_or_insert_with(|| "unnamed".into());
+    match try_observe(&pod) {
+        Ok(obs) if obs.oom.is_some() => {
+            let status = memguard_learn::update::apply(&MemoryProfileStatus::default(), &obs);
+            match status.recovery {
+                Some(r) => NextView {
+                    verdict: if r.rungs > 0 {
+                        "one step down"
+                    } else {
+                        "floor"
+                    },
+                    reason: r.reason,
+                    config: Some(r.config),
+                },
+                None => NextView {
+                    verdict: "same",
+                    reason: "no recovery recorded".into(),
+                    config: None,
+                },
+            }
+        }
+        Ok(_) => NextView {
+            verdict: "same",
+            reason: "the trainer did not run out of memory: the next pod is admitted as this one \
+                     (a correction factor may apply after three runs)"
+                .into(),
+            config: ran.map(knobs_of),
+        },
+        Err(why) => NextView {
+            verdict: "same",
+            reason: format!(
+                "nothing learned from this pod yet: {}",
+                match why {
+                    NotObserved::NotOptedIn => "not opted in (memguard.io/enabled)".to_string(),
+                    NotObserved::NoIdentity => "no name".to_string(),
+                    NotObserved::Running => "the trainer has not terminated".to_string(),
+                    NotObserved::AwaitingSummary =>
+                        "the sidecar has not written its summary".to_string(),
+                    NotObserved::NoFinishTime => "no finish time".to_string(),
+                    NotObserved::NoKey(e) => format!("no profile key: {e}"),
+                }
+            ),
+            config: ran.map(knobs_of),
+        },
+    }
+}
+
+fn trainer_status<'a>(pod: &'a Pod, trainer: &str) -> Option<&'a ContainerStatus> {
+    pod.status
+        .as_ref()?
+        .container_statuses
+        .as_ref()?
+        .iter()
+        .find(|s| s.name == trainer)
+}
+
+fn sidecar_summary(pod: &Pod) -> Option<Summary> {
+    let status = pod.status.as_ref()?;
+    status
+        .init_container_statuses
+        .iter()
+        .flatten()
+        .chain(status.container_statuses.iter().flatten())
+        .find(|s| s.name == labels::SIDECAR_CONTAINER)?
+        .state
+        .as_ref()?
+        .terminated
+        .as_ref()?
+        .message
+        .as_deref()
+        .and_then(parse_summary)
+}
+
+fn trainer_env(pod: &Pod, trainer: &str) -> BTreeMap<String, String> {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.containers.iter().find(|c| c.name == trainer))
+        .and_then(|c| c.env.as_ref())
+        .map(|vars| {
+            vars.iter()
+                .filter_map(|v| Some((v.name.clone(), v.value.clone()?)))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn bytes(b: Option<u64>) -> String {
+    b.map_or_else(|| "-".into(), |b| Bytes(b).to_string())
+}
+
+fn write_table(out: &mut impl Write, e: &Explanation) -> std::io::Result<()> {
+    let row = |out: &mut dyn Write, k: &str, v: &str| writeln!(out, "  {k:<22} {v}");
+    writeln!(
+        out,
+        "pod {} (trainer {})",
+        e.pod,
+        e.trainer.as_deref().unwrap_or("-")
+    )?;
+    if let Some(err) = &e.error {
+        row(out, "error", err)?;
+    }
+    writeln!(out, "config")?;
+    for (k, v) in &e.config {
+        row(out, k, v)?;
+    }
+    if let Some(est) = &e.estimate {
+        writeln!(out, "estimate")?;
+        row(out, "total", &bytes(est.total_bytes))?;
+        row(out, "uncalibrated", &bytes(est.uncalibrated_bytes))?;
+        if let Some(f) = est.calibration_factor {
+            row(out, "calibration factor", &format!("{f:.3}"))?;
+        }
+        let mut parts: Vec<_> = est.components.iter().collect();
+        parts.sort_by_key(|(_, b)| std::cmp::Reverse(**b));
+        for (name, b) in parts {
+            row(out, name, &bytes(Some(*b)))?;
+        }
+        row(out, "tensor peak", &bytes(est.tensor_peak_bytes))?;
+    }
+    if let Some(b) = &e.budget {
+        writeln!(out, "budget")?;
+        row(out, "budget", &bytes(b.bytes))?;
+        row(out, "source", b.source.as_deref().unwrap_or("-"))?;
+        if b.gpu_memory_bytes.is_some() {
+            row(out, "gpu memory", &bytes(b.gpu_memory_bytes))?;
+        }
+        row(out, "fits", &b.fits.map_or("-".into(), |f| f.to_string()))?;
+    }
+    let steps = if e.steps.is_empty() {
+        "none".to_string()
+    } else {
+        e.steps.join(" → ")
+    };
+    row(out, "admission steps", &steps)?;
+    if let Some(r) = &e.admitted_after {
+        row(out, "admitted after", r)?;
+    }
+    writeln!(out, "run (sidecar summary)")?;
+    match &e.run {
+        Some(r) => {
+            row(out, "measured peak", &bytes(r.peak_bytes))?;
+            row(out, "gpu peak", &bytes(r.gpu_peak_bytes))?;
+            row(out, "limit", &bytes(r.limit_bytes))?;
+            row(out, "runtime downgrades", &r.downgrades.to_string())?;
+            row(out, "max level", &r.max_level)?;
+            let fin = format!(
+                "batch {} × {}",
+                r.final_batch_size, r.final_grad_accumulation
+            );
+            row(out, "final config", &fin)?;
+            if let Some(s) = r.sticky_batch_size {
+                row(out, "sticky downgrade", &format!("batch {s}"))?;
+            }
+            row(out, "oom kills (cgroup)", &r.oom_kills.to_string())?;
+            row(out, "oom records", &r.oom_records.to_string())?;
+            row(out, "exit", &r.exit_reason)?;
+        }
+        None => row(out, "summary", "none (sidecar running or absent)")?,
+    }
+    writeln!(out, "ooms (restarts {})", e.restarts)?;
+    if e.ooms.is_empty() {
+        row(out, "-", "none")?;
+    }
+    for o in &e.ooms {
+        let mut what = format!("{} (exit {})", o.reason, o.exit_code);
+        if let Some(r) = &o.record {
+            what.push_str(&format!(
+                ", {} {} at step {}, batch {}",
+                r.outcome,
+                r.kind,
+                r.step.map_or_else(|| "?".into(), |s| s.to_string()),
+                r.batch_size
+            ));
+            if let Some(req) = r.requested_bytes {
+                what.push_str(&format!(", failed request {}", Bytes(req)));
+            }
+        }
+        row(out, o.state, &what)?;
+    }
+    writeln!(out, "next pod")?;
+    row(out, "verdict", e.next.verdict)?;
+    row(out, "reason", &e.next.reason)?;
+    Ok(())
+}
