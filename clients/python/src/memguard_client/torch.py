@@ -1,18 +1,24 @@
-"""PyTorch helper: run each batch as micro-batches of the recommended size.
+"""PyTorch helper: run each batch as micro-batches of the recommended size, agreed by every rank.
 
 The data loader keeps yielding batches of the original size ``B``; :class:`MicroBatcher` splits
-each into micro-batches of ``guard.batch_size`` rows and scales each micro-batch's loss by
-``rows / B`` before ``backward()``, so the accumulated gradient is the full-batch gradient and
-the optimizer step, schedule and effective batch are unchanged::
+each into micro-batches of the agreed size and scales each micro-batch's loss by ``rows / B``
+before ``backward()``, so the accumulated gradient is the full-batch gradient and the optimizer
+step, schedule and effective batch are unchanged::
 
     from memguard_client import Guard
     from memguard_client.torch import MicroBatcher
 
     batcher = MicroBatcher(Guard())
     for batch in loader:                         # batches of the original size
-        batcher.refresh()                        # picks up a downgrade, frees the CUDA cache
         loss = batcher.backward(batch, lambda mb: loss_fn(model(mb["x"]), mb["y"]), model=model)
-        optimizer.step(); optimizer.zero_grad()
+        batcher.step(optimizer)                  # optimizer.step() + zero_grad(), unless skipped
+
+Each :meth:`MicroBatcher.backward` call is a step boundary: the guard is refreshed and, when
+``torch.distributed`` is initialised with several ranks, the micro-batch size (smallest wins)
+and gradient checkpointing (any wins) are agreed in one tiny collective, so DDP and FSDP ranks
+run the same number of forward/backward passes. Every rank must call ``backward`` once per
+batch. An out-of-memory error inside a micro-batch is recovered in-process (halve, run the rest
+again, exact or the step skipped and counted; see :mod:`memguard_client.recovery`).
 
 ``torch`` is imported only when a function needs it; without torch (or without CUDA) the cache
 release is a no-op and :meth:`MicroBatcher.backward` works with any loss object that supports
@@ -21,64 +27,111 @@ release is a no-op and :meth:`MicroBatcher.backward` works with any loss object 
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from typing import Any, Callable, ContextManager, List, Optional
+from typing import Any, Callable, List, Optional
 
 from .batching import MicroBatch, split_batch
+from .distributed import Agreement
 from .guard import Guard
+from .recovery import (
+    DEFAULT_MAX_OOM_RETRIES,
+    StepRunner,
+    empty_cache,
+    enable_checkpointing,
+    grads_fresh,
+    is_fsdp,
+    no_sync_of,
+    zero_grads,
+)
 
-
-def empty_cache() -> bool:
-    """``torch.cuda.empty_cache()`` when torch is imported and CUDA is available.
-
-    Returns True when the cache was released. Never raises.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return False
-    try:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-            return True
-    except Exception:
-        return False
-    return False
+__all__ = ["MicroBatcher", "empty_cache"]
 
 
 class MicroBatcher:
-    """Splits batches by the guard's recommended batch size, with loss scaling.
+    """Splits batches by the agreed micro-batch size, with loss scaling and OOM recovery.
 
     Args:
         guard: the :class:`~memguard_client.Guard` to follow (default: ``Guard()`` from env).
         release_cache: call :func:`empty_cache` after a downgrade (default True).
+        agree: agree with the other ranks through ``torch.distributed`` (default True).
+        recover_oom: recover from out-of-memory errors in-process (default True).
+        max_oom_retries: OOM retries allowed within one batch.
     """
 
-    def __init__(self, guard: Optional[Guard] = None, *, release_cache: bool = True) -> None:
+    def __init__(
+        self,
+        guard: Optional[Guard] = None,
+        *,
+        release_cache: bool = True,
+        agree: bool = True,
+        recover_oom: bool = True,
+        max_oom_retries: int = DEFAULT_MAX_OOM_RETRIES,
+    ) -> None:
         self.guard = guard if guard is not None else Guard()
         self.release_cache = release_cache
-        self.cache_releases = 0
+        self.runner = StepRunner(
+            self.guard,
+            Agreement(agree),
+            recover_oom=recover_oom,
+            max_oom_retries=max_oom_retries,
+            release_cache=release_cache,
+        )
+        #: The last :meth:`backward` ran out of memory after gradients had accumulated: its
+        #: optimizer step must be skipped (:meth:`step` does).
+        self.skip_step = False
+        self._fresh_step = False
+        self._fsdp: Optional[bool] = None
 
     @property
     def micro_batch_size(self) -> int:
-        """Rows per micro-batch now (the guard's batch size)."""
-        return self.guard.batch_size
+        """Rows per micro-batch now (agreed across ranks; the guard's before the first step)."""
+        return self.runner.size if self.runner.size is not None else self.guard.batch_size
 
-    def refresh(self) -> bool:
-        """Follow the guard; after a downgrade (smaller batch) release the CUDA cache.
+    @property
+    def grad_checkpointing(self) -> bool:
+        """Gradient checkpointing as agreed across ranks."""
+        return self.runner.checkpointing
 
-        Returns True when a newer signal arrived.
-        """
-        before = self.guard.batch_size
-        changed = self.guard.refresh()
-        if changed and self.guard.batch_size < before and self.release_cache:
-            if empty_cache():
-                self.cache_releases += 1
+    @property
+    def cache_releases(self) -> int:
+        """Times the CUDA cache was released (downgrades and OOM recoveries)."""
+        return self.runner.cache_releases
+
+    @property
+    def downgrades(self) -> int:
+        """Steps whose agreed micro-batch size was smaller than the step before's."""
+        return self.runner.downgrades
+
+    @property
+    def oom_recoveries(self) -> int:
+        """Out-of-memory errors recovered in-process (this rank's or a peer's)."""
+        return self.runner.oom_recoveries
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because an OOM hit after gradients had accumulated."""
+        return self.runner.skipped_steps
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches run to completion."""
+        return self.runner.micro_batches
+
+    def refresh(self, model: Any = None) -> bool:
+        """Step boundary: follow the guard and agree with the other ranks (a collective when
+        distributed: every rank must call it at the same point). :meth:`backward` calls it
+        itself when it was not called for this batch. Returns True when the applied micro-batch
+        size or checkpointing changed."""
+        changed = self.runner.begin_step(
+            (lambda: grads_fresh(model)) if model is not None else None
+        )
+        self._fresh_step = True
+        if self.runner.checkpointing and model is not None:
+            enable_checkpointing(model)
         return changed
 
     def split(self, batch: Any) -> List[MicroBatch[Any]]:
-        """Micro-batches of ``batch`` at the current recommended size, weighted rows / B."""
-        return split_batch(batch, self.guard.batch_size)
+        """Micro-batches of ``batch`` at the current size, weighted rows / B (no agreement)."""
+        return split_batch(batch, self.micro_batch_size)
 
     def backward(
         self,
@@ -91,25 +144,45 @@ class MicroBatcher:
 
         ``loss_fn(micro_batch)`` returns a scalar loss that is a mean over the micro-batch's
         rows. Each loss is multiplied by the micro-batch's weight before ``backward()``. When
-        ``model`` has ``no_sync`` (DistributedDataParallel), every micro-batch but the last runs
-        inside it, so gradients are all-reduced once per batch.
+        ``model`` has ``no_sync`` (DDP, FSDP 1), every micro-batch but the last runs inside it,
+        so gradients are synchronised once per batch. Pass ``model`` so that an OOM in backward
+        can reset the gradients, and so FSDP is recognised.
         """
-        micro = self.split(batch)
-        total = 0.0
-        for i, mb in enumerate(micro):
-            ctx = _no_sync(model) if i < len(micro) - 1 else contextlib.nullcontext()
-            with ctx:
-                loss = loss_fn(mb.data) * mb.weight
-                loss.backward()
-            total += _item(loss)
-        return total
+        if not self._fresh_step:
+            self.refresh(model)
+        self._fresh_step = False
+        if self._fsdp is None:
+            self._fsdp = model is not None and is_fsdp(model)
+        # FSDP gathers parameters inside forward/backward: a rank that fails mid-pass cannot
+        # rejoin its peers, so with several ranks its OOM errors propagate.
+        recover = not (self._fsdp and self.runner.agreement.world_size() > 1)
 
+        def micro(data: Any, weight: float, after_forward: Callable[[], None]) -> float:
+            loss = loss_fn(data) * weight
+            after_forward()
+            loss.backward()
+            return _item(loss)
 
-def _no_sync(model: Any) -> ContextManager[Any]:
-    no_sync = getattr(model, "no_sync", None)
-    if callable(no_sync):
-        return no_sync()  # type: ignore[no-any-return]
-    return contextlib.nullcontext()
+        result = self.runner.run(
+            batch,
+            micro,
+            no_sync=no_sync_of(model),
+            zero_grads=zero_grads(model) if model is not None else None,
+            recover=recover,
+        )
+        self.skip_step = result.skipped
+        return float(sum(result.outputs))
+
+    def step(self, optimizer: Any, *, zero_grad: bool = True) -> bool:
+        """``optimizer.step()`` (then ``zero_grad(set_to_none=True)``) unless the last batch's
+        step must be skipped. Returns True when the optimizer stepped."""
+        stepped = not self.skip_step
+        if stepped:
+            optimizer.step()
+        self.skip_step = False
+        if zero_grad:
+            optimizer.zero_grad(set_to_none=True)
+        return stepped
 
 
 def _item(loss: Any) -> float:
