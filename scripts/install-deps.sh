@@ -25,7 +25,8 @@ python3 -c 'import numpy' 2>/dev/null || py_missing+=(numpy)
 python3 -c 'import jsonschema' 2>/dev/null || py_missing+=(jsonschema)
 command -v kubernetes-validate >/dev/null 2>&1 || py_missing+=(kubernetes-validate)
 # The training stack, pinned: what the adapters are tested against (clients/python/tests,
-# bench/survival, the OOM record tests raise its real exceptions). A fresh install downloads about 4.5 GB (torch's CUDA libraries included).
+# bench/survival; the OOM record tests raise its real exceptions). A fresh install downloads
+# about 4.5 GB (torch's CUDA libraries included).
 for pin in torch==2.15.0 transformers==5.23.0 accelerate==1.15.0 peft==0.21.2; do
   have=$(python3 -c "import importlib.metadata as m; print(m.version('${pin%%==*}'))" 2>/dev/null || true)
   [[ $have == "${pin#*==}" ]] || py_missing+=("$pin")

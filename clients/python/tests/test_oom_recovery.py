@@ -170,8 +170,9 @@ def test_recovery_is_reported_to_the_sidecar(tmp_path: Path, sidecar: FakeSideca
     guard = Guard(signal_file="", sidecar_url=sidecar.url, env={"MEMGUARD_BATCH_SIZE": "8"}, background=False)
     batcher = MicroBatcher(guard)
     batcher.backward(data(), loss_fn_of(model), model=model)
-    sizes = [r.get("batch_size") for r in sidecar.reports]
-    assert sizes == [4, 2], sidecar.reports
+    ooms = [r["oom"] for r in sidecar.reports]
+    assert [(o["kind"], o["outcome"]) for o in ooms] == [("cuda_oom", "recovered")] * 2
+    assert [(o["batch_size"], o["new_batch_size"]) for o in ooms] == [(8, 4), (4, 2)], ooms
 
 
 # --- the real Hugging Face Trainer -------------------------------------------------------------

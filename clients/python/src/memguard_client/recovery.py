@@ -36,8 +36,10 @@ one rank, OOM recovery is off and the error propagates (the micro-batch size agr
 works). Retries are bounded (``max_oom_retries`` per batch) and at micro-batch size 1 the error
 propagates with a note saying so.
 
-Each recovery is reported to the sidecar (``POST /v1/report`` with the new batch size) so its
-metrics and its summary count it.
+Each recovery is recorded with :func:`memguard_client.oom.record` (``outcome="recovered"``, the
+failing and the new micro-batch size), which reports it to the sidecar (``POST /v1/report``) so
+its metrics and its summary count it. An OOM given up on is re-raised unchanged (with a note):
+the OOM hook of :mod:`memguard_client.oom` records it as fatal.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, List, Optional
 
+from . import oom
 from .batching import batch_rows, slice_batch
 from .distributed import Agreement, Status
 from .guard import Guard
@@ -60,22 +63,8 @@ DEFAULT_MAX_OOM_RETRIES = 12
 
 
 def classify_oom(exc: BaseException) -> Optional[str]:
-    """``"cuda_oom"``, ``"cpu_oom"`` or ``None``: is ``exc`` an out-of-memory error?
-
-    The one place that decides (to be replaced by the OOM-lifecycle module's ``classify``).
-    """
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(
-            getattr(torch, "cuda", None), "OutOfMemoryError", None
-        )
-        if isinstance(oom_type, type) and isinstance(exc, oom_type):
-            return "cuda_oom"
-    if isinstance(exc, (RuntimeError, MemoryError)):
-        text = str(exc)
-        if "DefaultCPUAllocator: can't allocate memory" in text or isinstance(exc, MemoryError):
-            return "cpu_oom"
-    return None
+    """``"cuda_oom"``, ``"cpu_oom"`` or ``None`` (:func:`memguard_client.oom.classify`)."""
+    return oom.classify(exc)
 
 
 def empty_cache() -> bool:
@@ -95,19 +84,20 @@ def empty_cache() -> bool:
     return False
 
 
-def record_recovery(exc: BaseException, guard: Guard, *, step: int, new_batch_size: int) -> None:
-    """Tell the sidecar about a recovered OOM and the new micro-batch size. Never raises."""
+def record_recovery(
+    exc: BaseException, guard: Guard, *, step: int, batch_size: Optional[int], new_batch_size: int
+) -> None:
+    """Record a recovered OOM (:func:`memguard_client.oom.record`, ``outcome="recovered"``):
+    the sidecar counts it and learns the new micro-batch size. Never raises."""
     try:
-        from . import oom  # type: ignore[attr-defined]  # the OOM-lifecycle module, when present
-
-        record = getattr(oom, "record", None)
-    except ImportError:
-        record = None
-    try:
-        if callable(record):
-            record(exc, guard, step=step, outcome="recovered", new_batch_size=new_batch_size)
-        else:
-            guard.report(step=step, batch_size=new_batch_size)
+        oom.record(
+            exc,
+            guard,
+            step=step,
+            outcome="recovered",
+            batch_size=batch_size,
+            new_batch_size=new_batch_size,
+        )
     except Exception as err:  # reporting must never end a run that just recovered
         log.debug("memguard: OOM report failed: %s", err)
 
@@ -329,7 +319,9 @@ class StepRunner:
             st.size,
         )
         if exc is not None:
-            record_recovery(exc, self.guard, step=self.steps, new_batch_size=st.size)
+            record_recovery(
+                exc, self.guard, step=self.steps, batch_size=old, new_batch_size=st.size
+            )
 
 
 def _note(exc: BaseException, msg: str) -> None:
