@@ -393,9 +393,14 @@ def unwrap(model: Any) -> Any:
 def enable_checkpointing(model: Any) -> bool:
     """Turn on gradient checkpointing where the model supports it (HF ``PreTrainedModel``)."""
     model = unwrap(model)
-    if getattr(model, "is_gradient_checkpointing", False):
+    # transformers 5 renamed these (the old names warn and go away in v6).
+    new_api = callable(getattr(model, "activation_checkpointing_enable", None))
+    on = "is_activation_checkpointing" if new_api else "is_gradient_checkpointing"
+    if getattr(model, on, False):
         return False
-    enable = getattr(model, "gradient_checkpointing_enable", None)
+    enable = getattr(
+        model, "activation_checkpointing_enable" if new_api else "gradient_checkpointing_enable", None
+    )
     if not callable(enable):
         return False
     try:
