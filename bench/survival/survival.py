@@ -472,8 +472,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         arms[name] = run_arm(name, args, out, sidecar)
     for name, arm in arms.items():
         if name.startswith("memguard") and arm.finished and "reference" in arms and arms["reference"].finished:
-            # float64 numpy sums in the same order: equal; float32 torch re-chunked: allclose.
-            tol = (1e-9, 1e-12) if args.trainer == "numpy" else (1e-4, 1e-6)
+            # float64 numpy sums in the same order: equal. float32 torch re-chunked sums round
+            # differently, and AdamW's normalised update turns a rounding difference in a
+            # near-zero gradient into up to lr-sized steps: allclose at 1e-4 (lr is 1e-3; the
+            # measured max |diff| was 2.3e-5).
+            tol = (1e-9, 1e-12) if args.trainer == "numpy" else (1e-4, 1e-4)
             arm.weights_match_reference, arm.max_weight_diff = compare_weights(
                 out / "reference.npz", out / f"{name}.npz", *tol
             )

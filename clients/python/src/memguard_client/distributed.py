@@ -60,7 +60,8 @@ class Status:
 
     #: Some rank ran out of memory in this phase.
     oom: bool
-    #: The smallest micro-batch size proposed (the halved size of the rank that failed).
+    #: The smallest micro-batch size proposed (the halved size of the rank that failed; 0 when
+    #: a rank has nothing smaller to try).
     size: int
     #: Every rank's gradients were untouched (all ``None``) when the batch began.
     fresh: bool
@@ -94,11 +95,11 @@ class Agreement:
     def status(self, oom: bool, size: int, fresh: bool) -> Status:
         """Agree after a micro-batch phase: did any rank run out of memory, the smallest
         proposed size, and whether every rank began the batch with untouched gradients."""
-        size = max(1, int(size))
+        size = max(0, int(size))  # 0: "nothing smaller to try", every rank gives up
         reduced = self._min([0 if oom else 1, size, 1 if fresh else 0])
         if reduced is None:
             return Status(oom=oom, size=size, fresh=fresh)
-        return Status(oom=reduced[0] == 0, size=max(1, reduced[1]), fresh=reduced[2] == 1)
+        return Status(oom=reduced[0] == 0, size=max(0, reduced[1]), fresh=reduced[2] == 1)
 
     def _min(self, values: "list[int]") -> Optional["list[int]"]:
         dist = _dist() if self.enabled else None
