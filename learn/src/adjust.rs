@@ -12,6 +12,9 @@ pub struct Adjustments {
     pub calibration: Calibration,
     /// The pending recovery after an OOM kill.
     pub recovery: Option<Recovery>,
+    /// The profile's `cannot fit: …` verdict (OOM recoveries exhausted, or every knob at its
+    /// floor): the pod is admitted at the smallest config tried, with this as its error.
+    pub verdict: Option<String>,
 }
 
 impl Adjustments {
@@ -56,6 +59,7 @@ pub fn adjustments(status: &MemoryProfileStatus) -> Adjustments {
     Adjustments {
         calibration: status.calibration(),
         recovery: status.recovery.clone(),
+        verdict: status.verdict.clone(),
     }
 }
 
@@ -213,6 +217,7 @@ mod tests {
             let adj = Adjustments {
                 calibration,
                 recovery: factor.map(|f| recovery(TrainingKnobs::default(), Some(f))),
+                verdict: None,
             };
             let eff = adj.effective_calibration();
             assert!((eff.factor - want).abs() < 1e-9, "{name}: {eff:?}");

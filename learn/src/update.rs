@@ -1,7 +1,9 @@
 //! Folding an [`Observation`] into a `MemoryProfile` status. Pure and idempotent.
 
 use crate::observe::{Observation, knobs_of};
-use memguard_api::crd::{MemoryProfileStatus, OomEvent, ProfileRun, Recovery};
+use memguard_api::crd::{
+    MAX_OOM_RECOVERIES, MemoryProfileStatus, OomEvent, ProfileRun, Recovery, TrainingKnobs,
+};
 use memguard_estimator::calibration::FACTOR_RANGE;
 use memguard_estimator::{Bytes, Floors, LADDER, TrainingConfig};
 
@@ -36,7 +38,31 @@ pub fn apply(status: &MemoryProfileStatus, obs: &Observation) -> MemoryProfileSt
             reason: reason.clone(),
             config: obs.knobs.clone(),
         });
-        next.recovery = Some(recovery(obs, status.recovery.as_ref()));
+        next.oom_recoveries = status.oom_recoveries.saturating_add(1);
+        match &status.recovery {
+            // The limit: keep the smallest config tried instead of shrinking forever.
+            Some(kept) if status.oom_recoveries >= MAX_OOM_RECOVERIES => {
+                next.verdict = Some(format!(
+                    "cannot fit: {} OOMs in a row (limit {MAX_OOM_RECOVERIES}); smallest config \
+                     tried: {}",
+                    next.oom_recoveries,
+                    describe_knobs(&kept.config)
+                ));
+            }
+            _ => {
+                let r = recovery(obs, status.recovery.as_ref());
+                if r.rungs == 0 {
+                    next.verdict = Some(format!(
+                        "cannot fit: every knob is at its floor; smallest config tried: {}",
+                        describe_knobs(&r.config)
+                    ));
+                }
+                next.recovery = Some(r);
+            }
+        }
+    } else if obs.exit_code == 0 {
+        next.oom_recoveries = 0;
+        next.verdict = None;
     }
     next
 }
@@ -98,6 +124,27 @@ pub fn recovery(obs: &Observation, previous: Option<&Recovery>) -> Recovery {
 }
 
 /// `batch 16, seq 4096` (and `rank 64` for adapters): what a person recognizes of a config.
+/// `batch 4 × 4, checkpointing, seq 2048, rank 16` from the knobs that are set.
+pub fn describe_knobs(k: &TrainingKnobs) -> String {
+    let mut parts = Vec::new();
+    if let Some(b) = k.batch_size {
+        parts.push(format!("batch {b} × {}", k.grad_accumulation.unwrap_or(1)));
+    }
+    if k.grad_checkpointing == Some(true) {
+        parts.push("checkpointing".into());
+    }
+    if let Some(s) = k.seq_length {
+        parts.push(format!("seq {s}"));
+    }
+    if let Some(r) = k.lora_rank {
+        parts.push(format!("rank {r}"));
+    }
+    if let Some(l) = k.lora_layers {
+        parts.push(format!("{l} layers"));
+    }
+    parts.join(", ")
+}
+
 fn describe(cfg: &TrainingConfig) -> String {
     let mut parts = vec![
         format!("batch {}", cfg.batch_size),

@@ -158,6 +158,8 @@ pub struct Mutation {
     pub estimate_annotation: String,
     /// Warnings for the admission response, each ≤ [`MAX_WARNING_CHARS`].
     pub warnings: Vec<String>,
+    /// `memguard.io/error` to keep on the mutated pod: the profile's "cannot fit: …" verdict.
+    pub error: Option<String>,
 }
 
 impl Mutation {
@@ -323,6 +325,12 @@ fn decide(
     if let Some(b) = &budget {
         trainer_env.push((env::BUDGET_BYTES.into(), b.bytes.0.to_string()));
     }
+    if let Some(verdict) = &adjust.verdict {
+        // Admitted anyway, at the smallest config tried: a fatal OOM then exits 87, which a
+        // Job's podFailurePolicy can turn into FailJob.
+        warnings.push(truncate(&format!("memguard: {verdict}")));
+        trainer_env.push((env::CANNOT_FIT.into(), "true".into()));
+    }
     trainer_env.push((env::SIGNAL_FILE.into(), labels::SIGNAL_FILE.into()));
     trainer_env.push((
         env::SIDECAR_URL.into(),
@@ -366,6 +374,7 @@ fn decide(
         sidecar,
         estimate_annotation,
         warnings,
+        error: adjust.verdict.clone(),
     })
 }
 

@@ -230,12 +230,26 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
         ops.add(&["spec", "shareProcessNamespace"], json!(true));
     }
 
-    annotate(
-        pod,
-        ops,
-        &[(keys::ESTIMATE, m.estimate_annotation.as_str())],
-        &[keys::ERROR],
-    );
+    match &m.error {
+        Some(error) => {
+            let error: String = error.chars().take(MAX_ERROR_CHARS).collect();
+            annotate(
+                pod,
+                ops,
+                &[
+                    (keys::ESTIMATE, m.estimate_annotation.as_str()),
+                    (keys::ERROR, error.as_str()),
+                ],
+                &[],
+            );
+        }
+        None => annotate(
+            pod,
+            ops,
+            &[(keys::ESTIMATE, m.estimate_annotation.as_str())],
+            &[keys::ERROR],
+        ),
+    }
 }
 
 /// Sets `key = value` annotations that differ, and removes `stale` keys that are present.

@@ -1,7 +1,7 @@
 use super::*;
 use crate::observe::try_observe;
 use crate::testutil::{PodBuilder, at, summary};
-use memguard_api::crd::{MAX_RUNS, TrainingKnobs};
+use memguard_api::crd::{MAX_OOM_RECOVERIES, MAX_RUNS, TrainingKnobs};
 use memguard_api::env;
 
 const GIB: u64 = 1 << 30;
@@ -253,4 +253,30 @@ fn a_successful_run_after_an_oom_keeps_the_recovery() {
     let again = apply(&after_success, &oom_run("dead-again", 30));
     assert_eq!(again.oom_events.len(), 2);
     assert_eq!(again.last_oom_at, Some(at(30)));
+}
+
+#[test]
+fn oom_recoveries_stop_at_the_limit_with_a_verdict_and_a_success_clears_them() {
+    let mut status = MemoryProfileStatus::default();
+    for i in 0..MAX_OOM_RECOVERIES {
+        status = apply(&status, &oom_run(&format!("p{i}"), 10 + i64::from(i)));
+        assert_eq!(status.oom_recoveries, i + 1);
+        assert_eq!(status.verdict, None, "still recovering");
+    }
+    let kept = status.recovery.clone().expect("a recovery");
+    let past = apply(&status, &oom_run("p-last", 50));
+    assert_eq!(past.oom_recoveries, MAX_OOM_RECOVERIES + 1);
+    assert_eq!(
+        past.recovery,
+        Some(kept.clone()),
+        "no further downgrade past the limit"
+    );
+    let verdict = past.verdict.clone().expect("verdict");
+    assert!(
+        verdict.starts_with("cannot fit: 4 OOMs in a row (limit 3); smallest config tried: batch"),
+        "{verdict}"
+    );
+    let ok = apply(&past, &ok_run("fine", 60, 13 * GIB));
+    assert_eq!((ok.oom_recoveries, ok.verdict), (0, None));
+    assert_eq!(ok.recovery, Some(kept), "a success keeps the recovery");
 }

@@ -472,6 +472,49 @@ fn a_pending_recovery_starts_below_the_config_that_died_and_says_why() {
 }
 
 #[test]
+fn a_cannot_fit_verdict_admits_the_smallest_config_with_an_error_and_a_warning() {
+    let pod = || {
+        trainer_pod()
+            .gpus(1)
+            .annotate(keys::GPU_MEMORY, "80Gi")
+            .annotate(keys::BATCH_SIZE, "16")
+    };
+    let verdict = "cannot fit: 4 OOMs in a row (limit 3); smallest config tried: batch 2 × 8";
+    let status = memguard_api::crd::MemoryProfileStatus {
+        recovery: Some(memguard_api::crd::Recovery {
+            rungs: 1,
+            config: memguard_api::crd::TrainingKnobs {
+                batch_size: Some(2),
+                grad_accumulation: Some(8),
+                ..Default::default()
+            },
+            factor: None,
+            reason: "pod t-3 CudaOOM at batch 4: start with batch 4 → 2".into(),
+        }),
+        oom_recoveries: 4,
+        verdict: Some(verdict.into()),
+        ..Default::default()
+    };
+    let mut profiles = Profiles::default();
+    profiles.insert(profile_for(&pod().build(), status));
+    let built = pod().build();
+    let Outcome::Mutated(m) = mutate(&built, &Policy::default(), &profiles) else {
+        panic!("mutated")
+    };
+    assert_eq!(env_of(&m, env::BATCH_SIZE), Some("2"));
+    assert_eq!(env_of(&m, env::CANNOT_FIT), Some("true"));
+    assert!(
+        m.warnings
+            .iter()
+            .any(|w| w == &format!("memguard: {verdict}"))
+    );
+    let patch = crate::patch::build(&built, &Outcome::Mutated(m));
+    let mut out = serde_json::to_value(&built).expect("json");
+    json_patch::patch(&mut out, &patch).expect("applies");
+    assert_eq!(out["metadata"]["annotations"]["memguard.io/error"], verdict);
+}
+
+#[test]
 fn sidecar_plan_follows_the_policy() {
     let spec: PolicySpec = serde_json::from_value(serde_json::json!({
         "sidecar": {"image": "registry.local/memguard:dev", "mode": "classic", "interval": "50ms"},
