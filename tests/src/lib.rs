@@ -40,7 +40,7 @@ pub fn tools_required() -> bool {
 }
 
 /// How to install the tools, for messages.
-pub const INSTALL_HINT: &str = "install them with `../shared/tools/install-helm.sh` (helm, kubectl; \
+pub const INSTALL_HINT: &str = "install them with `scripts/install-helm.sh` (helm, kubectl; \
      put its output folder on PATH, in MEMGUARD_TOOLS=<dir>/.. or HELM=<dir>/helm) and \
      `pip install kubernetes-validate jsonschema`; promtool: `apt-get install prometheus` (or \
      `scripts/install-deps.sh`, which installs all of them)";
