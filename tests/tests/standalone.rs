@@ -42,7 +42,11 @@ fn a_plain_clone_installs_helm_and_kubectl_by_itself() {
         .env("HOME", scratch.path())
         .current_dir(&clone));
     let bin = tools.join("bin");
-    assert_eq!(printed.trim(), bin.to_string_lossy(), "prints its bin folder");
+    assert_eq!(
+        printed.trim(),
+        bin.to_string_lossy(),
+        "prints its bin folder"
+    );
     let helm = run(Command::new(bin.join("helm")).args(["version", "--short"]));
     assert!(helm.starts_with("v4."), "helm v4 expected, got {helm}");
     let kubectl = run(Command::new(bin.join("kubectl")).args(["version", "--client"]));
@@ -61,7 +65,15 @@ fn a_plain_clone_installs_helm_and_kubectl_by_itself() {
 fn nothing_the_project_runs_or_documents_names_a_path_outside_the_repository() {
     let root = repo_root();
     let listed = run(Command::new("git")
-        .args(["ls-files", "scripts", "tests", "docs", ".ci", "README.md", "bench"])
+        .args([
+            "ls-files",
+            "scripts",
+            "tests",
+            "docs",
+            ".ci",
+            "README.md",
+            "bench",
+        ])
         .current_dir(&root));
     let needle = ["..", "/shared"].concat();
     let mut offenders = Vec::new();
@@ -75,5 +87,9 @@ fn nothing_the_project_runs_or_documents_names_a_path_outside_the_repository() {
             }
         }
     }
-    assert!(offenders.is_empty(), "paths outside the repository:\n{}", offenders.join("\n"));
+    assert!(
+        offenders.is_empty(),
+        "paths outside the repository:\n{}",
+        offenders.join("\n")
+    );
 }
