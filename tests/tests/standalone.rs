@@ -23,7 +23,7 @@ fn run(cmd: &mut Command) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// Clones the repository into an empty directory (so no `../shared` or anything else is beside
+/// Clones the repository into an empty directory (so no reference folder or anything else is beside
 /// it), runs the installer step of the README's test command there with a fresh HOME, and
 /// checks that the helm and kubectl it put in place run.
 #[test]
