@@ -379,9 +379,12 @@ class Guard:
         peak_bytes: Optional[int] = None,
         total_bytes: Optional[int] = None,
         framework: Optional[str] = None,
+        leak_bytes_per_second: Optional[int] = None,
     ) -> bool:
         """POST the trainer's figures to ``/v1/report``. True when the sidecar accepted them.
 
+        ``leak_bytes_per_second``: the growth a framework helper's leak check sees (see
+        :class:`memguard_client.mlx.LeakDetector`); sent only while a leak is seen.
         Only the given fields are sent (the sidecar rejects unknown ones). Never raises: with
         no sidecar URL it returns False at once; a dead sidecar costs at most
         ``report_timeout`` seconds.
@@ -394,6 +397,7 @@ class Guard:
             ("total_bytes", total_bytes),
             ("step", step),
             ("batch_size", batch_size),
+            ("leak_bytes_per_second", leak_bytes_per_second),
         ):
             n = _non_negative_int(value)
             if n is not None:
