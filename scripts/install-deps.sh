@@ -31,6 +31,10 @@ for pin in torch==2.15.0 transformers==5.23.0 accelerate==1.15.0 peft==0.21.2; d
   have=$(python3 -c "import importlib.metadata as m; print(m.version('${pin%%==*}'))" 2>/dev/null || true)
   [[ $have == "${pin#*==}" ]] || py_missing+=("$pin")
 done
+# MLX's CPU backend on Linux (tests/test_mlx.py, the MLX survival arm) and mlx_lm for its LoRA
+# recipe (mlx-lm needs transformers, pinned above).
+python3 -c 'import mlx.core' 2>/dev/null || py_missing+=("mlx[cpu]==0.32.4")
+python3 -c 'import mlx_lm' 2>/dev/null || py_missing+=(mlx-lm==0.32.2)
 if ((${#py_missing[@]})); then
   python3 -m pip install -q --disable-pip-version-check "${py_missing[@]}"
 fi

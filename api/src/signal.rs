@@ -146,6 +146,13 @@ pub struct Report {
     /// ([`crate::oom::OomRecord`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub oom: Option<crate::oom::OomRecord>,
+    /// Growth of the framework's live memory that the trainer's leak check saw rise at every
+    /// check of its window (read at step boundaries after releasing the framework cache, e.g.
+    /// `memguard_client.mlx.LeakDetector`), in bytes per second. Sent only while a leak is
+    /// seen; the sidecar turns it into a time to the limit, like its own working-set rule, and
+    /// the sooner of the two counts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub leak_bytes_per_second: Option<u64>,
 }
 
 /// Now, as RFC 3339 UTC with milliseconds.
@@ -168,6 +175,19 @@ mod tests {
             serde_json::from_str(&serde_json::to_string(&signal).expect("serializes"))
                 .expect("re-parses");
         assert_eq!(again, signal);
+    }
+
+    #[test]
+    fn report_round_trips_through_the_fixture() {
+        let text = include_str!("../fixtures/report-v1.json");
+        let report: Report = serde_json::from_str(text).expect("fixture parses");
+        assert_eq!(report.framework.as_deref(), Some("mlx"));
+        assert_eq!(report.leak_bytes_per_second, Some(1 << 20));
+        assert_eq!(report.reserved_bytes, Some(7_516_192_768));
+        let again: Report =
+            serde_json::from_str(&serde_json::to_string(&report).expect("serializes"))
+                .expect("re-parses");
+        assert_eq!(again, report);
     }
 
     #[test]

@@ -176,6 +176,11 @@ def free_port() -> int:
     return int(port)
 
 
+#: ``--trainer`` numpy (the default) or mlx: trainer.py's model in numpy, or in MLX through
+#: ``memguard_client.mlx.MicroBatcher`` (same flags and log).
+TRAINERS = {"numpy": "trainer.py", "mlx": "trainer_mlx.py"}
+
+
 def trainer_cmd(args: argparse.Namespace, log: Path, weights: Path, file_only: bool = False) -> List[str]:
     if args.trainer in ("hf", "loop"):
         return [
@@ -191,7 +196,7 @@ def trainer_cmd(args: argparse.Namespace, log: Path, weights: Path, file_only: b
         ] + (["--no-long-poll"] if file_only else [])
     return [
         sys.executable,
-        str(HERE / "trainer.py"),
+        str(HERE / TRAINERS[args.trainer]),
         "--samples", str(args.samples),
         "--epochs", str(args.epochs),
         "--batch-size", str(args.batch_size),
@@ -362,6 +367,8 @@ def run_arm(name: str, args: argparse.Namespace, out: Path, sidecar: Optional[Pa
                 MEMGUARD_SIDECAR_URL=f"http://127.0.0.1:{port}",
                 MEMGUARD_BATCH_SIZE=str(args.batch_size),
                 MEMGUARD_GRAD_ACCUMULATION="1",
+                # What the webhook writes: the MLX trainer sets its limits from it.
+                MEMGUARD_BUDGET_BYTES=str(limit),
             )
         cmd = trainer_cmd(args, log, weights, file_only=name == "memguard")
         code, arm.seconds = run_trainer_in(cg, cmd, env, args.timeout)
@@ -433,9 +440,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description="memguard survival proof (real cgroup v1, real OOM killer)")
     p.add_argument("--out", default=None, help="directory for logs and results.json (default: a temp dir)")
     p.add_argument("--sidecar", default=None, help="memguard-sidecar binary (default: target/{sidecar,release,debug})")
-    p.add_argument("--trainer", choices=["numpy", "hf", "loop"], default="numpy",
+    p.add_argument("--trainer", choices=["numpy", "hf", "loop", "mlx"], default="numpy",
                    help="numpy: trainer.py; hf: a Llama-style transformers model under Trainer + "
-                        "attach(); loop: the same model in a raw PyTorch loop + MicroBatcher")
+                        "attach(); loop: the same model in a raw PyTorch loop + MicroBatcher; "
+                        "mlx: trainer.py's model in MLX through memguard_client.mlx.MicroBatcher")
     p.add_argument("--arms", default="reference,baseline,memguard,memguard-http")
     p.add_argument("--limit-mib", type=int, default=160)
     p.add_argument("--samples", type=int, default=2048)

@@ -198,8 +198,20 @@ impl Engine {
         if let Some(ws) = ws {
             self.history.push(now_ms, ws);
         }
-        let seconds_to_limit = limit.and_then(|l| policy::leak_eta(&self.history.points(), l));
         let report = self.shared.status().report.clone();
+        let own_eta = limit.and_then(|l| policy::leak_eta(&self.history.points(), l));
+        let reported_eta = report.as_ref().and_then(|r| {
+            let rate = r.leak_bytes_per_second?;
+            // Device memory when the framework knows the device's size (a GPU, Apple's unified
+            // memory); otherwise the leak is in this cgroup's working set (MLX on a CPU).
+            match (r.reserved_bytes.or(r.allocated_bytes), r.total_bytes) {
+                (Some(used), Some(total)) if total > 0 => {
+                    policy::reported_leak_eta(used, total, rate)
+                }
+                _ => policy::reported_leak_eta(ws?, limit?, rate),
+            }
+        });
+        let seconds_to_limit = policy::sooner(own_eta, reported_eta);
         let report_ratio = report.as_ref().and_then(|r| {
             let used = r.reserved_bytes.or(r.allocated_bytes)?;
             let total = r.total_bytes.filter(|&t| t > 0)?;
@@ -503,6 +515,44 @@ mod tests {
         assert_eq!(s.level, Level::Critical);
         assert!(s.reason.contains("GPU memory 0.96"), "{}", s.reason);
         assert_eq!(shared.status().gpu_peak, Some(77));
+    }
+
+    #[test]
+    fn a_leak_the_trainer_reports_downgrades_through_the_leak_horizon() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // Working set 500 of 1000: no pressure of its own, and no history to see a growth in.
+        let (mut e, shared) = engine(vec![mem(500, true)], FakeGpu(Ok(vec![])), dir.path());
+        e.tick(0);
+        assert_eq!(shared.signal.borrow().level, Level::Ok);
+        let slow = memguard_api::Report {
+            framework: Some("mlx".into()),
+            leak_bytes_per_second: Some(1), // 500 s to the limit: beyond the 60 s horizon
+            ..Default::default()
+        };
+        shared.status().report = Some(slow);
+        e.tick(1000);
+        assert_eq!(shared.signal.borrow().level, Level::Ok);
+        assert_eq!(shared.status().seconds_to_limit, Some(500.0));
+        let fast = memguard_api::Report {
+            framework: Some("mlx".into()),
+            leak_bytes_per_second: Some(10), // 50 s to the cgroup limit
+            ..Default::default()
+        };
+        shared.status().report = Some(fast);
+        e.tick(2000);
+        let s = shared.signal.borrow().clone();
+        assert_eq!((s.level, s.batch_size), (Level::Downgrade, 4));
+        assert!(s.reason.contains("steady growth"), "{}", s.reason);
+        assert_eq!(s.pressure.seconds_to_limit, Some(50.0));
+        // With the device's size in the report the leak is measured against the device.
+        shared.status().report = Some(memguard_api::Report {
+            allocated_bytes: Some(90),
+            total_bytes: Some(100),
+            leak_bytes_per_second: Some(1),
+            ..Default::default()
+        });
+        e.tick(3000);
+        assert_eq!(shared.status().seconds_to_limit, Some(10.0));
     }
 
     #[test]

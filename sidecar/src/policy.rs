@@ -422,6 +422,26 @@ pub fn leak_eta(points: &[(u64, u64)], limit: u64) -> Option<f64> {
     Some(limit.saturating_sub(last) as f64 / slope)
 }
 
+/// Seconds until `limit` from `used` at a growth the trainer reported
+/// ([`memguard_api::Report::leak_bytes_per_second`]: its own leak check, on live framework
+/// memory read after releasing the cache at step boundaries). `None` without growth.
+pub fn reported_leak_eta(used: u64, limit: u64, bytes_per_second: u64) -> Option<f64> {
+    if bytes_per_second == 0 {
+        return None;
+    }
+    Some(limit.saturating_sub(used) as f64 / bytes_per_second as f64)
+}
+
+/// The sooner of two times to the limit: the sidecar's working-set rule ([`leak_eta`]) and the
+/// trainer's report each see leaks the other cannot (memory outside the framework; growth
+/// hidden in allocator noise), so whichever sees the limit first counts.
+pub fn sooner(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -694,6 +714,18 @@ mod tests {
             assess(&state, &mem(0.1), 200_000, &cfg()).state.knobs(),
             k(4, 4, false)
         );
+    }
+
+    #[test]
+    fn a_reported_leak_is_a_time_to_the_limit_and_the_sooner_one_counts() {
+        let mib = 1u64 << 20;
+        assert_eq!(reported_leak_eta(900 * mib, 1000 * mib, mib), Some(100.0));
+        assert_eq!(reported_leak_eta(1100 * mib, 1000 * mib, mib), Some(0.0));
+        assert_eq!(reported_leak_eta(900 * mib, 1000 * mib, 0), None);
+        assert_eq!(sooner(Some(100.0), Some(40.0)), Some(40.0));
+        assert_eq!(sooner(None, Some(40.0)), Some(40.0));
+        assert_eq!(sooner(Some(100.0), None), Some(100.0));
+        assert_eq!(sooner(None, None), None);
     }
 
     #[test]

@@ -48,38 +48,6 @@ def test_importing_the_client_imports_no_framework() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_mlx_report_uses_new_names_then_old_metal_names(monkeypatch: pytest.MonkeyPatch) -> None:
-    from memguard_client import mlx as mg_mlx
-
-    new = types.SimpleNamespace(
-        get_active_memory=lambda: 10,
-        get_peak_memory=lambda: 30,
-        get_cache_memory=lambda: 5,
-        device_info=lambda: {"memory_size": 100},
-    )
-    monkeypatch.setitem(sys.modules, "mlx.core", new)
-    assert mg_mlx.memory() == {
-        "framework": "mlx",
-        "allocated_bytes": 10,
-        "reserved_bytes": 15,
-        "peak_bytes": 30,
-        "total_bytes": 100,
-    }
-    old = types.SimpleNamespace(
-        metal=types.SimpleNamespace(get_active_memory=lambda: 1, get_peak_memory=lambda: 2, get_cache_memory=lambda: 3)
-    )
-    monkeypatch.setitem(sys.modules, "mlx.core", old)
-    body = mg_mlx.report_memory(Guard(env={"MEMGUARD_BATCH_SIZE": "2"}), step=4)
-    assert body == {
-        "framework": "mlx",
-        "allocated_bytes": 1,
-        "reserved_bytes": 4,
-        "peak_bytes": 2,
-        "step": 4,
-        "batch_size": 2,
-    }
-
-
 def test_mxnet_figures(monkeypatch: pytest.MonkeyPatch) -> None:
     from memguard_client.frameworks import mxnet_memory
 

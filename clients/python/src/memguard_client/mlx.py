@@ -243,6 +243,9 @@ class MicroBatcher:
         self.leak_every = leak_every
         self.leaks = LeakDetector(leak_window, leak_tolerance_bytes)
         self.cache_releases = 0
+        #: Reports sent to the sidecar, and how many it accepted (none without a sidecar URL).
+        self.reports_sent = 0
+        self.reports_accepted = 0
         self.limits: Optional[Limits] = set_limits_from_budget(env) if set_limits else None
         self._vg: Optional[Tuple[Any, Any, Any]] = None
 
@@ -351,10 +354,17 @@ class MicroBatcher:
         figures = memory()
         if figures is None:
             return None
+        body: Dict[str, Any] = dict(figures)
         leak = self.leaks.leak
         if leak is not None:
-            figures["leak_bytes_per_second"] = int(round(leak.bytes_per_second))
-        return self.guard.report_figures(figures, step)
+            body["leak_bytes_per_second"] = int(round(leak.bytes_per_second))
+        if step is not None:
+            body["step"] = step
+        body["batch_size"] = self.guard.batch_size
+        self.reports_sent += 1
+        if self.guard.report(**body):
+            self.reports_accepted += 1
+        return body
 
     def _mlx(self) -> Tuple[Any, Any, Any]:
         if self._vg is None:
