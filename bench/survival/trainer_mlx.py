@@ -9,9 +9,10 @@ about ``b · L · H · 4`` bytes per live activation, and on the CPU backend it 
 memory, inside the cgroup. Sequence length grows with the sample index, so the batch that fits at
 the start of an epoch does not fit at its end.
 
-The loop follows the signal once per optimizer step (``batcher.refresh()``), runs each batch of
-``effective_batch`` samples as micro-batches of ``guard.batch_size`` rows (so every rank would
-switch at the same step), makes one SGD update per batch and reports MLX's figures after every
+The loop follows the signal before each micro-batch (``batcher.refresh()`` at the step,
+``follow=True`` within it, as trainer.py does: one process, so no rank agreement is needed),
+runs each batch of ``effective_batch`` samples as micro-batches of ``guard.batch_size`` rows,
+makes one SGD update per batch and reports MLX's figures after every
 step. Without memguard env it is plain MLX training at a fixed batch. Logs the same JSON lines as
 trainer.py (start, signal, apply, step, epoch, done).
 """
@@ -126,14 +127,17 @@ def main(argv: Optional[list] = None) -> int:
             x, y, lens = data.batch(idx)
             batch = (mx.array(x, dtype=mx.float32), mx.array(y, dtype=mx.float32), mx.array(lens))
             del x
-            loss, grads = batcher.value_and_grad(model, loss_fn, batch)
+            loss, grads = batcher.value_and_grad(model, loss_fn, batch, follow=True)
             opt.update(model, grads)
             mx.eval(model.parameters(), opt.state, loss)
             del batch, grads
             step_loss = float(loss.item()) * rows
             epoch_loss += step_loss
             seen += rows
-            micro = [min(b, rows - i) for i in range(0, rows, b)]
+            micro = batcher.last_micro
+            if guard.batch_size != applied_batch:
+                log("apply", step=step, batch=guard.batch_size, seq=guard.seq, level=guard.level)
+                applied_batch = guard.batch_size
             batcher.end_step(step)
             log(
                 "step",

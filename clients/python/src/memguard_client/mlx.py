@@ -248,6 +248,8 @@ class MicroBatcher:
         self.reports_accepted = 0
         self.limits: Optional[Limits] = set_limits_from_budget(env) if set_limits else None
         self._vg: Optional[Tuple[Any, Any, Any]] = None
+        #: Micro-batch sizes of the last :meth:`value_and_grad`.
+        self.last_micro: List[int] = []
 
     @property
     def micro_batch_size(self) -> int:
@@ -268,7 +270,9 @@ class MicroBatcher:
                 self.cache_releases += 1
         return changed
 
-    def value_and_grad(self, model: Any, loss_fn: Callable[..., Any], batch: Any) -> Tuple[Any, Any]:
+    def value_and_grad(
+        self, model: Any, loss_fn: Callable[..., Any], batch: Any, *, follow: bool = False
+    ) -> Tuple[Any, Any]:
         """``(loss, grads)`` of the whole ``batch``, computed in micro-batches.
 
         ``batch`` is a tuple of arrays whose first axis is rows (one array alone is taken as a
@@ -278,21 +282,31 @@ class MicroBatcher:
         tokens) the weight is ``ntoks_i / Σ ntoks`` instead and ``(loss, Σ ntoks)`` is returned.
         The loss and gradients equal the full batch's up to rounding. Each micro-batch is
         evaluated (``mx.eval``) before the next is built, so only one micro-batch's activations
-        are alive at a time.
+        are alive at a time. With ``follow`` the signal is also followed between micro-batches
+        (:meth:`refresh`), so a downgrade applies within the step (one process only: ranks
+        would no longer agree on where the step changes size). :attr:`last_micro` holds the
+        micro-batch sizes of the last call.
         """
         nn, mx, tree_map = self._mlx()
         parts = batch if isinstance(batch, tuple) else (batch,)
         rows = _rows(parts)
         size = max(1, self.guard.batch_size)
         vg = nn.value_and_grad(model, loss_fn)
-        if rows <= size:
+        if rows <= size and not follow:
+            self.last_micro = [rows]
             return vg(model, *parts)  # type: ignore[no-any-return]
         grads: Any = None
         loss_sum: Any = 0.0
         tokens = 0.0
         by_tokens: Optional[bool] = None
-        for start in range(0, rows, size):
+        self.last_micro = []
+        start = 0
+        while start < rows:
+            if follow and start > 0:
+                self.refresh()
+                size = max(1, self.guard.batch_size)
             stop = min(rows, start + size)
+            self.last_micro.append(stop - start)
             value, g = vg(model, *(a[start:stop] for a in parts))
             counted = isinstance(value, (tuple, list))
             if by_tokens is None:
@@ -310,6 +324,7 @@ class MicroBatcher:
             grads = g if grads is None else tree_map(lambda a, b: a + b, grads, g)
             loss_sum = loss_sum + loss * weight
             mx.eval(grads, loss_sum)  # the boundary: this micro-batch's graph is freed here
+            start = stop
         if by_tokens:
             if tokens <= 0:
                 raise ValueError("loss_fn counted no tokens in the whole batch")
