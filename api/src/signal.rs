@@ -155,6 +155,30 @@ pub struct Report {
     pub leak_bytes_per_second: Option<u64>,
 }
 
+impl Report {
+    /// Refuses figures that cannot be: a zero device capacity, or more memory in use (allocated,
+    /// reserved or peak) than the device has. Such a report would otherwise drive the GPU ratio
+    /// past 1 and downgrade a healthy trainer.
+    pub fn check(&self) -> Result<(), String> {
+        let Some(total) = self.total_bytes else {
+            return Ok(());
+        };
+        if total == 0 {
+            return Err("total_bytes is 0".into());
+        }
+        for (name, v) in [
+            ("allocated_bytes", self.allocated_bytes),
+            ("reserved_bytes", self.reserved_bytes),
+            ("peak_bytes", self.peak_bytes),
+        ] {
+            if let Some(v) = v.filter(|&v| v > total) {
+                return Err(format!("{name} {v} exceeds total_bytes {total}"));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Now, as RFC 3339 UTC with milliseconds.
 pub fn now_rfc3339() -> String {
     humantime::format_rfc3339_millis(SystemTime::now()).to_string()
@@ -195,6 +219,36 @@ mod tests {
         assert!(serde_json::from_str::<Report>(r#"{"allocated": 1}"#).is_err());
         let r: Report = serde_json::from_str(r#"{"allocated_bytes": 1, "step": 3}"#).expect("ok");
         assert_eq!(r.allocated_bytes, Some(1));
+    }
+
+    #[test]
+    fn a_report_of_more_than_the_device_holds_is_refused() {
+        let ok = Report {
+            allocated_bytes: Some(10),
+            reserved_bytes: Some(20),
+            peak_bytes: Some(15),
+            total_bytes: Some(20),
+            ..Report::default()
+        };
+        assert_eq!(ok.check(), Ok(()));
+        assert_eq!(
+            Report::default().check(),
+            Ok(()),
+            "no capacity, nothing to compare"
+        );
+        let over = Report {
+            reserved_bytes: Some(21),
+            ..ok.clone()
+        };
+        assert_eq!(
+            over.check(),
+            Err("reserved_bytes 21 exceeds total_bytes 20".into())
+        );
+        let zero = Report {
+            total_bytes: Some(0),
+            ..Report::default()
+        };
+        assert!(zero.check().is_err());
     }
 
     #[test]

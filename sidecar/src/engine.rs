@@ -239,6 +239,7 @@ impl Engine {
         {
             let mut st = self.shared.status();
             st.samples_total += 1;
+            st.source_up = sample.is_some();
             if let Some(ws) = ws {
                 st.peak_working_set = Some(st.peak_working_set.map_or(ws, |p| p.max(ws)));
             }
@@ -328,7 +329,8 @@ pub fn starting_signal(existing: Option<&str>, batch: u64, accum: u64, ckpt: boo
     if let Some(old) = existing.and_then(|t| serde_json::from_str::<Signal>(t).ok())
         && old.version == s.version
     {
-        s.seq = old.seq + 1;
+        // A corrupt or hostile file may hold the largest seq: saturate rather than overflow.
+        s.seq = old.seq.saturating_add(1);
         s.batch_size = old.batch_size.max(1);
         s.grad_accumulation = old.grad_accumulation.max(1);
         s.grad_checkpointing = old.grad_checkpointing;
@@ -604,5 +606,60 @@ mod tests {
         assert!(s.grad_checkpointing);
         let s = starting_signal(Some("not json"), 8, 2, false);
         assert_eq!((s.seq, s.batch_size), (0, 8));
+    }
+
+    #[test]
+    fn a_signal_file_holding_the_largest_seq_does_not_overflow() {
+        // Found by reading for the fuzz target `signal_report`: `seq + 1` on u64::MAX.
+        let text = include_str!("../../api/fixtures/signal-v1.json")
+            .replace("\"seq\": 3", &format!("\"seq\": {}", u64::MAX));
+        assert!(
+            text.contains(&u64::MAX.to_string()),
+            "the fixture's seq was replaced"
+        );
+        let s = starting_signal(Some(&text), 8, 2, false);
+        assert_eq!(s.seq, u64::MAX);
+        assert_eq!(s.batch_size, 4, "the kept knobs still apply");
+    }
+
+    /// Fault injection (docs/reliability.md): the clock the loop passes jumps forward by days and
+    /// back again while the pressure holds. No panic; the batch never grows back under pressure;
+    /// each change is a newer seq, on disk as in memory.
+    #[test]
+    fn the_clock_jumping_back_and_forth_under_pressure() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut e, shared) = engine(vec![mem(900, true)], FakeGpu(Ok(vec![])), dir.path());
+        e.flush();
+        const DAY: u64 = 86_400_000;
+        let times = [
+            0,
+            100,
+            50,
+            0,
+            3 * DAY,
+            3 * DAY + 10,
+            DAY,
+            0,
+            400 * DAY,
+            400 * DAY - 1,
+            10,
+            3650 * DAY,
+        ];
+        let mut last_seq = 0;
+        let mut last_batch = 8;
+        for (i, now) in times.into_iter().enumerate() {
+            assert_eq!(e.tick(now), Tick::Running, "tick {i} at {now}");
+            let sig = shared.signal.borrow().clone();
+            assert!(sig.level >= Level::Downgrade, "tick {i}: {sig:?}");
+            assert!(
+                sig.batch_size <= last_batch,
+                "tick {i}: grew back under pressure"
+            );
+            assert_eq!(sig.effective_batch(), 16, "tick {i}: effective batch kept");
+            assert!(sig.seq >= last_seq);
+            assert_eq!(on_disk(dir.path()), sig, "tick {i}: the file follows");
+            (last_seq, last_batch) = (sig.seq, sig.batch_size);
+        }
+        assert_eq!(last_batch, 1, "repeated downgrades reached the floor");
     }
 }

@@ -195,6 +195,11 @@ pub fn render(st: &Status, sig: &Signal) -> String {
         &ooms,
     );
     o.counter("samples_total", "Samples taken.", st.samples_total as f64);
+    o.gauge(
+        "source_up",
+        "1 when the last sample read the trainer's memory; 0 while the source is missing or failing (the memory figures are then the last good ones).",
+        Some(if st.source_up { 1.0 } else { 0.0 }),
+    );
     o.counter(
         "wakeups_total",
         "Kernel events (thresholds, PSI triggers, inotify) that woke the sampler.",
@@ -204,6 +209,11 @@ pub fn render(st: &Status, sig: &Signal) -> String {
         "reports_total",
         "Reports received from the trainer.",
         st.reports_total as f64,
+    );
+    o.counter(
+        "reports_rejected_total",
+        "Reports refused: not JSON, unknown fields, impossible figures.",
+        st.reports_rejected as f64,
     );
     let errors: Vec<(String, f64)> = ["read", "parse", "gpu"]
         .iter()

@@ -81,19 +81,42 @@ async fn get_signal(State(shared): State<Arc<Shared>>, Query(q): Query<SignalQue
     axum::Json(signal).into_response()
 }
 
+/// A refused report: counted, logged (the first few and then at powers of two, so that a trainer
+/// flooding nonsense cannot flood the logs), answered 400.
+fn refuse_report(shared: &Shared, msg: String) -> Response {
+    let rejected = {
+        let mut st = shared.status();
+        st.reports_rejected += 1;
+        st.reports_rejected
+    };
+    if rejected <= 5 || rejected.is_power_of_two() {
+        tracing::warn!(error = %msg, rejected, "report refused");
+    }
+    bad_request(format!("report: {msg}"))
+}
+
 async fn post_report(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    // serde also reads a struct from a JSON array (field by position): `[]` would be an empty
+    // report. A report is an object.
+    if !body.trim_ascii_start().starts_with(b"{") {
+        return refuse_report(&shared, "not a JSON object".into());
+    }
     let report: Report = match serde_json::from_slice(&body) {
         Ok(r) => r,
-        Err(e) => return bad_request(format!("report: {e}")),
+        Err(e) => return refuse_report(&shared, e.to_string()),
     };
     if report
         .framework
         .as_ref()
         .is_some_and(|f| f.len() > MAX_FRAMEWORK_LEN)
     {
-        return bad_request(format!(
-            "report: framework longer than {MAX_FRAMEWORK_LEN} bytes"
-        ));
+        return refuse_report(
+            &shared,
+            format!("framework longer than {MAX_FRAMEWORK_LEN} bytes"),
+        );
+    }
+    if let Err(e) = report.check() {
+        return refuse_report(&shared, e);
     }
     let mut st = shared.status();
     let gpu = report.reserved_bytes.or(report.allocated_bytes);

@@ -26,6 +26,11 @@ pub struct Status {
     pub report: Option<Report>,
     /// Reports received.
     pub reports_total: u64,
+    /// Reports refused (not JSON, unknown fields, impossible figures).
+    pub reports_rejected: u64,
+    /// Whether the last sample read the trainer's memory (false while the source is missing or
+    /// failing: the memory figures are then the last good ones).
+    pub source_up: bool,
     /// Samples taken.
     pub samples_total: u64,
     /// Sampler errors by kind (`read`, `parse`, `gpu`).

@@ -26,6 +26,10 @@ use tower_http::timeout::TimeoutLayer;
 /// Kubernetes caps request bodies at 3 MiB; an AdmissionReview is never larger.
 pub const MAX_BODY_BYTES: usize = 3 * 1024 * 1024;
 
+/// How long a connection may take to send a request's headers (the first, or the next on a
+/// kept-alive connection) before it is closed.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// What every handler shares.
 #[derive(Clone)]
 pub struct AppState {
@@ -186,9 +190,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         metrics: metrics.clone(),
     };
     let handle: Handle<SocketAddr> = Handle::new();
-    let https = axum_server::bind_rustls(args.listen, served)
-        .handle(handle.clone())
-        .serve(router(state, args.request_timeout()).into_make_service());
+    let mut https = axum_server::bind_rustls(args.listen, served).handle(handle.clone());
+    // axum-server turns hyper's header read timeout off: a client that opens a connection and
+    // trickles its headers, or never sends them (slowloris), would hold it open forever. The TLS
+    // handshake has its own 10 s limit (axum-server's default).
+    https
+        .http_builder()
+        .http1()
+        .header_read_timeout(HEADER_READ_TIMEOUT);
+    let https = https.serve(router(state, args.request_timeout()).into_make_service());
     let https = tokio::spawn(https);
 
     let metrics_listener = tokio::net::TcpListener::bind(args.metrics_listen)

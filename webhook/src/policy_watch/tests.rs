@@ -305,3 +305,54 @@ mod glue {
         task.abort();
     }
 }
+
+/// Fault injection (docs/reliability.md): an operator or a controller flapping the resource
+/// between valid and invalid, with watch errors in between, many times over. The policy in force
+/// is always the last valid generation, every rejection is counted, and nothing else moves.
+#[tokio::test]
+async fn a_resource_flapping_between_valid_and_invalid_always_serves_the_last_valid_one() {
+    let mut f = fixture(Overrides::default());
+    let flaps = 500;
+    let mut last_valid = None;
+    for i in 0..flaps {
+        let generation = i64::from(i) + 1;
+        let valid = i % 2 == 0;
+        let ratio = 0.5 + f64::from(i % 40) / 100.0;
+        let json = if valid {
+            serde_json::json!({"safetyRatio": ratio})
+        } else {
+            // Each invalid generation is broken its own way (what the CRD schema lets through).
+            match i % 3 {
+                0 => serde_json::json!({"safetyRatio": 1.0 + ratio}),
+                1 => serde_json::json!({"gpuMemory": {"NVIDIA-A10G": "lots"}}),
+                _ => {
+                    serde_json::json!({"thresholds": {"warn": 0.9, "downgrade": 0.8, "critical": 0.95}})
+                }
+            }
+        };
+        let mut events = vec![Ok(Event::Apply(resource(NAME, generation, json)))];
+        if i % 7 == 0 {
+            events.push(Err(watcher::Error::NoResourceVersion));
+        }
+        f.feed(events).await;
+        if valid {
+            last_valid = Some((ratio, generation));
+        }
+        let (ratio, generation) = last_valid.expect("the first event is valid");
+        assert_eq!(f.safety_ratio(), ratio, "flap {i}");
+        assert_eq!(f.generation(), Some(generation as f64), "flap {i}");
+    }
+    let half = f64::from(flaps / 2);
+    assert_eq!(
+        (f.reloads("ok"), f.reloads("error")),
+        (Some(half), Some(half))
+    );
+    // Deleted at the end: the file's policy, as before the flapping.
+    f.feed(vec![Ok(Event::Delete(resource(
+        NAME,
+        0,
+        serde_json::json!({}),
+    )))])
+    .await;
+    assert_eq!((f.safety_ratio(), f.generation()), (0.8, Some(0.0)));
+}
