@@ -151,7 +151,7 @@ fn the_default_sidecar_ends_with_a_summary_when_the_cgroup_vanishes() {
             .expect("summary json");
     assert_eq!(summary.exit_reason, "trainer-exited");
     assert!(summary.peak_bytes >= Some(920 * MIB), "{summary:?}");
-    assert_eq!(summary.downgrades, 1);
+    assert!(summary.downgrades >= 1, "{summary:?}");
 }
 
 #[test]
