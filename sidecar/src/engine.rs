@@ -9,7 +9,7 @@ use crate::signal::SignalWriter;
 use crate::state::Shared;
 use crate::trace::Point;
 use memguard_api::{Pressure, Signal, signal::now_rfc3339};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// What a step found.
@@ -60,7 +60,11 @@ impl Engine {
         shared: Arc<Shared>,
     ) -> Self {
         let s = shared.signal.borrow().clone();
-        shared.status().source = source.describe();
+        {
+            let mut st = shared.status();
+            st.source = source.describe();
+            st.source_info = Some(source.info());
+        }
         Engine {
             source,
             gpu,
@@ -127,6 +131,16 @@ impl Engine {
             tracing::warn!(reason = %what, "out of memory");
             (next, what)
         })
+    }
+
+    /// The trainer's cgroup directory, once the source knows it.
+    pub fn cgroup_dir(&self) -> Option<PathBuf> {
+        self.source.cgroup_dir().map(Path::to_path_buf)
+    }
+
+    /// Reads the cgroup's PSI from `path` from now on, unless a path was given at start.
+    pub fn set_cgroup_psi(&mut self, path: PathBuf) {
+        self.psi_cgroup.get_or_insert(path);
     }
 
     /// The effective limit of the last sample.
@@ -240,6 +254,11 @@ impl Engine {
             let mut st = self.shared.status();
             st.samples_total += 1;
             st.source_up = sample.is_some();
+            let info = self.source.info();
+            if st.source_info != Some(info) {
+                st.source_info = Some(info);
+                st.source = self.source.describe();
+            }
             if let Some(ws) = ws {
                 st.peak_working_set = Some(st.peak_working_set.map_or(ws, |p| p.max(ws)));
             }

@@ -48,6 +48,17 @@ pub fn render(st: &Status, sig: &Signal) -> String {
     let mut o = Out(String::with_capacity(4096));
     let f = |v: Option<u64>| v.map(|v| v as f64);
     let sample = st.sample.as_ref();
+    if let Some(info) = st.source_info {
+        let labels = format!("{{kind=\"{}\",view=\"{}\"}}", info.kind, info.view);
+        o.family(
+            "source_info",
+            "gauge",
+            "Where the trainer's memory figures come from: kind cgroup-v1, cgroup-v2, rss (summed \
+             RSS: no OOM events, PSI, page cache or memory.high) or none; view flag, trainer-mount, \
+             own-mount, procfs.",
+            &[(labels, 1.0)],
+        );
+    }
     o.gauge(
         "working_set_bytes",
         "Working set of the trainer's cgroup (usage minus inactive file).",

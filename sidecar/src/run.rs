@@ -237,6 +237,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
         source = %shared.status().source,
+        source_kind = shared.status().source_info.map_or("none", |i| i.kind),
+        source_view = shared.status().source_info.map_or("none", |i| i.view),
         signal_file = %a.signal_file.display(),
         interval = ?a.interval,
         batch_size = config.batch_size,
@@ -278,6 +280,16 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         let now_ms = started.elapsed().as_millis() as u64;
         if engine.tick(now_ms) == Tick::TrainerGone && a.exit_when_empty {
             break "trainer-exited";
+        }
+        if watchers.dir.is_none()
+            && a.events
+            && let Some(found) = engine.cgroup_dir()
+        {
+            // A discovered trainer cgroup: its own PSI (v2) and kernel events from now on.
+            if found.join("memory.pressure").exists() {
+                engine.set_cgroup_psi(found.join("memory.pressure"));
+            }
+            watchers.dir = Some(found);
         }
         watchers.update(engine.limit());
     };

@@ -14,6 +14,8 @@ use tokio::sync::watch;
 pub struct Status {
     /// Where memory figures come from (`cgroup-v1 /sys/…`).
     pub source: String,
+    /// Which view of the trainer's memory the source has (`/metrics` `source_info`).
+    pub source_info: Option<crate::sample::SourceInfo>,
     /// The latest memory sample.
     pub sample: Option<MemorySample>,
     /// PSI of the trainer's cgroup (v2).

@@ -1,7 +1,7 @@
 //! cgroup v1 and v2 memory, read straight from the files (see docs/sidecar.md for why not
 //! cgroups-rs: it maps missing files to 0 and pulls in a D-Bus stack for systemd).
 
-use super::{Limit, MemoryEvents, MemorySample, MemorySource, SampleError, read_opt};
+use super::{Limit, MemoryEvents, MemorySample, MemorySource, SampleError, SourceInfo, read_opt};
 use std::path::{Path, PathBuf};
 
 /// Values at or above this in a v1 limit file mean "unlimited" (the kernel prints
@@ -249,6 +249,20 @@ impl MemorySource for CgroupSource {
 
     fn describe(&self) -> String {
         format!("cgroup-{} {}", self.mode.name(), self.dir.display())
+    }
+
+    fn info(&self) -> SourceInfo {
+        SourceInfo {
+            kind: match self.mode {
+                Mode::V1 => "cgroup-v1",
+                Mode::V2 => "cgroup-v2",
+            },
+            view: "flag",
+        }
+    }
+
+    fn cgroup_dir(&self) -> Option<&Path> {
+        Some(&self.dir)
     }
 }
 

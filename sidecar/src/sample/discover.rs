@@ -2,9 +2,14 @@
 //! trainer that starts after the sidecar (native sidecars start first).
 
 use super::cgroup::CgroupSource;
-use super::procfs::{RssSource, find_trainer, trainer_cgroup};
-use super::{MemorySample, MemorySource, SampleError};
-use std::path::PathBuf;
+use super::procfs::{RssSource, View, find_trainer, trainer_cgroup};
+use super::{MemorySample, MemorySource, SampleError, SourceInfo};
+use std::path::{Path, PathBuf};
+
+/// What the summed-RSS fallback cannot see, for the log.
+pub const RSS_LOSES: &str = "no memory.events/oom_control (OOM kills are not detected or learnt), \
+no cgroup PSI, no page cache or kernel memory in the working set, no memory.high, no peaks \
+between samples; the limit is the downward-API one";
 
 /// A cgroup directory that is detected (v1 or v2) on first sight and re-detected until then.
 pub struct DirSource {
@@ -42,6 +47,47 @@ impl MemorySource for DirSource {
             None => format!("cgroup {} (not a memory cgroup yet)", self.dir.display()),
         }
     }
+
+    fn info(&self) -> SourceInfo {
+        match &self.inner {
+            Some(s) => SourceInfo {
+                kind: s.info().kind,
+                view: "flag",
+            },
+            None => SourceInfo::NONE,
+        }
+    }
+
+    fn cgroup_dir(&self) -> Option<&Path> {
+        self.inner.as_ref().map(|s| s.dir())
+    }
+}
+
+/// A discovered cgroup with the view it was reached through.
+struct Discovered {
+    inner: CgroupSource,
+    view: View,
+}
+
+impl MemorySource for Discovered {
+    fn sample(&mut self) -> Result<Option<MemorySample>, SampleError> {
+        self.inner.sample()
+    }
+
+    fn describe(&self) -> String {
+        format!("{} (via {})", self.inner.describe(), self.view.name())
+    }
+
+    fn info(&self) -> SourceInfo {
+        SourceInfo {
+            kind: self.inner.info().kind,
+            view: self.view.name(),
+        }
+    }
+
+    fn cgroup_dir(&self) -> Option<&Path> {
+        Some(self.inner.dir())
+    }
 }
 
 /// The trainer found through the shared process namespace: its cgroup when readable, else its
@@ -73,11 +119,33 @@ impl TrainerSource {
         let Some(&first) = pids.first() else {
             return;
         };
-        let src: Box<dyn MemorySource> = match trainer_cgroup(&self.proc_root, first) {
-            Some(cg) => Box::new(cg),
-            None => Box::new(RssSource::new(self.proc_root.clone(), pids, self.limit)),
+        let src: Box<dyn MemorySource> = match trainer_cgroup(&self.proc_root, self.self_pid, first)
+        {
+            Ok((inner, view)) => {
+                let src = Discovered { inner, view };
+                tracing::info!(
+                    pid = first,
+                    source = %src.describe(),
+                    kind = src.info().kind,
+                    view = src.info().view,
+                    "found the trainer; reading its own cgroup"
+                );
+                Box::new(src)
+            }
+            Err(why) => {
+                let src = RssSource::new(self.proc_root.clone(), pids, self.limit);
+                tracing::warn!(
+                    pid = first,
+                    source = %src.describe(),
+                    kind = "rss",
+                    %why,
+                    lost = RSS_LOSES,
+                    "found the trainer but not its cgroup; falling back to summed RSS \
+                     (give the sidecar the trainer's uid/gid, see docs/sidecar.md)"
+                );
+                Box::new(src)
+            }
         };
-        tracing::info!(source = %src.describe(), "found the trainer");
         self.inner = Some(src);
     }
 }
@@ -101,6 +169,14 @@ impl MemorySource for TrainerSource {
             Some(s) => s.describe(),
             None => "trainer not found yet (shared process namespace)".into(),
         }
+    }
+
+    fn info(&self) -> SourceInfo {
+        self.inner.as_ref().map_or(SourceInfo::NONE, |s| s.info())
+    }
+
+    fn cgroup_dir(&self) -> Option<&Path> {
+        self.inner.as_ref().and_then(|s| s.cgroup_dir())
     }
 }
 

@@ -109,12 +109,40 @@ impl SampleError {
     }
 }
 
+/// Which view of the trainer's memory a source has, for the log and `/metrics`
+/// (`memguard_sidecar_source_info{kind, view}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SourceInfo {
+    /// `cgroup-v1`, `cgroup-v2`, `rss` (summed RSS: no events, no PSI, no page cache), or
+    /// `none` (nothing found yet).
+    pub kind: &'static str,
+    /// How it was reached: `flag` (`--cgroup`), `trainer-mount` (the trainer's mount namespace),
+    /// `own-mount` (the sidecar's), `procfs` (RSS), `none`.
+    pub view: &'static str,
+}
+
+impl SourceInfo {
+    /// Nothing found yet.
+    pub const NONE: SourceInfo = SourceInfo {
+        kind: "none",
+        view: "none",
+    };
+}
+
 /// Where the trainer's memory figures come from.
 pub trait MemorySource: Send {
     /// One sample. `Ok(None)`: the source is gone (the cgroup was removed).
     fn sample(&mut self) -> Result<Option<MemorySample>, SampleError>;
     /// A word for logs (`cgroup-v1 /sys/fs/cgroup/memory/x`).
     fn describe(&self) -> String;
+    /// Which view this is.
+    fn info(&self) -> SourceInfo {
+        SourceInfo::NONE
+    }
+    /// The cgroup directory read, once known (for kernel event sources and PSI).
+    fn cgroup_dir(&self) -> Option<&Path> {
+        None
+    }
 }
 
 /// Reads a file; absent (or a vanished cgroup: ENODEV) is `Ok(None)`.
