@@ -4,9 +4,9 @@ use crate::config::{Config, LogFormat};
 use crate::engine::{Engine, PsiPaths, Tick, starting_signal};
 use crate::events;
 use crate::policy::PolicyConfig;
-use crate::sample::MemorySource;
 use crate::sample::discover::{DirSource, TrainerSource};
 use crate::sample::gpu;
+use crate::sample::{MemorySource, SourceInfo};
 use crate::server;
 use crate::signal::SignalWriter;
 use crate::state::Shared;
@@ -234,11 +234,18 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         shared.clone(),
     );
     engine.flush();
+    let (source, info) = {
+        let st = shared.status();
+        (
+            st.source.clone(),
+            st.source_info.unwrap_or(SourceInfo::NONE),
+        )
+    };
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
-        source = %shared.status().source,
-        source_kind = shared.status().source_info.map_or("none", |i| i.kind),
-        source_view = shared.status().source_info.map_or("none", |i| i.view),
+        %source,
+        source_kind = info.kind,
+        source_view = info.view,
         signal_file = %a.signal_file.display(),
         interval = ?a.interval,
         batch_size = config.batch_size,

@@ -102,10 +102,22 @@ fn unescape(field: &str) -> String {
 
 /// The v1 `memory` and the `cgroup2` mounts in `/proc/<pid>/mountinfo` text; other lines and
 /// malformed ones are skipped.
+/// Mounts hidden by a later mount on the same point or on a parent (a container runtime's tmpfs
+/// over `/sys/fs/cgroup`) are left out: their paths lead somewhere else.
 pub fn cgroup_mounts(mountinfo: &str) -> Vec<CgroupMount> {
+    let points: Vec<PathBuf> = mountinfo
+        .lines()
+        .map(|line| PathBuf::from(unescape(line.split(' ').nth(4).unwrap_or(""))))
+        .collect();
     mountinfo
         .lines()
-        .filter_map(|line| {
+        .enumerate()
+        .filter(|(i, _)| {
+            !points[i + 1..]
+                .iter()
+                .any(|later| !later.as_os_str().is_empty() && points[*i].starts_with(later))
+        })
+        .filter_map(|(_, line)| {
             let fields: Vec<&str> = line.split(' ').collect();
             let sep = fields.iter().position(|f| *f == "-")?;
             if sep < 6 {
@@ -378,6 +390,11 @@ RssAnon:\t  500000 kB\nThreads:\t12\n";
         assert_eq!(cgroup_mounts(CGROUPNS_V2)[0].root, "/");
         assert!(cgroup_mounts(CGROUPNS_V2)[0].unified);
         assert_eq!(cgroup_mounts(HOST).len(), 2);
+        let shadowed = format!("{HOST}50 31 0:60 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n");
+        assert!(
+            cgroup_mounts(&shadowed).is_empty(),
+            "a tmpfs mounted over /sys/fs/cgroup later hides the host's hierarchies"
+        );
         assert!(cgroup_mounts("garbage\n1 2 3\n - cgroup2\n").is_empty());
         let spaced = "9 1 0:5 /a\\040b /mnt/x\\040y rw - cgroup2 none rw\n";
         assert_eq!(cgroup_mounts(spaced)[0].root, "/a b");

@@ -22,7 +22,13 @@ impl Sidecar {
     /// Starts the binary with `args` plus ephemeral listeners and text logs; waits until both
     /// listeners are up.
     pub fn spawn(args: &[&str]) -> Sidecar {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_memguard-sidecar"))
+        Sidecar::spawn_command(Command::new(env!("CARGO_BIN_EXE_memguard-sidecar")), args)
+    }
+
+    /// Like `spawn`, through `command` (a wrapper that ends by running the sidecar with the
+    /// arguments appended), whose stderr must be the sidecar's.
+    pub fn spawn_command(mut command: Command, args: &[&str]) -> Sidecar {
+        let mut child = command
             .args(args)
             .args([
                 "--listen",
