@@ -49,13 +49,16 @@ pub fn render(st: &Status, sig: &Signal) -> String {
     let f = |v: Option<u64>| v.map(|v| v as f64);
     let sample = st.sample.as_ref();
     if let Some(info) = st.source_info {
-        let labels = format!("{{kind=\"{}\",view=\"{}\"}}", info.kind, info.view);
+        let labels = format!(
+            "{{kind=\"{}\",view=\"{}\",peak=\"{}\"}}",
+            info.kind, info.view, info.peak
+        );
         o.family(
             "source_info",
             "gauge",
             "Where the trainer's memory figures come from: kind cgroup-v1, cgroup-v2, rss (summed \
              RSS: no OOM events, PSI, page cache or memory.high) or none; view flag, trainer-mount, \
-             own-mount, procfs.",
+             own-mount, procfs; peak between samples reset (exact), all-time (new highs) or none.",
             &[(labels, 1.0)],
         );
     }
@@ -78,6 +81,11 @@ pub fn render(st: &Status, sig: &Signal) -> String {
         "cgroup_peak_bytes",
         "Peak usage the kernel recorded (memory.peak or max_usage_in_bytes).",
         f(sample.and_then(|s| s.peak_bytes)),
+    );
+    o.gauge(
+        "interval_peak_working_set_bytes",
+        "Peak usage since the previous sample minus inactive file, when known.",
+        f(sample.and_then(|s| s.interval_peak_working_set_bytes)),
     );
     o.gauge(
         "memory_pressure_ratio",
@@ -290,6 +298,28 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("memguard_sidecar_memory_pressure_ratio 0.85\n"));
+        assert!(
+            !text.contains("source_info"),
+            "no source yet: nothing said rather than a guess"
+        );
+        let mut st = busy_status();
+        st.source_info = Some(crate::sample::SourceInfo {
+            kind: "cgroup-v1",
+            view: "trainer-mount",
+            peak: "reset",
+        });
+        st.sample
+            .as_mut()
+            .expect("sample")
+            .interval_peak_working_set_bytes = Some(990);
+        let text = render(&st, &Signal::initial(4, 2, false));
+        assert!(text.contains(
+            "memguard_sidecar_source_info{kind=\"cgroup-v1\",view=\"trainer-mount\",peak=\"reset\"} 1\n"
+        ));
+        assert!(
+            text.contains("memguard_sidecar_memory_pressure_ratio 0.99\n"),
+            "the spike between samples counts"
+        );
         assert!(
             text.contains("memguard_sidecar_memory_stall_some_avg10_ratio{scope=\"host\"} 0.125")
         );

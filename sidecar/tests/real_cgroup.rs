@@ -365,3 +365,105 @@ fn an_oom_kill_faster_than_any_poll_makes_the_in_place_restart_start_smaller_and
         "never relaxed above the sticky downgrade"
     );
 }
+
+/// Holds 140 MiB (about 60 % of the limit with the interpreter), then once rises by 75 MiB (to
+/// about 88 %, above the 85 % downgrade threshold and below the 95 % critical one) for 20 ms and
+/// frees it again; prints how long the spike lasted.
+/// The spike is one populated anonymous mapping, so it comes and goes in a few milliseconds.
+const SPIKER: &str = r#"
+import mmap, sys, time
+base = b"\x01" * (140 << 20)
+print("READY", flush=True)
+sys.stdin.readline()
+t0 = time.monotonic()
+spike = mmap.mmap(-1, 75 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+t1 = time.monotonic()
+time.sleep(0.02)
+t2 = time.monotonic()
+spike.close()
+t3 = time.monotonic()
+ms = lambda a, b: int((b - a) * 1000)
+print("SPIKED", ms(t0, t3), "ms in all:", ms(t0, t1), "up,", ms(t1, t2), "held,", ms(t2, t3), "down", flush=True)
+time.sleep(60)
+"#;
+
+#[test]
+fn a_20_ms_spike_between_two_100_ms_polls_is_told_to_downgrade() {
+    use std::io::Write;
+    if !rustix::process::geteuid().is_root() {
+        return skip("not running as root");
+    }
+    if !Path::new(V1_ROOT).join("memory.usage_in_bytes").exists() {
+        return skip("no cgroup v1 memory controller");
+    }
+    let cg = parent_cgroup().join(format!("memguard-spike-{}", std::process::id()));
+    std::fs::create_dir(&cg).expect("create child cgroup as root");
+    let _guard = CgroupGuard(cg.clone());
+    std::fs::write(cg.join("memory.limit_in_bytes"), LIMIT.to_string()).expect("set limit");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let signal = tmp.path().join("signal.json");
+    let (cg_s, sig_s) = (cg.display().to_string(), signal.display().to_string());
+    let script = format!("echo $$ > {cg_s}/cgroup.procs && exec python3 -c \"$0\"");
+    let child = Command::new("sh")
+        .args(["-c", &script, SPIKER])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spiker starts");
+    let mut spiker = Grower(child);
+    let mut out = BufReader::new(spiker.0.stdout.take().expect("piped")).lines();
+    assert_eq!(
+        out.next().and_then(Result::ok).as_deref(),
+        Some("READY"),
+        "spiker ready"
+    );
+    // Kernel events off: only the 100 ms poll can see the spike, as with a read-only mount.
+    let sidecar = Sidecar::spawn(&[
+        "--cgroup",
+        &cg_s,
+        "--signal-file",
+        &sig_s,
+        "--termination-log",
+        &tmp.path().join("term").display().to_string(),
+        "--batch-size",
+        "8",
+        "--interval",
+        "100ms",
+        "--events",
+        "false",
+        // No host PSI (the machine's other load must not decide this test).
+        "--proc-root",
+        &tmp.path().display().to_string(),
+    ]);
+    let first = eventually(Duration::from_secs(10), "initial signal", || {
+        read_signal(&signal)
+    });
+    assert_eq!(first.level, Level::Ok, "60 % is fine");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(read_signal(&signal).map(|s| s.level), Some(Level::Ok));
+    let mut stdin = spiker.0.stdin.take().expect("piped");
+    writeln!(stdin, "go").expect("go");
+    let spiked = out.next().and_then(Result::ok).unwrap_or_default();
+    eprintln!("spike: {spiked}");
+    // The spike is over when SPIKED is printed; the downgrade must follow from the peak the
+    // kernel kept (an instant sample lands inside the spike only by chance).
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let after = loop {
+        let s = read_signal(&signal).expect("signal");
+        if s.level >= Level::Downgrade || Instant::now() > deadline {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let log = sidecar.log_text();
+    assert_eq!(after.level, Level::Downgrade, "{after:?}\n{log}");
+    assert_eq!(after.batch_size, 4);
+    let ratio = after.pressure.memory_ratio.expect("ratio");
+    let instant = after.pressure.working_set_bytes.expect("ws") as f64 / LIMIT as f64;
+    eprintln!("downgraded at ratio {ratio:.3}; the instant working set was {instant:.3}");
+    assert!((0.85..0.95).contains(&ratio), "{ratio}");
+    assert!(
+        log.contains("peak between samples") && log.contains("reset after each sample"),
+        "{log}"
+    );
+}

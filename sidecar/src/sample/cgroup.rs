@@ -132,22 +132,169 @@ pub fn working_set(usage: u64, inactive_file: Option<u64>) -> u64 {
     usage.saturating_sub(inactive_file.unwrap_or(0))
 }
 
+/// `statfs` magic numbers: resets are only ever written to the kernel's files, never to a copy.
+const CGROUP_SUPER_MAGIC: u64 = 0x0027_e0eb;
+const CGROUP2_SUPER_MAGIC: u64 = 0x6367_7270;
+
+fn on_cgroupfs(path: &Path) -> bool {
+    rustix::fs::statfs(path).is_ok_and(|s| {
+        let magic = s.f_type as u64;
+        magic == CGROUP_SUPER_MAGIC || magic == CGROUP2_SUPER_MAGIC
+    })
+}
+
+/// How the peak between two samples is read (see docs/sidecar.md, "Peaks between samples").
+#[derive(Debug)]
+enum PeakReader {
+    /// Not tried yet.
+    Untried,
+    /// v1 `memory.max_usage_in_bytes`, reset to the current usage by writing 0 after each read.
+    V1Reset,
+    /// v2 `memory.peak` through our own file descriptor, reset per descriptor (kernel ≥ 6.12).
+    V2Fd(std::fs::File),
+    /// No reset: the kernel's all-time peak, which is the interval's peak when it moved.
+    AllTime,
+}
+
+/// Which peak reading is in use, for the log and `/metrics`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeakKind {
+    /// Reset after every sample: the exact peak between two samples.
+    Reset,
+    /// The all-time peak: only new highs are seen between samples.
+    AllTime,
+    /// No peak file: only the instant.
+    None,
+}
+
 /// Reads a cgroup v1 or v2 memory directory.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct CgroupSource {
     dir: PathBuf,
     mode: Mode,
+    peak: PeakReader,
+    /// The last all-time peak read (new-high detection without a reset).
+    last_all_time: Option<u64>,
+    /// The highest peak seen since we started (the kernel's is reset under us).
+    highest: Option<u64>,
+    /// Whether the last sample found a peak file.
+    peak_seen: bool,
 }
 
 impl CgroupSource {
     /// A source for `dir`, whose mode was detected or given.
     pub fn new(dir: PathBuf, mode: Mode) -> Self {
-        CgroupSource { dir, mode }
+        CgroupSource {
+            dir,
+            mode,
+            peak: PeakReader::Untried,
+            last_all_time: None,
+            highest: None,
+            peak_seen: false,
+        }
     }
 
     /// Detects the mode of `dir`; `None` when it is not a memory cgroup.
     pub fn detect(dir: PathBuf) -> Option<Self> {
-        Mode::detect(&dir).map(|mode| CgroupSource { dir, mode })
+        Mode::detect(&dir).map(|mode| CgroupSource::new(dir, mode))
+    }
+
+    /// Which peak reading is in use (known after the first sample).
+    pub fn peak_kind(&self) -> PeakKind {
+        match self.peak {
+            PeakReader::V1Reset | PeakReader::V2Fd(_) => PeakKind::Reset,
+            PeakReader::AllTime if self.peak_seen => PeakKind::AllTime,
+            _ => PeakKind::None,
+        }
+    }
+
+    /// Chooses the reader on first use: a reset where the kernel and the mount allow it.
+    fn open_peak(&mut self) {
+        if !matches!(self.peak, PeakReader::Untried) {
+            return;
+        }
+        self.peak = PeakReader::AllTime;
+        match self.mode {
+            Mode::V1 => {
+                let file = self.dir.join("memory.max_usage_in_bytes");
+                if on_cgroupfs(&file) && std::fs::write(&file, "0").is_ok() {
+                    self.peak = PeakReader::V1Reset;
+                }
+            }
+            Mode::V2 => {
+                use std::io::Write;
+                let file = self.dir.join("memory.peak");
+                if !on_cgroupfs(&file) {
+                    return;
+                }
+                // Before 6.12 memory.peak is read-only (the open or the write fails).
+                if let Ok(mut fd) = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(&file)
+                    && fd.write_all(b"reset\n").is_ok()
+                {
+                    self.peak = PeakReader::V2Fd(fd);
+                }
+            }
+        }
+        tracing::info!(dir = %self.dir.display(), peak = ?self.peak_kind_name(), "peak between samples");
+    }
+
+    fn peak_kind_name(&self) -> &'static str {
+        match self.peak {
+            PeakReader::V1Reset => "max_usage_in_bytes, reset after each sample",
+            PeakReader::V2Fd(_) => "memory.peak, reset per file descriptor",
+            _ => "all-time peak only (no reset here): new highs between samples are seen",
+        }
+    }
+
+    /// The usage peak since the previous sample, when it can be known, and the all-time peak.
+    fn interval_peak(&mut self) -> Result<(Option<u64>, Option<u64>), SampleError> {
+        self.open_peak();
+        let (interval, all_time) = match &mut self.peak {
+            PeakReader::V1Reset => {
+                let file = self.dir.join("memory.max_usage_in_bytes");
+                let peak = read_opt(&file)?.as_deref().and_then(parse_u64);
+                if std::fs::write(&file, "0").is_err() {
+                    self.peak = PeakReader::AllTime;
+                }
+                (peak, None)
+            }
+            PeakReader::V2Fd(fd) => {
+                use std::io::{Read, Seek, SeekFrom, Write};
+                let mut text = String::new();
+                let read = fd
+                    .seek(SeekFrom::Start(0))
+                    .and_then(|_| fd.read_to_string(&mut text));
+                let peak = read.ok().and_then(|_| parse_u64(&text));
+                if peak.is_none() || fd.write_all(b"reset\n").is_err() {
+                    self.peak = PeakReader::AllTime;
+                }
+                (peak, None)
+            }
+            PeakReader::AllTime | PeakReader::Untried => {
+                let name = match self.mode {
+                    Mode::V1 => "memory.max_usage_in_bytes",
+                    Mode::V2 => "memory.peak",
+                };
+                let all = self.read(name)?.as_deref().and_then(parse_u64);
+                // A new all-time high was reached since the last sample: that high is the
+                // interval's peak. Otherwise the interval's peak is not known (it was lower).
+                let moved = match (all, self.last_all_time) {
+                    (Some(now), Some(before)) if now > before => Some(now),
+                    _ => None,
+                };
+                self.last_all_time = all.or(self.last_all_time);
+                (moved, all)
+            }
+        };
+        self.peak_seen = interval.is_some() || all_time.is_some();
+        let top = interval.max(all_time);
+        if let Some(t) = top {
+            self.highest = Some(self.highest.map_or(t, |h| h.max(t)));
+        }
+        Ok((interval, self.highest))
     }
 
     /// The directory.
@@ -164,10 +311,11 @@ impl CgroupSource {
         read_opt(&self.dir.join(name))
     }
 
-    fn sample_v2(&self) -> Result<Option<MemorySample>, SampleError> {
+    fn sample_v2(&mut self) -> Result<Option<MemorySample>, SampleError> {
         let Some(current) = self.read("memory.current")? else {
             return Ok(None);
         };
+        let (interval, peak_bytes) = self.interval_peak()?;
         let usage = parse_u64(&current).ok_or_else(|| SampleError::Parse {
             path: self.dir.join("memory.current"),
             what: format!("{:?} is not a number", current.trim()),
@@ -189,7 +337,8 @@ impl CgroupSource {
                 .as_deref()
                 .and_then(parse_v2_limit),
             max: self.read("memory.max")?.as_deref().and_then(parse_v2_limit),
-            peak_bytes: self.read("memory.peak")?.as_deref().and_then(parse_u64),
+            peak_bytes,
+            interval_peak_working_set_bytes: interval.map(|p| working_set(p, inactive)),
             events: MemoryEvents {
                 high: ev.and_then(|s| keyed(s, "high")),
                 max: ev.and_then(|s| keyed(s, "max")),
@@ -200,10 +349,11 @@ impl CgroupSource {
         }))
     }
 
-    fn sample_v1(&self) -> Result<Option<MemorySample>, SampleError> {
+    fn sample_v1(&mut self) -> Result<Option<MemorySample>, SampleError> {
         let Some(text) = self.read("memory.usage_in_bytes")? else {
             return Ok(None);
         };
+        let (interval, peak_bytes) = self.interval_peak()?;
         let usage = parse_u64(&text).ok_or_else(|| SampleError::Parse {
             path: self.dir.join("memory.usage_in_bytes"),
             what: format!("{:?} is not a number", text.trim()),
@@ -224,10 +374,8 @@ impl CgroupSource {
                 .read("memory.limit_in_bytes")?
                 .as_deref()
                 .and_then(parse_v1_limit),
-            peak_bytes: self
-                .read("memory.max_usage_in_bytes")?
-                .as_deref()
-                .and_then(parse_u64),
+            peak_bytes,
+            interval_peak_working_set_bytes: interval.map(|p| working_set(p, inactive)),
             events: MemoryEvents {
                 high: None,
                 max: self.read("memory.failcnt")?.as_deref().and_then(parse_u64),
@@ -258,6 +406,11 @@ impl MemorySource for CgroupSource {
                 Mode::V2 => "cgroup-v2",
             },
             view: "flag",
+            peak: match self.peak_kind() {
+                PeakKind::Reset => "reset",
+                PeakKind::AllTime => "all-time",
+                PeakKind::None => "none",
+            },
         }
     }
 
@@ -358,12 +511,49 @@ mod tests {
         fs::remove_file(dir.path().join("memory.peak")).expect("rm");
         fs::write(dir.path().join("memory.high"), "1073741824\n").expect("write");
         let s = src.sample().expect("reads").expect("present");
-        assert_eq!(s.peak_bytes, None);
+        assert_eq!(s.peak_bytes, Some(2013265920), "the highest seen is kept");
+        assert_eq!(src.info().peak, "none", "no peak file any more");
         assert_eq!(
             s.effective_limit(),
             Some(1073741824),
             "memory.high wins when set"
         );
+    }
+
+    #[test]
+    fn a_new_all_time_peak_is_the_peak_between_two_samples() {
+        let dir = fixture_tree("v1");
+        let mut src = CgroupSource::detect(dir.path().to_path_buf()).expect("v1");
+        let limit = 268435456u64;
+        let put = |peak: u64| {
+            fs::write(
+                dir.path().join("memory.max_usage_in_bytes"),
+                peak.to_string(),
+            )
+            .expect("w")
+        };
+        put(100 << 20);
+        let s = src.sample().expect("ok").expect("some");
+        assert_eq!(
+            s.interval_peak_working_set_bytes, None,
+            "nothing to compare yet"
+        );
+        assert_eq!(src.info().peak, "all-time", "a copy is never reset");
+        // A spike to 240 MiB between two samples: the all-time peak moved, so it is this
+        // interval's peak; the instant usage (72 MiB) would have missed it.
+        put(240 << 20);
+        let s = src.sample().expect("ok").expect("some");
+        assert_eq!(
+            s.interval_peak_working_set_bytes,
+            Some((240 << 20) - 1015808),
+            "peak minus inactive file"
+        );
+        let ratio = s.ratio().expect("known");
+        assert!(ratio > 0.85, "{ratio} of {limit}");
+        let s = src.sample().expect("ok").expect("some");
+        assert_eq!(s.interval_peak_working_set_bytes, None, "no new high");
+        assert!(s.ratio().expect("known") < 0.5);
+        assert_eq!(s.peak_bytes, Some(240 << 20));
     }
 
     #[test]

@@ -51,8 +51,8 @@ impl MemorySource for DirSource {
     fn info(&self) -> SourceInfo {
         match &self.inner {
             Some(s) => SourceInfo {
-                kind: s.info().kind,
                 view: "flag",
+                ..s.info()
             },
             None => SourceInfo::NONE,
         }
@@ -80,8 +80,8 @@ impl MemorySource for Discovered {
 
     fn info(&self) -> SourceInfo {
         SourceInfo {
-            kind: self.inner.info().kind,
             view: self.view.name(),
+            ..self.inner.info()
         }
     }
 

@@ -53,8 +53,12 @@ pub struct MemorySample {
     pub high: Option<Limit>,
     /// `memory.max` / `memory.limit_in_bytes` (or the downward-API limit in the RSS fallback).
     pub max: Option<Limit>,
-    /// `memory.peak` (v2, kernel ≥ 5.19) / `memory.max_usage_in_bytes` (v1).
+    /// The highest usage the kernel recorded while we watched (`memory.peak`, v2 kernel ≥ 5.19;
+    /// `memory.max_usage_in_bytes`, v1).
     pub peak_bytes: Option<u64>,
+    /// The peak usage since the previous sample minus the inactive file cache, when known: a
+    /// spike between two samples (see docs/sidecar.md, "Peaks between samples").
+    pub interval_peak_working_set_bytes: Option<u64>,
     /// Event counters.
     pub events: MemoryEvents,
     /// Whether the cgroup holds processes; `None` when that is not known.
@@ -69,9 +73,12 @@ impl MemorySample {
             .or_else(|| self.max.and_then(Limit::bytes))
     }
 
-    /// Working set / effective limit, when both are known.
+    /// Working set / effective limit, when both are known; a higher peak since the previous
+    /// sample counts, so a spike between two samples is not missed.
     pub fn ratio(&self) -> Option<f64> {
-        let ws = self.working_set_bytes?;
+        let ws = self
+            .working_set_bytes?
+            .max(self.interval_peak_working_set_bytes.unwrap_or(0));
         let limit = self.effective_limit().filter(|&l| l > 0)?;
         Some(ws as f64 / limit as f64)
     }
@@ -119,6 +126,8 @@ pub struct SourceInfo {
     /// How it was reached: `flag` (`--cgroup`), `trainer-mount` (the trainer's mount namespace),
     /// `own-mount` (the sidecar's), `procfs` (RSS), `none`.
     pub view: &'static str,
+    /// The peak between two samples: `reset` (exact), `all-time` (new highs only), `none`.
+    pub peak: &'static str,
 }
 
 impl SourceInfo {
@@ -126,6 +135,7 @@ impl SourceInfo {
     pub const NONE: SourceInfo = SourceInfo {
         kind: "none",
         view: "none",
+        peak: "none",
     };
 }
 

@@ -300,6 +300,7 @@ impl MemorySource for RssSource {
         SourceInfo {
             kind: "rss",
             view: "procfs",
+            peak: "none",
         }
     }
 }
