@@ -42,8 +42,111 @@ pub fn build(pod: &Pod, outcome: &Outcome) -> Patch {
     Patch(ops.0)
 }
 
+/// Who the sidecar runs as. It reads the trainer's cgroup through `/proc/<pid>/root`, which the
+/// kernel opens only with ptrace-read access: the same uid and gid as the trainer, and no
+/// capability the trainer has and the sidecar lacks (docs/sidecar.md, "Reading the trainer's
+/// cgroup"). So the sidecar takes the trainer's identity, and never more: the pod needs no
+/// Pod Security level it did not already need.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SidecarIdentity {
+    /// The trainer's non-root uid, and its gid when the pod says it: no capabilities.
+    TrainerUser {
+        /// `runAsUser` of the trainer (container, else pod).
+        uid: i64,
+        /// `runAsGroup` of the trainer, when set.
+        gid: Option<i64>,
+    },
+    /// The trainer runs as root, or as its image's user (root in most GPU images) where the pod
+    /// allows root: root, with exactly the trainer's capabilities (`add`/`drop` copied, or the
+    /// runtime's defaults when the trainer names none).
+    Root {
+        /// `runAsGroup` of the trainer, when set.
+        gid: Option<i64>,
+        /// The trainer's `capabilities`, verbatim.
+        capabilities: Option<Value>,
+    },
+    /// The trainer's uid is unknown and root is not allowed (`runAsNonRoot`), or the trainer is
+    /// privileged (no capability set short of that would cover it): the distroless nonroot user.
+    /// The sidecar then sees only the trainer's summed RSS, and says so.
+    Default,
+}
+
+impl SidecarIdentity {
+    /// From the trainer's effective security context (the container's fields over the pod's).
+    pub fn of_trainer(pod: &Pod, trainer: &Container) -> SidecarIdentity {
+        let psc = pod.spec.as_ref().and_then(|s| s.security_context.as_ref());
+        let csc = trainer.security_context.as_ref();
+        if csc.and_then(|c| c.privileged) == Some(true) {
+            return SidecarIdentity::Default;
+        }
+        let uid = csc
+            .and_then(|c| c.run_as_user)
+            .or(psc.and_then(|p| p.run_as_user));
+        let gid = csc
+            .and_then(|c| c.run_as_group)
+            .or(psc.and_then(|p| p.run_as_group));
+        let non_root = csc
+            .and_then(|c| c.run_as_non_root)
+            .or(psc.and_then(|p| p.run_as_non_root));
+        match uid {
+            Some(uid) if uid != 0 => SidecarIdentity::TrainerUser { uid, gid },
+            Some(_) => SidecarIdentity::Root {
+                gid,
+                capabilities: capabilities(csc),
+            },
+            None if non_root == Some(true) => SidecarIdentity::Default,
+            None => SidecarIdentity::Root {
+                gid,
+                capabilities: capabilities(csc),
+            },
+        }
+    }
+
+    /// The sidecar's `securityContext`: read-only root filesystem, no privilege escalation and
+    /// the runtime's seccomp profile in every case.
+    pub fn security_context(&self) -> Value {
+        let mut sc = json!({
+            "readOnlyRootFilesystem": true,
+            "allowPrivilegeEscalation": false,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        });
+        match self {
+            SidecarIdentity::TrainerUser { uid, gid } => {
+                sc["runAsNonRoot"] = json!(true);
+                sc["runAsUser"] = json!(uid);
+                if let Some(gid) = gid {
+                    sc["runAsGroup"] = json!(gid);
+                }
+                sc["capabilities"] = json!({"drop": ["ALL"]});
+            }
+            SidecarIdentity::Root { gid, capabilities } => {
+                sc["runAsNonRoot"] = json!(false);
+                sc["runAsUser"] = json!(0);
+                sc["runAsGroup"] = json!(gid.unwrap_or(0));
+                if let Some(caps) = capabilities {
+                    sc["capabilities"] = caps.clone();
+                }
+            }
+            SidecarIdentity::Default => {
+                sc["runAsNonRoot"] = json!(true);
+                sc["runAsUser"] = json!(SIDECAR_UID);
+                sc["runAsGroup"] = json!(SIDECAR_UID);
+                sc["capabilities"] = json!({"drop": ["ALL"]});
+            }
+        }
+        sc
+    }
+}
+
+fn capabilities(csc: Option<&k8s_openapi::api::core::v1::SecurityContext>) -> Option<Value> {
+    let caps = csc?.capabilities.as_ref()?;
+    serde_json::to_value(caps)
+        .ok()
+        .filter(|v| v.as_object().is_some_and(|o| !o.is_empty()))
+}
+
 /// The sidecar container as injected (JSON, ready for the patch).
-pub fn sidecar_container(m: &Mutation) -> Value {
+pub fn sidecar_container(m: &Mutation, identity: &SidecarIdentity) -> Value {
     let r = &m.sidecar.resources;
     let mut requests = Map::new();
     if let Some(cpu) = &r.cpu_request {
@@ -98,15 +201,7 @@ pub fn sidecar_container(m: &Mutation) -> Value {
             "periodSeconds": 10,
         },
         "resources": resources,
-        "securityContext": {
-            "runAsNonRoot": true,
-            "runAsUser": SIDECAR_UID,
-            "runAsGroup": SIDECAR_UID,
-            "readOnlyRootFilesystem": true,
-            "allowPrivilegeEscalation": false,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": identity.security_context(),
         "terminationMessagePath": labels::TERMINATION_LOG,
         "terminationMessagePolicy": "File",
         "volumeMounts": [{"name": labels::SIGNAL_VOLUME, "mountPath": labels::SIGNAL_DIR}],
@@ -198,7 +293,7 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
 
     // The sidecar, in the list its mode asks for. One already present in the other list is left
     // alone: two containers with one name would make the pod invalid.
-    let desired = sidecar_container(m);
+    let desired = sidecar_container(m, &SidecarIdentity::of_trainer(pod, trainer));
     let init: &[Container] = spec.init_containers.as_deref().unwrap_or_default();
     let (list_key, list, list_exists, other) = match m.sidecar.mode {
         SidecarMode::Native => (

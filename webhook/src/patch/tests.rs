@@ -48,9 +48,18 @@ fn injects_a_native_sidecar_that_keeps_restart_policy_always() {
     assert_eq!(s["terminationMessagePolicy"], "File");
     assert_eq!(out["spec"]["shareProcessNamespace"], true);
     let sc = &s["securityContext"];
-    assert_eq!(sc["runAsNonRoot"], true);
+    assert_eq!(
+        (&sc["runAsUser"], &sc["runAsNonRoot"]),
+        (&json!(0), &json!(false)),
+        "the trainer says no user: its image's, root in most GPU images"
+    );
+    assert_eq!(
+        sc["capabilities"],
+        Value::Null,
+        "the runtime's defaults, as the trainer's"
+    );
+    assert_eq!(sc["readOnlyRootFilesystem"], true);
     assert_eq!(sc["allowPrivilegeEscalation"], false);
-    assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]));
     assert_eq!(sc["seccompProfile"]["type"], "RuntimeDefault");
     let limit = s["env"]
         .as_array()
@@ -439,5 +448,72 @@ fn hostile_annotations_never_panic_and_always_yield_a_valid_idempotent_patch() {
     assert!(
         checked > 2000 && mutated > 50 && skipped > 1000,
         "{checked} checked, {mutated} mutated, {skipped} skipped"
+    );
+}
+
+/// The sidecar's securityContext for a trainer with `pod_sc` / `trainer_sc`.
+fn sidecar_sc(pod_sc: Value, trainer_sc: Value) -> Value {
+    let mut pod = gpu_pod().json();
+    if !pod_sc.is_null() {
+        pod["spec"]["securityContext"] = pod_sc;
+    }
+    if !trainer_sc.is_null() {
+        pod["spec"]["containers"][0]["securityContext"] = trainer_sc;
+    }
+    let (_, out) = apply(&pod, &Policy::default());
+    sidecar(&out, "initContainers")["securityContext"].clone()
+}
+
+#[test]
+fn the_sidecar_takes_a_non_root_trainers_uid_and_gid_and_no_capabilities() {
+    let sc = sidecar_sc(json!({"runAsUser": 1000, "runAsGroup": 2000}), Value::Null);
+    assert_eq!(sc["runAsUser"], 1000);
+    assert_eq!(sc["runAsGroup"], 2000);
+    assert_eq!(sc["runAsNonRoot"], true);
+    assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]));
+    let sc = sidecar_sc(
+        json!({"runAsUser": 1000, "runAsGroup": 2000}),
+        json!({"runAsUser": 1234}),
+    );
+    assert_eq!(
+        (&sc["runAsUser"], &sc["runAsGroup"]),
+        (&json!(1234), &json!(2000)),
+        "the container's field over the pod's"
+    );
+    let sc = sidecar_sc(Value::Null, json!({"runAsUser": 1234}));
+    assert_eq!(
+        sc["runAsGroup"],
+        Value::Null,
+        "gid unknown: left to the runtime"
+    );
+}
+
+#[test]
+fn a_root_trainer_gives_a_root_sidecar_exactly_its_capabilities() {
+    let caps = json!({"add": ["IPC_LOCK"], "drop": ["NET_RAW"]});
+    let sc = sidecar_sc(Value::Null, json!({"runAsUser": 0, "capabilities": caps}));
+    assert_eq!(
+        (&sc["runAsUser"], &sc["runAsGroup"], &sc["runAsNonRoot"]),
+        (&json!(0), &json!(0), &json!(false))
+    );
+    assert_eq!(sc["capabilities"], caps, "never more than the trainer has");
+    assert_eq!(sc["allowPrivilegeEscalation"], false);
+    assert_eq!(sc["seccompProfile"]["type"], "RuntimeDefault");
+}
+
+#[test]
+fn an_unknown_non_root_uid_or_a_privileged_trainer_keeps_the_nonroot_sidecar() {
+    let default = json!({
+        "runAsNonRoot": true, "runAsUser": SIDECAR_UID, "runAsGroup": SIDECAR_UID,
+        "readOnlyRootFilesystem": true, "allowPrivilegeEscalation": false,
+        "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
+    });
+    assert_eq!(
+        sidecar_sc(json!({"runAsNonRoot": true}), Value::Null),
+        default
+    );
+    assert_eq!(
+        sidecar_sc(Value::Null, json!({"runAsUser": 0, "privileged": true})),
+        default
     );
 }
