@@ -199,12 +199,12 @@ fn start(name: &str, layout: Layout, trainer: Id, sidecar: Id) -> (Pod, Sidecar)
     let signal = t.join("signal/signal.json").display().to_string();
     let term = t.join("signal/termination-log").display().to_string();
     let sc = Sidecar::spawn_command(cmd, &["--signal-file", &signal, "--termination-log", &term]);
-    eventually(Duration::from_secs(30), "the trainer to be found", || {
+    eventually(Duration::from_secs(120), "the trainer to be found", || {
         let text = sc.log_text();
         text.contains("found the trainer").then_some(())
     });
     eventually(
-        Duration::from_secs(30),
+        Duration::from_secs(120),
         "the trainer to hold its memory",
         || {
             let ready =
@@ -236,7 +236,10 @@ fn value(text: &str, series: &str) -> Option<f64> {
 fn assert_reads_the_trainers_cgroup(sc: &Sidecar, kind: &str) {
     let m = metrics(sc);
     let log = sc.log_text();
-    let info = format!("memguard_sidecar_source_info{{kind=\"{kind}\",view=\"trainer-mount\"}}");
+    // The runtime mounts the cgroup read-only: no reset, the all-time peak's new highs.
+    let info = format!(
+        "memguard_sidecar_source_info{{kind=\"{kind}\",view=\"trainer-mount\",peak=\"all-time\"}}"
+    );
     assert_eq!(value(&m, &info), Some(1.0), "{m}\n{log}");
     assert_eq!(
         value(&m, "memguard_sidecar_limit_bytes"),
@@ -265,7 +268,7 @@ fn assert_falls_back_to_rss(sc: &Sidecar) {
     assert_eq!(
         value(
             &m,
-            "memguard_sidecar_source_info{kind=\"rss\",view=\"procfs\"}"
+            "memguard_sidecar_source_info{kind=\"rss\",view=\"procfs\",peak=\"none\"}"
         ),
         Some(1.0),
         "{m}\n{log}"
