@@ -402,6 +402,7 @@ fn placeholder_shape() -> ModelShape {
         tie_embeddings: false,
         lm_head: true,
         head_dim: None,
+        ..ModelShape::default()
     }
 }
 

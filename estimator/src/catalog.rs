@@ -1,7 +1,7 @@
 //! Built-in catalog of common architectures, with their real config numbers (from each model's
 //! published `config.json`) and published parameter counts.
 
-use crate::config::ModelShape;
+use crate::config::{Mla, ModelShape};
 
 /// One catalog row. `params` is the published exact count (all experts included).
 struct Entry {
@@ -20,6 +20,11 @@ struct Entry {
     tied: bool,
     lm_head: bool,
     head_dim: Option<u64>,
+    moe_intermediate: Option<u64>,
+    shared_experts: u64,
+    dense_layers: u64,
+    mla: Option<Mla>,
+    extra_params: u64,
 }
 
 /// A dense decoder with a gated FFN and an LM head: the common case.
@@ -51,6 +56,11 @@ const fn dense(
         tied,
         lm_head: true,
         head_dim: None,
+        moe_intermediate: None,
+        shared_experts: 0,
+        dense_layers: 0,
+        mla: None,
+        extra_params: 0,
     }
 }
 
@@ -85,6 +95,123 @@ const fn gemma2(
     Entry {
         head_dim: Some(head_dim),
         ..dense(name, params, h, l, a, kv, i, 256_000, true)
+    }
+}
+
+/// Qwen3 dense: head_dim 128 (q/k norms not counted), 151 936 vocabulary. Published counts
+/// are the model cards' (0.6B … 32.8B).
+#[allow(clippy::too_many_arguments)]
+const fn qwen3(
+    name: &'static str,
+    params: u64,
+    h: u64,
+    l: u64,
+    a: u64,
+    i: u64,
+    tied: bool,
+) -> Entry {
+    Entry {
+        head_dim: Some(128),
+        ..dense(name, params, h, l, a, 8, i, 151_936, tied)
+    }
+}
+
+/// Qwen3-MoE: 128 experts of `moe_intermediate_size`, 8 per token, 4 KV heads of 128
+/// (`intermediate_size` is in the config but no layer is dense).
+#[allow(clippy::too_many_arguments)]
+const fn qwen3_moe(
+    name: &'static str,
+    params: u64,
+    h: u64,
+    l: u64,
+    a: u64,
+    i: u64,
+    moe_i: u64,
+) -> Entry {
+    Entry {
+        head_dim: Some(128),
+        experts: 128,
+        experts_per_token: 8,
+        moe_intermediate: Some(moe_i),
+        ..dense(name, params, h, l, a, 4, i, 151_936, false)
+    }
+}
+
+/// The SigLIP-So400m vision tower of Gemma 3 at 896 px: 27 layers of width 1152 (attention
+/// `4·(1152² + 1152)`, MLP `2·1152·4304 + 4304 + 1152`, two LayerNorms `4·1152`), the
+/// 14×14 patch embedding `3·14·14·1152 + 1152`, 4096 position embeddings and a final norm.
+const SIGLIP_SO400M_896: u64 = 27
+    * (4 * (1152 * 1152 + 1152) + 2 * 1152 * 4304 + 4304 + 1152 + 4 * 1152)
+    + (3 * 14 * 14 * 1152 + 1152)
+    + 4096 * 1152
+    + 2 * 1152;
+
+/// Gemma 3: explicit head_dim, one KV head group, tied embeddings; from 4B up the checkpoint
+/// carries the vision tower and its projector (`1152·h + 1152`) into width `h`.
+#[allow(clippy::too_many_arguments)]
+const fn gemma3(
+    name: &'static str,
+    params: u64,
+    h: u64,
+    l: u64,
+    a: u64,
+    kv: u64,
+    i: u64,
+    head_dim: u64,
+    vocab: u64,
+    vision: bool,
+) -> Entry {
+    Entry {
+        head_dim: Some(head_dim),
+        extra_params: if vision {
+            SIGLIP_SO400M_896 + 1152 * h + 1152
+        } else {
+            0
+        },
+        ..dense(name, params, h, l, a, kv, i, vocab, true)
+    }
+}
+
+/// Mistral NeMo-style (Nemo 12B, Small 24B): head_dim 128, 131 072 (Tekken) vocabulary.
+const fn mistral_tekken(
+    name: &'static str,
+    aliases: &'static [&'static str],
+    params: u64,
+    i: u64,
+) -> Entry {
+    Entry {
+        aliases,
+        head_dim: Some(128),
+        ..dense(name, params, 5120, 40, 32, 8, i, 131_072, false)
+    }
+}
+
+/// OLMo 2: multi-head (or GQA for 32B) attention with q/k norms, 100 352 vocabulary, untied.
+#[allow(clippy::too_many_arguments)]
+const fn olmo2(
+    name: &'static str,
+    aliases: &'static [&'static str],
+    params: u64,
+    h: u64,
+    l: u64,
+    a: u64,
+    kv: u64,
+    i: u64,
+) -> Entry {
+    Entry {
+        aliases,
+        ..dense(name, params, h, l, a, kv, i, 100_352, false)
+    }
+}
+
+/// gpt-oss: 64 heads of 64, 8 KV heads, experts as wide as the model (2880), 4 per token,
+/// o200k vocabulary (201 088). Biases and attention sinks are not counted (< 0.1 %).
+const fn gpt_oss(name: &'static str, params: u64, l: u64, experts: u64) -> Entry {
+    Entry {
+        head_dim: Some(64),
+        experts,
+        experts_per_token: 4,
+        ..dense(name, params, 2880, l, 64, 8, 2880, 201_088, false)
     }
 }
 
@@ -203,18 +330,22 @@ const CATALOG: &[Entry] = &[
         128_256,
         true,
     ),
-    dense(
-        "mistral-7b",
-        7_241_732_096,
-        4096,
-        32,
-        32,
-        8,
-        14336,
-        32000,
-        false,
-    ),
     Entry {
+        aliases: &["mistral-7b-v0.1", "mistral-7b-v0.2"],
+        ..dense(
+            "mistral-7b",
+            7_241_732_096,
+            4096,
+            32,
+            32,
+            8,
+            14336,
+            32000,
+            false,
+        )
+    },
+    Entry {
+        aliases: &["mixtral-8x7b-v0.1"],
         experts: 8,
         experts_per_token: 2,
         ..dense(
@@ -334,6 +465,280 @@ const CATALOG: &[Entry] = &[
         32064,
         false,
     ),
+    // Llama 3.3 70B: the Llama 3.1 70B architecture.
+    dense(
+        "llama-3.3-70b",
+        70_553_706_496,
+        8192,
+        80,
+        64,
+        8,
+        28672,
+        128_256,
+        false,
+    ),
+    // Mistral 7B v0.3: the v0.1 shape with a 32 768 vocabulary.
+    dense(
+        "mistral-7b-v0.3",
+        7_248_023_552,
+        4096,
+        32,
+        32,
+        8,
+        14336,
+        32768,
+        false,
+    ),
+    mistral_tekken(
+        "mistral-nemo-12b",
+        &[
+            "mistral-nemo",
+            "mistral-nemo-base-2407",
+            "mistral-nemo-instruct-2407",
+        ],
+        12_247_782_400,
+        14336,
+    ),
+    mistral_tekken(
+        "mistral-small-24b",
+        &[
+            "mistral-small-24b-base-2501",
+            "mistral-small-24b-instruct-2501",
+            "mistral-small-3.1-24b-base-2503",
+            "mistral-small-3.1-24b-instruct-2503",
+        ],
+        23_572_403_200,
+        32768,
+    ),
+    qwen3("qwen3-0.6b", 600_000_000, 1024, 28, 16, 3072, true),
+    qwen3("qwen3-1.7b", 1_700_000_000, 2048, 28, 16, 6144, true),
+    qwen3("qwen3-4b", 4_000_000_000, 2560, 36, 32, 9728, true),
+    qwen3("qwen3-8b", 8_200_000_000, 4096, 36, 32, 12288, false),
+    qwen3("qwen3-14b", 14_800_000_000, 5120, 40, 40, 17408, false),
+    qwen3("qwen3-32b", 32_800_000_000, 5120, 64, 64, 25600, false),
+    qwen3_moe("qwen3-30b-a3b", 30_500_000_000, 2048, 48, 32, 6144, 768),
+    qwen3_moe(
+        "qwen3-235b-a22b",
+        235_000_000_000,
+        4096,
+        94,
+        64,
+        12288,
+        1536,
+    ),
+    gemma3(
+        "gemma-3-270m",
+        268_098_176,
+        640,
+        18,
+        4,
+        1,
+        2048,
+        256,
+        262_144,
+        false,
+    ),
+    gemma3(
+        "gemma-3-1b",
+        999_885_952,
+        1152,
+        26,
+        4,
+        1,
+        6912,
+        256,
+        262_144,
+        false,
+    ),
+    gemma3(
+        "gemma-3-4b",
+        4_300_079_472,
+        2560,
+        34,
+        8,
+        4,
+        10240,
+        256,
+        262_208,
+        true,
+    ),
+    gemma3(
+        "gemma-3-12b",
+        12_187_325_040,
+        3840,
+        48,
+        16,
+        8,
+        15360,
+        256,
+        262_208,
+        true,
+    ),
+    gemma3(
+        "gemma-3-27b",
+        27_432_406_640,
+        5376,
+        62,
+        32,
+        16,
+        21504,
+        128,
+        262_208,
+        true,
+    ),
+    dense(
+        "phi-4",
+        14_659_507_200,
+        5120,
+        40,
+        40,
+        10,
+        17920,
+        100_352,
+        false,
+    ),
+    dense(
+        "phi-4-mini",
+        3_836_021_760,
+        3072,
+        32,
+        24,
+        8,
+        8192,
+        200_064,
+        true,
+    ),
+    // DeepSeek-V2-Lite: MLA without query compression, 64 routed experts (6 per token) and
+    // 2 shared of width 1408, the first layer dense (10 944).
+    Entry {
+        experts: 64,
+        experts_per_token: 6,
+        moe_intermediate: Some(1408),
+        shared_experts: 2,
+        dense_layers: 1,
+        mla: Some(Mla {
+            q_lora_rank: None,
+            kv_lora_rank: 512,
+            qk_nope_head_dim: 128,
+            qk_rope_head_dim: 64,
+            v_head_dim: 128,
+        }),
+        ..dense(
+            "deepseek-v2-lite",
+            15_706_484_224,
+            2048,
+            27,
+            16,
+            16,
+            10944,
+            102_400,
+            false,
+        )
+    },
+    // DeepSeek-V3 (and R1, same architecture): MLA with query rank 1536, 256 routed experts
+    // (8 per token) and 1 shared of width 2048, the first 3 layers dense (18 432). 671B
+    // without the multi-token-prediction module (685B on the hub with it).
+    Entry {
+        aliases: &["deepseek-r1", "deepseek-v3-0324", "deepseek-r1-0528"],
+        experts: 256,
+        experts_per_token: 8,
+        moe_intermediate: Some(2048),
+        shared_experts: 1,
+        dense_layers: 3,
+        mla: Some(Mla {
+            q_lora_rank: Some(1536),
+            kv_lora_rank: 512,
+            qk_nope_head_dim: 128,
+            qk_rope_head_dim: 64,
+            v_head_dim: 128,
+        }),
+        ..dense(
+            "deepseek-v3",
+            671_000_000_000,
+            7168,
+            61,
+            128,
+            128,
+            18432,
+            129_280,
+            false,
+        )
+    },
+    olmo2(
+        "olmo-2-1b",
+        &["olmo-2-0425-1b"],
+        1_484_916_736,
+        2048,
+        16,
+        16,
+        16,
+        8192,
+    ),
+    olmo2(
+        "olmo-2-7b",
+        &["olmo-2-1124-7b"],
+        7_298_617_344,
+        4096,
+        32,
+        32,
+        32,
+        11008,
+    ),
+    olmo2(
+        "olmo-2-13b",
+        &["olmo-2-1124-13b"],
+        13_716_198_400,
+        5120,
+        40,
+        40,
+        40,
+        13824,
+    ),
+    olmo2(
+        "olmo-2-32b",
+        &["olmo-2-0325-32b"],
+        32_234_279_936,
+        5120,
+        64,
+        40,
+        8,
+        27648,
+    ),
+    dense(
+        "smollm2-135m",
+        134_515_008,
+        576,
+        30,
+        9,
+        3,
+        1536,
+        49152,
+        true,
+    ),
+    dense(
+        "smollm2-360m",
+        361_821_120,
+        960,
+        32,
+        15,
+        5,
+        2560,
+        49152,
+        true,
+    ),
+    dense(
+        "smollm2-1.7b",
+        1_711_376_384,
+        2048,
+        24,
+        32,
+        32,
+        8192,
+        49152,
+        true,
+    ),
+    gpt_oss("gpt-oss-20b", 20_914_757_184, 24, 32),
+    gpt_oss("gpt-oss-120b", 116_829_156_672, 36, 128),
     // A sequence classifier: no vocabulary projection, so no B·S·V logits.
     Entry {
         aliases: &["bert-large"],
@@ -360,10 +765,13 @@ fn normalize(name: &str) -> String {
         .replace(['_', '.', ' '], "-")
 }
 
-/// Looks up a model by name (case-insensitive; `_` and `.` accepted for `-`, and the dashes
-/// themselves optional: `llama3-8b`, `qwen2.5-7b`, `Llama_3.1_70B`).
-pub fn lookup(name: &str) -> Option<ModelShape> {
-    let key = normalize(name);
+/// What Hugging Face repository names add around the architecture's name: the variant
+/// suffixes (`-Instruct`, `-it`, `-chat`, `-hf`, `-Base`, `-pt`) and Meta's `Meta-` prefix.
+/// The weights of every such variant have the same shape.
+const HF_SUFFIXES: &[&str] = &["-instruct", "-it", "-chat", "-hf", "-base", "-pt"];
+
+/// The catalog entry whose name or alias is `key` (normalized; dashes optional).
+fn find(key: &str) -> Option<&'static Entry> {
     let compact = key.replace('-', "");
     let matches = |candidate: &str| {
         let c = normalize(candidate);
@@ -372,22 +780,56 @@ pub fn lookup(name: &str) -> Option<ModelShape> {
     CATALOG
         .iter()
         .find(|e| matches(e.name) || e.aliases.iter().any(|a| matches(a)))
-        .map(|e| ModelShape {
-            name: Some(e.name.to_string()),
-            params: Some(e.params),
-            hidden_size: e.hidden,
-            num_layers: e.layers,
-            num_heads: e.heads,
-            num_kv_heads: e.kv_heads,
-            intermediate_size: e.intermediate,
-            vocab_size: e.vocab,
-            ffn_gated: e.gated,
-            num_experts: e.experts,
-            experts_per_token: e.experts_per_token,
-            tie_embeddings: e.tied,
-            lm_head: e.lm_head,
-            head_dim: e.head_dim,
-        })
+}
+
+/// A Hugging Face repository id without its organisation, variant suffixes and `Meta-`
+/// prefix: `meta-llama/Meta-Llama-3.1-8B-Instruct` → `llama-3-1-8b`.
+fn architecture_name(key: &str) -> String {
+    let mut name = key.rsplit('/').next().unwrap_or(key).to_string();
+    while let Some(stripped) = HF_SUFFIXES.iter().find_map(|s| name.strip_suffix(s)) {
+        name = stripped.to_string();
+    }
+    name.strip_prefix("meta-")
+        .map(str::to_string)
+        .unwrap_or(name)
+}
+
+/// Looks up a model by name, case-insensitively: a catalog name or alias (`_` and `.`
+/// accepted for `-`, and the dashes themselves optional: `llama3-8b`, `qwen2.5-7b`,
+/// `Llama_3.1_70B`), or a Hugging Face repository id (`meta-llama/Llama-3.1-8B`,
+/// `Qwen/Qwen2.5-7B-Instruct`, `google/gemma-3-4b-it`): the organisation is dropped, then
+/// the variant suffixes `-Instruct`, `-it`, `-chat`, `-hf`, `-Base`, `-pt` and a `Meta-`
+/// prefix. Anything else (a quantized or merged derivative such as `…-GPTQ-Int4`) is not
+/// guessed: give its shape or its `config.json`.
+pub fn lookup(name: &str) -> Option<ModelShape> {
+    let key = normalize(name);
+    find(&key)
+        .or_else(|| find(&architecture_name(&key)))
+        .map(shape)
+}
+
+fn shape(e: &Entry) -> ModelShape {
+    ModelShape {
+        name: Some(e.name.to_string()),
+        params: Some(e.params),
+        hidden_size: e.hidden,
+        num_layers: e.layers,
+        num_heads: e.heads,
+        num_kv_heads: e.kv_heads,
+        intermediate_size: e.intermediate,
+        vocab_size: e.vocab,
+        ffn_gated: e.gated,
+        num_experts: e.experts,
+        experts_per_token: e.experts_per_token,
+        tie_embeddings: e.tied,
+        lm_head: e.lm_head,
+        head_dim: e.head_dim,
+        moe_intermediate_size: e.moe_intermediate,
+        shared_experts: e.shared_experts,
+        dense_layers: e.dense_layers,
+        mla: e.mla,
+        extra_params: e.extra_params,
+    }
 }
 
 /// Every catalog name.
@@ -439,6 +881,58 @@ mod tests {
     }
 
     #[test]
+    fn lookup_accepts_hugging_face_ids_case_insensitively() {
+        let cases = [
+            ("meta-llama/Llama-3.1-8B", "llama-3.1-8b"),
+            ("meta-llama/Meta-Llama-3.1-8B-Instruct", "llama-3.1-8b"),
+            ("META-LLAMA/LLAMA-3.3-70B-INSTRUCT", "llama-3.3-70b"),
+            ("meta-llama/Llama-2-7b-chat-hf", "llama-2-7b"),
+            ("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b"),
+            ("qwen/qwen3-30b-a3b", "qwen3-30b-a3b"),
+            ("Qwen/Qwen3-8B-Base", "qwen3-8b"),
+            ("google/gemma-3-4b-it", "gemma-3-4b"),
+            ("google/gemma-3-1b-pt", "gemma-3-1b"),
+            ("mistralai/Mistral-7B-v0.1", "mistral-7b"),
+            ("mistralai/Mistral-Nemo-Instruct-2407", "mistral-nemo-12b"),
+            (
+                "mistralai/Mistral-Small-24B-Instruct-2501",
+                "mistral-small-24b",
+            ),
+            ("microsoft/phi-4", "phi-4"),
+            ("microsoft/Phi-3-mini-4k-instruct", "phi-3-mini"),
+            ("deepseek-ai/DeepSeek-V2-Lite-Chat", "deepseek-v2-lite"),
+            ("deepseek-ai/DeepSeek-R1", "deepseek-v3"),
+            ("allenai/OLMo-2-1124-7B-Instruct", "olmo-2-7b"),
+            ("HuggingFaceTB/SmolLM2-1.7B-Instruct", "smollm2-1.7b"),
+            ("openai/gpt-oss-20b", "gpt-oss-20b"),
+        ];
+        for (id, name) in cases {
+            assert_eq!(
+                lookup(id).and_then(|m| m.name).as_deref(),
+                Some(name),
+                "{id}"
+            );
+        }
+        // Derivatives with another shape or storage are not guessed.
+        assert!(lookup("Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4").is_none());
+        assert!(lookup("meta-llama/Llama-3.1-8B-Vision").is_none());
+    }
+
+    #[test]
+    fn mla_moe_and_vision_shapes_count_what_their_configs_say() {
+        // DeepSeek-V2-Lite: the published 15 706 484 224 comes out exactly (no biases).
+        let ds = lookup("deepseek-v2-lite").expect("catalog");
+        assert_eq!(ParamCounts::of(&ds).total, 15_706_484_224);
+        // Without its two shared experts it would be about 3 % short.
+        let mut plain = ds.clone();
+        plain.shared_experts = 0;
+        assert!(ParamCounts::of(&plain).total < 15_706_484_224 * 98 / 100);
+        // Gemma 3 4B: the vision tower is 0.42B of the published 4.3B.
+        let g = lookup("gemma-3-4b").expect("catalog");
+        assert!((419_000_000..421_000_000).contains(&g.extra_params));
+    }
+
+    #[test]
     fn catalog_covers_the_required_families() {
         for name in [
             "gpt2",
@@ -465,6 +959,22 @@ mod tests {
             "phi-3-mini",
             "phi-3-medium",
             "bert-large-uncased",
+            "llama-3.3-70b",
+            "qwen3-0.6b",
+            "qwen3-32b",
+            "qwen3-30b-a3b",
+            "qwen3-235b-a22b",
+            "gemma-3-1b",
+            "gemma-3-27b",
+            "mistral-nemo-12b",
+            "mistral-small-24b",
+            "phi-4",
+            "deepseek-v2-lite",
+            "deepseek-v3",
+            "olmo-2-7b",
+            "smollm2-135m",
+            "gpt-oss-20b",
+            "gpt-oss-120b",
         ] {
             assert!(lookup(name).is_some(), "{name} missing");
         }

@@ -271,13 +271,107 @@ pub struct ModelShape {
     /// Width of one attention head when it is not `hidden_size / num_heads` (Gemma 2: 256).
     /// `None`: `hidden_size / num_heads`.
     pub head_dim: Option<u64>,
+    /// Width of one routed expert's FFN when it differs from `intermediate_size` (Qwen3-MoE,
+    /// DeepSeek: `moe_intermediate_size`). `None`: `intermediate_size`.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub moe_intermediate_size: Option<u64>,
+    /// Shared experts every token passes through besides the routed ones (DeepSeek), each as
+    /// wide as a routed expert.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub shared_experts: u64,
+    /// Leading layers of an MoE model that keep a dense FFN of `intermediate_size` (DeepSeek's
+    /// `first_k_dense_replace`).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub dense_layers: u64,
+    /// Multi-head latent attention (DeepSeek-V2/V3): low-rank query and key/value projections.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub mla: Option<Mla>,
+    /// Parameters outside the language model (a vision encoder and its projector), loaded
+    /// with it and held frozen in 16 bits.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub extra_params: u64,
+}
+
+/// Multi-head latent attention (DeepSeek-V2/V3), as its `config.json` spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct Mla {
+    /// Rank of the query compression (`q_lora_rank`); `None`: a plain query projection.
+    pub q_lora_rank: Option<u64>,
+    /// Rank of the joint key/value compression (`kv_lora_rank`).
+    pub kv_lora_rank: u64,
+    /// Per-head query/key width without rotary (`qk_nope_head_dim`).
+    pub qk_nope_head_dim: u64,
+    /// Per-head rotary width, shared by all heads for the key (`qk_rope_head_dim`).
+    pub qk_rope_head_dim: u64,
+    /// Per-head value width (`v_head_dim`).
+    pub v_head_dim: u64,
+}
+
+impl Default for ModelShape {
+    /// A dense decoder with zero sizes, to be filled in (`validate` rejects the zeros).
+    fn default() -> Self {
+        ModelShape {
+            name: None,
+            params: None,
+            hidden_size: 0,
+            num_layers: 0,
+            num_heads: 0,
+            num_kv_heads: 0,
+            intermediate_size: 0,
+            vocab_size: 0,
+            ffn_gated: true,
+            num_experts: 1,
+            experts_per_token: 1,
+            tie_embeddings: false,
+            lm_head: true,
+            head_dim: None,
+            moe_intermediate_size: None,
+            shared_experts: 0,
+            dense_layers: 0,
+            mla: None,
+            extra_params: 0,
+        }
+    }
 }
 
 impl ModelShape {
-    /// Width of one attention head.
+    /// Width of one attention head (for MLA the query/key head, `nope + rope`).
     pub fn head_dim(&self) -> u64 {
+        if let Some(mla) = self.mla {
+            return mla.qk_nope_head_dim + mla.qk_rope_head_dim;
+        }
         self.head_dim
             .unwrap_or(self.hidden_size / self.num_heads.max(1))
+    }
+
+    /// Width of one routed (or shared) expert's FFN.
+    pub fn expert_ffn_size(&self) -> u64 {
+        self.moe_intermediate_size.unwrap_or(self.intermediate_size)
+    }
+
+    /// Whether the FFNs are mixtures of experts.
+    pub fn is_moe(&self) -> bool {
+        self.num_experts > 1
+    }
+
+    /// Layers whose FFN is a mixture of experts (all but the leading dense ones).
+    pub fn moe_layers(&self) -> u64 {
+        if self.is_moe() {
+            self.num_layers.saturating_sub(self.dense_layers)
+        } else {
+            0
+        }
+    }
+
+    /// FFN width one token passes through, averaged over the layers: `e·I_e + shared·I_e` in
+    /// MoE layers, `I` in dense ones.
+    pub fn ffn_width_per_token(&self) -> f64 {
+        let layers = self.num_layers.max(1) as f64;
+        let moe = self.moe_layers() as f64;
+        let routed =
+            (self.experts_per_token + self.shared_experts) as f64 * self.expert_ffn_size() as f64;
+        (moe * routed + (layers - moe) * self.intermediate_size as f64) / layers
     }
 
     /// Width of the query projection's output (`num_heads · head_dim`).
@@ -463,6 +557,44 @@ impl TrainingConfig {
                     m.num_kv_heads, m.num_heads
                 ),
             });
+        }
+        if m.moe_intermediate_size == Some(0) {
+            errors.push(ConfigError::Invalid {
+                field: "moe-intermediate-size",
+                reason: "must be at least 1".into(),
+            });
+        }
+        if m.moe_intermediate_size.unwrap_or(0) > limits::WIDTH {
+            errors.push(ConfigError::Invalid {
+                field: "moe-intermediate-size",
+                reason: format!("exceeds the sanity limit {}", limits::WIDTH),
+            });
+        }
+        if m.dense_layers > m.num_layers {
+            errors.push(ConfigError::Invalid {
+                field: "dense-layers",
+                reason: format!("{} exceeds num-layers {}", m.dense_layers, m.num_layers),
+            });
+        }
+        if m.shared_experts > limits::COUNT || m.extra_params > limits::PARAMS {
+            errors.push(ConfigError::Invalid {
+                field: "model",
+                reason: "shared experts or extra parameters exceed the sanity limits".into(),
+            });
+        }
+        if let Some(mla) = m.mla {
+            let dims = [
+                mla.kv_lora_rank,
+                mla.qk_nope_head_dim + mla.qk_rope_head_dim,
+                mla.v_head_dim,
+                mla.q_lora_rank.unwrap_or(1),
+            ];
+            if dims.iter().any(|&d| d == 0 || d > limits::WIDTH) {
+                errors.push(ConfigError::Invalid {
+                    field: "mla",
+                    reason: "every rank and head width must be in 1..=2^20".into(),
+                });
+            }
         }
         if m.experts_per_token > m.num_experts {
             errors.push(ConfigError::Invalid {

@@ -440,9 +440,10 @@ fn adafactor_elements(x: &Ctx) -> f64 {
 ///   train with attention dropout; dropout-free models keep 5 bytes less), and their 16-bit
 ///   cast for `P·V` (`c = p` under 16-bit compute, 0 in fp32); and the k, v repeated to
 ///   every head, `2·p·(q − kv)`;
-/// * FFN, per routed expert (`× experts_per_token`): gated `4·p·I` (gate and up outputs,
-///   the activation, their product), plain `2·p·I` (fc1 output and the activation); MoE
-///   adds fp32 router logits and probabilities, `2·4·E`;
+/// * FFN, per routed and shared expert (`I` is then `(e + shared)·I_e`, averaged with the
+///   dense layers): gated `4·p·I` (gate and up outputs, the activation, their product),
+///   plain `2·p·I` (fc1 output and the activation); MoE layers add fp32 router logits and
+///   probabilities, `2·4·E`;
 /// * adapters: `p·r` per adapted projection (LoRA A's output); DoRA also keeps the base and
 ///   LoRA outputs for its magnitude rescale, `2·p·Σ out`.
 pub fn layer_activation_bytes_per_token(cfg: &TrainingConfig, compute_bytes: f64) -> f64 {
@@ -451,7 +452,7 @@ pub fn layer_activation_bytes_per_token(cfg: &TrainingConfig, compute_bytes: f64
     let h = m.hidden_size as f64;
     let q = m.q_dim() as f64;
     let kv = m.kv_dim() as f64;
-    let i = m.intermediate_size as f64;
+    let i = m.ffn_width_per_token();
     let norms = 2.0 * (4.0 * h + p * h);
     let mut attention = p * (q + kv) + p * kv + p * q;
     if !cfg.flash_attention {
@@ -460,9 +461,10 @@ pub fn layer_activation_bytes_per_token(cfg: &TrainingConfig, compute_bytes: f64
         attention += 2.0 * p * (q - kv);
     }
     let ffn_matrices = if m.ffn_gated { 4.0 } else { 2.0 };
-    let mut ffn = ffn_matrices * p * i * m.experts_per_token as f64;
-    if m.num_experts > 1 {
-        ffn += 2.0 * 4.0 * m.num_experts as f64;
+    let mut ffn = ffn_matrices * p * i;
+    if m.is_moe() {
+        let share = m.moe_layers() as f64 / m.num_layers.max(1) as f64;
+        ffn += 2.0 * 4.0 * m.num_experts as f64 * share;
     }
     let adapters = if cfg.is_adapter() {
         let t = &cfg.lora_targets;

@@ -99,11 +99,16 @@ fn serving_scales(cfg: &ServingConfig) -> Bytes {
 }
 
 /// The KV-cache ceiling: `2 · L · kv_heads · head_dim · bytes · max_seq_length ·
-/// max_sequences` (keys and values of every layer for every token of every sequence).
+/// max_sequences` (keys and values of every layer for every token of every sequence); with
+/// multi-head latent attention serving engines cache the compressed latent and the shared
+/// rotary key, `L · (kv_lora_rank + qk_rope_head_dim) · bytes` per token.
 pub fn kv_cache(cfg: &ServingConfig) -> Bytes {
     let m = &cfg.model;
-    let per_token =
-        2.0 * m.num_layers as f64 * m.kv_dim() as f64 * f64::from(cfg.kv_cache_bits) / 8.0;
+    let width = match m.mla {
+        Some(mla) => (mla.kv_lora_rank + mla.qk_rope_head_dim) as f64,
+        None => 2.0 * m.kv_dim() as f64,
+    };
+    let per_token = m.num_layers as f64 * width * f64::from(cfg.kv_cache_bits) / 8.0;
     Bytes::from_f64(per_token * cfg.max_seq_length as f64 * cfg.max_sequences as f64)
 }
 
@@ -114,9 +119,7 @@ pub fn kv_cache(cfg: &ServingConfig) -> Bytes {
 fn serving_workspace(cfg: &ServingConfig) -> (Bytes, Bytes) {
     let m = &cfg.model;
     let tokens = (cfg.max_sequences.saturating_mul(cfg.max_seq_length)).min(PREFILL_CHUNK_TOKENS);
-    let width = m.hidden_size as f64
-        + 2.0 * m.q_dim() as f64
-        + 2.0 * (m.experts_per_token * m.intermediate_size) as f64;
+    let width = m.hidden_size as f64 + 2.0 * m.q_dim() as f64 + 2.0 * m.ffn_width_per_token();
     let workspace = Bytes::from_f64(tokens as f64 * width * 2.0);
     let logits = if m.lm_head {
         Bytes::from_f64(cfg.max_sequences as f64 * m.vocab_size as f64 * 4.0)

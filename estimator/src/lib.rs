@@ -27,7 +27,7 @@ pub mod units;
 
 pub use calibration::Calibration;
 pub use config::{
-    ConfigError, Device, LoraTargets, Method, ModelShape, Optimizer, Parallelism, Precision,
+    ConfigError, Device, LoraTargets, Method, Mla, ModelShape, Optimizer, Parallelism, Precision,
     TrainingConfig,
 };
 pub use estimate::{Component, Estimate, estimate};

@@ -12,17 +12,35 @@ pub struct ParamCounts {
     /// Untied output projection, `V·h` (0 when tied or when the model has no LM head).
     pub lm_head: u64,
     /// Attention projections of one layer: `h·q + 2·h·kv + q·h` (q = heads·head_dim,
-    /// kv = kv_heads·head_dim).
+    /// kv = kv_heads·head_dim); for MLA see [`mla_attention`].
     pub attention_per_layer: u64,
-    /// FFN of one expert of one layer: `3·h·I` gated, `2·h·I` plain.
+    /// FFN of one expert of one layer: `3·h·I_e` gated, `2·h·I_e` plain.
     pub ffn_per_expert: u64,
     /// Router of one MoE layer, `h·E` (0 for a dense model).
     pub router_per_layer: u64,
     /// Norm weights of one layer, `2·h`, plus the final norm counted once in [`Self::total`].
     pub norms_per_layer: u64,
-    /// Every parameter, all experts counted once: `L·(attn + E·ffn + router + norms) + emb +
-    /// head + h`.
+    /// Parameters outside the language model (vision encoder), never quantized here.
+    pub extra: u64,
+    /// Every parameter, all experts counted once: `L·(attn + norms) + L_moe·((E + shared)·ffn
+    /// + router) + L_dense·ffn_dense + emb + head + h + extra`.
     pub total: u64,
+}
+
+/// Parameters of one multi-head latent attention layer (DeepSeek-V2/V3): the query, plain
+/// `h·a·(n + r)` or compressed `h·c_q + c_q + c_q·a·(n + r)`; the joint key/value
+/// compression `h·(c_kv + r) + c_kv`; its expansion `c_kv·a·(n + v)`; the output `a·v·h`.
+pub fn mla_attention(m: &ModelShape, mla: &crate::config::Mla) -> u64 {
+    let (h, a) = (m.hidden_size, m.num_heads);
+    let qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim;
+    let query = match mla.q_lora_rank {
+        Some(c) => h * c + c + c * a * qk,
+        None => h * a * qk,
+    };
+    let kv = h * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+        + mla.kv_lora_rank
+        + mla.kv_lora_rank * a * (mla.qk_nope_head_dim + mla.v_head_dim);
+    query + kv + a * mla.v_head_dim * h
 }
 
 impl ParamCounts {
@@ -38,24 +56,28 @@ impl ParamCounts {
         } else {
             0
         };
-        let attention_per_layer = h * q + 2 * h * kv + q * h;
-        let matrices = if m.ffn_gated { 3 } else { 2 };
-        let ffn_per_expert = matrices * h * m.intermediate_size;
-        let router_per_layer = if m.num_experts > 1 {
-            h * m.num_experts
-        } else {
-            0
+        let attention_per_layer = match &m.mla {
+            Some(mla) => mla_attention(m, mla),
+            None => h * q + 2 * h * kv + q * h,
         };
+        let matrices = if m.ffn_gated { 3 } else { 2 };
+        let ffn_per_expert = matrices * h * m.expert_ffn_size();
+        let ffn_dense = matrices * h * m.intermediate_size;
+        let router_per_layer = if m.is_moe() { h * m.num_experts } else { 0 };
         let norms_per_layer = 2 * h;
-        let per_layer = attention_per_layer
-            .saturating_add(ffn_per_expert.saturating_mul(m.num_experts))
-            .saturating_add(router_per_layer)
-            .saturating_add(norms_per_layer);
-        let total = per_layer
+        let moe_layers = m.moe_layers();
+        let dense_layers = m.num_layers - moe_layers;
+        let moe_ffn = ffn_per_expert
+            .saturating_mul(m.num_experts + m.shared_experts)
+            .saturating_add(router_per_layer);
+        let total = (attention_per_layer + norms_per_layer)
             .saturating_mul(m.num_layers)
+            .saturating_add(moe_ffn.saturating_mul(moe_layers))
+            .saturating_add(ffn_dense.saturating_mul(dense_layers))
             .saturating_add(embedding)
             .saturating_add(lm_head)
-            .saturating_add(h);
+            .saturating_add(h)
+            .saturating_add(m.extra_params);
         ParamCounts {
             embedding,
             lm_head,
@@ -63,15 +85,18 @@ impl ParamCounts {
             ffn_per_expert,
             router_per_layer,
             norms_per_layer,
+            extra: m.extra_params,
             total,
         }
     }
 
-    /// Parameters kept in 16 bits even when the base is quantized: embeddings, LM head, norms.
+    /// Parameters kept in 16 bits even when the base is quantized: embeddings, LM head, norms
+    /// and anything outside the language model (a vision encoder).
     pub fn unquantized(&self, layers: u64) -> u64 {
         self.embedding
             .saturating_add(self.lm_head)
             .saturating_add(self.norms_per_layer.saturating_mul(layers))
+            .saturating_add(self.extra)
     }
 }
 
@@ -88,7 +113,8 @@ pub fn total_params(m: &ModelShape) -> u64 {
 /// gate and up: `h → I` (gate only in gated FFNs), down: `I → h`.
 pub fn lora_matrices(m: &ModelShape, t: &LoraTargets) -> [(bool, u64, u64, u64); 7] {
     let h = m.hidden_size;
-    let (q, kv, i, e) = (m.q_dim(), m.kv_dim(), m.intermediate_size, m.num_experts);
+    let (q, kv, i) = (m.q_dim(), m.kv_dim(), m.expert_ffn_size());
+    let e = m.num_experts + if m.is_moe() { m.shared_experts } else { 0 };
     [
         (t.q, h, q, 1),
         (t.k, h, kv, 1),

@@ -142,6 +142,7 @@ pub fn config(row: &Row) -> Result<TrainingConfig, String> {
         // Sequence classifiers (BERT here) have no vocabulary projection.
         lm_head: !row.model.contains("SequenceClassification"),
         head_dim: None,
+        ..ModelShape::default()
     };
     let mut cfg = TrainingConfig::new(model);
     cfg.model_bits = opt_u64(&row.model_bits)?.map(|b| b as u32);
