@@ -4,21 +4,30 @@
 # the cargo-fuzz crate, its corpora under fuzz/corpus/<target>/ are committed.
 #
 #   scripts/fuzz.sh list                      the targets
+#   scripts/fuzz.sh build                     build every target (instrumented, release)
 #   scripts/fuzz.sh run TARGET [SECONDS]      fuzz one target (default 300 s), growing its corpus
 #   scripts/fuzz.sh cmin TARGET               minimize a corpus before committing it
 #   scripts/fuzz.sh smoke [SECONDS]           every target for SECONDS each (default 5)
 #   scripts/fuzz.sh cov TARGET                the corpus's coverage (libFuzzer's cov/ft after replay)
 #
-# Stable toolchain: cargo-fuzz passes nightly-only flags (-Zsanitizer, -Cpasses=sancov-module…),
-# which RUSTC_BOOTSTRAP=1 lets stable rustc accept. No sanitizer (`-s none`): the workspace forbids
-# unsafe code, so AddressSanitizer would only halve the speed; panics, overflow checks
-# (debug-assertions are on) and timeouts/OOMs are what libFuzzer catches here.
+# Stable toolchain, no RUSTC_BOOTSTRAP: without a sanitizer (`-s none`) every flag cargo-fuzz
+# passes to rustc is a stable one (-Cpasses=sancov-module, -Cllvm-args=-sanitizer-coverage-*,
+# --cfg fuzzing, -Cdebug-assertions); only the sanitizers need nightly's -Zsanitizer. And no
+# sanitizer is needed: the workspace forbids unsafe code, so AddressSanitizer would only halve
+# the speed; panics, overflow checks (debug-assertions are on) and timeouts/OOMs are what
+# libFuzzer catches here.
+# 16 codegen units instead of cargo-fuzz's 1: the instrumented release build of k8s-openapi & co
+# with one codegen unit did not finish in 35 minutes on 2 shared cores; 16 builds several times
+# faster for somewhat slower fuzzing.
+# fuzz/dict/<target>.dict (written by fuzz/dicts.py) holds the words the parsers compare against:
+# without a sanitizer libFuzzer cannot see `memcmp`, so it would not learn them by itself.
 # Be frugal on shared machines: this runs under `nice -n 19`, one target at a time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CARGO_FUZZ_VERSION=0.13.2
-export RUSTC_BOOTSTRAP=1
+# The same flags for every subcommand, so that each reuses the one build.
+BUILD=(-s none --debug-assertions --codegen-units 16)
 
 targets() { sed -n 's/^name = "\([a-z_]*\)"$/\1/p' fuzz/Cargo.toml | grep -v '^memguard-fuzz$'; }
 
@@ -31,28 +40,33 @@ ensure_cargo_fuzz() {
   cp Cargo.lock fuzz/Cargo.lock
 }
 
-fuzz() { # fuzz TARGET [libFuzzer args...]
-  local target=$1
-  shift
-  mkdir -p "fuzz/corpus/$target" fuzz/artifacts
-  nice -n 19 cargo fuzz run -s none --debug-assertions "$target" "fuzz/corpus/$target" -- \
-    -artifact_prefix="fuzz/artifacts/$target-" -print_final_stats=1 "$@"
+fuzz() { # fuzz TARGET CORPUS [libFuzzer args...]
+  local target=$1 corpus=$2
+  shift 2
+  mkdir -p "$corpus" fuzz/artifacts
+  nice -n 19 cargo fuzz run "${BUILD[@]}" "$target" "$corpus" -- \
+    -artifact_prefix="fuzz/artifacts/$target-" -dict="fuzz/dict/$target.dict" \
+    -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 "$@"
 }
 
 cmd=${1:-list}
 case $cmd in
   list) targets ;;
+  build)
+    ensure_cargo_fuzz
+    nice -n 19 cargo fuzz build "${BUILD[@]}"
+    ;;
   run)
     ensure_cargo_fuzz
-    fuzz "$2" -max_total_time="${3:-300}" -timeout=10 -rss_limit_mb=2048
+    fuzz "$2" "fuzz/corpus/$2" -max_total_time="${3:-300}"
     ;;
   cmin)
     ensure_cargo_fuzz
-    nice -n 19 cargo fuzz cmin -s none --debug-assertions "$2" "fuzz/corpus/$2"
+    nice -n 19 cargo fuzz cmin "${BUILD[@]}" "$2" "fuzz/corpus/$2"
     ;;
   cov)
     ensure_cargo_fuzz
-    fuzz "$2" -runs=0
+    fuzz "$2" "fuzz/corpus/$2" -runs=0
     ;;
   smoke)
     ensure_cargo_fuzz
@@ -60,15 +74,12 @@ case $cmd in
       # A scratch copy: the smoke run must not grow the committed corpus.
       scratch=$(mktemp -d)
       cp -r "fuzz/corpus/$t/." "$scratch/"
-      mkdir -p fuzz/artifacts
-      nice -n 19 cargo fuzz run -s none --debug-assertions "$t" "$scratch" -- \
-        -max_total_time="${2:-5}" -timeout=10 -rss_limit_mb=2048 \
-        -artifact_prefix="fuzz/artifacts/$t-" -print_final_stats=1
+      fuzz "$t" "$scratch" -max_total_time="${2:-5}"
       rm -rf "$scratch"
     done
     ;;
   *)
-    echo "usage: $0 list|run TARGET [SECONDS]|cmin TARGET|cov TARGET|smoke [SECONDS]" >&2
+    echo "usage: $0 list|build|run TARGET [SECONDS]|cmin TARGET|cov TARGET|smoke [SECONDS]" >&2
     exit 2
     ;;
 esac
