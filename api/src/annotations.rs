@@ -63,7 +63,7 @@ pub const GRAD_CHECKPOINTING: &str = "memguard.io/grad-checkpointing";
 pub const FLASH_ATTENTION: &str = "memguard.io/flash-attention";
 /// `fp32|bf16-mixed|fp16-mixed|bf16|fp16`.
 pub const PRECISION: &str = "memguard.io/precision";
-/// `cuda|cpu|metal`; default: `cuda` when the trainer requests a GPU, else `cpu`.
+/// `cuda|cpu|metal|rocm`; default: `rocm` for AMD GPUs, `cuda` for NVIDIA GPUs, else `cpu`.
 pub const DEVICE: &str = "memguard.io/device";
 /// `none|ddp|fsdp|zero1|zero2|zero3`.
 pub const PARALLELISM: &str = "memguard.io/parallelism";

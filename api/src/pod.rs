@@ -7,7 +7,36 @@ use crate::annotations;
 use crate::labels;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use std::collections::BTreeMap;
+use memguard_estimator::Device;
+
+/// NVIDIA MIG, mixed strategy: one resource per profile, `nvidia.com/mig-<g>g.<m>gb`.
+pub const NVIDIA_MIG_RESOURCE_PREFIX: &str = "nvidia.com/mig-";
+/// NVIDIA MIG, single strategy: `nvidia.com/gpu.product` of a MIG node ends `-MIG-<profile>`.
+pub const MIG_PRODUCT_INFIX: &str = "-MIG-";
+/// Time-sliced or MPS-shared GPUs under the device plugin's `renameByDefault`.
+pub const NVIDIA_GPU_SHARED_RESOURCE: &str = "nvidia.com/gpu.shared";
+/// The device plugin's suffix on `nvidia.com/gpu.product` of a shared (time-sliced) GPU.
+pub const SHARED_PRODUCT_SUFFIX: &str = "-SHARED";
+/// GPU feature discovery: `time-slicing`, `mps` or `none`.
+pub const NVIDIA_SHARING_STRATEGY_LABEL: &str = "nvidia.com/gpu.sharing-strategy";
+/// GPU feature discovery: a node's GPU memory in MiB (NVML's total).
+pub const NVIDIA_GPU_MEMORY_LABEL: &str = "nvidia.com/gpu.memory";
+/// HAMi: device memory per vGPU, in MiB.
+pub const HAMI_GPUMEM_RESOURCE: &str = "nvidia.com/gpumem";
+/// HAMi: device memory per vGPU, in percent of the card.
+pub const HAMI_GPUMEM_PERCENTAGE_RESOURCE: &str = "nvidia.com/gpumem-percentage";
+/// HAMi: compute per vGPU, in percent (not memory; known, so not "unknown").
+pub const HAMI_GPUCORES_RESOURCE: &str = "nvidia.com/gpucores";
+/// KAI Scheduler / Run:ai: pod annotation, the fraction of one GPU's memory (`"0.5"`).
+pub const KAI_GPU_FRACTION_ANNOTATION: &str = "gpu-fraction";
+/// KAI Scheduler / Run:ai: pod annotation, GPU memory in MiB (`"2000"`).
+pub const KAI_GPU_MEMORY_ANNOTATION: &str = "gpu-memory";
+/// NVIDIA MPS: the client's pinned device-memory limit, `<ordinal>=<size>[,…]` (`0=2G`).
+pub const MPS_PINNED_MEM_ENV: &str = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT";
+/// AMD GPUs (ROCm device plugin).
+pub const AMD_GPU_RESOURCE: &str = "amd.com/gpu";
+/// AMD node labeller: the GPU product (`AMD_Instinct_MI300X_OAM`).
+pub const AMD_GPU_PRODUCT_LABEL: &str = "amd.com/gpu.product-name";
 
 /// The trainer: the container `memguard.io/container` names, else the first requesting a GPU,
 /// else the first. memguard's own sidecar (classic mode) is never the trainer. Returns its
@@ -34,30 +63,303 @@ pub fn pick_trainer<'a>(
         .ok_or_else(|| "the pod has no container".to_string())
 }
 
-/// GPUs the container asks for (`limits`, else `requests`, of `nvidia.com/gpu`).
+/// Accelerator devices the container asks for: whole or shared NVIDIA GPUs, MIG slices, AMD
+/// GPUs (`limits`, else `requests`). Extended resources memguard does not know count 0.
 pub fn gpu_count(c: &Container) -> u64 {
-    let resources = c.resources.as_ref();
-    let from = |m: Option<&BTreeMap<String, Quantity>>| {
-        m.and_then(|m| m.get(labels::NVIDIA_GPU_RESOURCE))
-            .and_then(|q| parse_quantity(&q.0))
-    };
-    from(resources.and_then(|r| r.limits.as_ref()))
-        .or_else(|| from(resources.and_then(|r| r.requests.as_ref())))
-        .unwrap_or(0)
+    resources(c)
+        .filter(|(name, _)| device_kind(name).is_some())
+        .filter_map(|(_, q)| parse_quantity(&q.0))
+        .sum()
+}
+
+/// The device the trainer runs on when the `device` annotation does not say: `rocm` for AMD
+/// GPUs, `cuda` for any NVIDIA GPU (whole, shared or a MIG slice, or a KAI / Run:ai GPU share,
+/// which the pod asks for by annotation and not as a resource), else `cpu`. The webhook and
+/// the profile controller both resolve the device with this.
+pub fn default_device(pod: &Pod, c: &Container) -> Device {
+    let annotations = pod.metadata.annotations.as_ref();
+    let kai_share = [KAI_GPU_FRACTION_ANNOTATION, KAI_GPU_MEMORY_ANNOTATION]
+        .iter()
+        .any(|k| annotations.is_some_and(|a| a.contains_key(*k)));
+    if kai_share {
+        return Device::Cuda;
+    }
+    let kinds: Vec<AcceleratorKind> = resources(c)
+        .filter(|(_, q)| parse_quantity(&q.0).is_some_and(|n| n > 0))
+        .filter_map(|(name, _)| device_kind(name))
+        .collect();
+    if kinds.iter().any(|k| !matches!(k, AcceleratorKind::AmdGpu)) {
+        Device::Cuda
+    } else if kinds.is_empty() {
+        Device::Cpu
+    } else {
+        Device::Rocm
+    }
+}
+
+/// The container's resources, `limits` first: a name given in both counts once, as its limit
+/// (for extended resources Kubernetes requires the two to be equal anyway).
+fn resources(c: &Container) -> impl Iterator<Item = (&str, &Quantity)> {
+    let r = c.resources.as_ref();
+    let limits = r.and_then(|r| r.limits.as_ref());
+    let requests = r.and_then(|r| r.requests.as_ref());
+    let limits_iter = limits.into_iter().flatten();
+    let requests_iter = requests
+        .into_iter()
+        .flatten()
+        .filter(move |(k, _)| !limits.is_some_and(|l| l.contains_key(*k)));
+    limits_iter
+        .chain(requests_iter)
+        .map(|(k, q)| (k.as_str(), q))
+}
+
+/// What kind of accelerator device a resource name is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AcceleratorKind {
+    /// `nvidia.com/gpu` (a whole GPU, a MIG slice under the single strategy, or a time-slice).
+    NvidiaGpu,
+    /// `nvidia.com/gpu.shared`: a time-sliced or MPS-shared GPU under `renameByDefault`.
+    NvidiaShared,
+    /// `nvidia.com/mig-<profile>`, with the profile (`1g.10gb`).
+    Mig(String),
+    /// `amd.com/gpu`.
+    AmdGpu,
+}
+
+fn device_kind(resource: &str) -> Option<AcceleratorKind> {
+    match resource {
+        labels::NVIDIA_GPU_RESOURCE => Some(AcceleratorKind::NvidiaGpu),
+        NVIDIA_GPU_SHARED_RESOURCE => Some(AcceleratorKind::NvidiaShared),
+        AMD_GPU_RESOURCE => Some(AcceleratorKind::AmdGpu),
+        _ => resource
+            .strip_prefix(NVIDIA_MIG_RESOURCE_PREFIX)
+            .filter(|p| MigProfile::parse(p).is_some())
+            .map(|p| AcceleratorKind::Mig(p.to_string())),
+    }
+}
+
+/// A MIG profile name, `<g>g.<m>gb` with an optional `+me` or other suffix after the size
+/// (`1g.10gb`, `1g.10gb+me`, `2c.7g.40gb` is not a GPU-instance profile and is refused).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MigProfile {
+    /// Compute slices (`g`).
+    pub slices: u32,
+    /// The nominal memory in the name, in GB (`m`): a label, not the usable size.
+    pub nominal_gb: u32,
+}
+
+impl MigProfile {
+    /// Parses `1g.10gb` (or `1g.10gb+me`); `None` for anything else.
+    pub fn parse(s: &str) -> Option<MigProfile> {
+        let (g, rest) = s.split_once("g.")?;
+        let size = rest.split('+').next()?;
+        let m = size.strip_suffix("gb")?;
+        let all_digits = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit());
+        if !all_digits(g) || !all_digits(m) {
+            return None;
+        }
+        Some(MigProfile {
+            slices: g.parse().ok()?,
+            nominal_gb: m.parse().ok()?,
+        })
+    }
+}
+
+/// Extended resources that are accelerator settings rather than devices: not "unknown".
+const KNOWN_SETTINGS: [&str; 3] = [
+    HAMI_GPUMEM_RESOURCE,
+    HAMI_GPUMEM_PERCENTAGE_RESOURCE,
+    HAMI_GPUCORES_RESOURCE,
+];
+
+/// What the trainer asks for in accelerators and their memory, read from the pod alone.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Accelerators {
+    /// The device kinds requested with a count above 0 (usually one).
+    pub kinds: Vec<AcceleratorKind>,
+    /// HAMi's `nvidia.com/gpumem`, in MiB per device.
+    pub hami_mib: Option<u64>,
+    /// HAMi's `nvidia.com/gpumem-percentage`, in percent of one device.
+    pub hami_percent: Option<u64>,
+    /// KAI / Run:ai `gpu-memory` annotation, in MiB.
+    pub kai_mib: Option<u64>,
+    /// KAI / Run:ai `gpu-fraction` annotation, in (0, 1].
+    pub kai_fraction: Option<f64>,
+    /// MPS: the smallest per-device limit in the trainer's `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`.
+    pub mps_bytes: Option<u64>,
+    /// The GPU is time-sliced: `nvidia.com/gpu.shared`, a `-SHARED` product, or the
+    /// `time-slicing` sharing-strategy label in the node selector.
+    pub time_sliced: bool,
+    /// Extended resources that are no accelerator memguard knows (`example.com/npu`).
+    pub unknown: Vec<String>,
+    /// `spec.resourceClaims` the trainer uses (DRA): `<claim name> (<template or claim>)`.
+    pub dra_claims: Vec<String>,
+    /// Values that are there but unreadable, each naming its key: a warning, and ignored.
+    pub problems: Vec<String>,
+}
+
+impl Accelerators {
+    /// Reads the trainer's resources and env, and the pod's annotations, claims and placement.
+    pub fn of(pod: &Pod, trainer: &Container) -> Accelerators {
+        let mut a = Accelerators::default();
+        for (name, q) in resources(trainer) {
+            let count = parse_quantity(&q.0);
+            match (device_kind(name), name) {
+                (Some(kind), _) => {
+                    if count.is_some_and(|n| n > 0) && !a.kinds.contains(&kind) {
+                        a.kinds.push(kind);
+                    }
+                }
+                (None, HAMI_GPUMEM_RESOURCE) => match count {
+                    Some(n) if n > 0 => a.hami_mib = Some(n),
+                    _ => a
+                        .problems
+                        .push(format!("{name}: `{}` is not a size in MiB", q.0)),
+                },
+                (None, HAMI_GPUMEM_PERCENTAGE_RESOURCE) => match count {
+                    Some(n) if (1..=100).contains(&n) => a.hami_percent = Some(n),
+                    _ => a
+                        .problems
+                        .push(format!("{name}: `{}` is not in 1..=100", q.0)),
+                },
+                (None, other) if is_extended(other) && !KNOWN_SETTINGS.contains(&other) => {
+                    if count.is_some_and(|n| n > 0) {
+                        a.unknown.push(other.to_string());
+                    }
+                }
+                _ => {}
+            }
+        }
+        if a.kinds.contains(&AcceleratorKind::NvidiaShared) {
+            a.time_sliced = true;
+        }
+        let annotations = pod.metadata.annotations.as_ref();
+        let annotation = |key: &str| annotations.and_then(|m| m.get(key)).map(|v| v.trim());
+        if let Some(v) = annotation(KAI_GPU_MEMORY_ANNOTATION) {
+            match v.parse::<u64>() {
+                Ok(n) if n > 0 => a.kai_mib = Some(n),
+                _ => a.problems.push(format!(
+                    "{KAI_GPU_MEMORY_ANNOTATION}: `{v}` is not a whole number of MiB"
+                )),
+            }
+        }
+        if let Some(v) = annotation(KAI_GPU_FRACTION_ANNOTATION) {
+            match v.parse::<f64>() {
+                Ok(f) if f > 0.0 && f <= 1.0 => a.kai_fraction = Some(f),
+                _ => a.problems.push(format!(
+                    "{KAI_GPU_FRACTION_ANNOTATION}: `{v}` is not a fraction in (0, 1]"
+                )),
+            }
+        }
+        let mps = trainer
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == MPS_PINNED_MEM_ENV);
+        if let Some(e) = mps {
+            match e.value.as_deref().map(parse_mps_limit) {
+                Some(Ok(bytes)) => a.mps_bytes = Some(bytes),
+                Some(Err(why)) => a.problems.push(format!("{MPS_PINNED_MEM_ENV}: {why}")),
+                None => a.problems.push(format!(
+                    "{MPS_PINNED_MEM_ENV}: set from a reference, not a literal; not read"
+                )),
+            }
+        }
+        let spec = pod.spec.as_ref();
+        let selector = spec.and_then(|s| s.node_selector.as_ref());
+        let shared_strategy = selector
+            .and_then(|s| s.get(NVIDIA_SHARING_STRATEGY_LABEL))
+            .is_some_and(|v| v == "time-slicing");
+        let shared_product = gpu_products(pod)
+            .iter()
+            .any(|p| p.ends_with(SHARED_PRODUCT_SUFFIX));
+        a.time_sliced |= shared_strategy || shared_product;
+
+        // DRA: the pod's claims the trainer names in `resources.claims` (all of them when it
+        // names none: a claim is for some container, and the trainer is the one that counts).
+        let used: Vec<&str> = trainer
+            .resources
+            .as_ref()
+            .and_then(|r| r.claims.as_ref())
+            .map(|c| c.iter().map(|c| c.name.as_str()).collect())
+            .unwrap_or_default();
+        for claim in spec
+            .and_then(|s| s.resource_claims.as_ref())
+            .into_iter()
+            .flatten()
+        {
+            if !used.is_empty() && !used.contains(&claim.name.as_str()) {
+                continue;
+            }
+            let source = match (
+                &claim.resource_claim_template_name,
+                &claim.resource_claim_name,
+            ) {
+                (Some(t), _) => format!("template {t}"),
+                (None, Some(c)) => format!("claim {c}"),
+                (None, None) => "no source".to_string(),
+            };
+            a.dra_claims.push(format!("{} ({source})", claim.name));
+        }
+        a
+    }
+}
+
+/// An extended resource: a domain-prefixed name outside `kubernetes.io` (`example.com/npu`);
+/// not `cpu`, `memory`, `ephemeral-storage` or `hugepages-*`.
+fn is_extended(name: &str) -> bool {
+    name.contains('/') && !name.contains("kubernetes.io/")
+}
+
+/// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`: `<ordinal>=<n><unit>` entries, comma-separated, units
+/// `K`, `M`, `G`, `T` (binary, as the MPS control daemon reads them); a bare number is bytes.
+/// Returns the smallest limit: the pod's per-device budget.
+pub fn parse_mps_limit(value: &str) -> Result<u64, String> {
+    let mut smallest: Option<u64> = None;
+    for entry in value.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let (ordinal, size) = entry
+            .split_once('=')
+            .ok_or_else(|| format!("`{entry}` is not <device>=<size>"))?;
+        if ordinal.trim().is_empty() {
+            return Err(format!("`{entry}` names no device"));
+        }
+        let size = size.trim();
+        let digits = size.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+        let unit = &size[digits.len()..];
+        let shift = match unit.to_ascii_uppercase().as_str() {
+            "" | "B" => 0,
+            "K" | "KB" => 10,
+            "M" | "MB" => 20,
+            "G" | "GB" => 30,
+            "T" | "TB" => 40,
+            _ => return Err(format!("`{size}`: unknown unit `{unit}`")),
+        };
+        let n: u64 = digits
+            .parse()
+            .map_err(|_| format!("`{size}` is not a whole number with a unit"))?;
+        let bytes = n
+            .checked_shl(shift)
+            .filter(|b| *b >> shift == n && *b > 0)
+            .ok_or_else(|| format!("`{size}` is out of range"))?;
+        smallest = Some(smallest.map_or(bytes, |s| s.min(bytes)));
+    }
+    smallest.ok_or_else(|| "empty".to_string())
 }
 
 /// The `nvidia.com/gpu.product` values the pod is pinned to: the node selector's, else the
 /// union of the required node-affinity terms' `In` values when every term constrains it (terms
 /// are ORed: one unconstrained term means any product). Empty when unknown.
 pub fn gpu_products(pod: &Pod) -> Vec<String> {
+    pinned_values(pod, labels::NVIDIA_GPU_PRODUCT_LABEL)
+}
+
+/// The values of node label `label` the pod is pinned to, read as [`gpu_products`] reads
+/// `nvidia.com/gpu.product` (AMD: [`AMD_GPU_PRODUCT_LABEL`]).
+pub fn pinned_values(pod: &Pod, label: &str) -> Vec<String> {
     let Some(spec) = pod.spec.as_ref() else {
         return Vec::new();
     };
-    if let Some(p) = spec
-        .node_selector
-        .as_ref()
-        .and_then(|s| s.get(labels::NVIDIA_GPU_PRODUCT_LABEL))
-    {
+    if let Some(p) = spec.node_selector.as_ref().and_then(|s| s.get(label)) {
         return vec![p.clone()];
     }
     let terms = spec
@@ -76,7 +378,7 @@ pub fn gpu_products(pod: &Pod) -> Vec<String> {
             .match_expressions
             .iter()
             .flatten()
-            .filter(|e| e.key == labels::NVIDIA_GPU_PRODUCT_LABEL && e.operator == "In")
+            .filter(|e| e.key == label && e.operator == "In")
             .flat_map(|e| e.values.iter().flatten())
             .collect();
         if values.is_empty() {
@@ -134,6 +436,7 @@ pub fn parse_quantity(s: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
 
     #[test]
     fn parses_the_quantity_spellings_the_api_server_writes() {

@@ -12,28 +12,60 @@ use std::collections::BTreeMap;
 pub const DEFAULT_SAFETY_RATIO: f64 = 0.9;
 /// Default GPU memory when neither annotation nor product table says (an 80 GiB A100/H100).
 pub const DEFAULT_GPU_MEMORY: &str = "80Gi";
-/// Memory per GPU by `nvidia.com/gpu.product` label value (GPU feature discovery), as NVML
-/// reports the device's total (`nvidia-smi --query-gpu=memory.total`), which is what a training
-/// step can have — not the marketing figure (an "A10G 24 GB" has 23028 MiB). A policy's own
-/// `gpuMemory` entries override these.
+/// Usable memory per device by product label value: `nvidia.com/gpu.product` (GPU feature
+/// discovery) for NVIDIA, `amd.com/gpu.product-name` (the ROCm node labeller) for AMD. Usable
+/// means what a training process can allocate: NVML's total (`nvidia-smi --query-gpu=
+/// memory.total`, GFD's `nvidia.com/gpu.memory`) less the memory the driver reserves (the
+/// `Reserved` line of `nvidia-smi -q`, R510 and later; older drivers left it out of the total).
+/// Where no reserved figure is published for a product, the largest one seen on any product
+/// (834 MiB) is taken off. Each figure and its source is in docs/webhook.md ("GPU memory
+/// table"). MIG entries are keyed as the single strategy's product label,
+/// `<product>-MIG-<profile>`, with GFD's `nvidia.com/mig-<profile>.memory`. A policy's own
+/// `gpuMemory` entries override these and add to them.
 pub const BUILTIN_GPU_MEMORY: &[(&str, &str)] = &[
-    ("Tesla-T4", "15360Mi"),
+    // NVIDIA, whole GPUs.
+    ("Tesla-T4", "15109Mi"),
     ("Tesla-V100-SXM2-16GB", "16160Mi"),
     ("Tesla-V100-SXM2-32GB", "32510Mi"),
-    ("NVIDIA-A10", "23028Mi"),
-    ("NVIDIA-A10G", "23028Mi"),
-    ("NVIDIA-L4", "23034Mi"),
-    ("NVIDIA-L40S", "46068Mi"),
-    ("NVIDIA-A100-PCIE-40GB", "40960Mi"),
-    ("NVIDIA-A100-SXM4-40GB", "40960Mi"),
-    ("NVIDIA-A100-80GB-PCIe", "81920Mi"),
-    ("NVIDIA-A100-SXM4-80GB", "81920Mi"),
-    ("NVIDIA-H100-PCIe", "81559Mi"),
-    ("NVIDIA-H100-80GB-HBM3", "81559Mi"),
-    ("NVIDIA-H100-NVL", "95830Mi"),
-    ("NVIDIA-H200", "143771Mi"),
-    ("NVIDIA-GeForce-RTX-3090", "24576Mi"),
-    ("NVIDIA-GeForce-RTX-4090", "24564Mi"),
+    ("NVIDIA-A10", "22194Mi"),
+    ("NVIDIA-A10G", "22194Mi"),
+    ("NVIDIA-L4", "22478Mi"),
+    ("NVIDIA-L40", "45383Mi"),
+    ("NVIDIA-L40S", "45383Mi"),
+    ("NVIDIA-RTX-6000-Ada-Generation", "48571Mi"),
+    ("NVIDIA-RTX-A6000", "48306Mi"),
+    ("NVIDIA-GeForce-RTX-3090", "23742Mi"),
+    ("NVIDIA-GeForce-RTX-4090", "23730Mi"),
+    ("NVIDIA-A100-PCIE-40GB", "40536Mi"),
+    ("NVIDIA-A100-SXM4-40GB", "40536Mi"),
+    ("NVIDIA-A100-80GB-PCIe", "81086Mi"),
+    ("NVIDIA-A100-SXM4-80GB", "81086Mi"),
+    ("NVIDIA-H100-PCIe", "81008Mi"),
+    ("NVIDIA-H100-80GB-HBM3", "81008Mi"),
+    ("NVIDIA-H100-NVL", "94996Mi"),
+    ("NVIDIA-GH200-480GB", "97037Mi"),
+    ("NVIDIA-H200", "143071Mi"),
+    ("NVIDIA-H200-NVL", "143071Mi"),
+    ("NVIDIA-B200", "182525Mi"),
+    // NVIDIA MIG slices (GFD's `nvidia.com/mig-<profile>.memory`).
+    ("NVIDIA-A100-PCIE-40GB-MIG-1g.5gb", "4864Mi"),
+    ("NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", "4864Mi"),
+    ("NVIDIA-A100-80GB-PCIe-MIG-1g.10gb", "9728Mi"),
+    ("NVIDIA-A100-80GB-PCIe-MIG-2g.20gb", "19968Mi"),
+    ("NVIDIA-A100-80GB-PCIe-MIG-3g.40gb", "40192Mi"),
+    ("NVIDIA-A100-SXM4-80GB-MIG-1g.10gb", "9728Mi"),
+    ("NVIDIA-A100-SXM4-80GB-MIG-2g.20gb", "19968Mi"),
+    ("NVIDIA-A100-SXM4-80GB-MIG-3g.40gb", "40192Mi"),
+    ("NVIDIA-H100-80GB-HBM3-MIG-1g.10gb", "9984Mi"),
+    ("NVIDIA-H100-80GB-HBM3-MIG-2g.20gb", "20096Mi"),
+    ("NVIDIA-H100-PCIe-MIG-1g.10gb", "9984Mi"),
+    ("NVIDIA-H100-PCIe-MIG-2g.20gb", "20096Mi"),
+    // AMD: one entry per device the ROCm device plugin exposes (an MI250X is two GCDs).
+    ("AMD_Instinct_MI210", "65520Mi"),
+    ("AMD_Instinct_MI250X", "65520Mi"),
+    ("AMD_Instinct_MI250X_MI250", "65520Mi"),
+    ("AMD_Instinct_MI300X", "196288Mi"),
+    ("AMD_Instinct_MI300X_OAM", "196288Mi"),
 ];
 
 /// Default sidecar image.
@@ -345,10 +377,10 @@ mod tests {
         let p = PolicySpec::default()
             .resolved()
             .expect("defaults are valid");
-        assert_eq!(p.gpu_memory.get("NVIDIA-A10G"), Some(&Bytes::mib(23028)));
+        assert_eq!(p.gpu_memory.get("NVIDIA-A10G"), Some(&Bytes::mib(22194)));
         assert_eq!(
             p.gpu_memory.get("NVIDIA-H100-80GB-HBM3"),
-            Some(&Bytes::mib(81559))
+            Some(&Bytes::mib(81008))
         );
         let spec: PolicySpec =
             serde_json::from_str(r#"{"gpuMemory": {"NVIDIA-A10G": "20Gi", "Custom-GPU": "12Gi"}}"#)
@@ -356,7 +388,56 @@ mod tests {
         let p = spec.resolved().expect("valid");
         assert_eq!(p.gpu_memory.get("NVIDIA-A10G"), Some(&Bytes::gib(20)));
         assert_eq!(p.gpu_memory.get("Custom-GPU"), Some(&Bytes::gib(12)));
-        assert_eq!(p.gpu_memory.get("NVIDIA-L4"), Some(&Bytes::mib(23034)));
+        assert_eq!(p.gpu_memory.get("NVIDIA-L4"), Some(&Bytes::mib(22478)));
+    }
+
+    /// NVML's total less the driver's reservation, from the `nvidia-smi -q` figures cited in
+    /// docs/webhook.md: (product, total MiB, reserved MiB). A table edit that drifts from the
+    /// published figures fails here.
+    #[test]
+    fn builtin_figures_are_the_published_nvml_totals_less_the_reserved_memory() {
+        let p = Policy::default();
+        let published = [
+            ("NVIDIA-H100-80GB-HBM3", 81559, 551),
+            ("NVIDIA-H100-PCIe", 81559, 551),
+            ("NVIDIA-H200", 143771, 700),
+            ("NVIDIA-L40S", 46068, 685),
+            ("NVIDIA-L4", 23034, 556),
+            ("NVIDIA-RTX-6000-Ada-Generation", 49140, 569),
+            ("NVIDIA-A100-SXM4-80GB", 81920, 834),
+            // No published reservation: the largest seen (834 MiB) is taken off.
+            ("NVIDIA-H100-NVL", 95830, 834),
+            ("NVIDIA-B200", 183359, 834),
+            ("NVIDIA-GH200-480GB", 97871, 834),
+            ("NVIDIA-A10G", 23028, 834),
+        ];
+        for (product, total, reserved) in published {
+            assert_eq!(
+                p.gpu_memory.get(product),
+                Some(&Bytes::mib(total - reserved)),
+                "{product}"
+            );
+        }
+        // rocm-smi's "VRAM Total Memory (B)": MI300X 205822885888, one MI250X GCD 68702699520.
+        assert_eq!(
+            p.gpu_memory.get("AMD_Instinct_MI300X_OAM"),
+            Some(&Bytes(205_822_885_888))
+        );
+        assert_eq!(
+            p.gpu_memory.get("AMD_Instinct_MI250X"),
+            Some(&Bytes(68_702_699_520))
+        );
+        // Every entry is below the nominal size a product's name claims (a "1g.10gb" slice
+        // has 9.5 GiB): no entry may promise more than the device has.
+        for (product, bytes) in &p.gpu_memory {
+            let nominal_gb = product
+                .rsplit_once(".")
+                .and_then(|(_, m)| m.strip_suffix("gb"))
+                .and_then(|m| m.parse::<u64>().ok());
+            if let Some(gb) = nominal_gb {
+                assert!(bytes.0 <= (gb + 1) * (1 << 30), "{product}: {bytes}");
+            }
+        }
     }
 
     #[test]

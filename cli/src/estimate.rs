@@ -114,7 +114,7 @@ annotation_flags! {
     flash_attention => "flash-attention",
     /// fp32|bf16-mixed|fp16-mixed|bf16|fp16.
     precision => "precision",
-    /// cuda|cpu|metal.
+    /// cuda|cpu|metal|rocm.
     device => "device",
     /// none|ddp|fsdp|zero1|zero2|zero3.
     parallelism => "parallelism",

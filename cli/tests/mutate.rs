@@ -292,3 +292,47 @@ fn a_memguard_policy_manifest_works_as_the_policy_file() {
         );
     }
 }
+
+/// Every accelerator fixture through the binary: the same device, budget source and memory as
+/// through the webhook (the expectations are one table, `fixtures/accelerators.yaml`).
+#[test]
+fn accelerator_fixtures_get_their_device_budget_and_source() {
+    let policy = fixture("policy.yaml");
+    let table: serde_json::Map<String, Value> = serde_saphyr::from_str(
+        &std::fs::read_to_string(fixture("accelerators.yaml")).expect("table"),
+    )
+    .expect("YAML");
+    assert!(table.len() >= 9);
+    for (file, want) in table {
+        let pod = fixture(&format!("pods/{file}"));
+        let out = memguard(
+            &[
+                "mutate",
+                "-f",
+                pod.to_str().expect("utf-8"),
+                "--policy-file",
+                policy.to_str().expect("utf-8"),
+            ],
+            None,
+        );
+        assert!(out.status.success(), "{file}: {}", stderr(&out));
+        let mutated: Value = serde_saphyr::from_str(&stdout(&out)).expect("YAML out");
+        let estimate: Value = serde_json::from_str(
+            mutated["metadata"]["annotations"]["memguard.io/estimate"]
+                .as_str()
+                .expect("estimate annotation"),
+        )
+        .expect("JSON");
+        assert_eq!(estimate["device"], want["device"], "{file}");
+        assert_eq!(estimate["budgetSource"]["kind"], want["source"], "{file}");
+        let memory = want["deviceMemory"].as_u64().expect("bytes");
+        if want["source"] != "memory-limit" {
+            assert_eq!(estimate["gpuMemory"].as_u64(), Some(memory), "{file}");
+        }
+        let budget = estimate["budget"].as_u64().expect("budget");
+        assert!(budget.abs_diff(memory * 9 / 10) <= 1, "{file}: {budget}");
+        if let Some(w) = want["warning"].as_str() {
+            assert!(stderr(&out).contains(w), "{file}: {}", stderr(&out));
+        }
+    }
+}

@@ -103,6 +103,8 @@ named_enum! {
         Cpu => "cpu",
         /// Apple silicon (unified memory, Metal).
         Metal => "metal" | "mps" | "mlx",
+        /// An AMD GPU (ROCm/HIP context and PyTorch's caching allocator).
+        Rocm => "rocm" | "hip",
     }
 }
 

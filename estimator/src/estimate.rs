@@ -49,6 +49,11 @@ pub mod constants {
     /// Apple silicon: Python, the framework and the Metal device; unified memory, no
     /// separate context. Not fitted on data (none published with a device-level figure).
     pub const METAL_RUNTIME: Bytes = Bytes(600_000_000);
+    /// ROCm: the HIP context, rocBLAS/hipBLASLt handles and workspaces, and the kernel code
+    /// objects, which ROCm loads eagerly (CUDA loads modules lazily since 11.7). Not fitted on
+    /// data (no device-level figure published for a PyTorch process): set above
+    /// [`CUDA_CONTEXT`] by design, since an under-estimate is an OOM kill.
+    pub const ROCM_CONTEXT: Bytes = Bytes::mib(2048);
     /// NF4 quantization block: one fp32 absmax scale per 64 weights (QLoRA).
     pub const NF4_BLOCK: f64 = 64.0;
     /// Double quantization: the 8-bit scales are themselves quantized in blocks of 256, each
@@ -580,21 +585,23 @@ fn communication_buckets(x: &Ctx) -> Bytes {
 }
 
 /// Fixed runtime cost of the device kind: the CUDA context; the CPU process baseline
-/// (interpreter, torch, transformers, peft); the Metal runtime.
+/// (interpreter, torch, transformers, peft); the Metal runtime; the ROCm context.
 pub fn runtime_overhead(device: Device) -> Bytes {
     match device {
         Device::Cuda => CUDA_CONTEXT,
         Device::Cpu => CPU_PROCESS_BASELINE,
         Device::Metal => METAL_RUNTIME,
+        Device::Rocm => ROCM_CONTEXT,
     }
 }
 
 /// Allocator reserve above live tensors: `fraction · per-step tensors` (activations,
 /// logits, gradients, workspaces), with the CUDA caching allocator's or the CPU heap's
-/// fraction. Metal's unified memory is reported at the allocation level: none.
+/// fraction (PyTorch's HIP build uses the same caching allocator as CUDA). Metal's unified
+/// memory is reported at the allocation level: none.
 fn allocator_cache(device: Device, per_step: Bytes) -> Bytes {
     let fraction = match device {
-        Device::Cuda => CUDA_CACHE_FRACTION,
+        Device::Cuda | Device::Rocm => CUDA_CACHE_FRACTION,
         Device::Cpu => CPU_HEAP_FRACTION,
         Device::Metal => 0.0,
     };

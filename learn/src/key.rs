@@ -7,7 +7,7 @@
 use k8s_openapi::api::core::v1::Pod;
 use memguard_api::TrainingAnnotations;
 use memguard_api::crd::{DeviceClass, MemoryProfileSpec};
-use memguard_api::pod::{gpu_count, gpu_products, pick_trainer};
+use memguard_api::pod::{default_device, gpu_products, pick_trainer};
 use memguard_estimator::params::total_params;
 use memguard_estimator::{Device, TrainingConfig};
 use std::collections::BTreeMap;
@@ -66,15 +66,16 @@ pub fn pod_key(pod: &Pod) -> Result<PodKey, KeyError> {
         pick_trainer(containers, parsed.container.as_deref()).map_err(KeyError::Trainer)?;
     let mut config = parsed.config;
     if !parsed.device_given {
-        config.device = if gpu_count(trainer) > 0 {
-            Device::Cuda
-        } else {
-            Device::Cpu
-        };
+        config.device = default_device(pod, trainer);
     }
     let (device_class, device) = match config.device {
-        Device::Cuda => {
-            let products = gpu_products(pod);
+        Device::Cuda | Device::Rocm => {
+            let products = match config.device {
+                Device::Rocm => {
+                    memguard_api::pod::pinned_values(pod, memguard_api::pod::AMD_GPU_PRODUCT_LABEL)
+                }
+                _ => gpu_products(pod),
+            };
             let device = match products.as_slice() {
                 [one] => one.clone(),
                 _ => ANY_GPU.to_string(),

@@ -9,6 +9,7 @@
 
 #[cfg(feature = "server")]
 pub mod args;
+pub mod budget;
 pub mod config;
 pub mod manifest;
 #[cfg(feature = "server")]

@@ -9,10 +9,10 @@
 //! (`reinvocationPolicy: IfNeeded`) parses the same original config, reaches the same plan, and
 //! the patch, computed as a difference against the pod, comes out empty.
 
-use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use memguard_api::annotations::{self as keys, TrainingAnnotations};
 use memguard_api::crd::MemoryProfile;
-use memguard_api::pod::{gpu_count, gpu_products, parse_quantity, pick_trainer};
+use memguard_api::pod::{default_device, gpu_count, pick_trainer};
 use memguard_api::policy::{SidecarMode, SidecarResources, Thresholds};
 use memguard_api::{Knob, Policy, env, labels};
 use memguard_estimator::{
@@ -96,33 +96,7 @@ pub enum Outcome {
     },
 }
 
-/// Where the per-device memory figure came from.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case", tag = "kind", content = "detail")]
-pub enum BudgetSource {
-    /// `memguard.io/gpu-memory`.
-    Annotation,
-    /// The policy's table, for the smallest of the products the pod may land on.
-    GpuProduct(String),
-    /// The policy's default GPU memory (no product known, or none in the table).
-    PolicyDefault,
-    /// The trainer's `limits.memory`.
-    MemoryLimit,
-}
-
-/// The memory the plan aims at.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Budget {
-    /// Memory of one device (a GPU, or the container's limit), before the safety ratio.
-    pub device_memory: Bytes,
-    /// The safety ratio applied.
-    pub safety_ratio: f64,
-    /// `device_memory × safety_ratio`.
-    pub bytes: Bytes,
-    /// Where `device_memory` came from.
-    pub source: BudgetSource,
-}
+pub use crate::budget::{Budget, BudgetSource};
 
 /// The sidecar to inject, as decided (rendered into a container by [`crate::patch`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -246,34 +220,27 @@ fn decide(
     let mut warnings = Vec::new();
     let mut config = parsed.config.clone();
     if !parsed.device_given {
-        config.device = if gpus > 0 { Device::Cuda } else { Device::Cpu };
+        config.device = default_device(pod, trainer);
     }
     // Data parallelism over the pod's own GPUs unless the user says how many devices take part
     // (a multi-node job must: the pod cannot see its peers).
     if !annotations.contains_key(keys::WORLD_SIZE)
         && config.parallelism != Parallelism::None
-        && config.device == Device::Cuda
+        && matches!(config.device, Device::Cuda | Device::Rocm)
     {
         config.world_size = gpus.max(1);
     }
 
     let safety_ratio = parsed.safety_ratio.unwrap_or(policy.safety_ratio);
-    let budget = match config.device {
-        Device::Cuda => {
-            let (device_memory, source) = gpu_memory(pod, parsed.gpu_memory, policy, &mut warnings);
-            Some(budget(device_memory, safety_ratio, source))
-        }
-        Device::Cpu | Device::Metal => match memory_limit(trainer) {
-            Some(limit) => Some(budget(limit, safety_ratio, BudgetSource::MemoryLimit)),
-            None => {
-                warnings.push(truncate(&format!(
-                    "memguard: container {} has no memory limit and no GPU: no fit can be guaranteed",
-                    trainer.name
-                )));
-                None
-            }
-        },
-    };
+    let budget = crate::budget::resolve(
+        pod,
+        trainer,
+        config.device,
+        parsed.gpu_memory,
+        safety_ratio,
+        policy,
+        &mut warnings,
+    );
 
     // What past runs of this profile teach: a calibration, and a recovery after an OOM kill.
     // A pod without a key, or without a profile, plans as before.
@@ -376,58 +343,6 @@ fn decide(
         warnings,
         error: adjust.verdict.clone(),
     })
-}
-
-/// The container's `limits.memory` (LimitRange defaults are applied before webhooks run).
-fn memory_limit(c: &Container) -> Option<Bytes> {
-    c.resources
-        .as_ref()?
-        .limits
-        .as_ref()?
-        .get("memory")
-        .and_then(|q| parse_quantity(&q.0))
-        .filter(|b| *b > 0)
-        .map(Bytes)
-}
-
-/// Memory of one GPU: the annotation, else the smallest known product the pod may be scheduled
-/// on, else the policy's default.
-fn gpu_memory(
-    pod: &Pod,
-    annotated: Option<Bytes>,
-    policy: &Policy,
-    warnings: &mut Vec<String>,
-) -> (Bytes, BudgetSource) {
-    if let Some(b) = annotated {
-        return (b, BudgetSource::Annotation);
-    }
-    let products = gpu_products(pod);
-    let known = products
-        .iter()
-        .filter_map(|p| policy.gpu_memory.get(p).map(|b| (*b, p.clone())))
-        .min();
-    match known {
-        Some((b, product)) => (b, BudgetSource::GpuProduct(product)),
-        None => {
-            if !products.is_empty() {
-                warnings.push(truncate(&format!(
-                    "memguard: GPU product {} not in the policy table; assuming {}",
-                    products.join("|"),
-                    policy.default_gpu_memory
-                )));
-            }
-            (policy.default_gpu_memory, BudgetSource::PolicyDefault)
-        }
-    }
-}
-
-fn budget(device_memory: Bytes, safety_ratio: f64, source: BudgetSource) -> Budget {
-    Budget {
-        device_memory,
-        safety_ratio,
-        bytes: Bytes::from_f64(device_memory.as_f64() * safety_ratio),
-        source,
-    }
 }
 
 /// The knobs that mean something for this config (LoRA knobs only for adapter methods).

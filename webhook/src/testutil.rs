@@ -57,6 +57,21 @@ impl PodBuilder {
         self
     }
 
+    /// Any resource limit on the last container (`nvidia.com/mig-1g.10gb`, `amd.com/gpu`, …).
+    pub fn limit(mut self, resource: &str, q: &str) -> Self {
+        self.last()["resources"]["limits"][resource] = json!(q);
+        self
+    }
+
+    /// A node-selector entry (added to those already there).
+    pub fn select(mut self, label: &str, value: &str) -> Self {
+        if self.0["spec"].get("nodeSelector").is_none() {
+            self.0["spec"]["nodeSelector"] = json!({});
+        }
+        self.0["spec"]["nodeSelector"][label] = json!(value);
+        self
+    }
+
     /// `limits.memory` on the last container.
     pub fn memory_limit(mut self, q: &str) -> Self {
         self.last()["resources"]["limits"]["memory"] = json!(q);

@@ -127,3 +127,45 @@ fn fixture_pods_match_their_golden_patches() {
         insta::assert_yaml_snapshot!(name, snapshot);
     }
 }
+
+/// The accelerator fixtures' expectations (`tests/fixtures/accelerators.yaml`), shared with the
+/// CLI's test: device, budget source kind, memory of one device, and a warning that must be
+/// there.
+#[test]
+fn accelerator_fixtures_get_their_device_budget_and_source() {
+    let policy = policy();
+    let text = std::fs::read_to_string(fixtures().join("accelerators.yaml")).expect("table");
+    let table: serde_json::Map<String, Value> = serde_saphyr::from_str(&text).expect("YAML");
+    assert!(table.len() >= 9, "{table:?}");
+    for (file, want) in table {
+        let text = std::fs::read_to_string(fixtures().join("pods").join(&file)).expect(&file);
+        let pod: Pod = serde_saphyr::from_str(&text).expect("a Pod");
+        let Outcome::Mutated(m) = mutate(&pod, &policy, &Profiles::default()) else {
+            panic!("{file}: not mutated");
+        };
+        let b = m.budget.as_ref().expect("a budget");
+        let estimate: Value = serde_json::from_str(&m.estimate_annotation).expect("JSON");
+        assert_eq!(estimate["device"], want["device"], "{file}");
+        assert_eq!(estimate["budgetSource"]["kind"], want["source"], "{file}");
+        assert_eq!(
+            Some(b.device_memory.0),
+            want["deviceMemory"].as_u64(),
+            "{file}"
+        );
+        assert_eq!(estimate["budget"].as_u64(), Some(b.bytes.0), "{file}");
+        match want["warning"].as_str() {
+            Some(w) => assert!(
+                m.warnings.iter().any(|x| x.contains(w)),
+                "{file}: {:?}",
+                m.warnings
+            ),
+            None => assert!(
+                !m.warnings
+                    .iter()
+                    .any(|x| x.contains("ignored") || x.contains("unknown")),
+                "{file}: {:?}",
+                m.warnings
+            ),
+        }
+    }
+}

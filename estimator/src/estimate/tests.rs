@@ -270,6 +270,17 @@ fn device_kinds_carry_their_own_runtime_overhead() {
     let metal = est(&cfg);
     assert_eq!(metal.component(Component::AllocatorCache), Bytes::ZERO);
     assert_eq!(metal.total, metal.tensor_peak + METAL_RUNTIME);
+    cfg.device = Device::Cuda;
+    let cuda = est(&cfg);
+    cfg.device = Device::Rocm;
+    let rocm = est(&cfg);
+    assert_eq!(rocm.component(Component::RuntimeOverhead), ROCM_CONTEXT);
+    assert_eq!(
+        rocm.component(Component::AllocatorCache),
+        cuda.component(Component::AllocatorCache),
+        "same caching allocator"
+    );
+    assert_eq!(rocm.total + CUDA_CONTEXT, cuda.total + ROCM_CONTEXT);
 }
 
 #[test]

@@ -186,7 +186,7 @@ fn gpu_budget_comes_from_annotation_then_product_then_policy_default() {
 #[test]
 fn unknown_product_falls_back_to_the_default_with_a_warning() {
     let m = mutated(
-        trainer_pod().gpus(1).node_selector("NVIDIA-B200"),
+        trainer_pod().gpus(1).node_selector("NVIDIA-X9000"),
         &policy_with_products(),
     );
     assert_eq!(
@@ -194,7 +194,7 @@ fn unknown_product_falls_back_to_the_default_with_a_warning() {
         BudgetSource::PolicyDefault
     );
     assert!(
-        m.warnings.iter().any(|w| w.contains("NVIDIA-B200")),
+        m.warnings.iter().any(|w| w.contains("NVIDIA-X9000")),
         "{:?}",
         m.warnings
     );

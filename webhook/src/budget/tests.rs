@@ -1,0 +1,272 @@
+use super::*;
+use crate::testutil::{PodBuilder, trainer_pod};
+use crate::{Outcome, Profiles, mutate};
+use memguard_api::annotations as keys;
+use memguard_api::labels::NVIDIA_GPU_PRODUCT_LABEL;
+
+/// The budget, the device and the warnings memguard gives `pod` under the built-in table.
+fn decide(pod: PodBuilder) -> (Budget, String, Vec<String>) {
+    match mutate(&pod.build(), &Policy::default(), &Profiles::default()) {
+        Outcome::Mutated(m) => {
+            let annotation: serde_json::Value =
+                serde_json::from_str(&m.estimate_annotation).expect("JSON");
+            assert_eq!(
+                annotation["budgetSource"],
+                serde_json::to_value(&m.budget.as_ref().expect("budget").source).expect("JSON"),
+                "the annotation names the source"
+            );
+            let device = annotation["device"].as_str().expect("device").to_string();
+            (m.budget.expect("budget"), device, m.warnings)
+        }
+        other => panic!("expected a mutation, got {other:?}"),
+    }
+}
+
+fn mig(source: &str) -> BudgetSource {
+    BudgetSource::Mig(source.into())
+}
+
+/// One row per way a pod states the memory it has: (what, pod, device memory, source, device).
+#[test]
+fn each_accelerator_and_sharing_system_gives_its_own_budget_and_source() {
+    let rows: Vec<(&str, PodBuilder, Bytes, BudgetSource, &str)> = vec![
+        (
+            // The pod: before, a CPU job against its 32 GiB limit.
+            "MIG mixed, no product: the smallest 1g.10gb slice in the table, on cuda",
+            trainer_pod()
+                .limit("nvidia.com/mig-1g.10gb", "1")
+                .memory_limit("32Gi"),
+            Bytes::mib(9728),
+            mig("1g.10gb: smallest in table"),
+            "cuda",
+        ),
+        (
+            "MIG mixed on a pinned H100: its own slice size",
+            trainer_pod()
+                .limit("nvidia.com/mig-1g.10gb", "1")
+                .node_selector("NVIDIA-H100-80GB-HBM3"),
+            Bytes::mib(9984),
+            mig("NVIDIA-H100-80GB-HBM3-MIG-1g.10gb"),
+            "cuda",
+        ),
+        (
+            "MIG single strategy: the product label names the slice",
+            trainer_pod()
+                .gpus(1)
+                .node_selector("NVIDIA-A100-SXM4-40GB-MIG-1g.5gb"),
+            Bytes::mib(4864),
+            mig("NVIDIA-A100-SXM4-40GB-MIG-1g.5gb"),
+            "cuda",
+        ),
+        (
+            "MIG single strategy, product not in the table: the profile's smallest size",
+            trainer_pod()
+                .gpus(1)
+                .node_selector("NVIDIA-A100-PCIE-80GB-MIG-3g.40gb"),
+            Bytes::mib(40192),
+            mig("3g.40gb: smallest in table"),
+            "cuda",
+        ),
+        (
+            "HAMi gpumem in MiB",
+            trainer_pod().gpus(1).limit("nvidia.com/gpumem", "8000"),
+            Bytes::mib(8000),
+            BudgetSource::Hami("nvidia.com/gpumem=8000".into()),
+            "cuda",
+        ),
+        (
+            "HAMi gpumem-percentage of the pinned product",
+            trainer_pod()
+                .gpus(1)
+                .limit("nvidia.com/gpumem-percentage", "50")
+                .node_selector("NVIDIA-A10G"),
+            Bytes::mib(22194 / 2),
+            BudgetSource::Hami("nvidia.com/gpumem-percentage=50".into()),
+            "cuda",
+        ),
+        (
+            "KAI gpu-memory annotation in MiB",
+            trainer_pod().annotate("gpu-memory", "2000"),
+            Bytes::mib(2000),
+            BudgetSource::Kai("gpu-memory=2000".into()),
+            "cuda",
+        ),
+        (
+            "KAI gpu-fraction of the policy default (80 GiB)",
+            trainer_pod().gpus(1).annotate("gpu-fraction", "0.25"),
+            Bytes::gib(20),
+            BudgetSource::Kai("gpu-fraction=0.25".into()),
+            "cuda",
+        ),
+        (
+            "MPS pinned limit, the smallest device's",
+            trainer_pod()
+                .gpus(2)
+                .env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=6G,1=4096M"),
+            Bytes::gib(4),
+            BudgetSource::Mps("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=4294967296".into()),
+            "cuda",
+        ),
+        (
+            "the smallest of several caps applies",
+            trainer_pod()
+                .gpus(1)
+                .limit("nvidia.com/gpumem", "8000")
+                .annotate("gpu-memory", "3000"),
+            Bytes::mib(3000),
+            BudgetSource::Kai("gpu-memory=3000".into()),
+            "cuda",
+        ),
+        (
+            "the annotation still beats every cap",
+            trainer_pod()
+                .gpus(1)
+                .limit("nvidia.com/gpumem", "8000")
+                .annotate(keys::GPU_MEMORY, "5Gi"),
+            Bytes::gib(5),
+            BudgetSource::Annotation,
+            "cuda",
+        ),
+        (
+            "AMD GPU with its product label: rocm",
+            trainer_pod()
+                .limit("amd.com/gpu", "1")
+                .select("amd.com/gpu.product-name", "AMD_Instinct_MI300X_OAM"),
+            Bytes(205_822_885_888),
+            BudgetSource::GpuProduct("AMD_Instinct_MI300X_OAM".into()),
+            "rocm",
+        ),
+        (
+            "a new product from the table: B200",
+            trainer_pod().gpus(1).node_selector("NVIDIA-B200"),
+            Bytes::mib(182525),
+            BudgetSource::GpuProduct("NVIDIA-B200".into()),
+            "cuda",
+        ),
+    ];
+    for (name, pod, memory, source, device) in rows {
+        let (b, d, warnings) = decide(pod);
+        assert_eq!(b.device_memory, memory, "{name}");
+        assert_eq!(b.source, source, "{name}");
+        assert_eq!(d, device, "{name}");
+        assert_eq!(b.bytes, Bytes::from_f64(memory.as_f64() * 0.9), "{name}");
+        assert!(
+            !warnings
+                .iter()
+                .any(|w| w.contains("ignored") || w.contains("unknown")),
+            "{name}: {warnings:?}"
+        );
+    }
+}
+
+#[test]
+fn a_mig_profile_nobody_published_takes_its_nominal_size_with_a_warning() {
+    let (b, device, warnings) = decide(trainer_pod().limit("nvidia.com/mig-1g.12gb", "1"));
+    assert_eq!(device, "cuda");
+    assert_eq!(b.device_memory, Bytes(12_000_000_000));
+    assert_eq!(b.source, mig("1g.12gb: nominal"));
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("1g.12gb") && w.contains("nominal")),
+        "{warnings:?}"
+    );
+}
+
+#[test]
+fn time_slicing_without_a_cap_warns_that_the_memory_is_shared() {
+    let shared = |w: &Vec<String>| w.iter().any(|w| w.contains("time-sliced"));
+    let (b, _, warnings) = decide(trainer_pod().gpus(1).node_selector("Tesla-T4-SHARED"));
+    assert_eq!(b.source, BudgetSource::GpuProduct("Tesla-T4".into()));
+    assert!(shared(&warnings), "{warnings:?}");
+    let (_, _, warnings) = decide(trainer_pod().limit("nvidia.com/gpu.shared", "1"));
+    assert!(shared(&warnings), "{warnings:?}");
+    let (_, _, warnings) = decide(
+        trainer_pod()
+            .gpus(1)
+            .select("nvidia.com/gpu.sharing-strategy", "time-slicing"),
+    );
+    assert!(shared(&warnings), "{warnings:?}");
+    // A cap is what the pod has: no warning.
+    let (b, _, warnings) = decide(
+        trainer_pod()
+            .limit("nvidia.com/gpu.shared", "1")
+            .annotate("gpu-memory", "4000"),
+    );
+    assert_eq!(b.device_memory, Bytes::mib(4000));
+    assert!(!shared(&warnings), "{warnings:?}");
+}
+
+#[test]
+fn an_unknown_accelerator_is_a_warning_never_a_guess() {
+    let (b, device, warnings) = decide(
+        trainer_pod()
+            .limit("example.com/npu", "1")
+            .memory_limit("16Gi"),
+    );
+    assert_eq!(device, "cpu", "no GPU is assumed");
+    assert_eq!(b.source, BudgetSource::MemoryLimit);
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("unknown accelerator example.com/npu")),
+        "{warnings:?}"
+    );
+}
+
+#[test]
+fn unreadable_sharing_values_are_ignored_with_a_warning_naming_the_key() {
+    let (b, _, warnings) = decide(
+        trainer_pod()
+            .gpus(1)
+            .annotate("gpu-fraction", "half")
+            .limit("nvidia.com/gpumem-percentage", "150")
+            .env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=lots"),
+    );
+    assert_eq!(b.source, BudgetSource::PolicyDefault);
+    for key in [
+        "gpu-fraction",
+        "nvidia.com/gpumem-percentage",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+    ] {
+        assert!(
+            warnings
+                .iter()
+                .any(|w| w.contains("ignored") && w.contains(key)),
+            "{key}: {warnings:?}"
+        );
+    }
+}
+
+#[test]
+fn a_dra_claim_is_admitted_with_a_warning_naming_the_claim() {
+    let pod = trainer_pod().gpus(1).spec(
+        "resourceClaims",
+        serde_json::json!([{"name": "gpu", "resourceClaimTemplateName": "one-h100"}]),
+    );
+    let (b, _, warnings) = decide(pod);
+    assert_eq!(b.source, BudgetSource::PolicyDefault);
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("DRA claim gpu (template one-h100)")),
+        "{warnings:?}"
+    );
+}
+
+#[test]
+fn mps_limits_parse_with_their_units_and_refuse_nonsense() {
+    use memguard_api::pod::parse_mps_limit;
+    assert_eq!(parse_mps_limit("0=2G"), Ok(2 << 30));
+    assert_eq!(parse_mps_limit("0=1024M,1=512M"), Ok(512 << 20));
+    assert_eq!(parse_mps_limit("0=1073741824"), Ok(1 << 30));
+    for bad in ["", "2G", "0=", "0=2X", "=2G", "0=-1G", "0=99999999999T"] {
+        assert!(parse_mps_limit(bad).is_err(), "{bad}");
+    }
+}
+
+#[test]
+fn the_product_label_constant_is_the_one_gfd_writes() {
+    // The MIG single strategy rests on this label; a rename would silently lose every slice.
+    assert_eq!(NVIDIA_GPU_PRODUCT_LABEL, "nvidia.com/gpu.product");
+}
