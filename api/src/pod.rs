@@ -204,12 +204,10 @@ impl Accelerators {
         let mut a = Accelerators::default();
         for (name, q) in resources(trainer) {
             let count = parse_quantity(&q.0);
+            let some = count.is_some_and(|n| n > 0);
             match (device_kind(name), name) {
-                (Some(kind), _) => {
-                    if count.is_some_and(|n| n > 0) && !a.kinds.contains(&kind) {
-                        a.kinds.push(kind);
-                    }
-                }
+                (Some(kind), _) if some && !a.kinds.contains(&kind) => a.kinds.push(kind),
+                (Some(_), _) => {}
                 (None, HAMI_GPUMEM_RESOURCE) => match count {
                     Some(n) if n > 0 => a.hami_mib = Some(n),
                     _ => a
@@ -222,10 +220,8 @@ impl Accelerators {
                         .problems
                         .push(format!("{name}: `{}` is not in 1..=100", q.0)),
                 },
-                (None, other) if is_extended(other) && !KNOWN_SETTINGS.contains(&other) => {
-                    if count.is_some_and(|n| n > 0) {
-                        a.unknown.push(other.to_string());
-                    }
+                (None, other) if some && is_extended(other) && !KNOWN_SETTINGS.contains(&other) => {
+                    a.unknown.push(other.to_string());
                 }
                 _ => {}
             }
