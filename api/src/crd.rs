@@ -216,8 +216,8 @@ pub struct MemoryProfileStatus {
     /// The downgrade the webhook applies to the next pod of this profile, after an OOM kill.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recovery: Option<Recovery>,
-    /// OOMs in a row: OOMs recorded since the last run that finished successfully. At
-    /// [`MAX_OOM_RECOVERIES`] the controller stops downgrading further.
+    /// OOMs in a row: OOMs recorded since the last run that finished successfully. Past the
+    /// policy's `maxOomRecoveries` (default 3) the controller stops downgrading further.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub oom_recoveries: u32,
     /// `cannot fit: …` once the recoveries are exhausted or every knob is at its floor, naming
@@ -225,10 +225,6 @@ pub struct MemoryProfileStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verdict: Option<String>,
 }
-
-/// OOM recoveries in a row after which the profile controller stops downgrading further and
-/// says "cannot fit".
-pub const MAX_OOM_RECOVERIES: u32 = 3;
 
 fn is_zero(n: &u32) -> bool {
     *n == 0

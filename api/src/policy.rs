@@ -68,6 +68,13 @@ pub const BUILTIN_GPU_MEMORY: &[(&str, &str)] = &[
     ("AMD_Instinct_MI300X_OAM", "196288Mi"),
 ];
 
+/// Default of [`PolicySpec::max_oom_recoveries`]: OOM recoveries in a row (each a step down
+/// from the config that died) before the webhook stops downgrading and says "cannot fit".
+pub const DEFAULT_MAX_OOM_RECOVERIES: u32 = 3;
+/// Highest [`PolicySpec::max_oom_recoveries`] accepted: the ladder has far fewer rungs than this,
+/// so a larger figure can only be a typo (and would let a Job loop on OOMs).
+pub const MAX_OOM_RECOVERIES_LIMIT: u32 = 20;
+
 /// Default sidecar image.
 pub const DEFAULT_SIDECAR_IMAGE: &str = "ghcr.io/memguard/memguard:0.1.0";
 
@@ -244,6 +251,12 @@ pub struct PolicySpec {
     /// Downgrade floors.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub floors: Option<FloorsSpec>,
+    /// OOM recoveries in a row a profile may take, each admitting the next pod one step below
+    /// the config that died, before the webhook stops downgrading and admits the pod with
+    /// `memguard.io/error: cannot fit: …` (default 3, at most 20; 0: never retry smaller).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(range(max = 20)))]
+    pub max_oom_recoveries: Option<u32>,
 }
 
 /// A policy with every default applied and every quantity parsed.
@@ -269,6 +282,8 @@ pub struct Policy {
     pub env_names: BTreeMap<String, String>,
     /// Floors.
     pub floors: memguard_estimator::plan::Floors,
+    /// OOM recoveries in a row before "cannot fit" (see [`PolicySpec::max_oom_recoveries`]).
+    pub max_oom_recoveries: u32,
 }
 
 impl Default for Policy {
@@ -319,6 +334,14 @@ impl PolicySpec {
         if let Err(e) = thresholds.validate() {
             errors.push(format!("thresholds: {e}"));
         }
+        let max_oom_recoveries = self
+            .max_oom_recoveries
+            .unwrap_or(DEFAULT_MAX_OOM_RECOVERIES);
+        if max_oom_recoveries > MAX_OOM_RECOVERIES_LIMIT {
+            errors.push(format!(
+                "maxOomRecoveries: {max_oom_recoveries} is more than {MAX_OOM_RECOVERIES_LIMIT}"
+            ));
+        }
         let sidecar = self.sidecar.clone().unwrap_or_default();
         if !errors.is_empty() {
             return Err(errors);
@@ -340,6 +363,7 @@ impl PolicySpec {
             thresholds,
             env_names: self.env_names.clone(),
             floors: self.floors.unwrap_or_default().resolved(),
+            max_oom_recoveries,
         })
     }
 }
@@ -358,6 +382,32 @@ mod tests {
         assert_eq!(p.sidecar_mode, SidecarMode::Native);
         assert_eq!(p.thresholds.downgrade, 0.85);
         assert_eq!(p.floors.batch_size, 1);
+        assert_eq!(p.max_oom_recoveries, DEFAULT_MAX_OOM_RECOVERIES);
+    }
+
+    #[test]
+    fn max_oom_recoveries_is_checked_at_load() {
+        let spec = |json: &str| serde_json::from_str::<PolicySpec>(json);
+        let five = spec(r#"{"maxOomRecoveries": 5}"#).expect("valid");
+        assert_eq!(five.resolved().expect("valid").max_oom_recoveries, 5);
+        let zero = spec(r#"{"maxOomRecoveries": 0}"#).expect("valid");
+        assert_eq!(zero.resolved().expect("valid").max_oom_recoveries, 0);
+        let errors = spec(r#"{"maxOomRecoveries": 300}"#)
+            .expect("shape is valid")
+            .resolved()
+            .expect_err("too many");
+        assert_eq!(
+            errors,
+            ["maxOomRecoveries: 300 is more than 20"],
+            "names the field"
+        );
+        for bad in [
+            r#"{"maxOomRecoveries": -1}"#,
+            r#"{"maxOomRecoveries": "3"}"#,
+        ] {
+            let e = spec(bad).expect_err("not a count").to_string();
+            assert!(e.contains("invalid"), "{bad}: {e}");
+        }
     }
 
     #[test]

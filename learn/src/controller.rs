@@ -9,7 +9,7 @@
 
 use crate::metrics::Metrics;
 use crate::observe::{NotObserved, try_observe};
-use crate::update::apply;
+use crate::update::apply_limited;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams, PostParams};
@@ -19,7 +19,12 @@ use memguard_api::crd::MemoryProfile;
 use memguard_api::labels;
 use serde_json::{Map, Value, json};
 use std::collections::HashSet;
+use std::sync::Arc;
 use tokio::sync::watch;
+
+/// Reads the policy's `maxOomRecoveries` in force now (the webhook passes its live policy, so a
+/// changed `MemguardPolicy` applies from the next OOM recorded).
+pub type OomLimit = Arc<dyn Fn() -> u32 + Send + Sync>;
 
 /// Label on the profiles the controller creates.
 pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "memguard");
@@ -117,16 +122,26 @@ pub struct Recorder {
     metrics: Metrics,
     /// Reads and writes tried before giving up on conflicts.
     pub max_attempts: u32,
+    /// OOM recoveries in a row before the verdict "cannot fit".
+    max_oom_recoveries: OomLimit,
 }
 
 impl Recorder {
-    /// A recorder using `client`, counting into `metrics`.
+    /// A recorder using `client`, counting into `metrics`, under the default policy's
+    /// `maxOomRecoveries`.
     pub fn new(client: Client, metrics: Metrics) -> Self {
         Recorder {
             client,
             metrics,
             max_attempts: 5,
+            max_oom_recoveries: Arc::new(|| memguard_api::policy::DEFAULT_MAX_OOM_RECOVERIES),
         }
+    }
+
+    /// The recorder with `limit` read at each OOM instead of the default.
+    pub fn with_oom_limit(mut self, limit: OomLimit) -> Self {
+        self.max_oom_recoveries = limit;
+        self
     }
 
     /// Records `pod` if it is a finished, opted-in pod: get-or-create its profile, fold the
@@ -178,7 +193,7 @@ impl Recorder {
                 });
             }
             let old = profile.status.clone().unwrap_or_default();
-            let new = apply(&old, &obs);
+            let new = apply_limited(&old, &obs, (self.max_oom_recoveries)());
             if new == old {
                 return Ok(Recorded::Unchanged);
             }
@@ -252,9 +267,15 @@ pub fn status_patch(resource_version: Option<&str>, old: &Value, new: &Value) ->
 }
 
 /// Runs the controller while `leader` is true: watches opted-in pods in every namespace and
-/// records the finished ones. Returns when `leader`'s sender is dropped.
-pub async fn run(client: Client, metrics: Metrics, mut leader: watch::Receiver<bool>) {
-    let recorder = Recorder::new(client.clone(), metrics.clone());
+/// records the finished ones, with `limit` OOM recoveries in a row. Returns when `leader`'s
+/// sender is dropped.
+pub async fn run(
+    client: Client,
+    metrics: Metrics,
+    mut leader: watch::Receiver<bool>,
+    limit: OomLimit,
+) {
+    let recorder = Recorder::new(client.clone(), metrics.clone()).with_oom_limit(limit);
     let pods: Api<Pod> = Api::all(client);
     let selector = format!("{}={}", labels::ENABLED_LABEL, labels::ENABLED_VALUE);
     let mut seen: HashSet<(String, String)> = HashSet::new();

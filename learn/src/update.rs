@@ -1,24 +1,37 @@
 //! Folding an [`Observation`] into a `MemoryProfile` status. Pure and idempotent.
 
 use crate::observe::{Observation, knobs_of};
-use memguard_api::crd::{
-    MAX_OOM_RECOVERIES, MemoryProfileStatus, OomEvent, ProfileRun, Recovery, TrainingKnobs,
-};
+use memguard_api::crd::{MemoryProfileStatus, OomEvent, ProfileRun, Recovery, TrainingKnobs};
+use memguard_api::policy::DEFAULT_MAX_OOM_RECOVERIES;
 use memguard_estimator::calibration::FACTOR_RANGE;
 use memguard_estimator::{Bytes, Floors, LADDER, TrainingConfig};
+
+/// [`apply_limited`] under the default policy's `maxOomRecoveries`
+/// ([`DEFAULT_MAX_OOM_RECOVERIES`]).
+pub fn apply(status: &MemoryProfileStatus, obs: &Observation) -> MemoryProfileStatus {
+    apply_limited(status, obs, DEFAULT_MAX_OOM_RECOVERIES)
+}
 
 /// The status after `obs`. Recording the same pod again (same UID and `finishedAt`) returns
 /// `status` unchanged, also once the run has left the bounded history (see
 /// [`MemoryProfileStatus::record_run`]): the controller may replay every pod after a restart.
 ///
-/// Every run is recorded with its (uncalibrated) estimate and measured peak; a run that was
-/// OOM-killed also adds an [`OomEvent`] and sets the [`Recovery`] from [`recovery`]. A later
-/// successful run keeps the recovery: it shows the recovery config works, while dropping it
-/// would send the next pod back to the config that died (a person clears it, see the docs).
+/// Every run is recorded with its (uncalibrated) estimate and measured peak; a run that ran out
+/// of memory also adds an [`OomEvent`], counts one more OOM in a row and, while fewer than
+/// `max_oom_recoveries` recoveries were made, sets the [`Recovery`] from [`recovery`]. Past
+/// that limit, or when every knob is already at its floor, the recovery stays where it is and
+/// the status carries a `cannot fit: …` verdict naming the smallest config tried. A later
+/// successful run keeps the recovery (it shows the recovery config works, while dropping it
+/// would send the next pod back to the config that died; a person clears it, see the docs),
+/// and clears the count and the verdict.
 ///
 /// There is no `now`: every time recorded is the container's own `finishedAt`, so a replay
 /// writes exactly what the first pass wrote.
-pub fn apply(status: &MemoryProfileStatus, obs: &Observation) -> MemoryProfileStatus {
+pub fn apply_limited(
+    status: &MemoryProfileStatus,
+    obs: &Observation,
+    max_oom_recoveries: u32,
+) -> MemoryProfileStatus {
     let mut next = status.clone();
     let recorded = next.record_run(ProfileRun {
         pod: obs.pod.clone(),
@@ -39,26 +52,23 @@ pub fn apply(status: &MemoryProfileStatus, obs: &Observation) -> MemoryProfileSt
             config: obs.knobs.clone(),
         });
         next.oom_recoveries = status.oom_recoveries.saturating_add(1);
-        match &status.recovery {
-            // The limit: keep the smallest config tried instead of shrinking forever.
-            Some(kept) if status.oom_recoveries >= MAX_OOM_RECOVERIES => {
-                next.verdict = Some(format!(
-                    "cannot fit: {} OOMs in a row (limit {MAX_OOM_RECOVERIES}); smallest config \
-                     tried: {}",
-                    next.oom_recoveries,
-                    describe_knobs(&kept.config)
-                ));
-            }
-            _ => {
-                let r = recovery(obs, status.recovery.as_ref());
-                if r.rungs == 0 {
-                    next.verdict = Some(format!(
-                        "cannot fit: every knob is at its floor; smallest config tried: {}",
-                        describe_knobs(&r.config)
-                    ));
-                }
-                next.recovery = Some(r);
-            }
+        // The config that died is the smallest tried so far: every recovery starts below the
+        // one before.
+        let tried = describe_knobs(&knobs_of(&obs.ran));
+        if status.oom_recoveries >= max_oom_recoveries {
+            // The limit: keep the recovery in force instead of shrinking forever.
+            let n = next.oom_recoveries;
+            next.verdict = Some(format!(
+                "cannot fit: {n} OOM{} in a row (limit {max_oom_recoveries}); smallest config \
+                 tried: {tried}",
+                if n == 1 { "" } else { "s" },
+            ));
+        } else {
+            let r = recovery(obs, status.recovery.as_ref());
+            next.verdict = (r.rungs == 0).then(|| {
+                format!("cannot fit: every knob is at its floor; smallest config tried: {tried}")
+            });
+            next.recovery = Some(r);
         }
     } else if obs.exit_code == 0 {
         next.oom_recoveries = 0;

@@ -2,6 +2,7 @@
 //! (never the API itself), and the leader-elected profile controller that writes them.
 
 use crate::mutate::{ProfileSource, Profiles};
+use crate::policy_watch::LivePolicy;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -91,6 +92,7 @@ pub fn start(
     client: Client,
     metrics: Metrics,
     options: ControllerOptions,
+    policy: LivePolicy,
 ) -> (Profiles, KubeTasks) {
     let (reader, writer) = reflector::store::<MemoryProfile>();
     let stream = reflector::reflector(
@@ -124,7 +126,12 @@ pub fn start(
         // Sent or dropped: either way, stop.
         let _ = stop_rx.await;
     }));
-    let controller_task = tokio::spawn(memguard_learn::controller::run(client, metrics, leader_rx));
+    // The controller reads the policy in force at each OOM: a changed limit applies at once.
+    let limit: memguard_learn::controller::OomLimit =
+        Arc::new(move || policy.load().max_oom_recoveries);
+    let controller_task = tokio::spawn(memguard_learn::controller::run(
+        client, metrics, leader_rx, limit,
+    ));
     (
         Profiles::from_source(Arc::new(StoreSource(reader))),
         KubeTasks {

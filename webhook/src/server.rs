@@ -165,7 +165,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         policy.clone(),
         metrics.clone(),
     );
-    let (profiles, kube_tasks) = connect(&args, profile_metrics, policy_watch).await;
+    let (profiles, kube_tasks) =
+        connect(&args, profile_metrics, policy_watch, policy.clone()).await;
     let files = CertFiles {
         cert: args.tls_cert_file.clone(),
         key: args.tls_key_file.clone(),
@@ -255,6 +256,7 @@ async fn connect(
     args: &Args,
     metrics: memguard_learn::metrics::Metrics,
     policy_watch: PolicyWatch,
+    policy: LivePolicy,
 ) -> (Profiles, crate::profiles::KubeTasks) {
     if args.no_kube {
         tracing::info!(
@@ -296,6 +298,7 @@ async fn connect(
             identity,
             lease_duration: Duration::from_secs(args.lease_seconds.max(3)),
         },
+        policy,
     );
     (profiles, tasks.with(policy_task))
 }

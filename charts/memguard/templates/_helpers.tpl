@@ -103,6 +103,7 @@ Its shape is memguard_api::PolicySpec (camelCase, unknown fields rejected).
   "defaultGpuMemory" $p.defaultGpuMemory
   "thresholds" $p.thresholds
   "floors" $p.floors
+  "maxOomRecoveries" $p.maxOomRecoveries
   "sidecar" (dict
     "image" (include "memguard.sidecarImage" .)
     "mode" .Values.sidecar.mode

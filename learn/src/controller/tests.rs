@@ -4,6 +4,7 @@
 use super::*;
 use crate::mock_api::{Step, client, status_error, step, verify};
 use crate::testutil::{PodBuilder, summary};
+use crate::update::apply;
 use http::{Method, StatusCode};
 use memguard_api::crd::{MemoryProfileSpec, MemoryProfileStatus};
 use memguard_api::env;
@@ -144,6 +145,44 @@ async fn an_oom_killed_pod_patches_the_event_and_the_recovery() {
         }),
     ];
     let out = record(oom_pod(), steps).await.expect("recorded");
+    assert!(matches!(out, Recorded::Updated { oom: true, .. }));
+}
+
+#[tokio::test]
+async fn the_oom_limit_is_read_from_the_policy_at_each_oom() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let item = format!("{PROFILES}/{}", profile_name());
+    let limit = Arc::new(AtomicU32::new(3));
+    let read = limit.clone();
+    let (client, handle) = client();
+    let recorder = Recorder::new(client, Metrics::default())
+        .with_oom_limit(Arc::new(move || read.load(Ordering::SeqCst)));
+    // The policy changed to "never retry smaller" before this OOM.
+    limit.store(0, Ordering::SeqCst);
+    let steps = vec![
+        step(Method::GET, &item, StatusCode::OK, profile("7", None)),
+        step(
+            Method::PATCH,
+            &format!("{item}/status"),
+            StatusCode::OK,
+            profile("8", None),
+        )
+        .body(|body| {
+            let status = &body["status"];
+            assert_eq!(status["oomRecoveries"], 1);
+            assert!(status.get("recovery").is_none(), "{status}");
+            let verdict = status["verdict"].as_str().unwrap_or_default();
+            assert!(
+                verdict.starts_with(
+                    "cannot fit: 1 OOM in a row (limit 0); smallest config tried: batch 16"
+                ),
+                "{verdict}"
+            );
+        }),
+    ];
+    let verifier = tokio::spawn(verify(handle, steps));
+    let out = recorder.record(&oom_pod()).await.expect("recorded");
+    verifier.await.expect("scenario verified");
     assert!(matches!(out, Recorded::Updated { oom: true, .. }));
 }
 

@@ -1,8 +1,9 @@
 use super::*;
 use crate::observe::try_observe;
 use crate::testutil::{PodBuilder, at, summary};
-use memguard_api::crd::{MAX_OOM_RECOVERIES, MAX_RUNS, TrainingKnobs};
+use memguard_api::crd::{MAX_RUNS, TrainingKnobs};
 use memguard_api::env;
+use memguard_api::policy::DEFAULT_MAX_OOM_RECOVERIES as MAX_OOM_RECOVERIES;
 
 const GIB: u64 = 1 << 30;
 
@@ -279,4 +280,51 @@ fn oom_recoveries_stop_at_the_limit_with_a_verdict_and_a_success_clears_them() {
     let ok = apply(&past, &ok_run("fine", 60, 13 * GIB));
     assert_eq!((ok.oom_recoveries, ok.verdict), (0, None));
     assert_eq!(ok.recovery, Some(kept), "a success keeps the recovery");
+}
+
+#[test]
+fn the_policy_limit_decides_when_recoveries_stop() {
+    /// (limit, OOMs in a row, expected (recoveries made, verdict))
+    type Row = (u32, u32, (u32, Option<&'static str>));
+    let table: [Row; 5] = [
+        (0, 1, (0, Some("cannot fit: 1 OOM in a row (limit 0)"))),
+        (1, 1, (1, None)),
+        (1, 2, (1, Some("cannot fit: 2 OOMs in a row (limit 1)"))),
+        (5, 5, (5, None)),
+        (5, 6, (5, Some("cannot fit: 6 OOMs in a row (limit 5)"))),
+    ];
+    for (limit, ooms, (made, verdict)) in table {
+        let mut status = MemoryProfileStatus::default();
+        let mut recoveries = Vec::new();
+        for i in 0..ooms {
+            status = apply_limited(&status, &oom_run(&format!("p{i}"), i64::from(i)), limit);
+            if recoveries.last() != status.recovery.as_ref() {
+                recoveries.push(status.recovery.clone().expect("only ever set"));
+            }
+        }
+        let made_now = u32::try_from(recoveries.len()).expect("small");
+        assert_eq!(made_now, made, "limit {limit}, {ooms} OOMs: recoveries");
+        match (verdict, &status.verdict) {
+            (None, None) => {}
+            (Some(want), Some(got)) => assert!(
+                got.starts_with(want) && got.contains("smallest config tried: batch 16"),
+                "limit {limit}, {ooms} OOMs: {got}"
+            ),
+            (want, got) => panic!("limit {limit}, {ooms} OOMs: {want:?} != {got:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_limit_raised_after_the_verdict_lets_the_next_oom_step_down_again() {
+    let mut status = MemoryProfileStatus::default();
+    for i in 0..2 {
+        status = apply_limited(&status, &oom_run(&format!("p{i}"), i), 1);
+    }
+    assert!(status.verdict.is_some(), "past the limit of 1");
+    let kept = status.recovery.clone();
+    let raised = apply_limited(&status, &oom_run("p2", 2), 5);
+    assert_eq!(raised.verdict, None, "recovering again: {raised:?}");
+    assert_ne!(raised.recovery, kept, "a new step down");
+    assert_eq!(raised.oom_recoveries, 3);
 }
