@@ -24,9 +24,4 @@ step "python client and survival tests"
 python3 -m pip install -q --disable-pip-version-check ./clients/python
 # In CI (root, cgroup v1) the survival proof must run, not skip; it uses the sidecar built above.
 if [[ ${CI:-} == true ]]; then export MEMGUARD_REQUIRE_SURVIVAL=1; fi
-# The MLX survival arm (bench/survival/test_survival_mlx.py) is left out: on the final check of
-# this round its guarded arm was OOM-killed at step 12 of 16 on a loaded 2-core host (the
-# downgrades came too late). It passed in the engineer's runs. Run it by hand:
-#   MEMGUARD_SIDECAR_BIN=target/debug/memguard-sidecar python3 -m pytest bench/survival/test_survival_mlx.py
-MEMGUARD_SIDECAR_BIN=$PWD/target/debug/memguard-sidecar python3 -m pytest -q -rs \
-  --ignore=bench/survival/test_survival_mlx.py clients/python/tests bench/survival
+MEMGUARD_SIDECAR_BIN=$PWD/target/debug/memguard-sidecar python3 -m pytest -q -rs clients/python/tests bench/survival

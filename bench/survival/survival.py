@@ -370,6 +370,12 @@ def run_arm(name: str, args: argparse.Namespace, out: Path, sidecar: Optional[Pa
                 # What the webhook writes: the MLX trainer sets its limits from it.
                 MEMGUARD_BUDGET_BYTES=str(limit),
             )
+        if name == "reference" and args.trainer == "mlx":
+            # The MLX trainer sets MLX's memory and cache limits and glibc's mmap threshold from
+            # the budget (memguard_client.mlx.MicroBatcher). The reference gets them too, with no
+            # cgroup limit and no sidecar: its peak is what the guarded trainer needs at the full
+            # batch, so the limits are not credited with what the downgrades did.
+            env["MEMGUARD_BUDGET_BYTES"] = str(args.limit_mib * 1024 * 1024)
         cmd = trainer_cmd(args, log, weights, file_only=name == "memguard")
         code, arm.seconds = run_trainer_in(cg, cmd, env, args.timeout)
         arm.exit_code = code
@@ -394,6 +400,12 @@ def run_arm(name: str, args: argparse.Namespace, out: Path, sidecar: Optional[Pa
                     arm.sidecar_summary = json.loads(term.read_text())
                 except ValueError:
                     arm.sidecar_summary = {"unparsed": term.read_text()[:2000]}
+            # The sidecar resets max_usage_in_bytes after each sample (peaks between samples), so
+            # the file read above holds the peak since its last sample only; the highest it saw
+            # is in its summary.
+            seen = (arm.sidecar_summary or {}).get("peak_bytes")
+            if isinstance(seen, int):
+                arm.peak_bytes = max(arm.peak_bytes or 0, seen)
         cg.remove()
     analyse(arm, read_log(log), read_sidecar_signals(out / f"{name}.sidecar.log") if name.startswith("memguard") else [])
     return arm

@@ -14,7 +14,9 @@ The loop follows the signal before each micro-batch (``batcher.refresh()`` at th
 runs each batch of ``effective_batch`` samples as micro-batches of ``guard.batch_size`` rows,
 makes one SGD update per batch and reports MLX's figures after every
 step. Without memguard env it is plain MLX training at a fixed batch. Logs the same JSON lines as
-trainer.py (start, signal, apply, step, epoch, done).
+trainer.py (start, signal, apply, step, epoch, done); each step also carries MLX's active, peak
+and cache figures and the process's resident memory (``rss``) and its peak during the step
+(``rss_peak``, VmHWM reset at the step's start), the figure the cgroup charges.
 """
 
 from __future__ import annotations
@@ -52,6 +54,40 @@ class Pooled(nn.Module):
         return self.l2(pooled).squeeze(-1)
 
 
+class Resident:
+    """This process's resident memory (anonymous memory plus the mapped libraries), from
+    /proc: ``now()`` is VmRSS, ``peak()`` VmHWM since the last ``reset_peak()`` (which writes 5
+    to /proc/self/clear_refs). ``None`` where /proc does not have them."""
+
+    def __init__(self) -> None:
+        self.can_reset = self.reset_peak()
+
+    @staticmethod
+    def _status(key: str) -> Optional[int]:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(key + ":"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
+
+    def reset_peak(self) -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
+
+    def now(self) -> Optional[int]:
+        return self._status("VmRSS")
+
+    def peak(self) -> Optional[int]:
+        return self._status("VmHWM") if self.can_reset else None
+
+
 def loss_fn(model: Pooled, x: mx.array, y: mx.array, lens: mx.array) -> mx.array:
     err = model(x, lens) - y
     return (0.5 * err * err).mean()
@@ -78,6 +114,7 @@ def main(argv: Optional[list] = None) -> int:
     guard = Guard(batch_size=a.batch_size, grad_accumulation=1, background=not a.no_long_poll)
     # Limits from MEMGUARD_BUDGET_BYTES when set; every step reported; the leak check every 20.
     batcher = MicroBatcher(guard, report_every=1, leak_every=20)
+    resident = Resident()
     effective = guard.initial.effective_batch
     data = Data(a.samples, a.dim, a.min_len, a.max_len, a.seed)
     model = Pooled(a.dim, a.hidden, a.seed)
@@ -95,6 +132,7 @@ def main(argv: Optional[list] = None) -> int:
         signal_file=guard.signal_file,
         sidecar_url=guard.sidecar_url,
         limits=batcher.limits.__dict__ if batcher.limits else None,
+        freed_memory_returned=batcher.freed_memory_returned,
     )
 
     seen = step = 0
@@ -105,7 +143,8 @@ def main(argv: Optional[list] = None) -> int:
             idx = range(start, min(a.samples, start + effective))
             rows = len(idx)
             t0 = time.time()
-            mx.reset_peak_memory()  # the step's own peak, logged below
+            mx.reset_peak_memory()  # the step's own peaks, logged below
+            resident.reset_peak()
             if batcher.refresh():
                 sig = guard.signal
                 log(
@@ -155,6 +194,8 @@ def main(argv: Optional[list] = None) -> int:
                 active=mx.get_active_memory(),
                 peak=mx.get_peak_memory(),
                 cache=mx.get_cache_memory(),
+                rss=resident.now(),
+                rss_peak=resident.peak(),
             )
             step += 1
         log("epoch", epoch=epoch, loss=epoch_loss / a.samples)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
@@ -15,7 +18,7 @@ import mlx.optimizers as optim
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from conftest import REPO, FakeSidecar, age, signal_dict, write_atomic
+from conftest import REPO, SRC, FakeSidecar, age, signal_dict, write_atomic
 from memguard_client import Guard
 from memguard_client import mlx as mg_mlx
 from memguard_client.mlx import (
@@ -202,6 +205,106 @@ def test_after_a_downgrade_the_peak_active_memory_per_step_falls(signal_path: Pa
     print(f"\npeak per step, MiB: {[round(p / 2**20, 1) for p in peaks]}")
 
 
+# --- after a downgrade the process's own peak falls (freed buffers back to the kernel) -----------
+
+# A length curriculum in a fresh process: 4 steps of 32 rows at growing lengths, a downgrade to
+# 16 rows, 4 more steps. Prints each step's micro-batch sizes and the process's peak resident
+# memory during the step (VmHWM, reset through /proc/self/clear_refs): what a cgroup charges.
+CURRICULUM_CHILD = r"""
+import json, os, sys, time
+import mlx.core as mx, mlx.nn as nn
+from memguard_client import Guard
+from memguard_client.mlx import MicroBatcher
+
+signal_path, return_freed = sys.argv[1], sys.argv[2] == "1"
+
+def write_signal(seq, batch, level):
+    body = {"version": 1, "seq": seq, "level": level, "batch_size": batch,
+            "grad_accumulation": 32 // batch, "grad_checkpointing": False, "reason": "test",
+            "timestamp": "2026-11-22T22:00:00.000Z"}
+    with open(signal_path + ".tmp", "w") as f:
+        json.dump(body, f)
+    os.replace(signal_path + ".tmp", signal_path)
+    t = time.time() - 5
+    os.utime(signal_path, (t, t))
+
+def peak_rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) // 1024 for l in f if l.startswith("VmHWM:"))
+
+class Pooled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 256), nn.Linear(256, 1)
+    def __call__(self, x):
+        return self.l2(nn.relu(self.l1(x)).mean(axis=1)).squeeze(-1)
+
+def loss_fn(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+write_signal(1, 32, "ok")
+batcher = MicroBatcher(Guard(signal_file=signal_path, sidecar_url="", env={}),
+                       env={"MEMGUARD_BUDGET_BYTES": str(160 << 20)}, return_freed_memory=return_freed)
+model = Pooled()
+mx.eval(model.parameters())
+steps = []
+for step, length in enumerate((600, 750, 900, 1050, 1100, 1150, 1200, 1250)):
+    if step == 4:
+        write_signal(2, 16, "downgrade")
+    x, y = mx.random.normal((32, length, 8)), mx.random.normal((32,))
+    mx.eval(x, y)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    batcher.refresh()
+    loss, grads = batcher.value_and_grad(model, loss_fn, (x, y))
+    mx.eval(loss, grads)
+    steps.append({"micro": batcher.last_micro, "peak_rss_mib": peak_rss_mib()})
+    del x, y, loss, grads
+print(json.dumps({"freed_memory_returned": batcher.freed_memory_returned, "steps": steps}))
+"""
+
+
+def curriculum(tmp_path: Path, return_freed: bool) -> Dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-c", CURRICULUM_CHILD, str(tmp_path / f"signal-{return_freed}.json"), str(int(return_freed))],
+        env=env, capture_output=True, text=True, timeout=120, check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator and /proc: Linux only")
+def test_after_a_downgrade_the_process_peak_falls_because_freed_buffers_go_back(tmp_path: Path) -> None:
+    fixed, plain = curriculum(tmp_path, True), curriculum(tmp_path, False)
+    assert fixed["freed_memory_returned"] is True and plain["freed_memory_returned"] is False
+    for run in (fixed, plain):
+        assert [s["micro"] for s in run["steps"]] == [[32]] * 4 + [[16, 16]] * 4
+    def before_after(run: Dict[str, Any]) -> Tuple[int, int]:
+        peaks = [s["peak_rss_mib"] for s in run["steps"]]
+        return peaks[3], max(peaks[4:])
+    before, after = before_after(fixed)
+    # Half the rows per micro-batch: the activations (about 40 of the ~100 MiB) halve, the rest
+    # (Python, MLX, the batch) stays.
+    assert after < 0.85 * before, fixed
+    # Without it glibc serves the smaller buffers from its heap (its mmap threshold rose to the
+    # larger blocks freed before) and keeps them resident: the downgrade does not lower the peak.
+    plain_before, plain_after = before_after(plain)
+    assert plain_after > 0.95 * plain_before, plain
+    print(f"\npeak RSS per step, MiB: returned {[s['peak_rss_mib'] for s in fixed['steps']]}, "
+          f"plain glibc {[s['peak_rss_mib'] for s in plain['steps']]}")
+
+
+def test_freed_memory_is_returned_only_under_a_budget_and_trim_is_harmless() -> None:
+    from memguard_client import allocator
+
+    assert MicroBatcher(fixed_guard(4), env={}).freed_memory_returned is False
+    assert MicroBatcher(fixed_guard(4), env={"MEMGUARD_BUDGET_BYTES": str(1 << 30)},
+                        return_freed_memory=False).freed_memory_returned is False
+    allocator.trim()  # returns whether pages went back; either way nothing breaks
+    with pytest.raises(ValueError):
+        allocator.return_freed_memory(0)
+
+
 # --- limits from the budget ----------------------------------------------------------------------
 
 
@@ -213,6 +316,9 @@ def test_limits_are_set_from_the_budget_in_the_env() -> None:
     assert batcher.limits.cache_limit_bytes == int(budget * CACHE_LIMIT_FRACTION)
     assert mx.get_memory_limit() == int(budget * MEMORY_LIMIT_FRACTION)
     assert mx.set_cache_limit(0) == int(budget * CACHE_LIMIT_FRACTION)  # returns the previous
+    # And, with glibc, freed buffers go back to the kernel (process-wide; harmless to the tests
+    # after this one, which measure MLX's own figures or run in their own processes).
+    assert batcher.freed_memory_returned is sys.platform.startswith("linux")
 
 
 def test_the_cache_limit_really_bounds_the_mlx_cache() -> None:

@@ -9,7 +9,7 @@ training step runs through :class:`MicroBatcher`::
     from memguard_client import Guard
     from memguard_client.mlx import MicroBatcher
 
-    batcher = MicroBatcher(Guard())            # sets the MLX memory and cache limits
+    batcher = MicroBatcher(Guard())            # MLX memory and cache limits from the budget
     for step, (x, y) in enumerate(batches):     # batches of the original size B
         batcher.refresh()                        # picks up a downgrade, clears the MLX cache
         loss, grads = batcher.value_and_grad(model, loss_fn, (x, y))
@@ -20,6 +20,10 @@ training step runs through :class:`MicroBatcher`::
 ``loss_fn(model, *batch)`` returns the mean loss over the rows of ``batch``, or, like mlx_lm's
 ``default_loss``, a tuple ``(loss, ntoks)`` of a per-token mean and its token count. Either way
 the loss and the gradient returned are those of the whole batch.
+
+With a budget the constructor also makes freed buffers go back to the kernel on Linux with
+glibc (:mod:`memguard_client.allocator`): without that, a downgrade on MLX's CPU backend can
+raise the process's peak memory instead of lowering it.
 
 ``mlx`` is imported on first use; without it :func:`memory` returns ``None``, the reports and
 the leak check do nothing, and only :meth:`MicroBatcher.value_and_grad` needs it.
@@ -33,6 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from . import allocator as _allocator
 from . import env as _env
 from .frameworks import _module, mlx_memory
 from .guard import Guard
@@ -217,7 +222,12 @@ class MicroBatcher:
         guard: the :class:`~memguard_client.Guard` to follow (default: ``Guard()`` from env).
         env: where ``MEMGUARD_BUDGET_BYTES`` is read (default ``os.environ``).
         set_limits: set the MLX memory and cache limits from the budget now (default True).
-        release_cache: ``mx.clear_cache()`` after a downgrade (default True).
+        return_freed_memory: when the limits were set (a budget, so a memguard pod), also make
+            freed buffers go back to the kernel on Linux with glibc (see
+            :mod:`memguard_client.allocator`; default True). Without it a downgrade on MLX's CPU
+            backend can raise the process's peak memory instead of lowering it.
+        release_cache: after a downgrade, ``mx.clear_cache()`` and, on glibc,
+            ``malloc_trim(0)``, so the cache leaves the process and not only MLX (default True).
         report_every: :meth:`end_step` reports the figures every this many steps (0: never).
         leak_every: :meth:`end_step` runs the leak check every this many steps (0: never).
         leak_window, leak_tolerance_bytes: see :class:`LeakDetector`.
@@ -229,6 +239,7 @@ class MicroBatcher:
         *,
         env: Optional[Mapping[str, str]] = None,
         set_limits: bool = True,
+        return_freed_memory: bool = True,
         release_cache: bool = True,
         report_every: int = REPORT_EVERY,
         leak_every: int = LEAK_CHECK_EVERY,
@@ -247,6 +258,10 @@ class MicroBatcher:
         self.reports_sent = 0
         self.reports_accepted = 0
         self.limits: Optional[Limits] = set_limits_from_budget(env) if set_limits else None
+        #: Whether freed buffers now go back to the kernel (glibc's mmap threshold fixed).
+        self.freed_memory_returned = bool(
+            self.limits is not None and return_freed_memory and _allocator.return_freed_memory()
+        )
         self._vg: Optional[Tuple[Any, Any, Any]] = None
         #: Micro-batch sizes of the last :meth:`value_and_grad`.
         self.last_micro: List[int] = []
@@ -257,7 +272,8 @@ class MicroBatcher:
         return self.guard.batch_size
 
     def refresh(self) -> bool:
-        """Follow the guard; after a downgrade (smaller batch) clear MLX's cache.
+        """Follow the guard; after a downgrade (smaller batch) clear MLX's cache and hand the
+        freed pages back to the kernel (``malloc_trim``, glibc only).
 
         Returns True when a newer signal arrived.
         """
@@ -267,6 +283,7 @@ class MicroBatcher:
             mx = _module("mlx.core", False)
             if mx is not None:
                 mx.clear_cache()
+                _allocator.trim()
                 self.cache_releases += 1
         return changed
 
