@@ -27,9 +27,29 @@ macro_rules! annotation_flags {
                 $field: Option<String>,
             )+
             /// Memory available for the step: bytes or a size such as `24GiB`, `80G`. Default:
-            /// gpu-memory × safety-ratio when gpu-memory is given.
+            /// the budget the webhook would give a pod asking for --gpu-resource (and pinned to
+            /// --gpu-product), else gpu-memory × safety-ratio when gpu-memory is given.
             #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
             budget: Option<String>,
+            /// A resource the trainer would request, `NAME` or `NAME=QUANTITY` (default 1):
+            /// `nvidia.com/gpu`, `nvidia.com/mig-1g.10gb`, `nvidia.com/gpumem=8000`,
+            /// `amd.com/gpu`. Repeat for several. The budget then comes from the webhook's own
+            /// budget stage, under --policy-file.
+            #[arg(long, value_name = "NAME[=QTY]", help_heading = "The pod memguard would see")]
+            gpu_resource: Vec<String>,
+            /// The GPU product the pod would be pinned to (`nvidia.com/gpu.product`, or
+            /// `amd.com/gpu.product-name` with `amd.com/gpu`): `NVIDIA-H100-80GB-HBM3`,
+            /// `NVIDIA-A100-SXM4-40GB-MIG-1g.5gb`, `AMD_Instinct_MI300X_OAM`.
+            #[arg(long, value_name = "PRODUCT", help_heading = "The pod memguard would see")]
+            gpu_product: Option<String>,
+            /// A pod annotation, `KEY=VALUE`, such as KAI's `gpu-fraction=0.5` or
+            /// `gpu-memory=2000`. Repeat for several.
+            #[arg(long, value_name = "KEY=VALUE", help_heading = "The pod memguard would see")]
+            pod_annotation: Vec<String>,
+            /// Policy document (YAML or JSON `PolicySpec`) whose GPU table and safety ratio
+            /// apply with --gpu-resource; default: the built-in policy.
+            #[arg(long, value_name = "FILE", help_heading = "The pod memguard would see")]
+            policy_file: Option<std::path::PathBuf>,
             /// Output format.
             #[arg(long, value_enum, default_value_t = Output::Table)]
             output: Output,
@@ -149,11 +169,30 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok(parsed) => parsed,
         Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
     };
-    let budget = match resolve_budget(&args, &parsed) {
-        Ok(budget) => budget,
+    let from_pod = match pod_budget(&args, &parsed) {
+        Ok(b) => b,
         Err(message) => return Ok(bad_input([message])),
     };
-    let cfg = &parsed.config;
+    let budget = match &from_pod {
+        Some(_) if args.budget.is_some() => {
+            return Ok(bad_input([
+                "--budget and --gpu-resource/--gpu-product/--pod-annotation both give the budget; pick one".to_string(),
+            ]));
+        }
+        Some(b) => Some(b.budget.bytes),
+        None => match resolve_budget(&args, &parsed) {
+            Ok(budget) => budget,
+            Err(message) => return Ok(bad_input([message])),
+        },
+    };
+    let mut cfg = parsed.config.clone();
+    if let Some(b) = &from_pod {
+        for w in &b.warnings {
+            eprintln!("warning: {w}");
+        }
+        cfg.device = b.device;
+    }
+    let cfg = &cfg;
     if args.serve {
         return serve(&args, cfg, budget, &mut out);
     }
@@ -172,13 +211,126 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     match args.output {
         Output::Json => {
-            let value = to_json(cfg, &estimate, plan.as_ref());
+            let mut value = to_json(cfg, &estimate, plan.as_ref());
+            if let Some(b) = &from_pod {
+                value["budget_source"] = json!(b.budget.source);
+                value["device_memory_bytes"] = json!(b.budget.device_memory.0);
+            }
             serde_json::to_writer_pretty(&mut out, &value)?;
             writeln!(out)?;
         }
-        Output::Table => write_table(&mut out, cfg, &estimate, plan.as_ref())?,
+        Output::Table => {
+            write_table(&mut out, cfg, &estimate, plan.as_ref())?;
+            if let Some(b) = &from_pod {
+                let source = serde_json::to_value(&b.budget.source)?;
+                let detail = source["detail"].as_str().map(|d| format!(": {d}"));
+                writeln!(
+                    out,
+                    "budget from {}{} (one device {} × {})",
+                    source["kind"].as_str().unwrap_or_default(),
+                    detail.unwrap_or_default(),
+                    b.budget.device_memory,
+                    b.budget.safety_ratio
+                )?;
+            }
+        }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The budget the webhook's budget stage gives the pod the flags describe.
+struct PodBudget {
+    budget: memguard_webhook::budget::Budget,
+    device: memguard_estimator::Device,
+    warnings: Vec<String>,
+}
+
+/// `--gpu-resource`, `--gpu-product`, `--pod-annotation`: a pod with one trainer asking for those
+/// resources, pinned to that product, carrying those annotations, run through
+/// [`memguard_webhook::budget::resolve`] exactly as at admission. `None` without those flags.
+fn pod_budget(args: &Args, parsed: &TrainingAnnotations) -> Result<Option<PodBudget>, String> {
+    use memguard_api::pod::{AMD_GPU_PRODUCT_LABEL, AMD_GPU_RESOURCE, default_device};
+    if args.gpu_resource.is_empty() && args.gpu_product.is_none() && args.pod_annotation.is_empty()
+    {
+        return Ok(None);
+    }
+    let mut limits = serde_json::Map::new();
+    for r in &args.gpu_resource {
+        let (name, qty) = r.split_once('=').unwrap_or((r, "1"));
+        let (name, qty) = (name.trim(), qty.trim());
+        if !name.contains('/') {
+            return Err(format!(
+                "--gpu-resource: `{name}` is not an extended resource (e.g. nvidia.com/mig-1g.10gb)"
+            ));
+        }
+        if memguard_api::pod::parse_quantity(qty).is_none() {
+            return Err(format!("--gpu-resource: `{qty}` is not a quantity"));
+        }
+        limits.insert(name.to_string(), json!(qty));
+    }
+    let mut annotations = serde_json::Map::new();
+    for a in &args.pod_annotation {
+        let (k, v) = a
+            .split_once('=')
+            .ok_or_else(|| format!("--pod-annotation: `{a}` is not KEY=VALUE"))?;
+        annotations.insert(k.trim().to_string(), json!(v.trim()));
+    }
+    let mut spec = json!({"containers": [{"name": "trainer", "image": "trainer",
+        "resources": {"limits": limits}}]});
+    if let Some(product) = &args.gpu_product {
+        let label = if limits.contains_key(AMD_GPU_RESOURCE) {
+            AMD_GPU_PRODUCT_LABEL
+        } else {
+            memguard_api::labels::NVIDIA_GPU_PRODUCT_LABEL
+        };
+        spec["nodeSelector"] = json!({ label: product });
+    }
+    let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(json!({
+        "metadata": {"name": "estimate", "annotations": annotations},
+        "spec": spec,
+    }))
+    .map_err(|e| format!("the pod the flags describe: {e}"))?;
+    let policy = match &args.policy_file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("--policy-file: reading {}: {e}", path.display()))?;
+            memguard_webhook::config::policy_from_str(Some(&text), &Default::default())
+                .map_err(|errors| format!("--policy-file: {}", errors.join("; ")))?
+        }
+        None => memguard_api::Policy::default(),
+    };
+    let trainer = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.containers.first())
+        .ok_or("the pod the flags describe has no trainer")?;
+    let device = if parsed.device_given {
+        parsed.config.device
+    } else {
+        default_device(&pod, trainer)
+    };
+    let safety_ratio = parsed.safety_ratio.unwrap_or(policy.safety_ratio);
+    let mut warnings = Vec::new();
+    let budget = memguard_webhook::budget::resolve(
+        &pod,
+        trainer,
+        device,
+        parsed.gpu_memory,
+        safety_ratio,
+        &policy,
+        &mut warnings,
+    )
+    .ok_or_else(|| {
+        format!(
+            "no budget: the resources name no GPU memguard knows ({}); give --budget",
+            warnings.join("; ")
+        )
+    })?;
+    Ok(Some(PodBudget {
+        budget,
+        device,
+        warnings,
+    }))
 }
 
 /// `--serve`: weights plus the KV-cache ceiling; with a budget, whether it fits and how many

@@ -210,3 +210,91 @@ fn serving_counts_the_kv_cache_ceiling_and_how_many_sequences_fit() {
     assert_eq!(at(max)["fits"], true);
     assert_eq!(at(max + 1)["fits"], false);
 }
+
+/// `--gpu-resource` asks offline what the webhook would budget: the same stage, the same source.
+#[test]
+fn gpu_resource_gives_the_budget_the_webhook_would() {
+    let base = ["estimate", "--model", "llama-3-8b", "--method", "lora"];
+    let rows: [(&[&str], &str, u64, &str); 5] = [
+        (
+            &["--gpu-resource", "nvidia.com/mig-1g.10gb"],
+            "mig",
+            9728 << 20,
+            "cuda",
+        ),
+        (
+            &[
+                "--gpu-resource",
+                "nvidia.com/mig-1g.10gb",
+                "--gpu-product",
+                "NVIDIA-H100-80GB-HBM3",
+            ],
+            "mig",
+            9984 << 20,
+            "cuda",
+        ),
+        (
+            &[
+                "--gpu-resource",
+                "nvidia.com/gpu",
+                "--gpu-resource",
+                "nvidia.com/gpumem=8000",
+            ],
+            "hami",
+            8000 << 20,
+            "cuda",
+        ),
+        (
+            &["--pod-annotation", "gpu-fraction=0.5"],
+            "kai",
+            40 << 30,
+            "cuda",
+        ),
+        (
+            &[
+                "--gpu-resource",
+                "amd.com/gpu",
+                "--gpu-product",
+                "AMD_Instinct_MI300X_OAM",
+            ],
+            "gpu-product",
+            205_822_885_888,
+            "rocm",
+        ),
+    ];
+    for (flags, kind, memory, device) in rows {
+        let v = json(&[&base[..], flags].concat());
+        assert_eq!(v["budget_source"]["kind"], kind, "{flags:?}");
+        assert_eq!(u64_at(&v, "device_memory_bytes"), memory, "{flags:?}");
+        assert!(
+            u64_at(&v, "budget_bytes").abs_diff(memory * 9 / 10) <= 1,
+            "{flags:?}"
+        );
+        assert_eq!(v["device"], device, "{flags:?}");
+    }
+}
+
+#[test]
+fn gpu_resource_refuses_what_it_cannot_size() {
+    for (flags, message) in [
+        (&["--gpu-resource", "gpu"][..], "not an extended resource"),
+        (
+            &["--gpu-resource", "nvidia.com/gpu=lots"][..],
+            "not a quantity",
+        ),
+        (
+            &["--gpu-resource", "example.com/npu"][..],
+            "unknown accelerator",
+        ),
+        (&["--pod-annotation", "gpu-fraction"][..], "not KEY=VALUE"),
+        (
+            &["--gpu-resource", "nvidia.com/gpu", "--budget", "10GiB"][..],
+            "pick one",
+        ),
+    ] {
+        let out = memguard(&[&["estimate", "--model", "llama-3-8b"][..], flags].concat());
+        assert_eq!(out.status.code(), Some(2), "{flags:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(message), "{flags:?}: {stderr}");
+    }
+}
