@@ -275,12 +275,22 @@ impl TrainingAnnotations {
 
     /// Parses keys without the prefix (`batch-size` → `4`): the CLI's flags and annotations alike.
     pub fn parse_keys(keys: &BTreeMap<String, String>) -> Result<Self, Vec<AnnotationError>> {
+        Self::parse_keys_with_model(keys, None)
+    }
+
+    /// As [`Self::parse_keys`], with the model given as a shape (a Hugging Face `config.json`
+    /// read by the CLI) instead of `model`; shape keys still override it, and giving `model`
+    /// as well is an error.
+    pub fn parse_keys_with_model(
+        keys: &BTreeMap<String, String>,
+        model: Option<ModelShape>,
+    ) -> Result<Self, Vec<AnnotationError>> {
         let mut p = Parser {
             keys,
             errors: Vec::new(),
         };
 
-        let model = p.model_shape();
+        let model = p.model_shape(model);
         let mut config = TrainingConfig::new(model.unwrap_or_else(placeholder_shape));
         if let Some(v) = p.parse_with(MODEL_BITS, |s| {
             s.trim()
@@ -482,9 +492,17 @@ impl Parser<'_> {
     }
 
     /// The model: a catalog entry with any shape keys overriding it, or the shape keys alone.
-    fn model_shape(&mut self) -> Option<ModelShape> {
-        let base = match self.get(MODEL) {
-            Some(name) => match catalog::lookup(name) {
+    fn model_shape(&mut self, given: Option<ModelShape>) -> Option<ModelShape> {
+        if given.is_some() && self.get(MODEL).is_some() {
+            self.errors.push(AnnotationError::new(
+                MODEL,
+                "give a catalog model or a config.json, not both".to_string(),
+            ));
+            return None;
+        }
+        let base = match (self.get(MODEL), given) {
+            (_, Some(shape)) => Some(shape),
+            (Some(name), None) => match catalog::lookup(name) {
                 Some(shape) => Some(shape),
                 None => {
                     self.errors.push(AnnotationError::new(
@@ -494,7 +512,7 @@ impl Parser<'_> {
                     return None;
                 }
             },
-            None => {
+            (None, None) => {
                 let missing: Vec<&str> = REQUIRED_SHAPE_KEYS
                     .iter()
                     .filter(|k| self.get(k).is_none())
@@ -512,12 +530,14 @@ impl Parser<'_> {
                 None
             }
         };
+        // A catalog entry or a config.json: its own KV heads, FFN width and experts stand
+        // unless a key overrides them.
+        let from_catalog = base.is_some();
         let mut shape = base.unwrap_or_else(|| {
             let mut s = placeholder_shape();
             s.name = None;
             s
         });
-        let from_catalog = shape.name.is_some();
         let hidden = self.count(HIDDEN_SIZE);
         let layers = self.count(NUM_LAYERS);
         let heads = self.count(NUM_HEADS);

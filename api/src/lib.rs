@@ -7,6 +7,7 @@
 
 pub mod annotations;
 pub mod env;
+pub mod hf_config;
 pub mod labels;
 pub mod oom;
 pub mod policy;

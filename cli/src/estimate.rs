@@ -56,6 +56,11 @@ macro_rules! annotation_flags {
             /// List the catalog's model names and exit.
             #[arg(long)]
             list_models: bool,
+            /// A Hugging Face `config.json` describing the model, instead of --model: its shape,
+            /// `quantization_config` (bitsandbytes 4/8-bit, GPTQ, AWQ, FP8, MXFP4) and attention
+            /// dropout. Shape flags given as well override it.
+            #[arg(long, value_name = "PATH", help_heading = "Model and training (annotation keys)")]
+            model_config: Option<std::path::PathBuf>,
             /// Estimate inference serving instead of training: weights plus the KV-cache
             /// ceiling for --max-sequences sequences of --seq-length tokens.
             #[arg(long, help_heading = "Serving")]
@@ -165,7 +170,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let parsed = match TrainingAnnotations::parse_keys(&args.keys()) {
+    let mut keys = args.keys();
+    let given = match &args.model_config {
+        Some(path) => match read_model_config(path, &mut keys) {
+            Ok(shape) => Some(shape),
+            Err(messages) => return Ok(bad_input(messages)),
+        },
+        None => None,
+    };
+    let parsed = match TrainingAnnotations::parse_keys_with_model(&keys, given) {
         Ok(parsed) => parsed,
         Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
     };
@@ -331,6 +344,31 @@ fn pod_budget(args: &Args, parsed: &TrainingAnnotations) -> Result<Option<PodBud
         device,
         warnings,
     }))
+}
+
+/// Reads `--model-config`: the shape, and the storage bits and double quantization of its
+/// `quantization_config` unless `--model-bits` / `--double-quant` say otherwise.
+fn read_model_config(
+    path: &std::path::Path,
+    keys: &mut BTreeMap<String, String>,
+) -> Result<memguard_estimator::ModelShape, Vec<String>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| vec![format!("--model-config {}: {e}", path.display())])?;
+    let model = memguard_api::hf_config::parse(&text).map_err(|errors| {
+        errors
+            .into_iter()
+            .map(|e| format!("--model-config {}: {e}", path.display()))
+            .collect::<Vec<_>>()
+    })?;
+    if let Some(bits) = model.model_bits {
+        keys.entry("model-bits".into())
+            .or_insert_with(|| bits.to_string());
+    }
+    if model.double_quant {
+        keys.entry("double-quant".into())
+            .or_insert_with(|| "true".into());
+    }
+    Ok(model.shape)
 }
 
 /// `--serve`: weights plus the KV-cache ceiling; with a budget, whether it fits and how many

@@ -297,4 +297,83 @@ fn gpu_resource_refuses_what_it_cannot_size() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains(message), "{flags:?}: {stderr}");
     }
+fn fixture(name: &str) -> String {
+    format!(
+        "{}/../api/fixtures/hf-config/{name}.json",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+#[test]
+fn a_hugging_face_config_json_gives_the_same_estimate_as_its_catalog_entry() {
+    let from_config = json(&["estimate", "--model-config", &fixture("llama-3.1-8b")]);
+    let from_catalog = json(&["estimate", "--model", "meta-llama/Llama-3.1-8B"]);
+    let total = |v: &Value| u64_at(v, "total_bytes") as f64;
+    // The config derives its parameter count (within 0.1 % of the published one).
+    let diff = (total(&from_config) - total(&from_catalog)).abs() / total(&from_catalog);
+    assert!(diff < 0.001, "{from_config} vs {from_catalog}");
+}
+
+#[test]
+fn quantization_config_sets_the_storage_bits() {
+    let args = |file: &str| {
+        json(&[
+            "estimate",
+            "--model-config",
+            &fixture(file),
+            "--method",
+            "qlora",
+        ])
+    };
+    let quantized = args("llama-3-8b-bnb-4bit");
+    let plain = json(&[
+        "estimate",
+        "--model-config",
+        &fixture("llama-3-8b-bnb-4bit"),
+        "--method",
+        "qlora",
+        "--double-quant",
+        "false",
+    ]);
+    // bnb_4bit_use_double_quant shrinks the NF4 scales from 4 bytes per 64 weights to ~1.
+    let scales = |v: &Value| v["components"]["quant_scales"].as_u64().expect("scales");
+    assert!(
+        scales(&quantized) * 3 < scales(&plain),
+        "{quantized} {plain}"
+    );
+    // An 8B model in 4 bits: well under 16-bit weights.
+    let weights = quantized["components"]["weights"]
+        .as_u64()
+        .expect("weights");
+    assert!(weights < 7_000_000_000, "{weights}");
+    let moe = args("qwen3-30b-a3b");
+    assert!(u64_at(&moe, "total_bytes") > 15_000_000_000);
+}
+
+#[test]
+fn bad_config_json_is_a_clear_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bad = dir.path().join("config.json");
+    std::fs::write(
+        &bad,
+        r#"{"hidden_size": 64, "num_hidden_layers": "two", "num_attention_heads": 4,
+            "vocab_size": 10, "quantization_config": {"quant_method": "magic"}}"#,
+    )
+    .expect("write");
+    let out = memguard(&["estimate", "--model-config", bad.to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("num_hidden_layers"), "{stderr}");
+    assert!(stderr.contains("unknown `magic`"), "{stderr}");
+    let missing = memguard(&["estimate", "--model-config", "/nonexistent/config.json"]);
+    assert_eq!(missing.status.code(), Some(2));
+    let both = memguard(&[
+        "estimate",
+        "--model-config",
+        &fixture("gpt2"),
+        "--model",
+        "gpt2",
+    ]);
+    assert_eq!(both.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&both.stderr).contains("not both"));
 }

@@ -8,11 +8,34 @@ use memguard_estimator::{
 };
 use std::path::{Path, PathBuf};
 
-/// The ground-truth files, relative to the repository root.
+/// The ground-truth files in `bench/accuracy/data/`: every row is part of the fit set.
 pub const FILES: [&str; 2] = [
     "gpu-published-normalized.csv",
     "cpu-measured-normalized.csv",
 ];
+
+/// Measurements collected for this repository (`bench/accuracy/collected/`), in the same
+/// columns plus `split` (`fit` or `heldout`, fixed before the model was changed), `head_dim`
+/// and `tie_embeddings`.
+pub const COLLECTED: [&str; 1] = ["litgpt-confighub.csv"];
+
+/// Which part of the data a row belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// Rows the model may be tuned on (the ground truth and the collected `fit` rows).
+    Fit,
+    /// Rows never looked at while changing the model.
+    HeldOut,
+}
+
+impl Split {
+    pub fn name(self) -> &'static str {
+        match self {
+            Split::Fit => "fit",
+            Split::HeldOut => "held-out",
+        }
+    }
+}
 
 /// Rows whose notes carry this tag use a technique no config field expresses.
 pub const UNMODELLED_TAG: &str = "UNMODELLED:";
@@ -22,10 +45,17 @@ pub fn data_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/accuracy/data")
 }
 
+/// The folder holding the collected CSV files.
+pub fn collected_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/accuracy/collected")
+}
+
 /// One row of a `*-normalized.csv` file, as written.
 #[derive(Debug, Clone, serde::Deserialize)]
 pub struct Row {
     pub id: String,
+    #[serde(default)]
+    pub source_group: String,
     pub model: String,
     pub params: String,
     pub hidden_size: u64,
@@ -58,6 +88,15 @@ pub struct Row {
     pub compare_to: String,
     #[serde(default)]
     pub notes: String,
+    /// Collected files only: explicit head width (Gemma).
+    #[serde(default)]
+    pub head_dim: String,
+    /// Collected files only: `true` when input and output embeddings are one matrix.
+    #[serde(default)]
+    pub tie_embeddings: String,
+    /// Collected files only: `fit` or `heldout`.
+    #[serde(default)]
+    pub split: String,
 }
 
 /// What the estimate of one row is compared with.
@@ -73,6 +112,10 @@ pub enum Compare {
 #[derive(Debug, Clone)]
 pub struct Scored {
     pub id: String,
+    pub source: String,
+    pub split: Split,
+    /// From `bench/accuracy/collected/` rather than the ground truth in `data/`.
+    pub collected: bool,
     pub model: String,
     pub device: Device,
     pub compare: Compare,
@@ -138,10 +181,10 @@ pub fn config(row: &Row) -> Result<TrainingConfig, String> {
         ffn_gated: row.ffn_gated,
         num_experts: opt_u64(&row.num_experts)?.unwrap_or(1),
         experts_per_token: opt_u64(&row.experts_per_token)?.unwrap_or(1),
-        tie_embeddings: false,
+        tie_embeddings: row.tie_embeddings.trim() == "true",
         // Sequence classifiers (BERT here) have no vocabulary projection.
         lm_head: !row.model.contains("SequenceClassification"),
-        head_dim: None,
+        head_dim: opt_u64(&row.head_dim)?,
         ..ModelShape::default()
     };
     let mut cfg = TrainingConfig::new(model);
@@ -182,6 +225,11 @@ pub fn config(row: &Row) -> Result<TrainingConfig, String> {
 pub fn score(row: &Row) -> Result<Scored, String> {
     let cfg = config(row)?;
     let est = estimate(&cfg).map_err(|errs| format!("{errs:?}"))?;
+    let split = match row.split.trim() {
+        "" | "fit" => Split::Fit,
+        "heldout" => Split::HeldOut,
+        other => return Err(format!("split: `{other}` is not fit or heldout")),
+    };
     let oom = row.outcome.trim().eq_ignore_ascii_case("oom");
     let compare = if !oom && row.compare_to.trim() == "tensor_peak" {
         Compare::TensorPeak
@@ -194,6 +242,9 @@ pub fn score(row: &Row) -> Result<Scored, String> {
     };
     Ok(Scored {
         id: row.id.clone(),
+        source: row.source_group.clone(),
+        split,
+        collected: !row.split.trim().is_empty(),
         model: row.model.clone(),
         device: cfg.device,
         compare,
@@ -213,11 +264,14 @@ pub fn score(row: &Row) -> Result<Scored, String> {
     })
 }
 
-/// Every row of every file, scored.
+/// Every row of every file (ground truth, then collected), scored.
 pub fn score_all() -> Result<Vec<Scored>, String> {
     let mut out = Vec::new();
-    for file in FILES {
-        let path = data_dir().join(file);
+    let files = FILES
+        .iter()
+        .map(|f| data_dir().join(f))
+        .chain(COLLECTED.iter().map(|f| collected_dir().join(f)));
+    for path in files {
         let mut reader =
             csv::Reader::from_path(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         for row in reader.deserialize::<Row>() {
@@ -240,13 +294,24 @@ pub struct Summary {
     pub worst_over: Option<(f64, String)>,
     /// OOM fit tests: (passed, total).
     pub oom: (usize, usize),
+    /// Rows within ±10 %.
+    pub within_ten: usize,
 }
 
 /// Summarises the scored rows of `device`, leaving out UNMODELLED rows.
 pub fn summarize(scored: &[Scored], device: Device) -> Summary {
+    summarize_where(scored, device, |_| true)
+}
+
+/// Summarises the scored rows of `device` that `keep` selects, leaving out UNMODELLED rows.
+pub fn summarize_where(
+    scored: &[Scored],
+    device: Device,
+    keep: impl Fn(&Scored) -> bool,
+) -> Summary {
     let counted: Vec<&Scored> = scored
         .iter()
-        .filter(|s| s.device == device && !s.unmodelled)
+        .filter(|s| s.device == device && !s.unmodelled && keep(s))
         .collect();
     let mut errors: Vec<(f64, String)> = counted
         .iter()
@@ -268,5 +333,6 @@ pub fn summarize(scored: &[Scored], device: Device) -> Summary {
         worst_under: errors.first().filter(|(e, _)| *e < 0.0).cloned(),
         worst_over: errors.last().filter(|(e, _)| *e > 0.0).cloned(),
         oom: (ooms.iter().filter(|p| **p).count(), ooms.len()),
+        within_ten: apes.iter().filter(|a| **a <= 0.10).count(),
     }
 }

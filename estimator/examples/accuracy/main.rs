@@ -17,7 +17,11 @@ fn print_row(s: &Scored) {
         Compare::TensorPeak => "tensor_peak",
         Compare::Total => "total",
     };
-    let tag = if s.unmodelled { " UNMODELLED" } else { "" };
+    let tag = match (s.unmodelled, s.split) {
+        (true, _) => " UNMODELLED",
+        (false, harness::Split::HeldOut) => " held-out",
+        (false, harness::Split::Fit) => "",
+    };
     let (measured, result) = match (s.measured, s.signed_error(), s.oom_predicted()) {
         (Some(m), Some(e), _) => (gb(m), format!("{:+7.1} %", e * 100.0)),
         (_, _, Some(oom)) => (
@@ -41,6 +45,24 @@ fn print_row(s: &Scored) {
         gb(s.estimated),
         result,
         tag
+    );
+}
+
+fn print_summary(label: &str, s: &harness::Summary) {
+    let fmt = |w: &Option<(f64, String)>| match w {
+        Some((e, id)) => format!("{:+.1} % ({id})", e * 100.0),
+        None => "none".into(),
+    };
+    println!(
+        "  {:<34} rows {:>3}  median APE {:>5.1} %  within ±10 % {:>3}  worst under {}  worst over {}  OOM fit tests {}/{}",
+        label,
+        s.rows,
+        s.median_ape * 100.0,
+        s.within_ten,
+        fmt(&s.worst_under),
+        fmt(&s.worst_over),
+        s.oom.0,
+        s.oom.1
     );
 }
 
@@ -72,21 +94,31 @@ fn main() -> ExitCode {
     println!();
     println!("Per device kind (rows tagged UNMODELLED are printed above but not counted):");
     for device in [Device::Cuda, Device::Cpu] {
-        let s = harness::summarize(&scored, device);
-        let fmt = |w: &Option<(f64, String)>| match w {
-            Some((e, id)) => format!("{:+.1} % ({id})", e * 100.0),
-            None => "none".into(),
-        };
-        println!(
-            "  {:<5} rows {:>3}  median APE {:>5.1} %  worst under {}  worst over {}  OOM fit tests {}/{}",
-            s.device,
-            s.rows,
-            s.median_ape * 100.0,
-            fmt(&s.worst_under),
-            fmt(&s.worst_over),
-            s.oom.0,
-            s.oom.1
-        );
+        print_summary(&format!("{device}"), &harness::summarize(&scored, device));
+    }
+    println!();
+    println!("Per part and source (fit: tuned on; held-out: never looked at while tuning):");
+    for split in [harness::Split::Fit, harness::Split::HeldOut] {
+        for device in [Device::Cuda, Device::Cpu] {
+            let part = harness::summarize_where(&scored, device, |s| s.split == split);
+            if part.rows + part.oom.1 == 0 {
+                continue;
+            }
+            print_summary(&format!("{} {device} all", split.name()), &part);
+            let mut sources: Vec<&str> = scored
+                .iter()
+                .filter(|s| s.split == split && s.device == device)
+                .map(|s| s.source.as_str())
+                .collect();
+            sources.sort_unstable();
+            sources.dedup();
+            for source in sources {
+                let one = harness::summarize_where(&scored, device, |s| {
+                    s.split == split && s.source == source
+                });
+                print_summary(&format!("{} {device} {source}", split.name()), &one);
+            }
+        }
     }
     ExitCode::SUCCESS
 }
