@@ -4,8 +4,8 @@
 //! parser ([`TrainingAnnotations::parse_keys`]), so a pod and a command line can never disagree.
 
 use memguard_estimator::{
-    Bytes, ConfigError, Device, LoraTargets, Method, ModelShape, Optimizer, Parallelism, Precision,
-    TrainingConfig, catalog, parse_bytes, parse_count,
+    Bytes, ConfigError, Device, LoraTargets, Loss, Method, ModelShape, Optimizer, Parallelism,
+    Precision, TrainingConfig, catalog, parse_bytes, parse_count,
 };
 use std::collections::BTreeMap;
 use std::fmt;
@@ -61,6 +61,20 @@ pub const OPTIMIZER: &str = "memguard.io/optimizer";
 pub const GRAD_CHECKPOINTING: &str = "memguard.io/grad-checkpointing";
 /// `true|false`.
 pub const FLASH_ATTENTION: &str = "memguard.io/flash-attention";
+/// `standard|chunked|fused`: how the loss over the vocabulary is computed (default
+/// `standard`: the whole logits upcast to fp32).
+pub const LOSS: &str = "memguard.io/loss";
+/// `true|false`: the model trains with attention dropout (default: the catalog's or
+/// config.json's value; GPT-2 and BERT do, current LLMs do not).
+pub const ATTENTION_DROPOUT: &str = "memguard.io/attention-dropout";
+/// `true|false`: activations offloaded to host memory (default `false`).
+pub const ACTIVATION_OFFLOAD: &str = "memguard.io/activation-offload";
+/// `true|false`: optimizer states and step on the host (default `false`).
+pub const OPTIMIZER_OFFLOAD: &str = "memguard.io/optimizer-offload";
+/// `true|false`: the optimizer steps each parameter during backward (default `false`).
+pub const OPTIMIZER_IN_BACKWARD: &str = "memguard.io/optimizer-in-backward";
+/// `true|false`: the model runs under `torch.compile` (default `false`).
+pub const COMPILE: &str = "memguard.io/compile";
 /// `fp32|bf16-mixed|fp16-mixed|bf16|fp16`.
 pub const PRECISION: &str = "memguard.io/precision";
 /// `cuda|cpu|metal|rocm`; default: `rocm` for AMD GPUs, `cuda` for NVIDIA GPUs, else `cpu`.
@@ -108,6 +122,12 @@ pub const INPUT_KEYS: &[&str] = &[
     OPTIMIZER,
     GRAD_CHECKPOINTING,
     FLASH_ATTENTION,
+    LOSS,
+    ATTENTION_DROPOUT,
+    ACTIVATION_OFFLOAD,
+    OPTIMIZER_OFFLOAD,
+    OPTIMIZER_IN_BACKWARD,
+    COMPILE,
     PRECISION,
     DEVICE,
     PARALLELISM,
@@ -332,6 +352,24 @@ impl TrainingAnnotations {
         }
         if let Some(v) = p.boolean(FLASH_ATTENTION) {
             config.flash_attention = v;
+        }
+        if let Some(v) = p.enum_value::<Loss>(LOSS) {
+            config.loss = v;
+        }
+        if let Some(v) = p.boolean(ATTENTION_DROPOUT) {
+            config.model.attention_dropout = v;
+        }
+        if let Some(v) = p.boolean(ACTIVATION_OFFLOAD) {
+            config.activation_offload = v;
+        }
+        if let Some(v) = p.boolean(OPTIMIZER_OFFLOAD) {
+            config.optimizer_offload = v;
+        }
+        if let Some(v) = p.boolean(OPTIMIZER_IN_BACKWARD) {
+            config.optimizer_in_backward = v;
+        }
+        if let Some(v) = p.boolean(COMPILE) {
+            config.compile = v;
         }
         let device = p.enum_value::<Device>(DEVICE);
         if let Some(v) = device {
@@ -676,6 +714,45 @@ mod tests {
             Some("PER_DEVICE_TRAIN_BATCH_SIZE")
         );
         assert!(!a.device_given);
+    }
+
+    #[test]
+    fn trainer_choices_have_documented_defaults_and_parse_strictly() {
+        let base = [(MODEL, "meta-llama/Llama-3.1-8B")];
+        let a = TrainingAnnotations::parse(&annotations(&base)).expect("valid");
+        assert_eq!(a.config.model.name.as_deref(), Some("llama-3.1-8b"));
+        assert_eq!(a.config.loss, Loss::Standard);
+        assert!(!a.config.compile && !a.config.activation_offload);
+        assert!(!a.config.optimizer_offload && !a.config.optimizer_in_backward);
+        assert!(!a.config.model.attention_dropout);
+        let a = TrainingAnnotations::parse(&annotations(&[
+            (MODEL, "gpt2"),
+            (LOSS, "chunked"),
+            (COMPILE, "true"),
+            (ACTIVATION_OFFLOAD, "true"),
+            (OPTIMIZER_OFFLOAD, "true"),
+            (OPTIMIZER_IN_BACKWARD, "true"),
+        ]))
+        .expect("valid");
+        assert_eq!(a.config.loss, Loss::Chunked);
+        assert!(a.config.compile && a.config.activation_offload);
+        assert!(a.config.optimizer_offload && a.config.optimizer_in_backward);
+        // GPT-2's config trains with attention dropout; the annotation can say otherwise.
+        assert!(a.config.model.attention_dropout);
+        let off = TrainingAnnotations::parse(&annotations(&[
+            (MODEL, "gpt2"),
+            (ATTENTION_DROPOUT, "false"),
+        ]))
+        .expect("valid");
+        assert!(!off.config.model.attention_dropout);
+        let errs = TrainingAnnotations::parse(&annotations(&[
+            (MODEL, "gpt2"),
+            (LOSS, "liger-ish"),
+            (COMPILE, "yes"),
+        ]))
+        .expect_err("invalid");
+        let keys: Vec<&str> = errs.iter().map(|e| e.key.as_str()).collect();
+        assert_eq!(keys, vec!["loss", "compile"], "{errs:?}");
     }
 
     #[test]

@@ -105,6 +105,7 @@ pub fn parse(text: &str) -> Result<HfModel, Vec<String>> {
         ],
     );
     let mut shape = r.shape(&text_cfg, &model_type);
+    shape.attention_dropout = attention_dropout.is_some_and(|p| p > 0.0);
     if let Some(vision) = root.get("vision_config") {
         match vision.as_object() {
             Some(v) => shape.extra_params = r.vision_params(v, shape.hidden_size),
@@ -301,6 +302,7 @@ impl Reader {
             dense_layers,
             mla,
             extra_params: 0,
+            attention_dropout: false,
         }
     }
 
@@ -450,6 +452,8 @@ mod tests {
         assert!(!gpt2.shape.ffn_gated);
         assert_eq!(gpt2.shape.intermediate_size, 4 * 768);
         assert_eq!(gpt2.attention_dropout, Some(0.1));
+        assert!(gpt2.shape.attention_dropout);
+        assert!(!q.shape.attention_dropout);
     }
 
     #[test]

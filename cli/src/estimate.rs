@@ -137,6 +137,20 @@ annotation_flags! {
     grad_checkpointing => "grad-checkpointing",
     /// true|false.
     flash_attention => "flash-attention",
+    /// standard|chunked|fused: how the loss over the vocabulary is computed (default standard:
+    /// the whole logits upcast to fp32; chunked: torchtune's CEWithChunkedOutputLoss, LitGPT;
+    /// fused: Liger's fused linear cross-entropy, Cut Cross-Entropy).
+    loss => "loss",
+    /// true|false: the model trains with attention dropout (default: the model's config).
+    attention_dropout => "attention-dropout",
+    /// true|false: activations offloaded to host memory (default false).
+    activation_offload => "activation-offload",
+    /// true|false: optimizer states and step on the host (default false).
+    optimizer_offload => "optimizer-offload",
+    /// true|false: the optimizer steps each parameter during backward (default false).
+    optimizer_in_backward => "optimizer-in-backward",
+    /// true|false: torch.compile (default false).
+    compile => "compile",
     /// fp32|bf16-mixed|fp16-mixed|bf16|fp16.
     precision => "precision",
     /// cuda|cpu|metal|rocm.
@@ -368,6 +382,7 @@ fn read_model_config(
         keys.entry("double-quant".into())
             .or_insert_with(|| "true".into());
     }
+    // The shape carries the config's attention dropout; an explicit flag still overrides it.
     Ok(model.shape)
 }
 

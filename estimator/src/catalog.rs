@@ -20,6 +20,7 @@ struct Entry {
     tied: bool,
     lm_head: bool,
     head_dim: Option<u64>,
+    attention_dropout: bool,
     moe_intermediate: Option<u64>,
     shared_experts: u64,
     dense_layers: u64,
@@ -56,6 +57,7 @@ const fn dense(
         tied,
         lm_head: true,
         head_dim: None,
+        attention_dropout: false,
         moe_intermediate: None,
         shared_experts: 0,
         dense_layers: 0,
@@ -64,7 +66,7 @@ const fn dense(
     }
 }
 
-/// GPT-2: plain GELU MLP (4h), multi-head attention, tied embeddings.
+/// GPT-2: plain GELU MLP (4h), multi-head attention, tied embeddings, `attn_pdrop` 0.1.
 const fn gpt2(
     name: &'static str,
     aliases: &'static [&'static str],
@@ -76,6 +78,7 @@ const fn gpt2(
     Entry {
         aliases,
         gated: false,
+        attention_dropout: true,
         ..dense(name, params, h, l, a, a, 4 * h, 50257, true)
     }
 }
@@ -740,9 +743,11 @@ const CATALOG: &[Entry] = &[
     gpt_oss("gpt-oss-20b", 20_914_757_184, 24, 32),
     gpt_oss("gpt-oss-120b", 116_829_156_672, 36, 128),
     // A sequence classifier: no vocabulary projection, so no B·S·V logits.
+    // `attention_probs_dropout_prob` 0.1.
     Entry {
         aliases: &["bert-large"],
         gated: false,
+        attention_dropout: true,
         lm_head: false,
         ..dense(
             "bert-large-uncased",
@@ -829,6 +834,7 @@ fn shape(e: &Entry) -> ModelShape {
         dense_layers: e.dense_layers,
         mla: e.mla,
         extra_params: e.extra_params,
+        attention_dropout: e.attention_dropout,
     }
 }
 

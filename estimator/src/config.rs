@@ -79,6 +79,29 @@ named_enum! {
 }
 
 named_enum! {
+    /// How the trainer computes the loss over the vocabulary: what the `B·S·V` logits cost.
+    Loss {
+        /// The whole logits tensor, upcast to fp32 for the cross-entropy (transformers'
+        /// `ForCausalLMLoss`, torchtune's `CEWithChunkedOutputLoss` absent, plain PyTorch).
+        Standard => "standard" | "cross-entropy",
+        /// The cross-entropy over chunks of the sequence (torchtune's
+        /// `CEWithChunkedOutputLoss`, LitGPT's `chunked_cross_entropy`): the 16-bit logits and
+        /// one saved fp32-or-narrower log-softmax per element, one chunk's gradients at a time.
+        Chunked => "chunked" | "chunked-ce",
+        /// The LM head and the loss fused, logits never materialised (Liger's
+        /// `FusedLinearCrossEntropy`, Apple's Cut Cross-Entropy).
+        Fused => "fused" | "liger" | "fused-linear-ce" | "cut-ce",
+    }
+}
+
+impl Default for Loss {
+    /// `standard`: what a trainer does unless told otherwise.
+    fn default() -> Self {
+        Loss::Standard
+    }
+}
+
+named_enum! {
     /// The numeric regime of training (the static part differs by 2× between them).
     Precision {
         /// Everything in fp32.
@@ -292,6 +315,11 @@ pub struct ModelShape {
     /// with it and held frozen in 16 bits.
     #[cfg_attr(feature = "serde", serde(default))]
     pub extra_params: u64,
+    /// The model trains with dropout on the attention probabilities (its config's
+    /// `attention_dropout`/`attn_pdrop` above 0: GPT-2, BERT). Eager attention then keeps a
+    /// mask and the dropped copy of the `S²` probabilities; with 0 it keeps neither.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub attention_dropout: bool,
 }
 
 /// Multi-head latent attention (DeepSeek-V2/V3), as its `config.json` spells it.
@@ -333,6 +361,7 @@ impl Default for ModelShape {
             dense_layers: 0,
             mla: None,
             extra_params: 0,
+            attention_dropout: false,
         }
     }
 }
@@ -445,11 +474,32 @@ pub struct TrainingConfig {
     pub parallelism: Parallelism,
     /// Devices taking part in data parallelism.
     pub world_size: u64,
+    /// How the loss over the vocabulary is computed.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub loss: Loss,
+    /// Activations saved for backward are moved to host memory as they are saved and brought
+    /// back for backward (torchtune `enable_activation_offloading`, DeepSpeed
+    /// `cpu_checkpointing`).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub activation_offload: bool,
+    /// Optimizer states (and ZeRO's fp32 master weights) live in host memory and the step runs
+    /// there (DeepSpeed `offload_optimizer`, FSDP `CPUOffload`, torchao `CPUOffloadOptimizer`).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub optimizer_offload: bool,
+    /// The optimizer steps each parameter as soon as its gradient is ready and frees it
+    /// (torchtune `optimizer_in_bwd`): no full set of gradients is ever alive.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub optimizer_in_backward: bool,
+    /// `torch.compile`: Inductor fuses element-wise chains and recomputes them in backward, so
+    /// norms and the FFN activation keep only their inputs.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub compile: bool,
 }
 
 impl TrainingConfig {
     /// A config with memguard's defaults: full fine-tuning in bf16-mixed with AdamW, batch 1,
-    /// sequence 2048, flash attention on, one CUDA device.
+    /// sequence 2048, flash attention on, one CUDA device, the standard loss, nothing offloaded,
+    /// no `torch.compile`.
     pub fn new(model: ModelShape) -> Self {
         TrainingConfig {
             model,
@@ -469,6 +519,11 @@ impl TrainingConfig {
             device: Device::Cuda,
             parallelism: Parallelism::None,
             world_size: 1,
+            loss: Loss::Standard,
+            activation_offload: false,
+            optimizer_offload: false,
+            optimizer_in_backward: false,
+            compile: false,
         }
     }
 

@@ -17,7 +17,8 @@
 //! compute dtype.
 
 use crate::config::{
-    ConfigError, Device, Method, ModelShape, Optimizer, Parallelism, Precision, TrainingConfig,
+    ConfigError, Device, Loss, Method, ModelShape, Optimizer, Parallelism, Precision,
+    TrainingConfig,
 };
 use crate::params::{self, ParamCounts};
 use crate::units::Bytes;
@@ -68,6 +69,10 @@ pub mod constants {
     /// w.r.t. the upcast logits. The logits themselves (`p` bytes, held by the model's
     /// output in a plain training loop) come on top.
     pub const LOSS_BYTES_PER_LOGIT: f64 = 12.0;
+    /// Bytes per logit element of a chunked loss: each chunk's saved log-softmax (fp32 when
+    /// the chunk is upcast, as torchtune does; narrower in LitGPT's bf16), kept for every
+    /// chunk until backward; the gradients exist for one chunk at a time.
+    pub const CHUNKED_LOSS_BYTES_PER_LOGIT: f64 = 4.0;
 }
 
 use constants::*;
@@ -349,13 +354,17 @@ fn base_bits(cfg: &TrainingConfig) -> f64 {
 }
 
 /// Weights held by the device: the frozen base for adapter methods — `Pq·bits/8 + Pu·2`
-/// when 4-bit (`Pq` the blocks' linear weights, `Pu` embeddings, head and norms, which stay
-/// 16-bit), `P·bits/8` otherwise — plus the trainable weights `Pt·w`; both `/N` under
-/// ZeRO-3/FSDP.
+/// when quantized to 4 or 8 bits (`Pq` the blocks' linear weights; `Pu` embeddings, head,
+/// norms and a vision tower, which bitsandbytes and GPTQ leave unquantized), `P·bits/8`
+/// otherwise — plus the trainable weights `Pt·w`; both `/N` under ZeRO-3/FSDP.
+///
+/// Not modelled: PEFT's `prepare_model_for_kbit_training` casts the unquantized parameters
+/// of a bitsandbytes model to fp32 (`Pu·2` more), but not those of a GPTQ model, and no field
+/// says which quantizer a run uses (the Qwen-1 Q-LoRA rows, GPTQ, show no upcast).
 fn weights(x: &Ctx) -> Bytes {
     let base = if x.cfg.is_adapter() {
         let bits = base_bits(x.cfg);
-        if bits <= 4.0 {
+        if bits <= 8.0 {
             let unq = x.params - x.quantizable();
             x.quantizable() * bits / 8.0 + unq * 2.0
         } else {
@@ -385,12 +394,31 @@ fn quant_scales(x: &Ctx) -> Bytes {
 /// fp32 master weights kept by the optimizer under ZeRO mixed precision: `Pt·4 / N`
 /// (HF AMP's fp32 weights are the model itself and are counted as weights).
 fn master_weights(x: &Ctx) -> Bytes {
+    if x.cfg.optimizer_offload {
+        return Bytes::ZERO;
+    }
     Bytes::from_f64(x.trainable * x.regime.master / x.shards.states)
 }
 
-/// Gradients of the trainable parameters: `Pt·g / N` (N under ZeRO-2/3 and FSDP).
+/// Gradients of the trainable parameters: `Pt·g / N` (N under ZeRO-2/3 and FSDP); with the
+/// optimizer in backward only the largest tensor's gradient is alive at once.
 fn gradients(x: &Ctx) -> Bytes {
+    if x.cfg.optimizer_in_backward {
+        return Bytes::from_f64(largest_trainable_tensor(x) * x.regime.grad);
+    }
     Bytes::from_f64(x.trainable * x.regime.grad / x.shards.grads)
+}
+
+/// Elements of the largest trainable tensor: `r·max(h, I)` for adapters, `h·max(V, I)`
+/// otherwise.
+fn largest_trainable_tensor(x: &Ctx) -> f64 {
+    if x.cfg.is_adapter() {
+        let r = x.cfg.lora_rank as f64;
+        r * (x.m.hidden_size.max(x.m.intermediate_size)) as f64
+    } else {
+        let h = x.m.hidden_size as f64;
+        h * (x.m.vocab_size.max(x.m.intermediate_size)) as f64
+    }
 }
 
 /// Optimizer states per trainable parameter, `/N` under ZeRO/FSDP. AdamW/Adam: `2·s`;
@@ -398,6 +426,9 @@ fn gradients(x: &Ctx) -> Bytes {
 /// matrix; 8-bit AdamW: `2·1 + 2·4/256` (two 8-bit moments and their fp32 block absmax).
 /// `s` is 4 under fp32 and mixed precision, the parameter's 2 under pure 16-bit.
 fn optimizer_states(x: &Ctx) -> Bytes {
+    if x.cfg.optimizer_offload {
+        return Bytes::ZERO;
+    }
     let s = x.regime.state;
     let bytes = match x.cfg.optimizer {
         Optimizer::AdamW | Optimizer::Adam => x.trainable * 2.0 * s,
@@ -440,11 +471,13 @@ fn adafactor_elements(x: &Ctx) -> f64 {
 ///   its normalised output (the next projections' input);
 /// * attention: `p·(q + kv)` for q and k after rotary, `p·kv` for v, `p·q` for the attention
 ///   output (the output projection's input), with `q = heads·d`, `kv = kv_heads·d`;
-///   without flash attention also `heads·S·(4 + 1 + 4 + c)`: the fp32 softmax
-///   probabilities, the attention-dropout mask and dropped probabilities (BERT and GPT-2
-///   train with attention dropout; dropout-free models keep 5 bytes less), and their 16-bit
-///   cast for `P·V` (`c = p` under 16-bit compute, 0 in fp32); and the k, v repeated to
-///   every head, `2·p·(q − kv)`;
+///   without flash attention also `heads·S·(4 + c)`: the fp32 softmax probabilities and
+///   their 16-bit cast for `P·V` (`c = p` under 16-bit compute, 0 in fp32), plus `1 + 4`
+///   for the dropout mask and the dropped probabilities when the model trains with
+///   attention dropout (BERT, GPT-2; PyTorch's dropout with `p = 0` returns its input); and
+///   the k, v repeated to every head, `2·p·(q − kv)`;
+/// * with `torch.compile`, norms keep their 16-bit input only (`2·p·h`) and the FFN the
+///   gate and up outputs (`2·p·I` gated, `p·I` plain): Inductor recomputes the rest;
 /// * FFN, per routed and shared expert (`I` is then `(e + shared)·I_e`, averaged with the
 ///   dense layers): gated `4·p·I` (gate and up outputs, the activation, their product),
 ///   plain `2·p·I` (fc1 output and the activation); MoE layers add fp32 router logits and
@@ -458,14 +491,26 @@ pub fn layer_activation_bytes_per_token(cfg: &TrainingConfig, compute_bytes: f64
     let q = m.q_dim() as f64;
     let kv = m.kv_dim() as f64;
     let i = m.ffn_width_per_token();
-    let norms = 2.0 * (4.0 * h + p * h);
+    // torch.compile recomputes element-wise chains in backward: a norm keeps its 16-bit
+    // input, not the fp32 upcast and normalised output; the FFN keeps the gate and up (or
+    // fc1) outputs, not the activation and product.
+    let norms = if cfg.compile {
+        2.0 * p * h
+    } else {
+        2.0 * (4.0 * h + p * h)
+    };
     let mut attention = p * (q + kv) + p * kv + p * q;
     if !cfg.flash_attention {
         let cast = if p < 4.0 { p } else { 0.0 };
-        attention += m.num_heads as f64 * cfg.seq_length as f64 * (4.0 + 1.0 + 4.0 + cast);
+        let dropout = if m.attention_dropout { 1.0 + 4.0 } else { 0.0 };
+        attention += m.num_heads as f64 * cfg.seq_length as f64 * (4.0 + dropout + cast);
         attention += 2.0 * p * (q - kv);
     }
-    let ffn_matrices = if m.ffn_gated { 4.0 } else { 2.0 };
+    let ffn_matrices = match (m.ffn_gated, cfg.compile) {
+        (true, false) => 4.0,
+        (true, true) | (false, false) => 2.0,
+        (false, true) => 1.0,
+    };
     let mut ffn = ffn_matrices * p * i;
     if m.is_moe() {
         let share = m.moe_layers() as f64 / m.num_layers.max(1) as f64;
@@ -493,37 +538,60 @@ pub fn layer_activation_bytes_per_token(cfg: &TrainingConfig, compute_bytes: f64
 /// and LM-head input). With gradient checkpointing each layer keeps only its input,
 /// `B·S·(L·p·h + 2·layer + (4 + p)·h)`: the inputs of every layer, plus one layer's full
 /// activations and their gradients while that layer is recomputed and back-propagated.
+///
+/// With activation offloading the saved tensors go to host memory; the device keeps the
+/// layer in use and the next one in flight: `B·S·(2·layer + head)`, or with checkpointing
+/// `B·S·(2·p·h + layer + head)` (two layer inputs and the recomputed layer).
 fn activations(x: &Ctx) -> Bytes {
     let p = x.regime.compute;
     let layer = layer_activation_bytes_per_token(x.cfg, p);
     let h = x.m.hidden_size as f64;
     let layers = x.m.num_layers as f64;
     let head = (4.0 + p) * h;
-    let per_token = if x.cfg.grad_checkpointing {
-        layers * p * h + layer + head
+    let kept_layers = if x.cfg.activation_offload {
+        layers.min(2.0)
     } else {
-        layers * layer + head
+        layers
+    };
+    let per_token = if x.cfg.grad_checkpointing {
+        kept_layers * p * h + layer + head
+    } else {
+        kept_layers * layer + head
     };
     Bytes::from_f64(x.tokens * per_token)
 }
 
-/// Logits and the usual loss, upcast to fp32: `B·S·V·(p + 12)` — the logits in the compute
-/// dtype plus the loss's three fp32 tensors (see [`LOSS_BYTES_PER_LOGIT`]). Zero for models
-/// without an LM head (classifiers: B·classes).
+/// Logits and their loss, by how the trainer computes it:
+/// * `standard`: `B·S·V·(p + 12)` — the logits in the compute dtype plus the loss's three
+///   fp32 tensors (see [`LOSS_BYTES_PER_LOGIT`]);
+/// * `chunked`: `B·S·V·(p + 4)` — the logits plus each chunk's saved log-softmax
+///   ([`CHUNKED_LOSS_BYTES_PER_LOGIT`]); one chunk's gradients at a time are noise;
+/// * `fused`: no `B·S·V` tensor; the hidden states' gradient computed in forward and one
+///   chunk of fp32 logits with their gradient, the chunk sized so that it holds about
+///   `B·S·h` elements: `B·S·h·(p + 8)`.
+///
+/// Zero for models without an LM head (classifiers: B·classes).
 fn logits(x: &Ctx) -> Bytes {
     if !x.m.lm_head {
         return Bytes::ZERO;
     }
-    let per_element = x.regime.compute + LOSS_BYTES_PER_LOGIT;
-    Bytes::from_f64(x.tokens * x.m.vocab_size as f64 * per_element)
+    let p = x.regime.compute;
+    let per_token = match x.cfg.loss {
+        Loss::Standard => x.m.vocab_size as f64 * (p + LOSS_BYTES_PER_LOGIT),
+        Loss::Chunked => x.m.vocab_size as f64 * (p + CHUNKED_LOSS_BYTES_PER_LOGIT),
+        Loss::Fused => x.m.hidden_size as f64 * (p + 8.0),
+    };
+    Bytes::from_f64(x.tokens * per_token)
 }
 
 /// Workspace live with the activations at the start of backward:
 /// * autocast's 16-bit copies of fp32 trainable weights (HF AMP full fine-tuning), `Pt·p`;
 /// * ZeRO-3/FSDP: two gathered layers (current and prefetched), `2·(P/L)·p`;
 /// * DoRA: `W + B·A` of the largest adapted matrix, materialised for its norm, `in·out·p`;
-/// * a 4-bit base: each matrix is dequantized to `p` bytes for its matmul, one at a time,
-///   `in·out·p` of the largest.
+/// * a 4- or 8-bit base: each matrix is dequantized to `p` bytes for its matmul, forward
+///   and backward (bitsandbytes `MatMul4Bit`, and LLM.int8's `CB·SCB/127`), one at a time,
+///   `in·out·p` of the largest;
+/// * the optimizer in backward: its per-tensor temporary, see [`optimizer_workspace`].
 fn forward_backward_workspace(x: &Ctx) -> Bytes {
     let p = x.regime.compute;
     let mut bytes = 0.0;
@@ -536,10 +604,13 @@ fn forward_backward_workspace(x: &Ctx) -> Bytes {
     if x.cfg.method == Method::Dora {
         bytes += params::largest_adapted_matrix(x.m, &x.cfg.lora_targets) as f64 * p;
     }
-    if x.cfg.is_adapter() && base_bits(x.cfg) <= 4.0 {
+    if x.cfg.is_adapter() && base_bits(x.cfg) <= 8.0 {
         let m = x.m;
         let widest = m.q_dim().max(m.intermediate_size) as f64;
         bytes += m.hidden_size as f64 * widest * p;
+    }
+    if x.cfg.optimizer_in_backward {
+        bytes += optimizer_temporary(x);
     }
     Bytes::from_f64(bytes)
 }
@@ -550,25 +621,28 @@ fn forward_backward_workspace(x: &Ctx) -> Bytes {
 /// implementation, plain PyTorch's default on CUDA, would make `Pt·s` at once); Adafactor
 /// squares one gradient at a time in fp32, `2·4·max tensor`; ZeRO mixed precision makes an
 /// fp32 gradient partition, `Pt·4 / N`, and steps with a fused kernel (no temporary).
+/// With the optimizer offloaded the step runs on the host (nothing here); with the optimizer
+/// in backward its temporary is counted at the backward peak instead.
 fn optimizer_workspace(x: &Ctx) -> Bytes {
+    if x.cfg.optimizer_offload || x.cfg.optimizer_in_backward {
+        return Bytes::ZERO;
+    }
+    let step_grad = x.trainable * x.regime.step_grad / x.shards.states;
+    Bytes::from_f64(optimizer_temporary(x) + step_grad)
+}
+
+/// The optimizer's per-tensor temporary: Adam `2·s·` the largest tensor (none under ZeRO's
+/// fused step), Adafactor `2·4·` the largest tensor, none for SGD and 8-bit AdamW.
+fn optimizer_temporary(x: &Ctx) -> f64 {
     let s = x.regime.state;
-    let largest = if x.cfg.is_adapter() {
-        let r = x.cfg.lora_rank as f64;
-        let widest = (x.m.hidden_size.max(x.m.intermediate_size)) as f64;
-        r * widest
-    } else {
-        let h = x.m.hidden_size as f64;
-        h * (x.m.vocab_size.max(x.m.intermediate_size)) as f64
-    };
+    let largest = largest_trainable_tensor(x);
     let zero = x.regime.step_grad > 0.0;
-    let temp = match x.cfg.optimizer {
+    match x.cfg.optimizer {
         Optimizer::AdamW | Optimizer::Adam if zero => 0.0,
         Optimizer::AdamW | Optimizer::Adam => 2.0 * largest * s,
         Optimizer::Adafactor => 2.0 * 4.0 * largest,
         Optimizer::Sgd | Optimizer::SgdMomentum | Optimizer::AdamW8bit => 0.0,
-    };
-    let step_grad = x.trainable * x.regime.step_grad / x.shards.states;
-    Bytes::from_f64(temp + step_grad)
+    }
 }
 
 /// Communication buckets, allocated once: DDP keeps a flat copy of every gradient, `Pt·g`;

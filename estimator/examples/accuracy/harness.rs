@@ -3,9 +3,10 @@
 //! asserts the targets).
 
 use memguard_estimator::{
-    Bytes, Device, LoraTargets, Method, ModelShape, Optimizer, Parallelism, Precision,
+    Bytes, Device, LoraTargets, Loss, Method, ModelShape, Optimizer, Parallelism, Precision,
     TrainingConfig, estimate,
 };
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// The ground-truth files in `bench/accuracy/data/`: every row is part of the fit set.
@@ -18,6 +19,84 @@ pub const FILES: [&str; 2] = [
 /// columns plus `split` (`fit` or `heldout`, fixed before the model was changed), `head_dim`
 /// and `tie_embeddings`.
 pub const COLLECTED: [&str; 1] = ["litgpt-confighub.csv"];
+
+/// The trainer choices (loss, compile, offloading, attention dropout) of ground-truth rows,
+/// read from their sources, in `bench/accuracy/collected/` (the ground truth is kept as
+/// copied). Collected rows carry theirs as `[loss=chunked]`-style tags in their notes.
+pub const TRAINER_CHOICES: &str = "trainer-choices.csv";
+
+/// One row of `trainer-choices.csv`.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+pub struct Choices {
+    pub id: String,
+    #[serde(default)]
+    pub loss: String,
+    #[serde(default)]
+    pub compile: String,
+    #[serde(default)]
+    pub activation_offload: String,
+    #[serde(default)]
+    pub optimizer_in_backward: String,
+    #[serde(default)]
+    pub optimizer_offload: String,
+    #[serde(default)]
+    pub attention_dropout: String,
+}
+
+impl Choices {
+    /// Whether any choice is stated: a row whose UNMODELLED techniques are all stated here is
+    /// scored like any other.
+    fn any(&self) -> bool {
+        [
+            &self.loss,
+            &self.compile,
+            &self.activation_offload,
+            &self.optimizer_in_backward,
+            &self.optimizer_offload,
+        ]
+        .iter()
+        .any(|v| !v.trim().is_empty())
+    }
+
+    fn apply(&self, cfg: &mut TrainingConfig) -> Result<(), String> {
+        let flag = |v: &str| v.trim() == "true";
+        if !self.loss.trim().is_empty() {
+            cfg.loss = self.loss.parse::<Loss>().map_err(|e| e.to_string())?;
+        }
+        cfg.compile |= flag(&self.compile);
+        cfg.activation_offload |= flag(&self.activation_offload);
+        cfg.optimizer_in_backward |= flag(&self.optimizer_in_backward);
+        cfg.optimizer_offload |= flag(&self.optimizer_offload);
+        cfg.model.attention_dropout |= flag(&self.attention_dropout);
+        Ok(())
+    }
+
+    /// Choices tagged in a collected row's notes: `[loss=chunked]`, `[compile]`, …
+    fn from_notes(id: &str, notes: &str) -> Choices {
+        let tag = |t: &str| notes.contains(&format!("[{t}]"));
+        let loss = ["standard", "chunked", "fused"]
+            .into_iter()
+            .find(|l| notes.contains(&format!("[loss={l}]")))
+            .unwrap_or("")
+            .to_string();
+        let yes = |on: bool| {
+            if on {
+                "true".to_string()
+            } else {
+                String::new()
+            }
+        };
+        Choices {
+            id: id.to_string(),
+            loss,
+            compile: yes(tag("compile")),
+            activation_offload: yes(tag("activation-offload")),
+            optimizer_in_backward: yes(tag("optimizer-in-backward")),
+            optimizer_offload: yes(tag("optimizer-offload")),
+            attention_dropout: yes(tag("attention-dropout")),
+        }
+    }
+}
 
 /// Which part of the data a row belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -221,9 +300,12 @@ pub fn config(row: &Row) -> Result<TrainingConfig, String> {
     Ok(cfg)
 }
 
-/// Scores one row.
-pub fn score(row: &Row) -> Result<Scored, String> {
-    let cfg = config(row)?;
+/// Scores one row, with the trainer choices stated for it.
+pub fn score(row: &Row, choices: Option<&Choices>) -> Result<Scored, String> {
+    let mut cfg = config(row)?;
+    let tagged = Choices::from_notes(&row.id, &row.notes);
+    let choices = choices.unwrap_or(&tagged);
+    choices.apply(&mut cfg)?;
     let est = estimate(&cfg).map_err(|errs| format!("{errs:?}"))?;
     let split = match row.split.trim() {
         "" | "fit" => Split::Fit,
@@ -259,7 +341,7 @@ pub fn score(row: &Row) -> Result<Scored, String> {
         } else {
             None
         },
-        unmodelled: row.notes.contains(UNMODELLED_TAG),
+        unmodelled: row.notes.contains(UNMODELLED_TAG) && !choices.any(),
         estimate: est,
     })
 }
@@ -267,6 +349,14 @@ pub fn score(row: &Row) -> Result<Scored, String> {
 /// Every row of every file (ground truth, then collected), scored.
 pub fn score_all() -> Result<Vec<Scored>, String> {
     let mut out = Vec::new();
+    let path = collected_dir().join(TRAINER_CHOICES);
+    let mut reader =
+        csv::Reader::from_path(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut choices = BTreeMap::new();
+    for c in reader.deserialize::<Choices>() {
+        let c = c.map_err(|e| format!("{}: {e}", path.display()))?;
+        choices.insert(c.id.clone(), c);
+    }
     let files = FILES
         .iter()
         .map(|f| data_dir().join(f))
@@ -276,7 +366,7 @@ pub fn score_all() -> Result<Vec<Scored>, String> {
             csv::Reader::from_path(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         for row in reader.deserialize::<Row>() {
             let row = row.map_err(|e| format!("{}: {e}", path.display()))?;
-            out.push(score(&row).map_err(|e| format!("{}: {e}", row.id))?);
+            out.push(score(&row, choices.get(&row.id)).map_err(|e| format!("{}: {e}", row.id))?);
         }
     }
     Ok(out)

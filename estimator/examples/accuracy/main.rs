@@ -48,13 +48,43 @@ fn print_row(s: &Scored) {
     );
 }
 
+/// One line per row, for `bench/accuracy/plot.py`: measured and estimated bytes (the device's
+/// memory for OOM rows, which have no measurement).
+fn print_csv(scored: &[Scored]) {
+    println!(
+        "id,source,split,collected,device,compare,measured_bytes,estimated_bytes,oom,device_memory_bytes,unmodelled"
+    );
+    for s in scored {
+        let compare = match s.compare {
+            Compare::TensorPeak => "tensor_peak",
+            Compare::Total => "total",
+        };
+        println!(
+            "{},{},{},{},{},{},{},{},{},{},{}",
+            s.id,
+            s.source,
+            s.split.name(),
+            s.collected,
+            s.device,
+            compare,
+            s.measured.map(|b| b.0.to_string()).unwrap_or_default(),
+            s.estimated.0,
+            s.device_memory.is_some(),
+            s.device_memory.map(|b| b.0.to_string()).unwrap_or_default(),
+            s.unmodelled
+        );
+    }
+}
+
+/// One summary line: `label` names the part and source, the device comes from the summary.
 fn print_summary(label: &str, s: &harness::Summary) {
     let fmt = |w: &Option<(f64, String)>| match w {
         Some((e, id)) => format!("{:+.1} % ({id})", e * 100.0),
         None => "none".into(),
     };
     println!(
-        "  {:<34} rows {:>3}  median APE {:>5.1} %  within ±10 % {:>3}  worst under {}  worst over {}  OOM fit tests {}/{}",
+        "  {:<5} {:<30} rows {:>3}  median APE {:>5.1} %  within ±10 % {:>3}  worst under {}  worst over {}  OOM fit tests {}/{}",
+        s.device.name(),
         label,
         s.rows,
         s.median_ape * 100.0,
@@ -74,6 +104,10 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if std::env::args().any(|a| a == "--csv") {
+        print_csv(&scored);
+        return ExitCode::SUCCESS;
+    }
     println!(
         "{:<40} {:<28} {:<5} {:<11} {:>10} {:>10} {:>16}",
         "row", "model", "dev", "compare", "meas. GB", "est. GB", "error"
@@ -94,7 +128,7 @@ fn main() -> ExitCode {
     println!();
     println!("Per device kind (rows tagged UNMODELLED are printed above but not counted):");
     for device in [Device::Cuda, Device::Cpu] {
-        print_summary(&format!("{device}"), &harness::summarize(&scored, device));
+        print_summary("all", &harness::summarize(&scored, device));
     }
     println!();
     println!("Per part and source (fit: tuned on; held-out: never looked at while tuning):");
@@ -104,7 +138,7 @@ fn main() -> ExitCode {
             if part.rows + part.oom.1 == 0 {
                 continue;
             }
-            print_summary(&format!("{} {device} all", split.name()), &part);
+            print_summary(&format!("{} all", split.name()), &part);
             let mut sources: Vec<&str> = scored
                 .iter()
                 .filter(|s| s.split == split && s.device == device)
@@ -116,7 +150,7 @@ fn main() -> ExitCode {
                 let one = harness::summarize_where(&scored, device, |s| {
                     s.split == split && s.source == source
                 });
-                print_summary(&format!("{} {device} {source}", split.name()), &one);
+                print_summary(&format!("{} {source}", split.name()), &one);
             }
         }
     }

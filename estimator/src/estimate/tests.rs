@@ -92,6 +92,11 @@ fn qlora_stores_half_a_byte_per_quantized_weight_plus_block_scales() {
     let adapters = trainable_params(&cfg, 0.0) * 4.0;
     let expected = quantized * 0.5 + unq * 2.0 + adapters;
     assert!((e.component(Component::Weights).as_f64() - expected).abs() < 2.0);
+    // An 8-bit base keeps embeddings, head and norms 16-bit too.
+    cfg.model_bits = Some(8);
+    let eight = est(&cfg).component(Component::Weights).as_f64();
+    assert!((eight - (quantized + unq * 2.0 + adapters)).abs() < 2.0);
+    cfg.model_bits = None;
     let scales = e.component(Component::QuantScales).as_f64();
     assert!((scales - quantized / 64.0 * 4.0).abs() < 2.0);
 
@@ -344,4 +349,86 @@ fn an_explicit_head_dim_lifts_the_heads_divide_hidden_check() {
     odd.model.head_dim = None;
     let errors = estimate(&odd).expect_err("heads do not divide hidden");
     assert!(errors.iter().any(|e| e.field() == "num-heads"));
+}
+
+#[test]
+fn the_loss_implementation_decides_what_the_logits_cost() {
+    let mut cfg = model("llama-3-8b");
+    cfg.batch_size = 2;
+    cfg.seq_length = 4096;
+    let logits = |loss: Loss| {
+        let mut c = cfg.clone();
+        c.loss = loss;
+        est(&c).component(Component::Logits).as_f64()
+    };
+    let elements = 2.0 * 4096.0 * 128_256.0;
+    // bf16 logits plus the fp32 loss's three tensors; plus one saved log-softmax per chunk.
+    assert_eq!(logits(Loss::Standard), elements * (2.0 + 12.0));
+    assert_eq!(logits(Loss::Chunked), elements * (2.0 + 4.0));
+    // Fused: no B·S·V tensor at all, a few bytes per hidden element.
+    assert_eq!(logits(Loss::Fused), 2.0 * 4096.0 * 4096.0 * (2.0 + 8.0));
+    assert!(logits(Loss::Fused) * 10.0 < logits(Loss::Chunked));
+}
+
+#[test]
+fn attention_dropout_keeps_a_mask_and_a_dropped_copy_only_when_the_model_uses_it() {
+    let mut cfg = model("llama-3-8b");
+    cfg.flash_attention = false;
+    cfg.seq_length = 1024;
+    let without = layer_activation_bytes_per_token(&cfg, 2.0);
+    cfg.model.attention_dropout = true;
+    let with = layer_activation_bytes_per_token(&cfg, 2.0);
+    // 32 heads · 1024 keys · (1-byte mask + 4-byte dropped probabilities).
+    assert_eq!(with - without, 32.0 * 1024.0 * 5.0);
+    // Flash attention keeps no S² tensor either way.
+    cfg.flash_attention = true;
+    let flash = layer_activation_bytes_per_token(&cfg, 2.0);
+    cfg.model.attention_dropout = false;
+    assert_eq!(flash, layer_activation_bytes_per_token(&cfg, 2.0));
+    // GPT-2 and BERT train with attention dropout; current models do not.
+    assert!(catalog::lookup("gpt2").is_some_and(|m| m.attention_dropout));
+    assert!(catalog::lookup("qwen3-8b").is_some_and(|m| !m.attention_dropout));
+}
+
+#[test]
+fn compile_keeps_only_the_inputs_of_norms_and_of_the_ffn_activation() {
+    let mut cfg = model("llama-3-8b");
+    let eager = layer_activation_bytes_per_token(&cfg, 2.0);
+    cfg.compile = true;
+    let compiled = layer_activation_bytes_per_token(&cfg, 2.0);
+    let (h, i) = (4096.0, 14336.0);
+    // Norms: 2·(4h + 2h) → 2·2h; gated FFN: 4·2·I → 2·2·I.
+    assert_eq!(
+        eager - compiled,
+        2.0 * (4.0 * h + 2.0 * h - 2.0 * h) + 2.0 * 2.0 * i
+    );
+}
+
+#[test]
+fn offloading_moves_activations_and_optimizer_states_off_the_device() {
+    let mut cfg = model("llama-3-8b");
+    cfg.precision = Precision::Bf16;
+    cfg.seq_length = 4096;
+    let base = est(&cfg);
+    cfg.activation_offload = true;
+    let offloaded = est(&cfg);
+    let acts = |e: &Estimate| e.component(Component::Activations).as_f64();
+    // Two layers stay on the device instead of 32.
+    assert!(acts(&offloaded) < acts(&base) / 10.0);
+    cfg.optimizer_offload = true;
+    let opt = est(&cfg);
+    assert_eq!(opt.component(Component::OptimizerStates), Bytes::ZERO);
+    assert!(opt.total < offloaded.total);
+}
+
+#[test]
+fn the_optimizer_in_backward_never_holds_every_gradient() {
+    let mut cfg = model("llama-3.2-3b");
+    cfg.precision = Precision::Bf16;
+    let all = est(&cfg).component(Component::Gradients).as_f64();
+    cfg.optimizer_in_backward = true;
+    let one = est(&cfg).component(Component::Gradients).as_f64();
+    // Only the largest tensor's gradient (the 128 256 × 3072 embedding) at once.
+    assert_eq!(one, 128_256.0 * 3072.0 * 2.0);
+    assert!(one * 5.0 < all);
 }
