@@ -269,16 +269,13 @@ impl Reader {
             Some(list) => list.len() as u64,
             None => self.count(c, &["first_k_dense_replace"]).unwrap_or(0),
         };
-        let mla = match self.count(c, &["kv_lora_rank"]) {
-            Some(kv_lora_rank) => Some(Mla {
-                q_lora_rank: self.count(c, &["q_lora_rank"]),
-                kv_lora_rank,
-                qk_nope_head_dim: self.required(c, &["qk_nope_head_dim"]),
-                qk_rope_head_dim: self.required(c, &["qk_rope_head_dim"]),
-                v_head_dim: self.required(c, &["v_head_dim"]),
-            }),
-            None => None,
-        };
+        let mla = self.count(c, &["kv_lora_rank"]).map(|kv_lora_rank| Mla {
+            q_lora_rank: self.count(c, &["q_lora_rank"]),
+            kv_lora_rank,
+            qk_nope_head_dim: self.required(c, &["qk_nope_head_dim"]),
+            qk_rope_head_dim: self.required(c, &["qk_rope_head_dim"]),
+            v_head_dim: self.required(c, &["v_head_dim"]),
+        });
         let tied = self
             .boolean(c, "tie_word_embeddings")
             .unwrap_or(!UNTIED_BY_DEFAULT.contains(&model_type));
@@ -318,11 +315,8 @@ impl Reader {
         let image = self.required(v, &["image_size"]);
         let channels = self.count(v, &["num_channels"]).unwrap_or(3);
         let per_layer = 4 * (d * d + d) + 2 * d * i + i + d + 4 * d;
-        let positions = if patch > 0 {
-            (image / patch) * (image / patch)
-        } else {
-            0
-        };
+        let side = image.checked_div(patch).unwrap_or(0);
+        let positions = side * side;
         let total = layers
             .saturating_mul(per_layer)
             .saturating_add(channels * patch * patch * d + d)
