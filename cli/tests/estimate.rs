@@ -297,6 +297,8 @@ fn gpu_resource_refuses_what_it_cannot_size() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains(message), "{flags:?}: {stderr}");
     }
+}
+
 fn fixture(name: &str) -> String {
     format!(
         "{}/../api/fixtures/hf-config/{name}.json",
