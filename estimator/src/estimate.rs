@@ -586,7 +586,9 @@ fn logits(x: &Ctx) -> Bytes {
 
 /// Workspace live with the activations at the start of backward:
 /// * autocast's 16-bit copies of fp32 trainable weights (HF AMP full fine-tuning), `Pt·p`;
-/// * ZeRO-3/FSDP: two gathered layers (current and prefetched), `2·(P/L)·p`;
+/// * ZeRO-3/FSDP: two gathered layers (current and prefetched), `2·(P/L)·p`; FSDP over
+///   more than one device also the root unit (embeddings, head, final norm: `R`) unsharded
+///   through the step with its unsharded gradient, `R·(p + g)`;
 /// * DoRA: `W + B·A` of the largest adapted matrix, materialised for its norm, `in·out·p`;
 /// * a 4- or 8-bit base: each matrix is dequantized to `p` bytes for its matmul, forward
 ///   and backward (bitsandbytes `MatMul4Bit`, and LLM.int8's `CB·SCB/127`), one at a time,
@@ -600,6 +602,14 @@ fn forward_backward_workspace(x: &Ctx) -> Bytes {
     }
     if matches!(x.cfg.parallelism, Parallelism::Zero3 | Parallelism::Fsdp) {
         bytes += 2.0 * x.params / x.m.num_layers as f64 * p;
+    }
+    if x.cfg.parallelism == Parallelism::Fsdp && x.cfg.world_size > 1 {
+        // FSDP wraps the blocks; embeddings, head and final norm form the root unit, which
+        // stays unsharded from forward through backward (`_post_forward_reshard` keeps the
+        // root's parameters for backward) and whose unsharded gradient waits for the
+        // embedding's, the last one computed, before its reduce-scatter.
+        let root = (x.counts.embedding + x.counts.lm_head + x.m.hidden_size) as f64;
+        bytes += root * (p + x.regime.grad);
     }
     if x.cfg.method == Method::Dora {
         bytes += params::largest_adapted_matrix(x.m, &x.cfg.lora_targets) as f64 * p;

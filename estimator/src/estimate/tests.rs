@@ -432,3 +432,20 @@ fn the_optimizer_in_backward_never_holds_every_gradient() {
     assert_eq!(one, 128_256.0 * 3072.0 * 2.0);
     assert!(one * 5.0 < all);
 }
+
+#[test]
+fn fsdp_keeps_the_root_unit_unsharded_with_its_gradient() {
+    let mut cfg = model("llama-3-8b");
+    cfg.precision = Precision::Bf16;
+    cfg.parallelism = Parallelism::Fsdp;
+    cfg.world_size = 4;
+    let fsdp = est(&cfg).component(Component::Transient).as_f64();
+    cfg.parallelism = Parallelism::Zero3;
+    let zero3 = est(&cfg).component(Component::Transient).as_f64();
+    // Embedding and untied head (2 · 128 256 · 4096) plus the final norm, bf16 parameters and
+    // bf16 gradient; ZeRO-3 gathers embeddings on use instead. ZeRO-3's reduce bucket is
+    // part of its transient too.
+    let root = (2.0 * 128_256.0 * 4096.0 + 4096.0) * (2.0 + 2.0);
+    let bucket = (8_030_261_248f64).min(5e8) * 2.0;
+    assert_eq!(fsdp, zero3 - bucket + root);
+}
