@@ -336,3 +336,39 @@ fn accelerator_fixtures_get_their_device_budget_and_source() {
         }
     }
 }
+
+#[test]
+fn a_pod_that_cannot_fit_at_the_floor_is_admitted_with_the_verdict() {
+    let pod = r#"
+apiVersion: v1
+kind: Pod
+metadata:
+  name: too-big
+  labels: {memguard.io/enabled: "true"}
+  annotations: {memguard.io/model: llama-3-70b, memguard.io/method: full, memguard.io/gpu-memory: 16Gi}
+spec:
+  restartPolicy: Never
+  containers: [{name: t, image: x, resources: {limits: {nvidia.com/gpu: "1"}}}]
+"#;
+    let out = memguard(&["mutate", "-f", "-", "-o", "json"], Some(pod));
+    assert!(out.status.success(), "admitted: {}", stderr(&out));
+    assert!(
+        stderr(&out).contains("warning: memguard: cannot fit; smallest config tried: batch 1 × "),
+        "{}",
+        stderr(&out)
+    );
+    let doc: Value = serde_json::from_str(&stdout(&out)).expect("json");
+    let error = doc["metadata"]["annotations"]["memguard.io/error"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        error.contains("exceeds budget 14.40 GiB with every knob at its floor")
+            && error.contains("smallest config tried: batch 1 × "),
+        "{error}"
+    );
+    let env = doc["spec"]["containers"][0]["env"].to_string();
+    assert!(
+        env.contains(r#"{"name":"MEMGUARD_CANNOT_FIT","value":"true"}"#),
+        "{env}"
+    );
+}

@@ -161,7 +161,23 @@ pub fn try_observe(pod: &Pod) -> Result<Observation, NotObserved> {
         .get(keys::ESTIMATE)
         .and_then(|s| serde_json::from_str::<EstimateAnnotation>(s).ok());
     let trainer_env = trainer_env(pod, &key.trainer);
-    let knobs = knobs_from_env(&trainer_env);
+    // What the trainer ran with when it died: its OOM record says (a run-time downgrade or an
+    // in-process recovery may have taken it below the env the webhook wrote); else the env.
+    let record = OomRecord::from_termination_message(terminated.message.as_deref().unwrap_or(""))
+        .or_else(|| {
+            summary
+                .as_ref()
+                .and_then(|s| s.last_oom.clone())
+                .filter(|r| r.outcome == OomOutcome::Fatal)
+        });
+    let mut knobs = knobs_from_env(&trainer_env);
+    if let Some(r) = &record {
+        knobs.batch_size = Some(r.batch_size).filter(|b| *b > 0).or(knobs.batch_size);
+        knobs.grad_accumulation = Some(r.grad_accumulation)
+            .filter(|a| *a > 0)
+            .or(knobs.grad_accumulation);
+        knobs.grad_checkpointing = Some(r.grad_checkpointing);
+    }
     let ran = with_knobs(&key.config, &knobs);
 
     let estimate = annotation

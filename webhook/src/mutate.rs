@@ -18,6 +18,8 @@ use memguard_api::{Knob, Policy, env, labels};
 use memguard_estimator::{
     Bytes, Calibration, Device, DowngradePlan, Parallelism, TrainingConfig, plan_with_floors,
 };
+use memguard_learn::observe::knobs_of;
+use memguard_learn::update::describe_knobs;
 use memguard_learn::{Adjustments, PodKey, adjustments, pod_key};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -132,7 +134,8 @@ pub struct Mutation {
     pub estimate_annotation: String,
     /// Warnings for the admission response, each ≤ [`MAX_WARNING_CHARS`].
     pub warnings: Vec<String>,
-    /// `memguard.io/error` to keep on the mutated pod: the profile's "cannot fit: …" verdict.
+    /// `memguard.io/error` to keep on the mutated pod: "cannot fit: …", the profile's verdict
+    /// (OOM recoveries exhausted) or the plan's (every knob at its floor and still over budget).
     pub error: Option<String>,
 }
 
@@ -264,23 +267,29 @@ fn decide(
             .join("; ")
     })?;
 
-    if let Some(b) = &budget {
-        if !plan.fits {
-            warnings.push(truncate(&format!(
-                "memguard: estimate {} exceeds budget {} even after {} downgrades",
-                plan.total(),
-                b.bytes,
-                plan.steps.len()
-            )));
-        } else if !plan.steps.is_empty() {
-            let names: Vec<&str> = plan.steps.iter().map(|s| s.rung.name()).collect();
-            warnings.push(truncate(&format!(
-                "memguard: downgraded to fit {} ({}); see {}",
-                b.bytes,
-                names.join(", "),
-                keys::ESTIMATE
-            )));
-        }
+    // Every knob at its floor and still over the budget: admitted anyway, at the smallest config
+    // tried, saying so (the profile's verdict, when it has one, says more).
+    let floor_verdict = budget.as_ref().filter(|_| !plan.fits).map(|b| {
+        format!(
+            "cannot fit: estimate {} exceeds budget {} with every knob at its floor; smallest \
+             config tried: {}",
+            plan.total(),
+            b.bytes,
+            describe_knobs(&knobs_of(&plan.config))
+        )
+    });
+    let verdict = adjust.verdict.clone().or(floor_verdict);
+    if let Some(b) = &budget
+        && plan.fits
+        && !plan.steps.is_empty()
+    {
+        let names: Vec<&str> = plan.steps.iter().map(|s| s.rung.name()).collect();
+        warnings.push(truncate(&format!(
+            "memguard: downgraded to fit {} ({}); see {}",
+            b.bytes,
+            names.join(", "),
+            keys::ESTIMATE
+        )));
     }
 
     let knobs = knobs_for(&plan.config);
@@ -292,10 +301,10 @@ fn decide(
     if let Some(b) = &budget {
         trainer_env.push((env::BUDGET_BYTES.into(), b.bytes.0.to_string()));
     }
-    if let Some(verdict) = &adjust.verdict {
+    if let Some(verdict) = &verdict {
         // Admitted anyway, at the smallest config tried: a fatal OOM then exits 87, which a
         // Job's podFailurePolicy can turn into FailJob.
-        warnings.push(truncate(&format!("memguard: {verdict}")));
+        warnings.push(cannot_fit_warning(verdict));
         trainer_env.push((env::CANNOT_FIT.into(), "true".into()));
     }
     trainer_env.push((env::SIGNAL_FILE.into(), labels::SIGNAL_FILE.into()));
@@ -341,7 +350,7 @@ fn decide(
         sidecar,
         estimate_annotation,
         warnings,
-        error: adjust.verdict.clone(),
+        error: verdict,
     })
 }
 
@@ -452,6 +461,20 @@ fn estimate_annotation(
     };
     // Serializing plain integers, strings and bools cannot fail.
     serde_json::to_string(&summary).unwrap_or_else(|_| "{}".into())
+}
+
+/// The admission warning for a "cannot fit: <why>; smallest config tried: <config>" verdict:
+/// the config first, so that cutting it to [`MAX_WARNING_CHARS`] loses the figures, not the
+/// config (the full text is in `memguard.io/error`).
+pub fn cannot_fit_warning(verdict: &str) -> String {
+    const TRIED: &str = "; smallest config tried: ";
+    let body = verdict.strip_prefix("cannot fit: ").unwrap_or(verdict);
+    match body.split_once(TRIED) {
+        Some((why, config)) => truncate(&format!(
+            "memguard: cannot fit; smallest config tried: {config} ({why})"
+        )),
+        None => truncate(&format!("memguard: cannot fit: {body}")),
+    }
 }
 
 /// Cuts `s` to [`MAX_WARNING_CHARS`] characters, marking the cut with `…`.

@@ -74,6 +74,46 @@ async fn serves_admission_reviews_over_tls_and_drains_on_sigterm() {
     assert_eq!(skipped["response"]["allowed"], true);
     assert!(apply(&bad, &skipped)["metadata"]["annotations"]["memguard.io/error"].is_string());
 
+    // Does not fit even with every knob at its floor: still allowed, at the smallest config
+    // tried, with "cannot fit" as the error, the warning and MEMGUARD_CANNOT_FIT (exit 87).
+    let mut tiny = fixture_pod("single-gpu-lora");
+    tiny["metadata"]["annotations"]["memguard.io/gpu-memory"] = serde_json::json!("1Gi");
+    let (_, body) = conn
+        .request("POST", "/mutate", admission_review(&tiny, "uid-4"))
+        .await
+        .expect("a pod that cannot fit");
+    let review: serde_json::Value = serde_json::from_slice(&body).expect("AdmissionReview");
+    assert_eq!(review["response"]["allowed"], true);
+    let warned = review["response"]["warnings"].as_array().is_some_and(|w| {
+        w.iter().any(|w| {
+            w.as_str().is_some_and(|w| {
+                w.starts_with("memguard: cannot fit; smallest config tried: batch 1 × ")
+            })
+        })
+    });
+    assert!(warned, "{review}");
+    let admitted = apply(&tiny, &review);
+    let error = admitted["metadata"]["annotations"]["memguard.io/error"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        error.contains("with every knob at its floor; smallest config tried: batch 1 × "),
+        "{error}"
+    );
+    let trainer_env = admitted["spec"]["containers"][0]["env"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let env = |name: &str| {
+        trainer_env
+            .iter()
+            .find(|e| e["name"] == name)
+            .and_then(|e| e["value"].as_str())
+            .map(str::to_string)
+    };
+    assert_eq!(env("MEMGUARD_CANNOT_FIT").as_deref(), Some("true"));
+    assert_eq!(env("MEMGUARD_BATCH_SIZE").as_deref(), Some("1"));
+
     // Not an AdmissionReview: 400.
     let (status, _) = conn
         .request("POST", "/mutate", b"{\"hello\": 1}".to_vec())
@@ -83,7 +123,8 @@ async fn serves_admission_reviews_over_tls_and_drains_on_sigterm() {
 
     let metrics = scrape(server.metrics).await;
     for line in [
-        "memguard_webhook_admission_requests_total{outcome=\"mutated\"} 1",
+        // The training pod and the one that cannot fit.
+        "memguard_webhook_admission_requests_total{outcome=\"mutated\"} 2",
         "memguard_webhook_admission_requests_total{outcome=\"unchanged\"} 1",
         "memguard_webhook_admission_requests_total{outcome=\"skipped\"} 1",
         "memguard_webhook_admission_requests_total{outcome=\"error\"} 1",

@@ -365,7 +365,11 @@ fn knows_an_oom_from_other_deaths() {
 
 #[test]
 fn a_cuda_oom_record_recovers_exactly_as_an_oom_kill() {
-    let record = include_str!("../../../api/fixtures/oom-record-v1.json").replace('\n', "");
+    // The fixture's record, at the config the env says (batch 16 × 1, checkpointing).
+    let record = include_str!("../../../api/fixtures/oom-record-v1.json")
+        .replace('\n', "")
+        .replace(r#""batch_size": 8"#, r#""batch_size": 16"#)
+        .replace(r#""grad_accumulation": 4"#, r#""grad_accumulation": 1"#);
     let with = |pod: PodBuilder| {
         let obs = try_observe(&pod.phase("Failed").build()).expect("observed");
         let status = crate::update::apply(&Default::default(), &obs);
@@ -408,4 +412,66 @@ fn the_config_that_ran_is_the_annotations_with_the_trainers_env() {
     assert!(obs.ran.grad_checkpointing);
     assert_eq!(obs.ran.seq_length, obs.key.config.seq_length);
     assert_eq!(obs.oom.as_deref(), Some(OOM_KILLED));
+}
+
+#[test]
+fn the_next_step_down_starts_from_the_config_the_oom_record_says_was_in_force() {
+    // The env says batch 16 × 1; the sidecar had taken the trainer down to 4 × 4 at run time
+    // when it died: the recovery steps down from 4, not from 16.
+    let record = include_str!("../../../api/fixtures/oom-record-v1.json")
+        .replace('\n', "")
+        .replace(r#""batch_size": 8"#, r#""batch_size": 4"#);
+    let recovery_of = |pod: PodBuilder| {
+        let obs = try_observe(&pod.phase("Failed").build()).expect("observed");
+        let status = crate::update::apply(&Default::default(), &obs);
+        (obs, status.recovery.expect("a recovery"))
+    };
+    // (name, pod)
+    let table = [
+        (
+            "record as the termination message",
+            gpu_pod().trainer_failed_with(86, &record, 7),
+        ),
+        (
+            "traceback as the message, fatal record in the sidecar's summary",
+            gpu_pod()
+                .trainer_failed_with(1, "torch.OutOfMemoryError: CUDA out of memory.", 7)
+                .native_sidecar_done(&Summary {
+                    last_oom: Some(serde_json::from_str(&record).expect("record")),
+                    oom_reports: 1,
+                    ..summary(None, Some(15 * GIB), Some(16 * GIB))
+                }),
+        ),
+    ];
+    for (name, pod) in table {
+        let (obs, recovery) = recovery_of(pod);
+        assert_eq!(
+            (
+                obs.knobs.batch_size,
+                obs.knobs.grad_accumulation,
+                obs.knobs.grad_checkpointing
+            ),
+            (Some(4), Some(4), Some(true)),
+            "{name}: the record's config"
+        );
+        assert_eq!(obs.ran.batch_size, 4, "{name}");
+        assert_eq!(
+            (
+                recovery.config.batch_size,
+                recovery.config.grad_accumulation
+            ),
+            (Some(2), Some(8)),
+            "{name}: one rung below 4 × 4, effective batch kept: {}",
+            recovery.reason
+        );
+        assert!(
+            recovery.reason.contains("at batch 4"),
+            "{name}: {}",
+            recovery.reason
+        );
+    }
+    // Without a record (a kernel OOM kill) the env is all there is.
+    let (obs, recovery) = recovery_of(gpu_pod().trainer_terminated("OOMKilled", 137, 7));
+    assert_eq!(obs.knobs.batch_size, Some(16));
+    assert_eq!(recovery.config.batch_size, Some(8));
 }

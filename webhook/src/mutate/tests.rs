@@ -323,10 +323,44 @@ fn a_config_that_cannot_fit_says_so() {
     );
     assert!(!m.plan.fits);
     assert_eq!(annotation(&m)["fits"], false);
+    // Every knob at its floor: batch 1, checkpointing, the shortest sequence, the smallest rank.
+    let floors = Policy::default().floors;
+    assert_eq!(m.plan.config.batch_size, floors.batch_size);
+    assert!(m.plan.config.grad_checkpointing);
+    assert_eq!(m.plan.config.seq_length, floors.seq_length);
+    let error = m.error.clone().expect("memguard.io/error");
     assert!(
-        m.warnings.iter().any(|w| w.contains("exceeds budget")),
+        error.starts_with("cannot fit: estimate ")
+            && error.contains("exceeds budget 921.60 MiB with every knob at its floor")
+            && error.contains("smallest config tried: batch 1 × "),
+        "{error}"
+    );
+    // The warning names the smallest config tried first: a cut to 120 characters keeps it.
+    let tried = error
+        .split_once("smallest config tried: ")
+        .expect("named")
+        .1;
+    assert!(
+        m.warnings.iter().any(|w| w.starts_with(&format!(
+            "memguard: cannot fit; smallest config tried: {tried} (estimate "
+        ))),
         "{:?}",
         m.warnings
+    );
+    assert!(
+        m.warnings
+            .iter()
+            .all(|w| w.chars().count() <= MAX_WARNING_CHARS)
+    );
+    assert_eq!(env_of(&m, env::CANNOT_FIT), Some("true"));
+    // A config that fits says nothing of the kind.
+    let roomy = mutated(
+        trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "80Gi"),
+        &Policy::default(),
+    );
+    assert_eq!(
+        (roomy.error.as_deref(), env_of(&roomy, env::CANNOT_FIT)),
+        (None, None)
     );
 }
 
@@ -504,9 +538,10 @@ fn a_cannot_fit_verdict_admits_the_smallest_config_with_an_error_and_a_warning()
     assert_eq!(env_of(&m, env::BATCH_SIZE), Some("2"));
     assert_eq!(env_of(&m, env::CANNOT_FIT), Some("true"));
     assert!(
+        m.warnings.iter().any(|w| w
+            == "memguard: cannot fit; smallest config tried: batch 2 × 8 (4 OOMs in a row (limit 3))"),
+        "{:?}",
         m.warnings
-            .iter()
-            .any(|w| w == &format!("memguard: {verdict}"))
     );
     let patch = crate::patch::build(&built, &Outcome::Mutated(m));
     let mut out = serde_json::to_value(&built).expect("json");
