@@ -20,7 +20,7 @@ pub const BUDGET_BYTES: &str = "MEMGUARD_BUDGET_BYTES";
 pub const SIGNAL_FILE: &str = "MEMGUARD_SIGNAL_FILE";
 /// URL of the sidecar's trainer API (e.g. `http://127.0.0.1:9091`).
 pub const SIDECAR_URL: &str = "MEMGUARD_SIDECAR_URL";
-/// Where the trainer writes its OOM record (default [`crate::labels::TERMINATION_LOG`]).
+/// Where the trainer writes its OOM record (default [`crate::wellknown::TERMINATION_LOG`]).
 pub const TERMINATION_LOG: &str = "MEMGUARD_TERMINATION_LOG";
 /// `true` when the webhook admitted the pod with "cannot fit" (retries exhausted or no plan
 /// fits): a fatal OOM then exits with [`crate::oom::EXIT_OOM_CANNOT_FIT`].
@@ -30,22 +30,78 @@ pub const TRAINER_MEMORY_LIMIT: &str = "MEMGUARD_TRAINER_MEMORY_LIMIT";
 /// The trainer container's name, passed to the sidecar.
 pub const TRAINER_CONTAINER: &str = "MEMGUARD_TRAINER_CONTAINER";
 
-/// Sidecar: ratio of the effective limit at which the level becomes `warn`.
+/// Sidecar: ratio of the effective limit at which the level becomes `warn` (`--warn`).
 pub const SIDECAR_WARN: &str = "MEMGUARD_SIDECAR_WARN";
-/// Sidecar: ratio of the effective limit at which the level becomes `downgrade`.
+/// Sidecar: ratio of the effective limit at which the level becomes `downgrade` (`--downgrade`).
 pub const SIDECAR_DOWNGRADE: &str = "MEMGUARD_SIDECAR_DOWNGRADE";
-/// Sidecar: ratio of the effective limit at which the level becomes `critical`.
+/// Sidecar: ratio of the effective limit at which the level becomes `critical` (`--critical`).
 pub const SIDECAR_CRITICAL: &str = "MEMGUARD_SIDECAR_CRITICAL";
-/// Sidecar: PSI memory `some avg10` percentage counted as `downgrade` pressure.
+/// Sidecar: PSI memory `some avg10` percentage counted as `downgrade` pressure
+/// (`--psi-threshold`).
 pub const SIDECAR_PSI_THRESHOLD: &str = "MEMGUARD_SIDECAR_PSI_THRESHOLD";
-/// Sidecar: path of the signal file it writes.
+/// Sidecar: path of the signal file it writes (`--signal-file`).
 pub const SIDECAR_SIGNAL_FILE: &str = "MEMGUARD_SIDECAR_SIGNAL_FILE";
-/// Sidecar: sampling interval (e.g. `100ms`).
+/// Sidecar: sampling interval, e.g. `100ms` (`--interval`; [`crate::duration`]).
 pub const SIDECAR_INTERVAL: &str = "MEMGUARD_SIDECAR_INTERVAL";
-/// Sidecar: address of the pod-local trainer API (default [`crate::labels::SIDECAR_LISTEN`]).
+/// Sidecar: address of the pod-local trainer API (`--listen`, default
+/// [`crate::wellknown::SIDECAR_LISTEN`]).
 pub const SIDECAR_LISTEN: &str = "MEMGUARD_SIDECAR_LISTEN";
-/// Sidecar: address of the metrics endpoint (default [`crate::labels::SIDECAR_METRICS_LISTEN`]).
+/// Sidecar: address of the metrics endpoint (`--metrics-listen`, default
+/// [`crate::wellknown::SIDECAR_METRICS_LISTEN`]).
 pub const SIDECAR_METRICS_LISTEN: &str = "MEMGUARD_SIDECAR_METRICS_LISTEN";
+/// Sidecar: the trainer's cgroup directory (`--cgroup`).
+pub const SIDECAR_CGROUP: &str = "MEMGUARD_SIDECAR_CGROUP";
+/// Sidecar: where cgroup hierarchies are mounted (`--cgroup-root`).
+pub const SIDECAR_CGROUP_ROOT: &str = "MEMGUARD_SIDECAR_CGROUP_ROOT";
+/// Sidecar: the procfs mount (`--proc-root`).
+pub const SIDECAR_PROC_ROOT: &str = "MEMGUARD_SIDECAR_PROC_ROOT";
+/// Sidecar: starting per-device batch (`--batch-size`; else [`BATCH_SIZE`]).
+pub const SIDECAR_BATCH_SIZE: &str = "MEMGUARD_SIDECAR_BATCH_SIZE";
+/// Sidecar: starting gradient accumulation (`--grad-accumulation`; else [`GRAD_ACCUMULATION`]).
+pub const SIDECAR_GRAD_ACCUMULATION: &str = "MEMGUARD_SIDECAR_GRAD_ACCUMULATION";
+/// Sidecar: starting gradient checkpointing (`--grad-checkpointing`; else
+/// [`GRAD_CHECKPOINTING`]).
+pub const SIDECAR_GRAD_CHECKPOINTING: &str = "MEMGUARD_SIDECAR_GRAD_CHECKPOINTING";
+/// Sidecar: least time between two downgrades (`--cooldown`).
+pub const SIDECAR_COOLDOWN: &str = "MEMGUARD_SIDECAR_COOLDOWN";
+/// Sidecar: how long the figures must allow a lower level before it falls (`--relax-after`).
+pub const SIDECAR_RELAX_AFTER: &str = "MEMGUARD_SIDECAR_RELAX_AFTER";
+/// Sidecar: a growth reaching the limit within this time is pressure (`--leak-horizon`).
+pub const SIDECAR_LEAK_HORIZON: &str = "MEMGUARD_SIDECAR_LEAK_HORIZON";
+/// Sidecar: where the summary is written at exit (`--termination-log`).
+pub const SIDECAR_TERMINATION_LOG: &str = "MEMGUARD_SIDECAR_TERMINATION_LOG";
+/// Sidecar: `json` or `text` logs (`--log-format`).
+pub const SIDECAR_LOG_FORMAT: &str = "MEMGUARD_SIDECAR_LOG_FORMAT";
+/// Sidecar: exit when the watched cgroup empties (`--exit-when-empty`).
+pub const SIDECAR_EXIT_WHEN_EMPTY: &str = "MEMGUARD_SIDECAR_EXIT_WHEN_EMPTY";
+/// Sidecar: register kernel events (`--events`).
+pub const SIDECAR_EVENTS: &str = "MEMGUARD_SIDECAR_EVENTS";
+
+/// Every `MEMGUARD_SIDECAR_*` variable: one per sidecar flag (a test in the sidecar checks
+/// that its flags read exactly these).
+pub const SIDECAR_VARS: &[&str] = &[
+    SIDECAR_CGROUP,
+    SIDECAR_CGROUP_ROOT,
+    SIDECAR_PROC_ROOT,
+    SIDECAR_SIGNAL_FILE,
+    SIDECAR_LISTEN,
+    SIDECAR_METRICS_LISTEN,
+    SIDECAR_INTERVAL,
+    SIDECAR_BATCH_SIZE,
+    SIDECAR_GRAD_ACCUMULATION,
+    SIDECAR_GRAD_CHECKPOINTING,
+    SIDECAR_WARN,
+    SIDECAR_DOWNGRADE,
+    SIDECAR_CRITICAL,
+    SIDECAR_PSI_THRESHOLD,
+    SIDECAR_COOLDOWN,
+    SIDECAR_RELAX_AFTER,
+    SIDECAR_LEAK_HORIZON,
+    SIDECAR_TERMINATION_LOG,
+    SIDECAR_LOG_FORMAT,
+    SIDECAR_EXIT_WHEN_EMPTY,
+    SIDECAR_EVENTS,
+];
 
 /// Every variable the webhook may write into the trainer, for docs and checks.
 pub const TRAINER_VARS: &[&str] = &[

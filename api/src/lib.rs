@@ -6,13 +6,14 @@
 #![deny(missing_docs)]
 
 pub mod annotations;
+pub mod duration;
 pub mod env;
 pub mod hf_config;
-pub mod labels;
 pub mod oom;
 pub mod policy;
 pub mod signal;
 pub mod summary;
+pub mod wellknown;
 
 #[cfg(feature = "crd")]
 pub mod crd;

@@ -4,7 +4,7 @@
 //! both key on these answers, so they live here once.
 
 use crate::annotations;
-use crate::labels;
+use crate::wellknown;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use memguard_estimator::Device;
@@ -49,7 +49,7 @@ pub fn pick_trainer<'a>(
         containers
             .iter()
             .enumerate()
-            .filter(|(_, c)| c.name != labels::SIDECAR_CONTAINER)
+            .filter(|(_, c)| c.name != wellknown::SIDECAR_CONTAINER)
     };
     if let Some(name) = named {
         let key = annotations::CONTAINER.trim_start_matches(annotations::PREFIX);
@@ -128,7 +128,7 @@ pub enum AcceleratorKind {
 
 fn device_kind(resource: &str) -> Option<AcceleratorKind> {
     match resource {
-        labels::NVIDIA_GPU_RESOURCE => Some(AcceleratorKind::NvidiaGpu),
+        wellknown::NVIDIA_GPU_RESOURCE => Some(AcceleratorKind::NvidiaGpu),
         NVIDIA_GPU_SHARED_RESOURCE => Some(AcceleratorKind::NvidiaShared),
         AMD_GPU_RESOURCE => Some(AcceleratorKind::AmdGpu),
         _ => resource
@@ -346,7 +346,7 @@ pub fn parse_mps_limit(value: &str) -> Result<u64, String> {
 /// union of the required node-affinity terms' `In` values when every term constrains it (terms
 /// are ORed: one unconstrained term means any product). Empty when unknown.
 pub fn gpu_products(pod: &Pod) -> Vec<String> {
-    pinned_values(pod, labels::NVIDIA_GPU_PRODUCT_LABEL)
+    pinned_values(pod, wellknown::NVIDIA_GPU_PRODUCT_LABEL)
 }
 
 /// The values of node label `label` the pod is pinned to, read as [`gpu_products`] reads
@@ -466,7 +466,7 @@ mod tests {
         if let Some(g) = gpus {
             c.resources = Some(k8s_openapi::api::core::v1::ResourceRequirements {
                 limits: Some(BTreeMap::from([(
-                    labels::NVIDIA_GPU_RESOURCE.to_string(),
+                    wellknown::NVIDIA_GPU_RESOURCE.to_string(),
                     Quantity(g.into()),
                 )])),
                 ..Default::default()
@@ -478,7 +478,7 @@ mod tests {
     #[test]
     fn the_trainer_is_the_named_container_else_the_gpu_one_else_the_first_never_the_sidecar() {
         let pod = [
-            container(labels::SIDECAR_CONTAINER, None),
+            container(wellknown::SIDECAR_CONTAINER, None),
             container("loader", None),
             container("trainer", Some("2")),
         ];

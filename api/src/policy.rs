@@ -4,9 +4,12 @@
 //! `MemguardPolicy` CRD, so the three can never drift apart. Every field is optional in the
 //! document; [`PolicySpec::resolved`] fills the documented defaults.
 
+use crate::duration::{format_duration, parse_duration};
+use crate::env;
 use memguard_estimator::{Bytes, parse_bytes};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 /// Default fraction of device memory a plan may use.
 pub const DEFAULT_SAFETY_RATIO: f64 = 0.9;
@@ -77,6 +80,8 @@ pub const MAX_OOM_RECOVERIES_LIMIT: u32 = 20;
 
 /// Default sidecar image.
 pub const DEFAULT_SIDECAR_IMAGE: &str = "ghcr.io/memguard/memguard:0.1.0";
+/// Default sampling interval of the sidecar.
+pub const DEFAULT_SIDECAR_INTERVAL: Duration = Duration::from_millis(100);
 
 /// How the sidecar is injected.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -120,8 +125,10 @@ pub struct SidecarSpec {
     /// Resources.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<SidecarResources>,
-    /// Sampling interval, e.g. `100ms`.
+    /// Sampling interval, more than 0: one or more `<number><unit>` groups (`ns`, `us`, `ms`,
+    /// `s`, `m`, `h`), e.g. `100ms` (default) or `1m30s`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(regex(pattern = crate::duration::PATTERN)))]
     pub interval: Option<String>,
 }
 
@@ -132,15 +139,19 @@ pub struct SidecarSpec {
 pub struct Thresholds {
     /// Level `warn` at or above this ratio (default 0.70).
     #[serde(default = "default_warn")]
+    #[cfg_attr(feature = "crd", schemars(range(min = 0.0, max = 1.0)))]
     pub warn: f64,
     /// Level `downgrade` at or above this ratio (default 0.85).
     #[serde(default = "default_downgrade")]
+    #[cfg_attr(feature = "crd", schemars(range(min = 0.0, max = 1.0)))]
     pub downgrade: f64,
     /// Level `critical` at or above this ratio (default 0.95).
     #[serde(default = "default_critical")]
+    #[cfg_attr(feature = "crd", schemars(range(min = 0.0, max = 1.0)))]
     pub critical: f64,
     /// PSI memory `some avg10` percentage that counts as `downgrade` pressure (default 10).
     #[serde(default = "default_psi")]
+    #[cfg_attr(feature = "crd", schemars(range(min = 0.0, max = 100.0)))]
     pub psi_some_avg10: f64,
 }
 
@@ -230,6 +241,7 @@ impl FloorsSpec {
 pub struct PolicySpec {
     /// Fraction of device memory a plan may use, in (0, 1] (default 0.9).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(range(min = 0.0, max = 1.0)))]
     pub safety_ratio: Option<f64>,
     /// GPU memory per device when no product is known (default `80Gi`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -274,8 +286,8 @@ pub struct Policy {
     pub sidecar_mode: SidecarMode,
     /// Sidecar resources.
     pub sidecar_resources: SidecarResources,
-    /// Sidecar sampling interval, as given (e.g. `100ms`).
-    pub sidecar_interval: String,
+    /// Sidecar sampling interval (more than 0).
+    pub sidecar_interval: Duration,
     /// Thresholds.
     pub thresholds: Thresholds,
     /// Default env-map, as `knob=VAR` pairs.
@@ -343,6 +355,18 @@ impl PolicySpec {
             ));
         }
         let sidecar = self.sidecar.clone().unwrap_or_default();
+        let sidecar_interval = match sidecar.interval.as_deref().map(parse_duration) {
+            None => Some(DEFAULT_SIDECAR_INTERVAL),
+            Some(Ok(d)) if !d.is_zero() => Some(d),
+            Some(Ok(_)) => {
+                errors.push("sidecar.interval: must be more than 0".into());
+                None
+            }
+            Some(Err(e)) => {
+                errors.push(format!("sidecar.interval: {e}"));
+                None
+            }
+        };
         if !errors.is_empty() {
             return Err(errors);
         }
@@ -359,12 +383,30 @@ impl PolicySpec {
                 memory_request: Some("16Mi".into()),
                 memory_limit: Some("32Mi".into()),
             }),
-            sidecar_interval: sidecar.interval.unwrap_or_else(|| "100ms".into()),
+            sidecar_interval: sidecar_interval.unwrap_or(DEFAULT_SIDECAR_INTERVAL),
             thresholds,
             env_names: self.env_names.clone(),
             floors: self.floors.unwrap_or_default().resolved(),
             max_oom_recoveries,
         })
+    }
+}
+
+impl Policy {
+    /// The `MEMGUARD_SIDECAR_*` variables that carry the policy's sidecar settings (interval and
+    /// thresholds), spelled so the sidecar's own flag parsing reads back the same values.
+    pub fn sidecar_env(&self) -> Vec<(&'static str, String)> {
+        let t = &self.thresholds;
+        vec![
+            (
+                env::SIDECAR_INTERVAL,
+                format_duration(self.sidecar_interval),
+            ),
+            (env::SIDECAR_WARN, t.warn.to_string()),
+            (env::SIDECAR_DOWNGRADE, t.downgrade.to_string()),
+            (env::SIDECAR_CRITICAL, t.critical.to_string()),
+            (env::SIDECAR_PSI_THRESHOLD, t.psi_some_avg10.to_string()),
+        ]
     }
 }
 
@@ -488,6 +530,33 @@ mod tests {
                 assert!(bytes.0 <= (gb + 1) * (1 << 30), "{product}: {bytes}");
             }
         }
+    }
+
+    #[test]
+    fn a_sidecar_interval_that_is_not_a_duration_is_refused_at_load() {
+        let spec: PolicySpec = serde_json::from_str(r#"{"sidecar": {"interval": "10 parsecs"}}"#)
+            .expect("the shape is valid: a string");
+        let errors = spec.resolved().expect_err("the value is not");
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0].starts_with("sidecar.interval: \"10 parsecs\" is not a duration"),
+            "{errors:?}"
+        );
+        let zero: PolicySpec =
+            serde_json::from_str(r#"{"sidecar": {"interval": "0ms"}}"#).expect("shape");
+        assert_eq!(
+            zero.resolved(),
+            Err(vec!["sidecar.interval: must be more than 0".to_string()])
+        );
+        let fine: PolicySpec =
+            serde_json::from_str(r#"{"sidecar": {"interval": "1m30s"}}"#).expect("shape");
+        let policy = fine.resolved().expect("valid");
+        assert_eq!(policy.sidecar_interval, Duration::from_secs(90));
+        assert!(
+            policy
+                .sidecar_env()
+                .contains(&(env::SIDECAR_INTERVAL, "90s".into()))
+        );
     }
 
     #[test]

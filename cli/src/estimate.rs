@@ -308,7 +308,7 @@ fn pod_budget(args: &Args, parsed: &TrainingAnnotations) -> Result<Option<PodBud
         let label = if limits.contains_key(AMD_GPU_RESOURCE) {
             AMD_GPU_PRODUCT_LABEL
         } else {
-            memguard_api::labels::NVIDIA_GPU_PRODUCT_LABEL
+            memguard_api::wellknown::NVIDIA_GPU_PRODUCT_LABEL
         };
         spec["nodeSelector"] = json!({ label: product });
     }

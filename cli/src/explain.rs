@@ -10,7 +10,7 @@
 use anyhow::Context;
 use k8s_openapi::api::core::v1::{ContainerStateTerminated, ContainerStatus, Pod};
 use memguard_api::crd::{MemoryProfileStatus, TrainingKnobs};
-use memguard_api::{OomRecord, Summary, annotations as keys, labels};
+use memguard_api::{OomRecord, Summary, annotations as keys, wellknown};
 use memguard_estimator::{Bytes, estimate};
 use memguard_learn::observe::{
     NotObserved, knobs_from_env, knobs_of, oom_reason, parse_summary, try_observe, with_knobs,
@@ -385,7 +385,7 @@ fn sidecar_summary(pod: &Pod) -> Option<Summary> {
         .iter()
         .flatten()
         .chain(status.container_statuses.iter().flatten())
-        .find(|s| s.name == labels::SIDECAR_CONTAINER)?
+        .find(|s| s.name == wellknown::SIDECAR_CONTAINER)?
         .state
         .as_ref()?
         .terminated

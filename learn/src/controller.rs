@@ -16,7 +16,7 @@ use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use memguard_api::crd::MemoryProfile;
-use memguard_api::labels;
+use memguard_api::wellknown;
 use serde_json::{Map, Value, json};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -277,7 +277,7 @@ pub async fn run(
 ) {
     let recorder = Recorder::new(client.clone(), metrics.clone()).with_oom_limit(limit);
     let pods: Api<Pod> = Api::all(client);
-    let selector = format!("{}={}", labels::ENABLED_LABEL, labels::ENABLED_VALUE);
+    let selector = format!("{}={}", wellknown::ENABLED_LABEL, wellknown::ENABLED_VALUE);
     let mut seen: HashSet<(String, String)> = HashSet::new();
     loop {
         while !*leader.borrow_and_update() {

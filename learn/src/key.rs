@@ -179,7 +179,7 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 mod tests {
     use super::*;
     use crate::testutil::PodBuilder;
-    use memguard_api::labels;
+    use memguard_api::wellknown;
 
     fn spec(model: &str, method: &str, precision: &str, device: &str) -> MemoryProfileSpec {
         MemoryProfileSpec {
@@ -205,7 +205,7 @@ mod tests {
                     .annotate("model", "llama-3-8b")
                     .annotate("method", "lora")
                     .gpus(1)
-                    .node_selector(labels::NVIDIA_GPU_PRODUCT_LABEL, "NVIDIA-A100-SXM4-80GB"),
+                    .node_selector(wellknown::NVIDIA_GPU_PRODUCT_LABEL, "NVIDIA-A100-SXM4-80GB"),
                 spec("llama-3-8b", "lora", "bf16-mixed", "NVIDIA-A100-SXM4-80GB"),
             ),
             (

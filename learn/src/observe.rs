@@ -6,7 +6,7 @@ use k8s_openapi::api::core::v1::{ContainerStateTerminated, ContainerStatus, Pod}
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use memguard_api::annotations as keys;
 use memguard_api::crd::{DeviceClass, TrainingKnobs};
-use memguard_api::{Level, OomKind, OomOutcome, OomRecord, Summary, env, labels};
+use memguard_api::{Level, OomKind, OomOutcome, OomRecord, Summary, env, wellknown};
 use memguard_estimator::{Bytes, TrainingConfig, parse_bytes};
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -91,8 +91,8 @@ pub fn try_observe(pod: &Pod) -> Result<Observation, NotObserved> {
         .metadata
         .labels
         .as_ref()
-        .and_then(|l| l.get(labels::ENABLED_LABEL))
-        .is_some_and(|v| v == labels::ENABLED_VALUE);
+        .and_then(|l| l.get(wellknown::ENABLED_LABEL))
+        .is_some_and(|v| v == wellknown::ENABLED_VALUE);
     if !opted_in {
         return Err(NotObserved::NotOptedIn);
     }
@@ -136,7 +136,7 @@ pub fn try_observe(pod: &Pod) -> Result<Observation, NotObserved> {
     let sidecar = statuses(true)
         .iter()
         .chain(statuses(false))
-        .find(|s| s.name == labels::SIDECAR_CONTAINER);
+        .find(|s| s.name == wellknown::SIDECAR_CONTAINER);
     let sidecar_done = sidecar
         .and_then(|s| s.state.as_ref())
         .and_then(|s| s.terminated.as_ref());

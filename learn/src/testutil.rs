@@ -6,7 +6,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
-use memguard_api::{Summary, labels};
+use memguard_api::{Summary, wellknown};
 use std::collections::BTreeMap;
 
 /// `seconds` after the epoch.
@@ -29,8 +29,8 @@ impl PodBuilder {
                 namespace: Some("ml".into()),
                 uid: Some("uid-0".into()),
                 labels: Some(BTreeMap::from([(
-                    labels::ENABLED_LABEL.to_string(),
-                    labels::ENABLED_VALUE.to_string(),
+                    wellknown::ENABLED_LABEL.to_string(),
+                    wellknown::ENABLED_VALUE.to_string(),
                 )])),
                 annotations: Some(BTreeMap::new()),
                 ..ObjectMeta::default()
@@ -87,7 +87,10 @@ impl PodBuilder {
             .get_or_insert_with(ResourceRequirements::default)
             .limits
             .get_or_insert_with(BTreeMap::new)
-            .insert(labels::NVIDIA_GPU_RESOURCE.into(), Quantity(n.to_string()));
+            .insert(
+                wellknown::NVIDIA_GPU_RESOURCE.into(),
+                Quantity(n.to_string()),
+            );
         self
     }
 
@@ -183,7 +186,7 @@ impl PodBuilder {
     pub fn native_sidecar_done(mut self, summary: &Summary) -> Self {
         let message = serde_json::to_string(summary).expect("a summary serializes");
         let status = container_status(
-            labels::SIDECAR_CONTAINER,
+            wellknown::SIDECAR_CONTAINER,
             terminated("Completed", 0, 0, Some(message)),
         );
         self.status()
@@ -196,7 +199,7 @@ impl PodBuilder {
     /// The classic sidecar (in `containerStatuses`) terminated with `message`.
     pub fn classic_sidecar_done(mut self, message: &str) -> Self {
         let status = container_status(
-            labels::SIDECAR_CONTAINER,
+            wellknown::SIDECAR_CONTAINER,
             terminated("Completed", 0, 0, Some(message.into())),
         );
         self.status()
@@ -209,7 +212,7 @@ impl PodBuilder {
     /// The native sidecar still running.
     pub fn native_sidecar_running(mut self) -> Self {
         let status = container_status(
-            labels::SIDECAR_CONTAINER,
+            wellknown::SIDECAR_CONTAINER,
             ContainerState {
                 running: Some(ContainerStateRunning::default()),
                 ..ContainerState::default()

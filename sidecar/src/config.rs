@@ -1,10 +1,13 @@
-//! Command-line flags and environment: every flag is also `MEMGUARD_SIDECAR_<FLAG>`; the starting
-//! batch, accumulation and checkpointing default from the trainer's own `MEMGUARD_*` variables.
+//! Command-line flags and environment: every flag is also `MEMGUARD_SIDECAR_<FLAG>` (the names
+//! are [`memguard_api::env`]'s, which the webhook writes); the starting batch, accumulation and
+//! checkpointing default from the trainer's own `MEMGUARD_*` variables.
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
+pub use memguard_api::duration::parse_duration;
 use memguard_api::env;
-use memguard_api::labels;
 use memguard_api::policy::Thresholds;
+use memguard_api::wellknown;
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -27,77 +30,122 @@ pub enum LogFormat {
 pub struct Args {
     /// The trainer's cgroup directory (a cgroup v1 memory dir or a v2 dir). Default: the trainer
     /// found through the shared process namespace, else this process's own cgroup.
-    #[arg(long, env = "MEMGUARD_SIDECAR_CGROUP")]
+    #[arg(long, env = env::SIDECAR_CGROUP)]
     pub cgroup: Option<PathBuf>,
     /// Where cgroup hierarchies are mounted (used when --cgroup is not given).
     #[arg(
         long,
-        env = "MEMGUARD_SIDECAR_CGROUP_ROOT",
+        env = env::SIDECAR_CGROUP_ROOT,
         default_value = "/sys/fs/cgroup"
     )]
     pub cgroup_root: PathBuf,
     /// procfs mount (trainer discovery and the RSS fallback).
-    #[arg(long, env = "MEMGUARD_SIDECAR_PROC_ROOT", default_value = "/proc")]
+    #[arg(long, env = env::SIDECAR_PROC_ROOT, default_value = "/proc")]
     pub proc_root: PathBuf,
     /// The signal file, replaced atomically.
-    #[arg(long, env = "MEMGUARD_SIDECAR_SIGNAL_FILE", default_value = labels::SIGNAL_FILE)]
+    #[arg(long, env = env::SIDECAR_SIGNAL_FILE, default_value = wellknown::SIGNAL_FILE)]
     pub signal_file: PathBuf,
     /// Trainer API address (pod-local).
-    #[arg(long, env = "MEMGUARD_SIDECAR_LISTEN", default_value = labels::SIDECAR_LISTEN)]
+    #[arg(long, env = env::SIDECAR_LISTEN, default_value = wellknown::SIDECAR_LISTEN)]
     pub listen: SocketAddr,
     /// Metrics address (serves only /metrics and /healthz).
-    #[arg(long, env = "MEMGUARD_SIDECAR_METRICS_LISTEN", default_value = labels::SIDECAR_METRICS_LISTEN)]
+    #[arg(long, env = env::SIDECAR_METRICS_LISTEN, default_value = wellknown::SIDECAR_METRICS_LISTEN)]
     pub metrics_listen: SocketAddr,
     /// Sampling interval (`100ms`, `1s`).
-    #[arg(long, env = "MEMGUARD_SIDECAR_INTERVAL", default_value = "100ms", value_parser = parse_duration)]
+    #[arg(long, env = env::SIDECAR_INTERVAL, default_value = "100ms", value_parser = parse_duration)]
     pub interval: Duration,
     /// Starting per-device batch size (default: MEMGUARD_BATCH_SIZE, else 1).
-    #[arg(long, env = "MEMGUARD_SIDECAR_BATCH_SIZE")]
+    #[arg(long, env = env::SIDECAR_BATCH_SIZE)]
     pub batch_size: Option<u64>,
     /// Starting gradient accumulation (default: MEMGUARD_GRAD_ACCUMULATION, else 1).
-    #[arg(long, env = "MEMGUARD_SIDECAR_GRAD_ACCUMULATION")]
+    #[arg(long, env = env::SIDECAR_GRAD_ACCUMULATION)]
     pub grad_accumulation: Option<u64>,
     /// Starting gradient checkpointing (default: MEMGUARD_GRAD_CHECKPOINTING, else false).
-    #[arg(long, env = "MEMGUARD_SIDECAR_GRAD_CHECKPOINTING", value_parser = parse_bool)]
+    #[arg(long, env = env::SIDECAR_GRAD_CHECKPOINTING, value_parser = parse_bool)]
     pub grad_checkpointing: Option<bool>,
     /// Warn at this ratio of the effective limit.
-    #[arg(long, env = "MEMGUARD_SIDECAR_WARN")]
+    #[arg(long, env = env::SIDECAR_WARN)]
     pub warn: Option<f64>,
     /// Downgrade at this ratio of the effective limit.
-    #[arg(long, env = "MEMGUARD_SIDECAR_DOWNGRADE")]
+    #[arg(long, env = env::SIDECAR_DOWNGRADE)]
     pub downgrade: Option<f64>,
     /// Critical at this ratio of the effective limit.
-    #[arg(long, env = "MEMGUARD_SIDECAR_CRITICAL")]
+    #[arg(long, env = env::SIDECAR_CRITICAL)]
     pub critical: Option<f64>,
     /// PSI memory `some avg10` percentage that counts as downgrade pressure.
-    #[arg(long, env = "MEMGUARD_SIDECAR_PSI_THRESHOLD")]
+    #[arg(long, env = env::SIDECAR_PSI_THRESHOLD)]
     pub psi_threshold: Option<f64>,
     /// Least time between two downgrades (entering critical skips it once).
-    #[arg(long, env = "MEMGUARD_SIDECAR_COOLDOWN", default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, env = env::SIDECAR_COOLDOWN, default_value = "30s", value_parser = parse_duration)]
     pub cooldown: Duration,
     /// How long the figures must allow a lower level before the level falls (no flapping).
-    #[arg(long, env = "MEMGUARD_SIDECAR_RELAX_AFTER", default_value = "5s", value_parser = parse_duration)]
+    #[arg(long, env = env::SIDECAR_RELAX_AFTER, default_value = "5s", value_parser = parse_duration)]
     pub relax_after: Duration,
     /// A steady growth that reaches the limit within this time counts as downgrade pressure.
-    #[arg(long, env = "MEMGUARD_SIDECAR_LEAK_HORIZON", default_value = "60s", value_parser = parse_duration)]
+    #[arg(long, env = env::SIDECAR_LEAK_HORIZON, default_value = "60s", value_parser = parse_duration)]
     pub leak_horizon: Duration,
     /// Where the one-line JSON summary is written at exit.
-    #[arg(long, env = "MEMGUARD_SIDECAR_TERMINATION_LOG", default_value = labels::TERMINATION_LOG)]
+    #[arg(long, env = env::SIDECAR_TERMINATION_LOG, default_value = wellknown::TERMINATION_LOG)]
     pub termination_log: PathBuf,
     /// Log format.
     #[arg(
         long,
-        env = "MEMGUARD_SIDECAR_LOG_FORMAT",
+        env = env::SIDECAR_LOG_FORMAT,
         value_enum,
         default_value = "json"
     )]
     pub log_format: LogFormat,
     /// Exit (writing the summary) when the watched cgroup empties after having held a process.
-    #[arg(long, env = "MEMGUARD_SIDECAR_EXIT_WHEN_EMPTY", default_value = "true", value_parser = parse_bool, action = clap::ArgAction::Set)]
+    #[arg(long, env = env::SIDECAR_EXIT_WHEN_EMPTY, default_value = "true", value_parser = parse_bool, action = clap::ArgAction::Set)]
     pub exit_when_empty: bool,
     /// Register kernel events (cgroup v1 thresholds, PSI triggers, inotify); the poll always runs.
-    #[arg(long, env = "MEMGUARD_SIDECAR_EVENTS", default_value = "true", value_parser = parse_bool, action = clap::ArgAction::Set)]
+    #[arg(long, env = env::SIDECAR_EVENTS, default_value = "true", value_parser = parse_bool, action = clap::ArgAction::Set)]
     pub events: bool,
+}
+
+impl Args {
+    /// The flags from `argv` (program name first), each one not given there taken from its
+    /// `MEMGUARD_SIDECAR_*` variable read through `lookup`, else its default. `main` passes the
+    /// process's environment; tests pass a map, so they see exactly what a pod would.
+    pub fn from_env<I, T>(
+        argv: I,
+        lookup: &impl Fn(&str) -> Option<String>,
+    ) -> Result<Args, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString>,
+    {
+        let mut argv: Vec<OsString> = argv.into_iter().map(Into::into).collect();
+        if argv.is_empty() {
+            argv.push("memguard-sidecar".into());
+        }
+        let command = Args::command();
+        // Variables first, the command line after: with `args_override_self` the later
+        // occurrence of a flag wins, so a flag beats its variable, as clap's own `env` does.
+        let from_env = command.get_arguments().filter_map(|arg| {
+            let value = lookup(arg.get_env()?.to_str()?)?;
+            Some(OsString::from(format!("--{}={value}", arg.get_long()?)))
+        });
+        let full: Vec<OsString> = argv[..1]
+            .iter()
+            .cloned()
+            .chain(from_env)
+            .chain(argv[1..].iter().cloned())
+            .collect();
+        let matches = command
+            .clone()
+            .args_override_self(true)
+            .mut_args(|arg| arg.env(None::<&str>))
+            .try_get_matches_from(full)
+            .map_err(|e| match e.kind() {
+                // Help and version from the command as declared: the help lists the variables.
+                clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => {
+                    command.try_get_matches_from(&argv).err().unwrap_or(e)
+                }
+                _ => e,
+            })?;
+        Args::from_arg_matches(&matches)
+    }
 }
 
 /// The resolved configuration.
@@ -219,15 +267,6 @@ impl Config {
     }
 }
 
-/// `100ms`, `2s`, `1m`; a bare number is seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    if let Ok(secs) = s.parse::<u64>() {
-        return Ok(Duration::from_secs(secs));
-    }
-    humantime::parse_duration(s).map_err(|e| format!("{s:?} is not a duration: {e}"))
-}
-
 /// `true|false|1|0|yes|no|on|off`, any case.
 pub fn parse_bool(s: &str) -> Result<bool, String> {
     match s.trim().to_ascii_lowercase().as_str() {
@@ -259,16 +298,16 @@ mod tests {
     #[test]
     fn defaults_match_the_contract() {
         let c = Config::resolve(args(&[]), env_of(&[])).expect("valid");
-        assert_eq!(c.args.signal_file, PathBuf::from(labels::SIGNAL_FILE));
-        assert_eq!(c.args.listen.to_string(), labels::SIDECAR_LISTEN);
+        assert_eq!(c.args.signal_file, PathBuf::from(wellknown::SIGNAL_FILE));
+        assert_eq!(c.args.listen.to_string(), wellknown::SIDECAR_LISTEN);
         assert_eq!(
             c.args.metrics_listen.to_string(),
-            labels::SIDECAR_METRICS_LISTEN
+            wellknown::SIDECAR_METRICS_LISTEN
         );
         assert_eq!(c.args.interval, Duration::from_millis(100));
         assert_eq!(
             c.args.termination_log,
-            PathBuf::from(labels::TERMINATION_LOG)
+            PathBuf::from(wellknown::TERMINATION_LOG)
         );
         assert_eq!(
             (c.batch_size, c.grad_accumulation, c.grad_checkpointing),
@@ -316,6 +355,48 @@ mod tests {
         assert!(!a.events && !a.exit_when_empty);
         let a = args(&[]);
         assert!(a.events && a.exit_when_empty);
+    }
+
+    #[test]
+    fn every_flag_reads_its_variable_from_the_contract() {
+        let mut read: Vec<String> = Args::command()
+            .get_arguments()
+            .filter_map(|a| a.get_env().map(|e| e.to_string_lossy().into_owned()))
+            .collect();
+        read.sort();
+        let mut contract: Vec<String> = env::SIDECAR_VARS.iter().map(|v| v.to_string()).collect();
+        contract.sort();
+        assert_eq!(read, contract);
+        let flags = Args::command()
+            .get_arguments()
+            .filter(|a| a.get_long().is_some())
+            .count();
+        assert_eq!(flags, contract.len(), "every flag has a variable");
+    }
+
+    #[test]
+    fn variables_come_through_the_lookup_and_flags_beat_them() {
+        let vars = env_of(&[
+            (env::SIDECAR_INTERVAL, "250ms"),
+            (env::SIDECAR_WARN, "0.6"),
+            (env::SIDECAR_EVENTS, "false"),
+            (env::SIDECAR_LISTEN, "127.0.0.1:7001"),
+        ]);
+        let a = Args::from_env(["memguard-sidecar"], &vars).expect("valid");
+        assert_eq!(a.interval, Duration::from_millis(250));
+        assert_eq!(a.warn, Some(0.6));
+        assert!(!a.events);
+        assert_eq!(a.listen.to_string(), "127.0.0.1:7001");
+        assert_eq!(a.cooldown, Duration::from_secs(30), "unset: the default");
+        let a = Args::from_env(
+            ["memguard-sidecar", "--interval", "1s", "--events=true"],
+            &vars,
+        )
+        .expect("valid");
+        assert_eq!((a.interval, a.events), (Duration::from_secs(1), true));
+        let typo = env_of(&[(env::SIDECAR_INTERVAL, "10 parsecs")]);
+        let e = Args::from_env(["memguard-sidecar"], &typo).expect_err("not a duration");
+        assert!(e.to_string().contains("--interval"), "{e}");
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! One sampling step: sample every source, assess, publish. No sockets, no clock of its own (the
 //! caller passes milliseconds), so tests drive it with fake sources.
 
-use crate::policy::{self, History, Inputs, PolicyConfig};
+use crate::pressure::{self, History, Inputs, PressureConfig};
 use crate::sample::gpu::{self, GpuSource};
 use crate::sample::psi::{self, Psi};
 use crate::sample::{MemorySample, MemorySource};
@@ -27,8 +27,8 @@ pub struct Engine {
     gpu: Box<dyn GpuSource>,
     psi_cgroup: Option<PathBuf>,
     psi_host: Option<PathBuf>,
-    policy: PolicyConfig,
-    state: policy::State,
+    pressure: PressureConfig,
+    state: pressure::State,
     history: History,
     writer: SignalWriter,
     shared: Arc<Shared>,
@@ -55,7 +55,7 @@ impl Engine {
         source: Box<dyn MemorySource>,
         gpu: Box<dyn GpuSource>,
         psi: PsiPaths,
-        policy: PolicyConfig,
+        pressure: PressureConfig,
         writer: SignalWriter,
         shared: Arc<Shared>,
     ) -> Self {
@@ -70,8 +70,8 @@ impl Engine {
             gpu,
             psi_cgroup: psi.cgroup,
             psi_host: psi.host,
-            policy,
-            state: policy::State::new(s.batch_size, s.grad_accumulation, s.grad_checkpointing),
+            pressure,
+            state: pressure::State::new(s.batch_size, s.grad_accumulation, s.grad_checkpointing),
             history: History::default(),
             writer,
             shared,
@@ -88,15 +88,15 @@ impl Engine {
     /// OOM record the trainer reported: the state to move to, and why.
     fn after_oom(
         &mut self,
-        state: &policy::State,
+        state: &pressure::State,
         sample: Option<&MemorySample>,
         now_ms: u64,
-    ) -> Option<(policy::State, String)> {
-        let mut out: Option<(policy::State, String)> = None;
+    ) -> Option<(pressure::State, String)> {
+        let mut out: Option<(pressure::State, String)> = None;
         if let Some(k) = sample.and_then(|s| s.events.oom_kill) {
             let before = self.oom_kill_seen.replace(k);
             if let Some(b) = before.filter(|b| k > *b) {
-                let next = policy::sticky_downgrade(state, self.state.knobs(), None, now_ms);
+                let next = pressure::sticky_downgrade(state, self.state.knobs(), None, now_ms);
                 let why = format!("OOM kill in the trainer's cgroup (oom_kill {b} -> {k})");
                 out = Some((next, why));
             }
@@ -104,12 +104,12 @@ impl Engine {
         let record = self.shared.status().pending_oom.take();
         if let Some(r) = record {
             let base = out.as_ref().map_or(state, |(s, _)| s).clone();
-            let in_force = policy::Knobs {
+            let in_force = pressure::Knobs {
                 batch_size: r.batch_size.max(1),
                 grad_accumulation: r.grad_accumulation.max(1),
                 grad_checkpointing: r.grad_checkpointing,
             };
-            let next = policy::sticky_downgrade(&base, in_force, r.new_batch_size, now_ms);
+            let next = pressure::sticky_downgrade(&base, in_force, r.new_batch_size, now_ms);
             let step = r.step.map_or_else(|| "?".into(), |s| s.to_string());
             let why = format!("trainer reported a {} {} at step {step}", r.outcome, r.kind);
             out = Some(match out {
@@ -213,19 +213,19 @@ impl Engine {
             self.history.push(now_ms, ws);
         }
         let report = self.shared.status().report.clone();
-        let own_eta = limit.and_then(|l| policy::leak_eta(&self.history.points(), l));
+        let own_eta = limit.and_then(|l| pressure::leak_eta(&self.history.points(), l));
         let reported_eta = report.as_ref().and_then(|r| {
             let rate = r.leak_bytes_per_second?;
             // Device memory when the framework knows the device's size (a GPU, Apple's unified
             // memory); otherwise the leak is in this cgroup's working set (MLX on a CPU).
             match (r.reserved_bytes.or(r.allocated_bytes), r.total_bytes) {
                 (Some(used), Some(total)) if total > 0 => {
-                    policy::reported_leak_eta(used, total, rate)
+                    pressure::reported_leak_eta(used, total, rate)
                 }
-                _ => policy::reported_leak_eta(ws?, limit?, rate),
+                _ => pressure::reported_leak_eta(ws?, limit?, rate),
             }
         });
-        let seconds_to_limit = policy::sooner(own_eta, reported_eta);
+        let seconds_to_limit = pressure::sooner(own_eta, reported_eta);
         let report_ratio = report.as_ref().and_then(|r| {
             let used = r.reserved_bytes.or(r.allocated_bytes)?;
             let total = r.total_bytes.filter(|&t| t > 0)?;
@@ -242,7 +242,7 @@ impl Engine {
             gpu_ratio,
             seconds_to_limit,
         };
-        let mut decision = policy::assess(&self.state, &inputs, now_ms, &self.policy);
+        let mut decision = pressure::assess(&self.state, &inputs, now_ms, &self.pressure);
         if let Some((state, why)) = self.after_oom(&decision.state, sample.as_ref(), now_ms) {
             decision.state = state;
             decision.reason = why;
@@ -420,7 +420,7 @@ mod tests {
             Box::new(Script(script)),
             Box::new(gpu),
             PsiPaths::default(),
-            PolicyConfig::new(Thresholds::default()),
+            PressureConfig::new(Thresholds::default()),
             SignalWriter::new(dir.join("signal.json")),
             shared.clone(),
         );

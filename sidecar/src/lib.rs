@@ -1,7 +1,7 @@
 //! memguard-sidecar: watches the trainer's memory (cgroup v1/v2), pressure (PSI) and GPU (NVML or
 //! the trainer's own reports), and tells it to shrink, through a file and HTTP, before it dies.
 //!
-//! Layout: `sample` (parsers and sources), `policy` (pure), `engine` (one step), `signal` (the
+//! Layout: `sample` (parsers and sources), `pressure` (the level state machine, pure), `engine` (one step), `signal` (the
 //! file), `server` (HTTP), `metrics`, `trace`, `summary`, `events` (kernel wakeups), `run`.
 #![deny(missing_docs)]
 
@@ -9,7 +9,7 @@ pub mod config;
 pub mod engine;
 pub mod events;
 pub mod metrics;
-pub mod policy;
+pub mod pressure;
 pub mod run;
 pub mod sample;
 pub mod server;

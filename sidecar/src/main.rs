@@ -1,10 +1,10 @@
 //! `memguard-sidecar`: see the library for the wiring.
-use clap::Parser;
 use memguard_sidecar::{Args, Config};
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let args = match Args::try_parse() {
+    let lookup = |name: &str| std::env::var(name).ok();
+    let args = match Args::from_env(std::env::args_os(), &lookup) {
         Ok(a) => a,
         Err(e) if e.use_stderr() => {
             let _ = e.print();
@@ -15,7 +15,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
     };
-    let config = match Config::resolve(args, |k| std::env::var(k).ok()) {
+    let config = match Config::resolve(args, lookup) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("memguard-sidecar: {e}");

@@ -3,7 +3,7 @@
 use crate::config::{Config, LogFormat};
 use crate::engine::{Engine, PsiPaths, Tick, starting_signal};
 use crate::events;
-use crate::policy::PolicyConfig;
+use crate::pressure::PressureConfig;
 use crate::sample::discover::{DirSource, TrainerSource};
 use crate::sample::gpu;
 use crate::sample::{MemorySource, SourceInfo};
@@ -218,10 +218,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tracing::info!(gpu = %gpu.describe(), "GPU source");
     let psi_cgroup = dir.as_deref().map(|d| cgroup_psi_path(&a.cgroup_root, d));
     let host = a.proc_root.join("pressure/memory");
-    let mut policy = PolicyConfig::new(config.thresholds);
-    policy.cooldown_ms = a.cooldown.as_millis() as u64;
-    policy.relax_after_ms = a.relax_after.as_millis() as u64;
-    policy.leak_horizon_s = a.leak_horizon.as_secs_f64();
+    let mut pressure = PressureConfig::new(config.thresholds);
+    pressure.cooldown_ms = a.cooldown.as_millis() as u64;
+    pressure.relax_after_ms = a.relax_after.as_millis() as u64;
+    pressure.leak_horizon_s = a.leak_horizon.as_secs_f64();
     let mut engine = Engine::new(
         source,
         gpu,
@@ -229,7 +229,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             cgroup: psi_cgroup,
             host: host.exists().then(|| host.clone()),
         },
-        policy,
+        pressure,
         SignalWriter::new(a.signal_file.clone()),
         shared.clone(),
     );

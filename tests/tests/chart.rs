@@ -4,8 +4,8 @@
 //! them the tests print a loud SKIP locally and fail in CI (`CI=true`).
 
 use memguard_api::crd::{self, MemguardPolicy};
-use memguard_api::labels;
 use memguard_api::policy::{DEFAULT_SIDECAR_IMAGE, PolicySpec, SidecarMode};
+use memguard_api::wellknown;
 use memguard_e2e::*;
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, BTreeSet};
@@ -428,11 +428,11 @@ fn webhook_configuration_agrees_with_the_contract_service_and_deployment() {
         assert_eq!(hooks.len(), 1, "{label}");
         let hook = &hooks[0];
         let svc_ref = &hook["clientConfig"]["service"];
-        assert_eq!(svc_ref["path"], labels::WEBHOOK_PATH, "{label}");
+        assert_eq!(svc_ref["path"], wellknown::WEBHOOK_PATH, "{label}");
         assert_eq!(svc_ref["namespace"], NAMESPACE, "{label}");
         assert_eq!(
             hook["objectSelector"],
-            json!({"matchLabels": {labels::ENABLED_LABEL: labels::ENABLED_VALUE}}),
+            json!({"matchLabels": {wellknown::ENABLED_LABEL: wellknown::ENABLED_VALUE}}),
             "{label}"
         );
         let expr = &hook["namespaceSelector"]["matchExpressions"][0];
@@ -490,15 +490,15 @@ fn webhook_configuration_agrees_with_the_contract_service_and_deployment() {
             .iter()
             .find(|p| p["name"] == port["targetPort"])
             .unwrap_or_else(|| panic!("{label}: no container port {}", port["targetPort"]));
-        assert_eq!(cport["containerPort"], labels::WEBHOOK_PORT, "{label}");
+        assert_eq!(cport["containerPort"], wellknown::WEBHOOK_PORT, "{label}");
         let args = container["args"].as_array().expect("args");
         assert_eq!(
             arg_after(args, "--listen"),
-            format!("0.0.0.0:{}", labels::WEBHOOK_PORT)
+            format!("0.0.0.0:{}", wellknown::WEBHOOK_PORT)
         );
         assert_eq!(
             arg_after(args, "--metrics-listen"),
-            format!("0.0.0.0:{}", labels::WEBHOOK_METRICS_PORT)
+            format!("0.0.0.0:{}", wellknown::WEBHOOK_METRICS_PORT)
         );
         let metrics = container["ports"]
             .as_array()
@@ -508,7 +508,7 @@ fn webhook_configuration_agrees_with_the_contract_service_and_deployment() {
             .expect("metrics port");
         assert_eq!(
             metrics["containerPort"],
-            labels::WEBHOOK_METRICS_PORT,
+            wellknown::WEBHOOK_METRICS_PORT,
             "{label}"
         );
         for probe in ["readinessProbe", "livenessProbe"] {
@@ -957,11 +957,11 @@ fn monitors_scrape_the_sidecar_and_webhook_metrics_ports() {
     let pm = find_kind(&docs, "PodMonitor");
     assert_eq!(
         pm["spec"]["podMetricsEndpoints"][0]["port"],
-        labels::SIDECAR_METRICS_PORT_NAME
+        wellknown::SIDECAR_METRICS_PORT_NAME
     );
     assert_eq!(
         pm["spec"]["selector"]["matchLabels"],
-        json!({labels::ENABLED_LABEL: labels::ENABLED_VALUE})
+        json!({wellknown::ENABLED_LABEL: wellknown::ENABLED_VALUE})
     );
     assert_eq!(pm["spec"]["namespaceSelector"], json!({"any": true}));
     assert_eq!(pm["metadata"]["labels"]["release"], "kube-prometheus-stack");
@@ -1038,8 +1038,8 @@ fn notes_show_how_to_opt_in_and_verify_with_contract_names() {
     let notes = stdout.split("\nNOTES:\n").nth(1).expect("NOTES rendered");
     assert!(notes.contains(&format!(
         "{}: \"{}\"",
-        labels::ENABLED_LABEL,
-        labels::ENABLED_VALUE
+        wellknown::ENABLED_LABEL,
+        wellknown::ENABLED_VALUE
     )));
     let escaped = |key: &str| key.replace('.', "\\.");
     for key in [
@@ -1054,12 +1054,12 @@ fn notes_show_how_to_opt_in_and_verify_with_contract_names() {
             "NOTES lack the check of {key}:\n{notes}"
         );
     }
-    assert!(notes.contains(labels::SIDECAR_CONTAINER));
+    assert!(notes.contains(wellknown::SIDECAR_CONTAINER));
     // Every annotation the example uses is a real input key.
     for line in notes.lines().map(str::trim) {
         if let Some((key, _)) = line.split_once(": ")
             && key.starts_with(memguard_api::annotations::PREFIX)
-            && key != labels::ENABLED_LABEL
+            && key != wellknown::ENABLED_LABEL
         {
             assert!(
                 memguard_api::annotations::INPUT_KEYS.contains(&key),

@@ -2,8 +2,11 @@
 //! Kubernetes 1.33 objects.
 
 use memguard_api::crd::{self, CustomResourceExt, MemguardPolicy, MemoryProfile};
-use memguard_api::labels;
-use memguard_e2e::{kubernetes_validate, validate_manifests, workspace_root};
+use memguard_api::wellknown;
+use memguard_e2e::{
+    kubernetes_validate, python_with_jsonschema, validate_against_crd, validate_manifests,
+    workspace_root,
+};
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -101,7 +104,7 @@ fn memguard_policy_is_cluster_scoped_with_the_policy_document_as_spec() {
     let crds = crds_by_kind();
     let p = &crds["MemguardPolicy"];
     assert_eq!(p["metadata"]["name"], "memguardpolicies.memguard.io");
-    assert_eq!(p["spec"]["group"], labels::GROUP);
+    assert_eq!(p["spec"]["group"], wellknown::GROUP);
     assert_eq!(p["spec"]["scope"], "Cluster");
     assert_eq!(
         p["spec"]["names"]["shortNames"],
@@ -147,12 +150,53 @@ fn memguard_policy_is_cluster_scoped_with_the_policy_document_as_spec() {
     assert_eq!(MemguardPolicy::crd_name(), "memguardpolicies.memguard.io");
 }
 
+/// The schema refuses a sidecar setting of the wrong kind before the webhook ever sees it (the
+/// webhook checks again at load: `api::policy`).
+#[test]
+fn the_policy_schema_refuses_sidecar_settings_that_are_not_what_they_say() {
+    let Some(python) = python_with_jsonschema() else {
+        return;
+    };
+    let schema =
+        crds_by_kind()["MemguardPolicy"]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+            .clone();
+    let policy = |spec: Value| {
+        serde_json::json!({
+            "apiVersion": "memguard.io/v1alpha1",
+            "kind": "MemguardPolicy",
+            "metadata": {"name": "default"},
+            "spec": spec,
+        })
+    };
+    for good in [
+        serde_json::json!({"sidecar": {"interval": "100ms"}}),
+        serde_json::json!({"sidecar": {"interval": "1m30s"}, "thresholds": {"warn": 0.5}}),
+        serde_json::json!({"thresholds": {"psiSomeAvg10": 100}}),
+    ] {
+        validate_against_crd(&python, &schema, &policy(good.clone()))
+            .unwrap_or_else(|e| panic!("{good} refused: {e}"));
+    }
+    for bad in [
+        serde_json::json!({"sidecar": {"interval": "10 parsecs"}}),
+        serde_json::json!({"sidecar": {"interval": "fast"}}),
+        serde_json::json!({"thresholds": {"warn": 70}}),
+        serde_json::json!({"thresholds": {"critical": 1.5}}),
+        serde_json::json!({"thresholds": {"psiSomeAvg10": -1}}),
+        serde_json::json!({"safetyRatio": 1.5}),
+    ] {
+        assert!(
+            validate_against_crd(&python, &schema, &policy(bad.clone())).is_err(),
+            "{bad} accepted by the CRD schema"
+        );
+    }
+}
+
 #[test]
 fn memory_profile_is_namespaced_with_status_subresource_and_useful_columns() {
     let crds = crds_by_kind();
     let p = &crds["MemoryProfile"];
     assert_eq!(p["metadata"]["name"], "memoryprofiles.memguard.io");
-    assert_eq!(p["spec"]["group"], labels::GROUP);
+    assert_eq!(p["spec"]["group"], wellknown::GROUP);
     assert_eq!(p["spec"]["scope"], "Namespaced");
     assert_eq!(
         p["spec"]["names"]["shortNames"],

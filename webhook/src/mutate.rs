@@ -13,8 +13,8 @@ use k8s_openapi::api::core::v1::Pod;
 use memguard_api::annotations::{self as keys, TrainingAnnotations};
 use memguard_api::crd::MemoryProfile;
 use memguard_api::pod::{default_device, gpu_count, pick_trainer};
-use memguard_api::policy::{SidecarMode, SidecarResources, Thresholds};
-use memguard_api::{Knob, Policy, env, labels};
+use memguard_api::policy::{SidecarMode, SidecarResources};
+use memguard_api::{Knob, Policy, env, wellknown};
 use memguard_estimator::{
     Bytes, Calibration, Device, DowngradePlan, Parallelism, TrainingConfig, plan_with_floors,
 };
@@ -175,7 +175,9 @@ struct EstimateSummary<'a> {
 pub fn mutate(pod: &Pod, policy: &Policy, profiles: &Profiles) -> Outcome {
     let empty = BTreeMap::new();
     let labels_map = pod.metadata.labels.as_ref().unwrap_or(&empty);
-    if labels_map.get(labels::ENABLED_LABEL).map(String::as_str) != Some(labels::ENABLED_VALUE) {
+    if labels_map.get(wellknown::ENABLED_LABEL).map(String::as_str)
+        != Some(wellknown::ENABLED_VALUE)
+    {
         return Outcome::Unchanged;
     }
     let annotations = pod.metadata.annotations.as_ref().unwrap_or(&empty);
@@ -200,8 +202,8 @@ fn decide(
     if !keys::has_training_input(annotations) {
         return Err(format!(
             "labelled {}={} but no training annotations (e.g. {})",
-            labels::ENABLED_LABEL,
-            labels::ENABLED_VALUE,
+            wellknown::ENABLED_LABEL,
+            wellknown::ENABLED_VALUE,
             keys::MODEL
         ));
     }
@@ -307,10 +309,10 @@ fn decide(
         warnings.push(cannot_fit_warning(verdict));
         trainer_env.push((env::CANNOT_FIT.into(), "true".into()));
     }
-    trainer_env.push((env::SIGNAL_FILE.into(), labels::SIGNAL_FILE.into()));
+    trainer_env.push((env::SIGNAL_FILE.into(), wellknown::SIGNAL_FILE.into()));
     trainer_env.push((
         env::SIDECAR_URL.into(),
-        format!("http://{}", labels::SIDECAR_LISTEN),
+        format!("http://{}", wellknown::SIDECAR_LISTEN),
     ));
 
     let env_map = if parsed.env_map.is_empty() {
@@ -383,31 +385,25 @@ fn sidecar_plan(
     budget: Option<&Budget>,
 ) -> SidecarPlan {
     let cfg = &plan.config;
-    let Thresholds {
-        warn,
-        downgrade,
-        critical,
-        psi_some_avg10,
-    } = policy.thresholds;
     let mut env: Vec<(String, String)> = vec![
         (env::TRAINER_CONTAINER.into(), trainer.into()),
-        (env::SIDECAR_SIGNAL_FILE.into(), labels::SIGNAL_FILE.into()),
-        (env::SIDECAR_LISTEN.into(), labels::SIDECAR_LISTEN.into()),
+        (
+            env::SIDECAR_SIGNAL_FILE.into(),
+            wellknown::SIGNAL_FILE.into(),
+        ),
+        (env::SIDECAR_LISTEN.into(), wellknown::SIDECAR_LISTEN.into()),
         (
             env::SIDECAR_METRICS_LISTEN.into(),
-            labels::SIDECAR_METRICS_LISTEN.into(),
+            wellknown::SIDECAR_METRICS_LISTEN.into(),
         ),
-        (
-            env::SIDECAR_INTERVAL.into(),
-            policy.sidecar_interval.clone(),
-        ),
-        (env::SIDECAR_WARN.into(), warn.to_string()),
-        (env::SIDECAR_DOWNGRADE.into(), downgrade.to_string()),
-        (env::SIDECAR_CRITICAL.into(), critical.to_string()),
-        (
-            env::SIDECAR_PSI_THRESHOLD.into(),
-            psi_some_avg10.to_string(),
-        ),
+    ];
+    env.extend(
+        policy
+            .sidecar_env()
+            .into_iter()
+            .map(|(name, value)| (name.to_string(), value)),
+    );
+    env.extend([
         (env::BATCH_SIZE.into(), cfg.batch_size.to_string()),
         (
             env::GRAD_ACCUMULATION.into(),
@@ -418,7 +414,7 @@ fn sidecar_plan(
             cfg.grad_checkpointing.to_string(),
         ),
         (env::ESTIMATE_BYTES.into(), plan.total().0.to_string()),
-    ];
+    ]);
     if let Some(b) = budget {
         env.push((env::BUDGET_BYTES.into(), b.bytes.0.to_string()));
     }

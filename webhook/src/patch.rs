@@ -12,7 +12,7 @@ use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation, ReplaceOp
 use k8s_openapi::api::core::v1::{Container, EnvVar, Pod};
 use memguard_api::annotations as keys;
 use memguard_api::policy::SidecarMode;
-use memguard_api::{env, labels};
+use memguard_api::{env, wellknown};
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
 
@@ -173,7 +173,7 @@ pub fn sidecar_container(m: &Mutation, identity: &SidecarIdentity) -> Value {
             "divisor": "1",
         }},
     }));
-    let metrics_port: u16 = labels::SIDECAR_METRICS_LISTEN
+    let metrics_port: u16 = wellknown::SIDECAR_METRICS_LISTEN
         .rsplit(':')
         .next()
         .and_then(|p| p.parse().ok())
@@ -186,25 +186,25 @@ pub fn sidecar_container(m: &Mutation, identity: &SidecarIdentity) -> Value {
         resources.insert("limits".into(), Value::Object(limits));
     }
     let mut c = json!({
-        "name": labels::SIDECAR_CONTAINER,
+        "name": wellknown::SIDECAR_CONTAINER,
         "image": m.sidecar.image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["memguard-sidecar"],
         "env": env,
         "ports": [{
-            "name": labels::SIDECAR_METRICS_PORT_NAME,
+            "name": wellknown::SIDECAR_METRICS_PORT_NAME,
             "containerPort": metrics_port,
             "protocol": "TCP",
         }],
         "readinessProbe": {
-            "httpGet": {"path": "/healthz", "port": labels::SIDECAR_METRICS_PORT_NAME},
+            "httpGet": {"path": "/healthz", "port": wellknown::SIDECAR_METRICS_PORT_NAME},
             "periodSeconds": 10,
         },
         "resources": resources,
         "securityContext": identity.security_context(),
-        "terminationMessagePath": labels::TERMINATION_LOG,
+        "terminationMessagePath": wellknown::TERMINATION_LOG,
         "terminationMessagePolicy": "File",
-        "volumeMounts": [{"name": labels::SIGNAL_VOLUME, "mountPath": labels::SIGNAL_DIR}],
+        "volumeMounts": [{"name": wellknown::SIGNAL_VOLUME, "mountPath": wellknown::SIGNAL_DIR}],
     });
     if m.sidecar.mode == SidecarMode::Native {
         c["restartPolicy"] = json!("Always");
@@ -256,11 +256,11 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
         .collect();
     set_env(trainer, &trainer_path, &desired, ops);
     let mounted = trainer.volume_mounts.iter().flatten().any(|vm| {
-        vm.name == labels::SIGNAL_VOLUME
-            || vm.mount_path.trim_end_matches('/') == labels::SIGNAL_DIR
+        vm.name == wellknown::SIGNAL_VOLUME
+            || vm.mount_path.trim_end_matches('/') == wellknown::SIGNAL_DIR
     });
     if !mounted {
-        let mount = json!({"name": labels::SIGNAL_VOLUME, "mountPath": labels::SIGNAL_DIR});
+        let mount = json!({"name": wellknown::SIGNAL_VOLUME, "mountPath": wellknown::SIGNAL_DIR});
         append(
             ops,
             &trainer_path,
@@ -285,9 +285,9 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
         .volumes
         .iter()
         .flatten()
-        .any(|v| v.name == labels::SIGNAL_VOLUME);
+        .any(|v| v.name == wellknown::SIGNAL_VOLUME);
     if !has_volume {
-        let volume = json!({"name": labels::SIGNAL_VOLUME, "emptyDir": {}});
+        let volume = json!({"name": wellknown::SIGNAL_VOLUME, "emptyDir": {}});
         append(ops, &["spec"], "volumes", spec.volumes.is_some(), volume);
     }
 
@@ -304,10 +304,10 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
         ),
         SidecarMode::Classic => ("containers", spec.containers.as_slice(), true, init),
     };
-    let in_other = other.iter().any(|c| c.name == labels::SIDECAR_CONTAINER);
+    let in_other = other.iter().any(|c| c.name == wellknown::SIDECAR_CONTAINER);
     match list
         .iter()
-        .position(|c| c.name == labels::SIDECAR_CONTAINER)
+        .position(|c| c.name == wellknown::SIDECAR_CONTAINER)
     {
         Some(i) => {
             let current = serde_json::to_value(&list[i]).unwrap_or(Value::Null);

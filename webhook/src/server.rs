@@ -17,7 +17,7 @@ use axum::routing::{get, post};
 use axum_server::Handle;
 use axum_server::tls_rustls::RustlsConfig;
 use bytes::Bytes;
-use memguard_api::labels;
+use memguard_api::wellknown;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -44,7 +44,7 @@ pub struct AppState {
 /// `POST /mutate`, `GET /healthz`, `GET /readyz`, with the body cap and the request timeout.
 pub fn router(state: AppState, timeout: Duration) -> Router {
     Router::new()
-        .route(labels::WEBHOOK_PATH, post(mutate))
+        .route(wellknown::WEBHOOK_PATH, post(mutate))
         .route("/healthz", get(ok))
         .route("/readyz", get(ok))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

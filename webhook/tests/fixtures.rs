@@ -7,7 +7,7 @@
 use json_patch::Patch;
 use k8s_openapi::api::core::v1::Pod;
 use memguard_api::annotations as keys;
-use memguard_api::{Policy, env, labels};
+use memguard_api::{Policy, env, wellknown};
 use memguard_webhook::config::{Overrides, policy_from_str};
 use memguard_webhook::{Outcome, Profiles, mutate, patch};
 use serde_json::{Value, json};
@@ -98,7 +98,7 @@ fn fixture_pods_match_their_golden_patches() {
                 .spec
                 .as_ref()
                 .and_then(|s| s.init_containers.as_ref())
-                .and_then(|l| l.iter().find(|c| c.name == labels::SIDECAR_CONTAINER))
+                .and_then(|l| l.iter().find(|c| c.name == wellknown::SIDECAR_CONTAINER))
                 .expect("native sidecar");
             assert_eq!(sidecar.restart_policy.as_deref(), Some("Always"), "{name}");
         }

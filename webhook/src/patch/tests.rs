@@ -27,7 +27,7 @@ fn gpu_pod() -> PodBuilder {
 fn sidecar(out: &Value, list: &str) -> Value {
     out["spec"][list]
         .as_array()
-        .and_then(|l| l.iter().find(|c| c["name"] == labels::SIDECAR_CONTAINER))
+        .and_then(|l| l.iter().find(|c| c["name"] == wellknown::SIDECAR_CONTAINER))
         .cloned()
         .unwrap_or(Value::Null)
 }
@@ -75,9 +75,9 @@ fn injects_a_native_sidecar_that_keeps_restart_policy_always() {
     );
     // The trainer and the sidecar share the signal volume.
     let mounts = |c: &Value| c["volumeMounts"][0]["mountPath"].clone();
-    assert_eq!(mounts(&out["spec"]["containers"][0]), labels::SIGNAL_DIR);
-    assert_eq!(mounts(&s), labels::SIGNAL_DIR);
-    assert_eq!(out["spec"]["volumes"][0]["name"], labels::SIGNAL_VOLUME);
+    assert_eq!(mounts(&out["spec"]["containers"][0]), wellknown::SIGNAL_DIR);
+    assert_eq!(mounts(&s), wellknown::SIGNAL_DIR);
+    assert_eq!(out["spec"]["volumes"][0]["name"], wellknown::SIGNAL_VOLUME);
     let typed: Container = serde_json::from_value(s).expect("the sidecar is a valid Container");
     assert_eq!(typed.restart_policy.as_deref(), Some("Always"));
 }
@@ -87,7 +87,7 @@ fn classic_mode_adds_a_regular_container_without_restart_policy() {
     let (_, out) = apply(&gpu_pod().json(), &policy("classic"));
     assert!(out["spec"].get("initContainers").is_none());
     let s = sidecar(&out, "containers");
-    assert_eq!(s["name"], labels::SIDECAR_CONTAINER);
+    assert_eq!(s["name"], wellknown::SIDECAR_CONTAINER);
     assert!(s.get("restartPolicy").is_none());
     assert_eq!(
         out["spec"]["containers"][0]["name"], "train",
@@ -174,7 +174,7 @@ fn never_clobbers_existing_arrays() {
     assert_eq!(out["spec"]["initContainers"][0]["name"], "fetch");
     assert_eq!(
         out["spec"]["initContainers"][1]["name"],
-        labels::SIDECAR_CONTAINER
+        wellknown::SIDECAR_CONTAINER
     );
     assert_eq!(out["spec"]["volumes"][0]["name"], "data");
     assert_eq!(
@@ -298,7 +298,7 @@ fn respects_what_the_pod_already_has() {
     pod["spec"]["containers"]
         .as_array_mut()
         .expect("array")
-        .push(json!({"name": labels::SIDECAR_CONTAINER, "image": "custom"}));
+        .push(json!({"name": wellknown::SIDECAR_CONTAINER, "image": "custom"}));
     let (_, out) = apply(&pod, &Policy::default());
     assert!(
         out["spec"].get("shareProcessNamespace").is_none(),

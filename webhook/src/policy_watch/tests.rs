@@ -104,8 +104,9 @@ async fn an_invalid_edit_keeps_the_policy_in_force_and_names_every_problem() {
         serde_json::json!({"safetyRatio": 0.6}),
     )))])
     .await;
-    // What the CRD schema lets through: a ratio above 1, thresholds out of order, a bad
-    // quantity and an env name memguard owns.
+    // What a schema cannot refuse (thresholds out of order, a bad quantity, an env name
+    // memguard owns), and a ratio above 1 (a policy stored before the schema bounded it, or a
+    // file).
     let invalid = resource(
         NAME,
         3,
@@ -136,6 +137,47 @@ async fn an_invalid_edit_keeps_the_policy_in_force_and_names_every_problem() {
         );
     }
     assert_eq!(f.safety_ratio(), 0.6, "generation 2 stays in force");
+    assert_eq!(f.generation(), Some(2.0));
+    assert_eq!(
+        (f.reloads("ok"), f.reloads("error")),
+        (Some(1.0), Some(1.0))
+    );
+}
+
+/// Issue 11: one typo in the live policy's sidecar settings used to reach every new pod, whose
+/// sidecar then refused to start. It is an invalid policy like any other now.
+#[tokio::test]
+async fn a_sidecar_interval_that_is_not_a_duration_is_rejected_and_counted() {
+    let mut f = fixture(Overrides::default());
+    f.feed(vec![Ok(Event::InitApply(resource(
+        NAME,
+        2,
+        serde_json::json!({"sidecar": {"interval": "250ms"}}),
+    )))])
+    .await;
+    let typo = resource(
+        NAME,
+        3,
+        serde_json::json!({"sidecar": {"interval": "10 parsecs"}}),
+    );
+    let change = f.watch.handle(Event::Apply(typo));
+    let Some(Change::Rejected {
+        generation: 3,
+        problems,
+    }) = change
+    else {
+        panic!("expected a rejection of generation 3, got {change:?}");
+    };
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(
+        problems[0].starts_with("sidecar.interval: \"10 parsecs\" is not a duration"),
+        "{problems:?}"
+    );
+    assert_eq!(
+        f.live.load().sidecar_interval,
+        std::time::Duration::from_millis(250),
+        "generation 2 stays in force"
+    );
     assert_eq!(f.generation(), Some(2.0));
     assert_eq!(
         (f.reloads("ok"), f.reloads("error")),

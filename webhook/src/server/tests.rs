@@ -16,7 +16,7 @@ fn state() -> AppState {
 }
 
 async fn post(app: Router, body: impl Into<Body>) -> (StatusCode, Vec<u8>) {
-    let request = Request::post(labels::WEBHOOK_PATH)
+    let request = Request::post(wellknown::WEBHOOK_PATH)
         .header(header::CONTENT_TYPE, "application/json")
         .body(body.into())
         .expect("request");

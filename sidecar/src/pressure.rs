@@ -1,4 +1,5 @@
-//! The pressure policy: pure, no I/O, no clock (time is passed in as milliseconds).
+//! The pressure state machine: figures in, a level and the recommended knobs out. Pure: no
+//! I/O, no clock (time is passed in as milliseconds).
 //!
 //! Each source gives a pressure figure (working set / effective limit, PSI `some avg10`, GPU
 //! used/total, time to the limit of a steady growth). The level is the worst of them, with
@@ -15,7 +16,7 @@ use std::collections::VecDeque;
 
 /// Policy settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PolicyConfig {
+pub struct PressureConfig {
     /// Ratio thresholds and the PSI threshold.
     pub thresholds: Thresholds,
     /// A level is left only below its threshold minus this (ratio units; default 0.05).
@@ -28,11 +29,11 @@ pub struct PolicyConfig {
     pub leak_horizon_s: f64,
 }
 
-impl PolicyConfig {
+impl PressureConfig {
     /// Defaults: 0.05 hysteresis, 30 s cooldown, 5 s hold before a level falls, 60 s leak
     /// horizon.
     pub fn new(thresholds: Thresholds) -> Self {
-        PolicyConfig {
+        PressureConfig {
             thresholds,
             hysteresis: 0.05,
             cooldown_ms: 30_000,
@@ -55,7 +56,7 @@ pub struct Inputs {
     pub seconds_to_limit: Option<f64>,
 }
 
-/// What the policy remembers between assessments.
+/// What the state machine remembers between assessments.
 #[derive(Debug, Clone, PartialEq)]
 pub struct State {
     /// The current level.
@@ -157,7 +158,7 @@ fn ratio_level(r: f64, t: &Thresholds, margin: f64) -> Level {
 
 /// The level the figures call for, and the figure responsible. `relaxed`: thresholds lowered by
 /// the hysteresis margin (the level to keep, not to enter).
-fn raw_level(i: &Inputs, c: &PolicyConfig, relaxed: bool) -> (Level, String) {
+fn raw_level(i: &Inputs, c: &PressureConfig, relaxed: bool) -> (Level, String) {
     let t = &c.thresholds;
     let margin = if relaxed { c.hysteresis } else { 0.0 };
     let mut worst = (Level::Ok, String::from("no pressure"));
@@ -232,7 +233,7 @@ pub fn halved_batch(batch: u64, accumulation: u64) -> (u64, u64) {
 }
 
 /// One assessment: the next state from the current one, the figures and the time.
-pub fn assess(state: &State, inputs: &Inputs, now_ms: u64, c: &PolicyConfig) -> Decision {
+pub fn assess(state: &State, inputs: &Inputs, now_ms: u64, c: &PressureConfig) -> Decision {
     let (enter, enter_why) = raw_level(inputs, c, false);
     let (keep, keep_why) = raw_level(inputs, c, true);
     let mut next = state.clone();
@@ -448,16 +449,16 @@ mod tests {
 
     /// The defaults without the hold time, so each table isolates one mechanism; the hold has
     /// its own test.
-    fn cfg() -> PolicyConfig {
-        PolicyConfig {
+    fn cfg() -> PressureConfig {
+        PressureConfig {
             relax_after_ms: 0,
-            ..PolicyConfig::new(Thresholds::default())
+            ..PressureConfig::new(Thresholds::default())
         }
     }
 
     #[test]
     fn a_level_falls_only_after_the_figures_stay_low_for_the_hold_time() {
-        let c = PolicyConfig::new(Thresholds::default());
+        let c = PressureConfig::new(Thresholds::default());
         assert_eq!(c.relax_after_ms, 5_000);
         // A trainer whose memory swings with every micro-batch: 0.72 at the top, 0.40 between.
         let mut state = State::new(4, 1, false);
@@ -602,7 +603,7 @@ mod tests {
     #[test]
     fn batch_never_goes_below_one_then_checkpointing_then_nothing() {
         let mut s = State::new(2, 3, false);
-        let c = PolicyConfig {
+        let c = PressureConfig {
             cooldown_ms: 0,
             ..cfg()
         };

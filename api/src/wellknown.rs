@@ -1,4 +1,6 @@
-//! Labels, names and paths that the webhook, the chart and the sidecar must agree on.
+//! Well-known names every part must agree on: the opt-in label, container and volume names,
+//! file paths, listen addresses and ports, the CRD group and NVIDIA's resource and label names.
+//! (Annotation keys live in [`crate::annotations`], environment variables in [`crate::env`].)
 
 /// The opt-in label the webhook's objectSelector matches.
 pub const ENABLED_LABEL: &str = "memguard.io/enabled";
