@@ -349,6 +349,66 @@ pub fn gpu_products(pod: &Pod) -> Vec<String> {
     pinned_values(pod, wellknown::NVIDIA_GPU_PRODUCT_LABEL)
 }
 
+/// The GPU memory (MiB, GPU feature discovery's `nvidia.com/gpu.memory`) every node the pod may
+/// be scheduled on has at least: each required node-affinity term holds a `Gt` expression on the
+/// label (memguard's placement writes one), and the smallest bound applies. `None` otherwise.
+pub fn gpu_memory_floor_mib(pod: &Pod) -> Option<u64> {
+    let terms = pod
+        .spec
+        .as_ref()?
+        .affinity
+        .as_ref()?
+        .node_affinity
+        .as_ref()?
+        .required_during_scheduling_ignored_during_execution
+        .as_ref()?
+        .node_selector_terms
+        .as_slice();
+    let floors: Option<Vec<u64>> = terms
+        .iter()
+        .map(|term| {
+            term.match_expressions
+                .iter()
+                .flatten()
+                .filter(|e| e.key == NVIDIA_GPU_MEMORY_LABEL && e.operator == "Gt")
+                .filter_map(|e| match e.values.as_deref() {
+                    Some([v]) => v.trim().parse::<u64>().ok()?.checked_add(1),
+                    _ => None,
+                })
+                .max()
+        })
+        .collect();
+    floors?.into_iter().min()
+}
+
+/// Whether the pod's node affinity (required or preferred) says anything about
+/// `nvidia.com/gpu.memory`: then the user (or memguard, earlier) has placed it.
+pub fn constrains_gpu_memory(pod: &Pod) -> bool {
+    let Some(na) = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.affinity.as_ref())
+        .and_then(|a| a.node_affinity.as_ref())
+    else {
+        return false;
+    };
+    let required = na
+        .required_during_scheduling_ignored_during_execution
+        .iter()
+        .flat_map(|r| &r.node_selector_terms);
+    let preferred = na
+        .preferred_during_scheduling_ignored_during_execution
+        .iter()
+        .flatten()
+        .map(|p| &p.preference);
+    required.chain(preferred).any(|term| {
+        term.match_expressions
+            .iter()
+            .flatten()
+            .any(|e| e.key == NVIDIA_GPU_MEMORY_LABEL)
+    })
+}
+
 /// The values of node label `label` the pod is pinned to, read as [`gpu_products`] reads
 /// `nvidia.com/gpu.product` (AMD: [`AMD_GPU_PRODUCT_LABEL`]).
 pub fn pinned_values(pod: &Pod, label: &str) -> Vec<String> {

@@ -78,6 +78,10 @@ pub const DEFAULT_MAX_OOM_RECOVERIES: u32 = 3;
 /// so a larger figure can only be a typo (and would let a Job loop on OOMs).
 pub const MAX_OOM_RECOVERIES_LIMIT: u32 = 20;
 
+/// The largest driver reservation seen on any product (MiB): what a node that GPU feature
+/// discovery labels with `nvidia.com/gpu.memory` (NVML's total) may hold back beyond it.
+pub const MAX_DRIVER_RESERVED_MIB: u64 = 834;
+
 /// Default sidecar image.
 pub const DEFAULT_SIDECAR_IMAGE: &str = "ghcr.io/memguard/memguard:0.1.0";
 /// Default sampling interval of the sidecar.
@@ -93,6 +97,22 @@ pub enum SidecarMode {
     Native,
     /// A regular container that exits when the trainer exits (older clusters).
     Classic,
+}
+
+/// Whether memguard steers a GPU pod that is not pinned to a product onto nodes whose GPU memory
+/// fits it (node affinity on `nvidia.com/gpu.memory`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum PlacementMode {
+    /// No affinity: the pod is planned for the policy's default GPU memory.
+    Off,
+    /// A preferred affinity toward nodes where the undowngraded config fits; the pod may still
+    /// land anywhere, so its config is planned as with `off`.
+    #[default]
+    Preferred,
+    /// A required affinity toward such nodes, and the config planned for the smallest of them.
+    Required,
 }
 
 /// Resources of the injected sidecar (Kubernetes quantities).
@@ -269,6 +289,10 @@ pub struct PolicySpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "crd", schemars(range(max = 20)))]
     pub max_oom_recoveries: Option<u32>,
+    /// `off`, `preferred` (default) or `required`: node affinity on `nvidia.com/gpu.memory` for
+    /// GPU pods not pinned to a product (docs/webhook.md, "Placement").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<PlacementMode>,
 }
 
 /// A policy with every default applied and every quantity parsed.
@@ -296,6 +320,8 @@ pub struct Policy {
     pub floors: memguard_estimator::plan::Floors,
     /// OOM recoveries in a row before "cannot fit" (see [`PolicySpec::max_oom_recoveries`]).
     pub max_oom_recoveries: u32,
+    /// Placement of GPU pods not pinned to a product.
+    pub placement: PlacementMode,
 }
 
 impl Default for Policy {
@@ -388,6 +414,7 @@ impl PolicySpec {
             env_names: self.env_names.clone(),
             floors: self.floors.unwrap_or_default().resolved(),
             max_oom_recoveries,
+            placement: self.placement.unwrap_or_default(),
         })
     }
 }
@@ -562,5 +589,12 @@ mod tests {
     #[test]
     fn unknown_fields_are_rejected() {
         assert!(serde_json::from_str::<PolicySpec>(r#"{"safetyRatoi": 0.8}"#).is_err());
+        assert!(serde_json::from_str::<PolicySpec>(r#"{"placement": "requried"}"#).is_err());
+        let spec: PolicySpec = serde_json::from_str(r#"{"placement": "required"}"#).expect("valid");
+        assert_eq!(
+            spec.resolved().expect("valid").placement,
+            PlacementMode::Required
+        );
+        assert_eq!(Policy::default().placement, PlacementMode::Preferred);
     }
 }

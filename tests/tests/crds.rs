@@ -128,6 +128,7 @@ fn memguard_policy_is_cluster_scoped_with_the_policy_document_as_spec() {
         "thresholds",
         "envNames",
         "floors",
+        "placement",
     ] {
         assert!(
             spec.get(field).is_some(),
@@ -137,6 +138,10 @@ fn memguard_policy_is_cluster_scoped_with_the_policy_document_as_spec() {
     assert_eq!(
         spec["sidecar"]["properties"]["mode"]["enum"],
         serde_json::json!(["native", "classic"])
+    );
+    assert_eq!(
+        spec["placement"]["enum"],
+        serde_json::json!(["off", "preferred", "required"])
     );
     assert_eq!(
         printer_columns(v),
@@ -259,5 +264,36 @@ fn crds_are_valid_kubernetes_1_33_objects() {
         .collect();
     if let Err(out) = validate_manifests(&tool, &files) {
         panic!("kubernetes-validate rejected the CRDs:\n{out}");
+    }
+}
+
+/// The schema accepts each placement mode and rejects a misspelt mode or field name, as the API
+/// server does (strict field validation closes every object).
+#[test]
+fn the_policy_schema_rejects_placement_typos() {
+    let Some(python) = memguard_e2e::python_with_jsonschema() else {
+        return;
+    };
+    let crds = crds_by_kind();
+    let schema = &crds["MemguardPolicy"]["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+    let doc = |spec: Value| {
+        serde_json::json!({"apiVersion": "memguard.io/v1alpha1", "kind": "MemguardPolicy",
+            "metadata": {"name": "default"}, "spec": spec})
+    };
+    for mode in ["off", "preferred", "required"] {
+        let ok = memguard_e2e::validate_against_crd(
+            &python,
+            schema,
+            &doc(serde_json::json!({"placement": mode})),
+        );
+        assert!(ok.is_ok(), "{mode}: {ok:?}");
+    }
+    for (bad, why) in [
+        (serde_json::json!({"placement": "requried"}), "placement"),
+        (serde_json::json!({"placment": "required"}), "placment"),
+    ] {
+        let err = memguard_e2e::validate_against_crd(&python, schema, &doc(bad.clone()))
+            .expect_err(&format!("{bad} must be rejected"));
+        assert!(err.contains(why), "{bad}: {err}");
     }
 }

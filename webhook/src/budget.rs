@@ -18,9 +18,10 @@ use memguard_api::Policy;
 use memguard_api::pod::{
     AMD_GPU_PRODUCT_LABEL, AcceleratorKind, Accelerators, HAMI_GPUMEM_PERCENTAGE_RESOURCE,
     HAMI_GPUMEM_RESOURCE, KAI_GPU_FRACTION_ANNOTATION, KAI_GPU_MEMORY_ANNOTATION,
-    MIG_PRODUCT_INFIX, MPS_PINNED_MEM_ENV, MigProfile, SHARED_PRODUCT_SUFFIX, gpu_products,
-    parse_quantity, pinned_values,
+    MIG_PRODUCT_INFIX, MPS_PINNED_MEM_ENV, MigProfile, NVIDIA_GPU_MEMORY_LABEL,
+    SHARED_PRODUCT_SUFFIX, gpu_memory_floor_mib, gpu_products, parse_quantity, pinned_values,
 };
+use memguard_api::policy::MAX_DRIVER_RESERVED_MIB;
 use memguard_estimator::{Bytes, Device};
 use serde::Serialize;
 
@@ -45,6 +46,9 @@ pub enum BudgetSource {
     Kai(String),
     /// NVIDIA MPS: `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` in the trainer's env.
     Mps(String),
+    /// A required node affinity on `nvidia.com/gpu.memory` (memguard's `required` placement,
+    /// or the user's): the bound, less the largest driver reservation.
+    Placement(String),
 }
 
 /// The memory the plan aims at.
@@ -218,8 +222,18 @@ fn device_memory(
         .iter()
         .filter_map(|p| product_memory(p, policy, warnings))
         .min_by_key(|(b, _)| *b);
-    match known {
-        Some(found) => found,
+    if let Some(found) = known {
+        return found;
+    }
+    let floor = match device {
+        Device::Cuda => gpu_memory_floor_mib(pod),
+        _ => None,
+    };
+    match floor {
+        Some(mib) => (
+            Bytes::mib(mib.saturating_sub(MAX_DRIVER_RESERVED_MIB)),
+            BudgetSource::Placement(format!("{NVIDIA_GPU_MEMORY_LABEL}>{}", mib - 1)),
+        ),
         None => {
             if !products.is_empty() {
                 warnings.push(truncate(&format!(

@@ -16,6 +16,7 @@ pub mod manifest;
 pub mod metrics;
 pub mod mutate;
 pub mod patch;
+pub mod placement;
 #[cfg(feature = "server")]
 pub mod policy_watch;
 #[cfg(feature = "server")]

@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::Pod;
 use memguard_api::annotations::{self as keys, TrainingAnnotations};
 use memguard_api::crd::MemoryProfile;
 use memguard_api::pod::{default_device, gpu_count, pick_trainer};
-use memguard_api::policy::{SidecarMode, SidecarResources};
+use memguard_api::policy::{PlacementMode, SidecarMode, SidecarResources};
 use memguard_api::{Knob, Policy, env, wellknown};
 use memguard_estimator::{
     Bytes, Calibration, Device, DowngradePlan, Parallelism, TrainingConfig, plan_with_floors,
@@ -137,6 +137,8 @@ pub struct Mutation {
     /// `memguard.io/error` to keep on the mutated pod: "cannot fit: …", the profile's verdict
     /// (OOM recoveries exhausted) or the plan's (every knob at its floor and still over budget).
     pub error: Option<String>,
+    /// The pod's `spec.affinity` with memguard's placement merged in, when placement added any.
+    pub affinity: Option<k8s_openapi::api::core::v1::Affinity>,
 }
 
 impl Mutation {
@@ -237,7 +239,7 @@ fn decide(
     }
 
     let safety_ratio = parsed.safety_ratio.unwrap_or(policy.safety_ratio);
-    let budget = crate::budget::resolve(
+    let mut budget = crate::budget::resolve(
         pod,
         trainer,
         config.device,
@@ -259,6 +261,41 @@ fn decide(
         warnings.push(truncate(&format!(
             "memguard: recovery: {}",
             recovery.reason
+        )));
+    }
+    let placement = match &budget {
+        Some(b) if b.source == BudgetSource::PolicyDefault && placeable(pod, trainer, &config) => {
+            crate::placement::place(
+                pod,
+                &start,
+                &calibration,
+                &policy.floors,
+                safety_ratio,
+                policy,
+            )
+        }
+        _ => None,
+    };
+    if let Some(p) = &placement {
+        let bound = format!(
+            "{}>{}",
+            memguard_api::pod::NVIDIA_GPU_MEMORY_LABEL,
+            p.min_label_mib - 1
+        );
+        if policy.placement == PlacementMode::Required {
+            // Every node the affinity allows has at least this much: plan for it.
+            budget = Some(Budget::new(
+                p.device_memory,
+                safety_ratio,
+                BudgetSource::Placement(bound.clone()),
+            ));
+        }
+        warnings.push(truncate(&format!(
+            "memguard: placement {}: node affinity {bound} (MiB)",
+            match policy.placement {
+                PlacementMode::Required => "required",
+                _ => "preferred",
+            }
         )));
     }
     let target = budget.as_ref().map_or(Bytes(u64::MAX), |b| b.bytes);
@@ -353,7 +390,25 @@ fn decide(
         estimate_annotation,
         warnings,
         error: verdict,
+        affinity: placement.map(|p| p.affinity),
     })
+}
+
+/// Placement applies to a pod on whole NVIDIA GPUs, not pinned to a product, not time-sliced,
+/// whose affinity says nothing of `nvidia.com/gpu.memory` yet (the user's, or memguard's from an
+/// earlier call: then the budget stage reads the bound).
+fn placeable(
+    pod: &Pod,
+    trainer: &k8s_openapi::api::core::v1::Container,
+    config: &TrainingConfig,
+) -> bool {
+    use memguard_api::pod::{AcceleratorKind, Accelerators, constrains_gpu_memory, gpu_products};
+    let acc = Accelerators::of(pod, trainer);
+    config.device == Device::Cuda
+        && acc.kinds == [AcceleratorKind::NvidiaGpu]
+        && !acc.time_sliced
+        && gpu_products(pod).is_empty()
+        && !constrains_gpu_memory(pod)
 }
 
 /// The knobs that mean something for this config (LoRA knobs only for adapter methods).

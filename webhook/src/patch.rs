@@ -321,6 +321,13 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
 
     // The sidecar finds the trainer's processes (and cgroup) through a shared PID namespace.
     // hostPID pods already share the host's, and may not set both.
+    if let Some(affinity) = &m.affinity
+        && spec.affinity.as_ref() != Some(affinity)
+    {
+        // `add` on an existing member replaces it (RFC 6902 §4.1): the merged affinity keeps
+        // everything the user wrote.
+        ops.add(&["spec", "affinity"], json!(affinity));
+    }
     if spec.share_process_namespace != Some(true) && spec.host_pid != Some(true) {
         ops.add(&["spec", "shareProcessNamespace"], json!(true));
     }

@@ -4,6 +4,7 @@ use k8s_openapi::api::core::v1::Pod;
 use memguard_api::annotations as keys;
 use serde_json::{Value, json};
 
+#[derive(Clone)]
 pub struct PodBuilder(Value);
 
 /// A labelled pod with one container `train` and a LoRA config for llama-3-8b.

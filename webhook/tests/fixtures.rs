@@ -169,3 +169,62 @@ fn accelerator_fixtures_get_their_device_budget_and_source() {
         }
     }
 }
+
+/// Placement's merged affinity, in both modes, is a valid pod for the Kubernetes schema
+/// (`kubernetes-validate --strict`), keeps the user's terms, and under `required` the budget is
+/// the smallest node the affinity allows.
+#[test]
+fn placement_affinity_is_valid_kubernetes_and_keeps_the_users_terms() {
+    let Some(tool) = memguard_e2e::kubernetes_validate() else {
+        return;
+    };
+    let text =
+        std::fs::read_to_string(fixtures().join("pods/placement-unpinned.yaml")).expect("fixture");
+    let original: Value = serde_saphyr::from_str(&text).expect("YAML");
+    let pod: Pod = serde_json::from_value(original.clone()).expect("a Pod");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut files = Vec::new();
+    for mode in ["preferred", "required"] {
+        let policy = policy_from_str(Some(&format!("placement: {mode}")), &Overrides::default())
+            .expect("valid policy");
+        let outcome = mutate(&pod, &policy, &Profiles::default());
+        let Outcome::Mutated(m) = &outcome else {
+            panic!("{mode}: {outcome:?}");
+        };
+        let source =
+            serde_json::to_value(&m.budget.as_ref().expect("budget").source).expect("JSON");
+        let expected_kind = if mode == "required" {
+            "placement"
+        } else {
+            "policy-default"
+        };
+        assert_eq!(source["kind"], expected_kind, "{mode}");
+        let mut applied = original.clone();
+        json_patch::patch(&mut applied, &patch::build(&pod, &outcome)).expect("applies");
+        let na = &applied["spec"]["affinity"]["nodeAffinity"];
+        let user_required = &original["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            ["nodeSelectorTerms"][0]["matchExpressions"][0];
+        assert_eq!(
+            &na["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"]
+                [0],
+            user_required,
+            "{mode}"
+        );
+        let user_preferred = &original["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+            [0];
+        assert_eq!(
+            &na["preferredDuringSchedulingIgnoredDuringExecution"][0], user_preferred,
+            "{mode}"
+        );
+        assert!(
+            applied.to_string().contains("nvidia.com/gpu.memory"),
+            "{mode}: {applied}"
+        );
+        let file = dir.path().join(format!("{mode}.yaml"));
+        std::fs::write(&file, applied.to_string()).expect("write");
+        files.push(file);
+    }
+    if let Err(out) = memguard_e2e::validate_manifests(&tool, &files) {
+        panic!("kubernetes-validate rejected the placed pods:\n{out}");
+    }
+}

@@ -104,6 +104,7 @@ Its shape is memguard_api::PolicySpec (camelCase, unknown fields rejected).
   "thresholds" $p.thresholds
   "floors" $p.floors
   "maxOomRecoveries" $p.maxOomRecoveries
+  "placement" $p.placement
   "sidecar" (dict
     "image" (include "memguard.sidecarImage" .)
     "mode" .Values.sidecar.mode
