@@ -4,17 +4,23 @@
 //! Everything comes from the manifest: the webhook's `memguard.io/estimate` (budget, its source,
 //! the steps), the estimator run again on the config the trainer was given (the breakdown), the
 //! sidecar's termination summary (measured peak, run-time downgrades, OOM kills and records), the
-//! trainer's terminated state (the OOM and its kind, as the profile controller classifies it),
-//! and the profile controller's recovery for the next pod.
+//! trainer's terminated state (the OOM and its kind, as the profile controller classifies it).
+//! What the next pod gets is computed, not guessed: the profile controller's update
+//! ([`memguard_learn::update::apply_limited`]) folds this pod into the profile's status (the one
+//! given with `--profile`, as `kubectl get memoryprofile -o yaml` gives it, else an empty one),
+//! and the webhook's own decision ([`memguard_webhook::mutate`]) admits the pod again under it.
 
 use anyhow::Context;
 use k8s_openapi::api::core::v1::{ContainerStateTerminated, ContainerStatus, Pod};
-use memguard_api::crd::{MemoryProfileStatus, TrainingKnobs};
+use memguard_api::Policy;
+use memguard_api::crd::{MemoryProfile, MemoryProfileSpec, MemoryProfileStatus, TrainingKnobs};
 use memguard_api::{OomRecord, Summary, annotations as keys, wellknown};
 use memguard_estimator::{Bytes, estimate};
 use memguard_learn::observe::{
     NotObserved, knobs_from_env, knobs_of, oom_reason, parse_summary, try_observe, with_knobs,
 };
+use memguard_learn::update::{apply_limited, describe_knobs};
+use memguard_webhook::config::{Overrides, policy_from_str};
 use serde::Serialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -32,6 +38,17 @@ pub struct Args {
     /// `table` or `json`.
     #[arg(short, long, value_enum, default_value_t = Output::Table)]
     pub output: Output,
+
+    /// The pod's `MemoryProfile` (`kubectl get memoryprofile NAME -o yaml`): what the profile
+    /// has learnt before this pod, so that the next pod's config, the OOMs in a row and the
+    /// verdict are the ones the cluster will see. Without it: a profile that knows only this pod.
+    #[arg(long = "profile", value_name = "FILE")]
+    pub profile: Option<PathBuf>,
+
+    /// Policy document (YAML or JSON `PolicySpec`, or a `MemguardPolicy` manifest), as given to
+    /// the webhook: its budget rules, floors and `maxOomRecoveries` decide the next pod.
+    #[arg(long, value_name = "FILE")]
+    pub policy_file: Option<PathBuf>,
 }
 
 /// Output format.
@@ -122,11 +139,45 @@ struct OomView {
 
 #[derive(Debug, Serialize)]
 struct NextView {
-    /// `same` (no OOM), `one step down` (a recovery), or `floor` (nothing left to shrink).
+    /// `same` (no OOM), `one step down` (a recovery), `floor` (nothing left to shrink), or
+    /// `cannot fit` (OOM recoveries exhausted, or over budget with every knob at its floor).
     verdict: &'static str,
     reason: String,
+    /// The knobs the webhook gives the next pod of this Job.
     #[serde(skip_serializing_if = "Option::is_none")]
     config: Option<TrainingKnobs>,
+    /// `memguard.io/error` the next pod will carry (`cannot fit: …`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+    /// The profile's status once the controller has recorded this pod.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    profile: Option<ProfileView>,
+}
+
+#[derive(Debug, Serialize)]
+struct ProfileView {
+    /// Object name of the pod's `MemoryProfile`.
+    name: String,
+    /// Its key.
+    spec: MemoryProfileSpec,
+    /// Whether this pod was already in the given profile's runs.
+    already_recorded: bool,
+    /// The status after this pod.
+    status: MemoryProfileStatus,
+}
+
+/// What the next pod is decided from: the pod's profile and the policy.
+pub struct NextContext {
+    /// The pod's profile before this pod (or an empty one).
+    pub profile: Option<MemoryProfile>,
+    /// The policy in force.
+    pub policy: Policy,
+}
+
+/// Bad input: reported, exit code 2.
+fn bad_input(message: impl std::fmt::Display) -> anyhow::Result<ExitCode> {
+    eprintln!("error: {message}");
+    Ok(ExitCode::from(crate::EXIT_BAD_INPUT))
 }
 
 /// Runs `memguard explain`.
@@ -138,17 +189,36 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             .context("reading stdin")?;
         s
     } else {
-        std::fs::read_to_string(&args.file)
-            .with_context(|| format!("reading {}", args.file.display()))?
+        match std::fs::read_to_string(&args.file) {
+            Ok(t) => t,
+            Err(e) => return bad_input(format!("reading {}: {e}", args.file.display())),
+        }
     };
     let pod: Pod = match serde_saphyr::from_str(&text) {
         Ok(p) => p,
         Err(e) => {
-            eprintln!("error: {}: not a pod manifest: {e}", args.file.display());
-            return Ok(ExitCode::from(crate::EXIT_BAD_INPUT));
+            return bad_input(format!("{}: not a pod manifest: {e}", args.file.display()));
         }
     };
-    let explanation = explain(&pod);
+    let policy_text = match &args.policy_file {
+        Some(path) => match std::fs::read_to_string(path) {
+            Ok(text) => Some(text),
+            Err(e) => return bad_input(format!("reading {}: {e}", path.display())),
+        },
+        None => None,
+    };
+    let policy = match policy_from_str(policy_text.as_deref(), &Overrides::default()) {
+        Ok(p) => p,
+        Err(errors) => return bad_input(format!("invalid policy: {}", errors.join("; "))),
+    };
+    let profile = match &args.profile {
+        Some(path) => match read_profile(path, &pod) {
+            Ok(p) => Some(p),
+            Err(e) => return bad_input(e),
+        },
+        None => None,
+    };
+    let explanation = explain_with(&pod, &NextContext { profile, policy });
     let mut out = std::io::stdout().lock();
     match args.output {
         Output::Json => {
@@ -160,8 +230,31 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// What happened to `pod`'s memory.
-pub fn explain(pod: &Pod) -> Explanation {
+/// The one `MemoryProfile` in `path`, which must hold the pod's key.
+fn read_profile(path: &std::path::Path, pod: &Pod) -> Result<MemoryProfile, String> {
+    let shown = path.display();
+    let text = std::fs::read_to_string(path).map_err(|e| format!("reading {shown}: {e}"))?;
+    let value: Value =
+        serde_saphyr::from_str(&text).map_err(|e| format!("{shown}: not valid YAML: {e}"))?;
+    let profile: MemoryProfile =
+        serde_json::from_value(value).map_err(|e| format!("{shown}: not a MemoryProfile: {e}"))?;
+    let key = memguard_learn::key::pod_key(pod)
+        .map_err(|e| format!("{shown}: the pod has no profile key to match it with: {e}"))?;
+    if profile.spec != key.spec {
+        let json = |v: &MemoryProfileSpec| serde_json::to_string(v).unwrap_or_default();
+        return Err(format!(
+            "{shown}: profile {} is for {}, but the pod's key is {} (profile {})",
+            profile.metadata.name.as_deref().unwrap_or("?"),
+            json(&profile.spec),
+            json(&key.spec),
+            key.name
+        ));
+    }
+    Ok(profile)
+}
+
+/// What happened to `pod`'s memory, and what its Job's next pod gets under `ctx`.
+pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
     let empty = BTreeMap::new();
     let annotations = pod.metadata.annotations.as_ref().unwrap_or(&empty);
     let key = memguard_learn::key::pod_key(pod).ok();
@@ -260,7 +353,7 @@ pub fn explain(pod: &Pod) -> Explanation {
         }
     }
 
-    let next = next_view(pod, ran.as_ref());
+    let next = next_view(pod, ran.as_ref(), ctx);
     Explanation {
         pod: pod.metadata.name.clone().unwrap_or_default(),
         trainer,
@@ -316,56 +409,92 @@ fn oom_view(state: &'static str, t: &ContainerStateTerminated, reason: String) -
     }
 }
 
-/// What the profile controller will record for this pod, and so what the next pod gets.
-fn next_view(pod: &Pod, ran: Option<&memguard_estimator::TrainingConfig>) -> NextView {
+/// What the profile controller records for this pod, and what the webhook then gives the next
+/// pod: the controller's update and the webhook's decision, run here.
+fn next_view(
+    pod: &Pod,
+    ran: Option<&memguard_estimator::TrainingConfig>,
+    ctx: &NextContext,
+) -> NextView {
     // A manifest saved without its UID still explains: the UID only makes the controller's
     // records idempotent.
     let mut pod = pod.clone();
     pod.metadata.uid.get_or_insert_with(|| "explain".into());
     pod.metadata.name.get_or_insert_with(|| "unnamed".into());
-    match try_observe(&pod) {
-        Ok(obs) if obs.oom.is_some() => {
-            let status = memguard_learn::update::apply(&MemoryProfileStatus::default(), &obs);
-            match status.recovery {
-                Some(r) => NextView {
-                    verdict: if r.rungs > 0 {
-                        "one step down"
-                    } else {
-                        "floor"
-                    },
-                    reason: r.reason,
-                    config: Some(r.config),
-                },
-                None => NextView {
-                    verdict: "same",
-                    reason: "no recovery recorded".into(),
-                    config: None,
-                },
-            }
+    let obs = match try_observe(&pod) {
+        Ok(obs) => obs,
+        Err(why) => {
+            return NextView {
+                verdict: "same",
+                reason: format!(
+                    "nothing learned from this pod yet: {}",
+                    match why {
+                        NotObserved::NotOptedIn => "not opted in (memguard.io/enabled)".to_string(),
+                        NotObserved::NoIdentity => "no name".to_string(),
+                        NotObserved::Running => "the trainer has not terminated".to_string(),
+                        NotObserved::AwaitingSummary =>
+                            "the sidecar has not written its summary".to_string(),
+                        NotObserved::NoFinishTime => "no finish time".to_string(),
+                        NotObserved::NoKey(e) => format!("no profile key: {e}"),
+                    }
+                ),
+                config: ran.map(knobs_of),
+                error: None,
+                profile: None,
+            };
         }
-        Ok(_) => NextView {
-            verdict: "same",
-            reason: "the trainer did not run out of memory: the next pod is admitted as this one \
-                     (a correction factor may apply after three runs)"
-                .into(),
-            config: ran.map(knobs_of),
-        },
-        Err(why) => NextView {
-            verdict: "same",
-            reason: format!(
-                "nothing learned from this pod yet: {}",
-                match why {
-                    NotObserved::NotOptedIn => "not opted in (memguard.io/enabled)".to_string(),
-                    NotObserved::NoIdentity => "no name".to_string(),
-                    NotObserved::Running => "the trainer has not terminated".to_string(),
-                    NotObserved::AwaitingSummary =>
-                        "the sidecar has not written its summary".to_string(),
-                    NotObserved::NoFinishTime => "no finish time".to_string(),
-                    NotObserved::NoKey(e) => format!("no profile key: {e}"),
-                }
-            ),
-            config: ran.map(knobs_of),
-        },
+    };
+    let mut profile = ctx
+        .profile
+        .clone()
+        .unwrap_or_else(|| MemoryProfile::new(&obs.key.name, obs.key.spec.clone()));
+    let before = profile.status.clone().unwrap_or_default();
+    let after = apply_limited(&before, &obs, ctx.policy.max_oom_recoveries);
+    let already_recorded = after == before && before.has_run(&obs.uid, &obs.finished_at);
+    profile.status = Some(after.clone());
+    let mut profiles = memguard_webhook::Profiles::default();
+    profiles.insert(profile.clone());
+    // The next pod of the Job: the same manifest (its annotations are memguard's input and are
+    // never edited), admitted again under the profile that now knows this pod.
+    let (config, error) = match memguard_webhook::mutate(&pod, &ctx.policy, &profiles) {
+        memguard_webhook::Outcome::Mutated(m) => (Some(knobs_of(&m.plan.config)), m.error),
+        memguard_webhook::Outcome::Skipped { error, .. } => (None, Some(error)),
+        memguard_webhook::Outcome::Unchanged => (None, None),
+    };
+    let (verdict, reason) = if let Some(v) = error.as_ref().filter(|e| e.starts_with("cannot fit"))
+    {
+        ("cannot fit", v.clone())
+    } else if obs.oom.is_some() {
+        match &after.recovery {
+            Some(r) if r.rungs > 0 => ("one step down", r.reason.clone()),
+            Some(r) => ("floor", r.reason.clone()),
+            None => ("same", "no recovery recorded".into()),
+        }
+    } else {
+        (
+            "same",
+            match &after.recovery {
+                Some(r) => format!(
+                    "the trainer did not run out of memory; the profile's recovery stays: {}",
+                    r.reason
+                ),
+                None => "the trainer did not run out of memory: the next pod is admitted as this \
+                         one (a correction factor may apply after three runs)"
+                    .into(),
+            },
+        )
+    };
+    NextView {
+        verdict,
+        reason,
+        config,
+        error,
+        profile: Some(ProfileView {
+            name: profile.metadata.name.clone().unwrap_or_default(),
+            spec: profile.spec.clone(),
+            already_recorded,
+            status: after,
+        }),
     }
 }
 
@@ -504,5 +633,37 @@ fn write_table(out: &mut impl Write, e: &Explanation) -> std::io::Result<()> {
     writeln!(out, "next pod")?;
     row(out, "verdict", e.next.verdict)?;
     row(out, "reason", &e.next.reason)?;
+    if let Some(k) = &e.next.config {
+        row(out, "config", &describe_knobs(k))?;
+    }
+    if let Some(err) = &e.next.error {
+        row(out, "error", err)?;
+    }
+    if let Some(p) = &e.next.profile {
+        let s = &p.status;
+        writeln!(
+            out,
+            "profile {}{}",
+            p.name,
+            if p.already_recorded {
+                " (already had this pod)"
+            } else {
+                " (after this pod)"
+            }
+        )?;
+        row(out, "runs", &s.run_count.to_string())?;
+        let factor = s
+            .median_correction_factor
+            .map_or_else(|| "-".into(), |f| format!("{f:.3}"));
+        row(out, "correction factor", &factor)?;
+        row(out, "oom events", &s.oom_events.len().to_string())?;
+        row(out, "ooms in a row", &s.oom_recoveries.to_string())?;
+        if let Some(r) = &s.recovery {
+            row(out, "recovery", &describe_knobs(&r.config))?;
+        }
+        if let Some(v) = &s.verdict {
+            row(out, "verdict", v)?;
+        }
+    }
     Ok(())
 }

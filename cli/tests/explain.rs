@@ -83,6 +83,58 @@ fn explain(dir: &Path, pod: &Value, output: &str) -> String {
     ))
 }
 
+/// `memguard explain` of `pod` with `extra` flags, as JSON.
+fn explain_json(dir: &Path, pod: &Value, extra: &[&str]) -> Value {
+    std::fs::write(dir.join("status.json"), pod.to_string()).expect("write");
+    let mut args = vec!["explain", "-f", "status.json", "-o", "json"];
+    args.extend(extra);
+    serde_json::from_str(&ok_stdout(memguard(dir, &args))).expect("json")
+}
+
+/// The `MemoryProfile` manifest the controller leaves after the pod `explain` described (its
+/// `next.profile`), as `kubectl get memoryprofile -o yaml` would give it.
+fn profile_after(e: &Value) -> String {
+    let p = &e["next"]["profile"];
+    json!({
+        "apiVersion": "memguard.io/v1alpha1",
+        "kind": "MemoryProfile",
+        "metadata": {"name": p["name"], "namespace": "ml"},
+        "spec": p["spec"],
+        "status": p["status"],
+    })
+    .to_string()
+}
+
+/// One step of the walkthrough, for a person: the pod's memguard annotations and knobs, and the
+/// profile status after it (`cargo test -p memguard --test explain -- --nocapture`).
+fn show(step: &str, pod: &Value, e: Option<&Value>) {
+    let annotations = &pod["metadata"]["annotations"];
+    eprintln!("=== {step}");
+    for key in ["memguard.io/estimate", "memguard.io/error"] {
+        if let Some(v) = annotations[key].as_str() {
+            eprintln!("  {key}: {v}");
+        }
+    }
+    let knobs: Vec<String> = [
+        "MEMGUARD_BATCH_SIZE",
+        "MEMGUARD_GRAD_ACCUMULATION",
+        "MEMGUARD_GRAD_CHECKPOINTING",
+        "MEMGUARD_CANNOT_FIT",
+    ]
+    .iter()
+    .filter(|k| !env_of(pod, k).is_empty())
+    .map(|k| format!("{k}={}", env_of(pod, k)))
+    .collect();
+    eprintln!("  trainer env: {}", knobs.join(" "));
+    if let Some(e) = e {
+        eprintln!(
+            "  next pod: {} — {}",
+            e["next"]["verdict"], e["next"]["reason"]
+        );
+        eprintln!("  MemoryProfile status: {}", e["next"]["profile"]["status"]);
+    }
+}
+
 #[test]
 fn one_job_through_a_cuda_oom_a_recovery_and_a_success() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -90,6 +142,7 @@ fn one_job_through_a_cuda_oom_a_recovery_and_a_success() {
 
     // 1. Admitted: annotated batch 16 fits 80 GiB with checkpointing at batch 8 × 2.
     let first = admit(d, POD, None);
+    show("1. pod finetune-0 admitted (no profile yet)", &first, None);
     assert_eq!(env_of(&first, "MEMGUARD_BATCH_SIZE"), "8");
     assert_eq!(env_of(&first, "MEMGUARD_GRAD_ACCUMULATION"), "2");
     assert_eq!(
@@ -110,35 +163,46 @@ fn one_job_through_a_cuda_oom_a_recovery_and_a_success() {
         "finishedAt": "2026-11-23T22:10:00Z"});
     let dead = finished(first, trainer, summary, "Failed");
     let table = explain(d, &dead, "table");
-    eprintln!("--- explain, pod 1 ---\n{table}");
-    let e: Value = serde_json::from_str(&explain(d, &dead, "json")).expect("json");
-    assert_eq!(e["ooms"][0]["reason"], "CudaOOM");
-    assert_eq!(e["ooms"][0]["record"]["requested_bytes"], 2_147_483_648u64);
-    assert_eq!(e["run"]["gpu_peak_bytes"], 84_000_000_000u64);
-    assert_eq!(e["run"]["downgrades"], 1);
-    assert_eq!(e["budget"]["bytes"].as_u64().map(|b| b > 0), Some(true));
+    eprintln!("--- memguard explain, pod finetune-0 ---\n{table}");
+    let e = explain_json(d, &dead, &[]);
+    show(
+        "2. finetune-0 died of a CUDA OOM (exit 86)",
+        &dead,
+        Some(&e),
+    );
+    // Every item of the explanation: breakdown, budget and source, steps, measured peak,
+    // run-time downgrades, the OOM and its kind, the next pod.
     assert!(
         e["estimate"]["components"]
             .as_object()
             .is_some_and(|c| !c.is_empty())
     );
-    assert_eq!(e["next"]["verdict"], "one step down");
-    assert_eq!(e["steps"], json!(["grad-checkpointing", "halve-batch"]));
+    assert_eq!(e["budget"]["bytes"].as_u64().map(|b| b > 0), Some(true));
     assert_eq!(e["budget"]["source"], "annotation");
+    assert_eq!(e["steps"], json!(["grad-checkpointing", "halve-batch"]));
+    assert_eq!(e["run"]["gpu_peak_bytes"], 84_000_000_000u64);
+    assert_eq!(e["run"]["downgrades"], 1);
+    assert_eq!(e["ooms"][0]["reason"], "CudaOOM");
+    assert_eq!(e["ooms"][0]["record"]["kind"], "cuda_oom");
+    assert_eq!(e["ooms"][0]["record"]["requested_bytes"], 2_147_483_648u64);
+    assert_eq!(e["next"]["verdict"], "one step down");
     assert_eq!(e["next"]["config"]["batchSize"], 4, "{}", e["next"]);
     assert_eq!(e["next"]["config"]["gradAccumulation"], 4, "{}", e["next"]);
-    assert!(
-        table.contains("CudaOOM (exit 86), fatal cuda_oom at step 412, batch 8"),
-        "{table}"
-    );
-    assert!(table.contains("failed request 2.00 GiB"), "{table}");
+    assert_eq!(e["next"]["profile"]["status"]["oomRecoveries"], 1);
+    for needle in [
+        "CudaOOM (exit 86), fatal cuda_oom at step 412, batch 8",
+        "failed request 2.00 GiB",
+        "admission steps",
+        "runtime downgrades",
+        &format!("{:<22} 1", "ooms in a row"),
+    ] {
+        assert!(table.contains(needle), "`{needle}` in\n{table}");
+    }
 
-    // 3. The profile controller records that recovery; the next pod is admitted from it.
-    let profile = format!(
-        "apiVersion: memguard.io/v1alpha1\nkind: MemoryProfile\nmetadata: {{name: llama-3-8b-lora-bf16-mixed-gpu, namespace: ml}}\nspec: {{model: llama-3-8b, method: lora, precision: bf16-mixed, deviceClass: gpu, device: gpu}}\nstatus:\n  recovery: {{rungs: 1, config: {}, reason: {}}}\n",
-        e["next"]["config"], e["next"]["reason"]
-    );
+    // 3. The controller records it; the next pod is admitted from that profile, one step down.
+    let profile = profile_after(&e);
     let second = admit(d, &POD.replace("finetune-0", "finetune-1"), Some(&profile));
+    show("3. pod finetune-1 admitted from the profile", &second, None);
     assert_eq!(env_of(&second, "MEMGUARD_BATCH_SIZE"), "4");
     assert_eq!(
         env_of(&second, "MEMGUARD_GRAD_ACCUMULATION"),
@@ -153,9 +217,14 @@ fn one_job_through_a_cuda_oom_a_recovery_and_a_success() {
     let trainer =
         json!({"exitCode": 0, "reason": "Completed", "finishedAt": "2026-11-23T23:00:00Z"});
     let done = finished(second, trainer, summary, "Succeeded");
-    let table = explain(d, &done, "table");
-    eprintln!("--- explain, pod 2 ---\n{table}");
-    let e: Value = serde_json::from_str(&explain(d, &done, "json")).expect("json");
+    std::fs::write(d.join("profile.yaml"), &profile).expect("write");
+    let e = explain_json(d, &done, &["--profile", "profile.yaml"]);
+    let table = ok_stdout(memguard(
+        d,
+        &["explain", "-f", "status.json", "--profile", "profile.yaml"],
+    ));
+    show("4. finetune-1 succeeded", &done, Some(&e));
+    eprintln!("--- memguard explain --profile, pod finetune-1 ---\n{table}");
     assert_eq!(e["ooms"], json!([]));
     assert!(
         e["admitted_after"]
@@ -165,6 +234,119 @@ fn one_job_through_a_cuda_oom_a_recovery_and_a_success() {
     );
     assert_eq!(e["config"]["batch-size"], "4");
     assert_eq!(e["next"]["verdict"], "same");
+    assert_eq!(e["next"]["config"]["batchSize"], 4, "the recovery stays");
+    assert!(
+        table.contains("pod finetune-1") && table.contains("(after this pod)"),
+        "{table}"
+    );
+    let status = &e["next"]["profile"]["status"];
+    assert_eq!(status["runCount"], 2);
+    assert!(
+        status.get("oomRecoveries").is_none(),
+        "a success resets it: {status}"
+    );
+    assert!(status.get("verdict").is_none(), "{status}");
+}
+
+#[test]
+fn repeated_ooms_reach_the_policy_limit_and_the_next_pod_is_told_it_cannot_fit() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    std::fs::write(d.join("policy.yaml"), "maxOomRecoveries: 1\n").expect("write");
+    let mut profile: Option<String> = None;
+    let mut batches = Vec::new();
+    for (i, finished_at) in ["2026-11-23T22:00:00Z", "2026-11-23T22:30:00Z"]
+        .iter()
+        .enumerate()
+    {
+        let name = format!("finetune-{i}");
+        let pod = admit(d, &POD.replace("finetune-0", &name), profile.as_deref());
+        let batch: u64 = env_of(&pod, "MEMGUARD_BATCH_SIZE").parse().expect("batch");
+        batches.push(batch);
+        let trainer = json!({"exitCode": 1, "reason": "Error", "finishedAt": finished_at,
+            "message": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB."});
+        let summary = json!({"version": 1, "downgrades": 0, "oom_events": 0, "max_level": "ok",
+            "batch_size": batch, "grad_accumulation": 1, "exit_reason": "trainer-exited"});
+        let dead = finished(pod, trainer, summary, "Failed");
+        let mut extra = vec!["--policy-file", "policy.yaml"];
+        if profile.is_some() {
+            extra.extend(["--profile", "profile.yaml"]);
+        }
+        let e = explain_json(d, &dead, &extra);
+        assert_eq!(e["ooms"][0]["reason"], "CudaOOM", "a traceback is an OOM");
+        profile = Some(profile_after(&e));
+        std::fs::write(
+            d.join("profile.yaml"),
+            profile.as_deref().unwrap_or_default(),
+        )
+        .expect("write");
+        if i == 1 {
+            assert_eq!(e["next"]["verdict"], "cannot fit", "{}", e["next"]);
+            let error = e["next"]["error"].as_str().unwrap_or_default();
+            assert!(
+                error.starts_with(
+                    "cannot fit: 2 OOMs in a row (limit 1); smallest config tried: batch 4 × "
+                ),
+                "{error}"
+            );
+        }
+    }
+    assert_eq!(batches, [8, 4], "one step down after the first OOM");
+    // The third pod: no further step down, the verdict as its error, MEMGUARD_CANNOT_FIT.
+    let third = admit(
+        d,
+        &POD.replace("finetune-0", "finetune-2"),
+        profile.as_deref(),
+    );
+    assert_eq!(env_of(&third, "MEMGUARD_BATCH_SIZE"), "4");
+    assert_eq!(env_of(&third, "MEMGUARD_CANNOT_FIT"), "true");
+    let error = third["metadata"]["annotations"]["memguard.io/error"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        error.starts_with("cannot fit: 2 OOMs in a row (limit 1)"),
+        "{error}"
+    );
+}
+
+#[test]
+fn a_bad_profile_or_policy_is_a_usage_error_that_names_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    std::fs::write(d.join("pod.yaml"), POD).expect("write");
+    let other_key = "apiVersion: memguard.io/v1alpha1\nkind: MemoryProfile\nmetadata: {name: x}\nspec: {model: llama-3-70b, method: lora, precision: bf16-mixed, deviceClass: gpu, device: gpu}\n";
+    // (file name, contents, flag, expected in stderr)
+    let table = [
+        (
+            "garbage.yaml",
+            "status: [unclosed",
+            "--profile",
+            "garbage.yaml: not valid YAML",
+        ),
+        (
+            "pod-as-profile.yaml",
+            POD,
+            "--profile",
+            "pod-as-profile.yaml: not a MemoryProfile",
+        ),
+        ("other.yaml", other_key, "--profile", "but the pod's key is"),
+        ("missing.yaml", "", "--profile", "reading missing.yaml"),
+        (
+            "policy.yaml",
+            "maxOomRecoveries: 99\n",
+            "--policy-file",
+            "maxOomRecoveries: 99 is more than 20",
+        ),
+    ];
+    for (file, contents, flag, want) in table {
+        if file != "missing.yaml" {
+            std::fs::write(d.join(file), contents).expect("write");
+        }
+        let out = memguard(d, &["explain", "-f", "pod.yaml", flag, file]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{file}: {stderr}");
+        assert!(stderr.contains(want), "{file}: `{want}` in {stderr}");
+    }
 }
 
 #[test]
