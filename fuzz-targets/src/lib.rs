@@ -238,15 +238,46 @@ pub fn cgroup_files(data: &[u8]) {
     let root = Path::new("/sys/fs/cgroup");
     for layout in [Layout::Unified, Layout::Legacy, Layout::Hybrid] {
         if let Some(dir) = layout.memory_dir(root, text) {
-            assert!(
-                dir.starts_with(root)
-                    && !dir
-                        .components()
-                        .any(|c| c == std::path::Component::ParentDir),
-                "memory dir {dir:?} escapes {root:?}"
-            );
+            assert_inside(&dir, root);
         }
     }
+    // The sidecar's discovery: the text as the trainer's `/proc/<pid>/cgroup` among typical
+    // mounts, and as a `mountinfo` whose mounts must show a typical trainer cgroup.
+    let typical = procfs::cgroup_mounts(TYPICAL_MOUNTINFO);
+    for dir in procfs::locate_cgroup(text, &typical) {
+        assert!(
+            typical.iter().any(|m| inside(&dir, &m.mount_point)),
+            "{dir:?} is outside every mount"
+        );
+    }
+    let mounts = procfs::cgroup_mounts(text);
+    for dir in procfs::locate_cgroup(TYPICAL_PROC_CGROUP, &mounts) {
+        assert!(
+            mounts.iter().any(|m| inside(&dir, &m.mount_point)),
+            "{dir:?} is outside every mount of {mounts:?}"
+        );
+    }
+}
+
+/// A host-wide v2 mount, a v1 memory mount, and a container's own cgroup mounted elsewhere.
+const TYPICAL_MOUNTINFO: &str = "\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - cgroup2 cgroup2 rw
+35 23 0:32 / /sys/fs/cgroup-v1/memory rw,relatime - cgroup cgroup rw,memory
+41 23 0:38 /kubepods/pod1 /mnt/pod rw,relatime - cgroup2 cgroup2 rw
+";
+const TYPICAL_PROC_CGROUP: &str = "4:memory:/kubepods/pod1/abc\n0::/kubepods/pod1/abc\n";
+
+/// `dir` is `base` or below it, with no `..` climbing back out.
+fn inside(dir: &Path, base: &Path) -> bool {
+    dir.strip_prefix(base).is_ok_and(|rest| {
+        !rest
+            .components()
+            .any(|c| c == std::path::Component::ParentDir)
+    })
+}
+
+fn assert_inside(dir: &Path, base: &Path) {
+    assert!(inside(dir, base), "{dir:?} escapes {base:?}");
 }
 
 /// The signal file and the trainer's report, as the sidecar reads them: the signal kept from a

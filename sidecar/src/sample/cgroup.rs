@@ -66,7 +66,8 @@ impl Layout {
         }
     }
 
-    /// The memory cgroup directory of a process, from its `/proc/<pid>/cgroup` text.
+    /// The memory cgroup directory of a process, from its `/proc/<pid>/cgroup` text; `None` for
+    /// a cgroup outside the reader's cgroup namespace (`/../…`), which `root` does not show.
     pub fn memory_dir(self, root: &Path, proc_cgroup: &str) -> Option<PathBuf> {
         let (base, rel) = match self {
             Layout::Unified => (root.to_path_buf(), proc_cgroup_path(proc_cgroup, None)?),
@@ -75,8 +76,15 @@ impl Layout {
                 proc_cgroup_path(proc_cgroup, Some("memory"))?,
             ),
         };
-        Some(base.join(rel.trim_start_matches('/')))
+        let rel = rel.trim_start_matches('/');
+        (!climbs(rel)).then(|| base.join(rel))
     }
+}
+
+/// Whether a cgroup path has a `..` component: the kernel writes the path of a cgroup outside
+/// the reader's cgroup namespace relative to the namespace's root, climbing out of it.
+pub fn climbs(path: &str) -> bool {
+    path.split('/').any(|c| c == "..")
 }
 
 /// The path of `controller` (v1) or of the unified hierarchy (`None`: the `0::` line) in
@@ -591,6 +599,21 @@ mod tests {
             Some(())
         );
         assert_eq!(proc_cgroup_path("garbage", Some("memory")), None);
+    }
+
+    #[test]
+    fn a_cgroup_outside_the_namespace_has_no_memory_dir_under_the_root() {
+        // Regression (cargo-fuzz, cgroup_files, fuzz/corpus/cgroup_files/regression-dotdot):
+        // `..` in the path was joined to the root, naming a directory outside it.
+        let root = Path::new("/sys/fs/cgroup");
+        let outside = "0::/kubepods/b/../../trainer\n4:memory:/../trainer\n";
+        for layout in [Layout::Unified, Layout::Legacy, Layout::Hybrid] {
+            assert_eq!(layout.memory_dir(root, outside), None, "{layout:?}");
+        }
+        assert_eq!(
+            Layout::Unified.memory_dir(root, "0::/a/..b\n"),
+            Some(root.join("a/..b"))
+        );
     }
 
     #[test]

@@ -139,15 +139,18 @@ pub fn cgroup_mounts(mountinfo: &str) -> Vec<CgroupMount> {
         .collect()
 }
 
-/// `path` below `root` (both cgroup paths), component-wise: `Some("")` when equal.
+/// `path` below `root` (both cgroup paths), component-wise: `Some("")` when equal. A path that
+/// climbs out of `root` (`/../trainer` under `/`: the kernel writes a cgroup outside the reader's
+/// cgroup namespace so) is not below it; joined to the mount point it would name a directory
+/// outside the mount (found by fuzzing `cgroup_files`).
 fn below<'a>(path: &'a str, root: &str) -> Option<&'a str> {
     let root = root.trim_end_matches('/');
     let rest = path.strip_prefix(root)?;
-    if rest.is_empty() || rest.starts_with('/') || root.is_empty() {
-        Some(rest.trim_start_matches('/'))
-    } else {
-        None
+    if !(rest.is_empty() || rest.starts_with('/') || root.is_empty()) {
+        return None;
     }
+    let rest = rest.trim_start_matches('/');
+    (!super::cgroup::climbs(rest)).then_some(rest)
 }
 
 /// Where the cgroup named in `proc_cgroup` (a process's `/proc/<pid>/cgroup`) is visible among
@@ -435,6 +438,32 @@ RssAnon:\t  500000 kB\nThreads:\t12\n";
         assert_eq!(
             locate_cgroup(ns, &mounts),
             vec![PathBuf::from("/sys/fs/cgroup")]
+        );
+    }
+
+    #[test]
+    fn a_cgroup_outside_the_mounts_root_is_not_located_outside_the_mount() {
+        // Regression (cargo-fuzz, cgroup_files): under a mount of the whole hierarchy, or of a
+        // subtree, a path that climbs out with `..` used to be joined to the mount point,
+        // naming `/sys/fs/cgroup/../trainer`.
+        let mut mounts = cgroup_mounts(CGROUPNS_V2);
+        mounts[0].root = "/".into();
+        for outside in [
+            "0::/../trainer\n",
+            "0::/kubepods/../../trainer\n",
+            "0::/..\n",
+        ] {
+            assert!(
+                locate_cgroup(outside, &mounts).is_empty(),
+                "{outside:?} located under {mounts:?}"
+            );
+        }
+        mounts[0].root = "/kubepods".into();
+        assert!(locate_cgroup("0::/kubepods/../etc\n", &mounts).is_empty());
+        assert_eq!(
+            locate_cgroup("0::/kubepods/pod1/..scope\n", &mounts),
+            vec![PathBuf::from("/sys/fs/cgroup/pod1/..scope")],
+            "a name that merely starts with two dots is a cgroup like any other"
         );
     }
 
