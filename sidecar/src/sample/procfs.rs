@@ -79,17 +79,24 @@ pub struct CgroupMount {
     pub unified: bool,
 }
 
-/// `\040`-style octal escapes of mountinfo paths.
+/// `\040`-style octal escapes of mountinfo paths. Three octal digits above `\377` are no byte
+/// (the kernel never writes them) and stay as they are; computing them in a `u8` overflowed
+/// (found by cargo-fuzz, cgroup_files).
 fn unescape(field: &str) -> String {
     let b = field.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\'
+        let escaped = (b[i] == b'\\'
             && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)))
+        .then(|| {
+            b[i + 1..i + 4]
+                .iter()
+                .fold(0u32, |v, c| v * 8 + u32::from(c - b'0'))
+        })
+        .and_then(|v| u8::try_from(v).ok());
+        if let Some(v) = escaped {
             out.push(v);
             i += 4;
         } else {
@@ -402,6 +409,9 @@ RssAnon:\t  500000 kB\nThreads:\t12\n";
         assert!(cgroup_mounts("garbage\n1 2 3\n - cgroup2\n").is_empty());
         let spaced = "9 1 0:5 /a\\040b /mnt/x\\040y rw - cgroup2 none rw\n";
         assert_eq!(cgroup_mounts(spaced)[0].root, "/a b");
+        // Regression (cargo-fuzz, cgroup_files): `\777` overflowed a u8; it is no escape.
+        let odd = "9 1 0:5 /a\\777\\377\\134 /mnt rw - cgroup2 none rw\n";
+        assert_eq!(cgroup_mounts(odd)[0].root, "/a\\777\u{fffd}\\");
         assert_eq!(
             cgroup_mounts(spaced)[0].mount_point,
             PathBuf::from("/mnt/x y")
