@@ -23,5 +23,5 @@ pub mod pod;
 pub use annotations::{AnnotationError, EnvMap, Knob, TrainingAnnotations};
 pub use oom::{OomKind, OomOutcome, OomRecord};
 pub use policy::{Policy, PolicySpec};
-pub use signal::{Level, Pressure, Report, Signal};
+pub use signal::{Level, Pressure, Report, Signal, StickyKnobs};
 pub use summary::Summary;

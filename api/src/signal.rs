@@ -92,6 +92,22 @@ pub struct Signal {
     pub pressure: Pressure,
     /// When it was issued, RFC 3339 UTC.
     pub timestamp: String,
+    /// The sticky downgrade after an out-of-memory error: the knobs the sidecar never relaxes
+    /// above for the pod's life. Kept in the signal file so that a restarted sidecar (its
+    /// container restarted in place) starts from it; absent before any OOM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sticky: Option<StickyKnobs>,
+}
+
+/// Batch, accumulation and checkpointing of a sticky downgrade ([`Signal::sticky`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StickyKnobs {
+    /// Largest per-device batch allowed.
+    pub batch_size: u64,
+    /// Gradient accumulation that goes with it.
+    pub grad_accumulation: u64,
+    /// Checkpointing stays on when set.
+    pub grad_checkpointing: bool,
 }
 
 impl Signal {
@@ -107,6 +123,7 @@ impl Signal {
             reason: "starting configuration".into(),
             pressure: Pressure::default(),
             timestamp: now_rfc3339(),
+            sticky: None,
         }
     }
 

@@ -71,7 +71,12 @@ impl Engine {
             psi_cgroup: psi.cgroup,
             psi_host: psi.host,
             pressure,
-            state: pressure::State::new(s.batch_size, s.grad_accumulation, s.grad_checkpointing),
+            state: pressure::State::new(s.batch_size, s.grad_accumulation, s.grad_checkpointing)
+                .with_sticky(s.sticky.map(|k| pressure::Knobs {
+                    batch_size: k.batch_size,
+                    grad_accumulation: k.grad_accumulation,
+                    grad_checkpointing: k.grad_checkpointing,
+                })),
             history: History::default(),
             writer,
             shared,
@@ -247,7 +252,8 @@ impl Engine {
             decision.state = state;
             decision.reason = why;
         }
-        let changed = decision.state.signal_differs(&self.state);
+        let changed = decision.state.signal_differs(&self.state)
+            || decision.state.sticky != self.state.sticky;
         self.state = decision.state;
         let gpu_used = gpus.iter().map(|g| g.used_bytes).max();
         {
@@ -287,6 +293,11 @@ impl Engine {
             next.batch_size = self.state.batch_size;
             next.grad_accumulation = self.state.grad_accumulation;
             next.grad_checkpointing = self.state.grad_checkpointing;
+            next.sticky = self.state.sticky.map(|k| memguard_api::StickyKnobs {
+                batch_size: k.batch_size,
+                grad_accumulation: k.grad_accumulation,
+                grad_checkpointing: k.grad_checkpointing,
+            });
             next.reason = decision.reason.clone();
             next.pressure = Pressure {
                 memory_ratio: inputs.memory_ratio,
@@ -353,6 +364,15 @@ pub fn starting_signal(existing: Option<&str>, batch: u64, accum: u64, ckpt: boo
         s.batch_size = old.batch_size.max(1);
         s.grad_accumulation = old.grad_accumulation.max(1);
         s.grad_checkpointing = old.grad_checkpointing;
+        // The sticky downgrade after an OOM holds for the pod's life, restarts included.
+        s.sticky = old.sticky;
+        if let Some(k) = old.sticky
+            && s.batch_size > k.batch_size
+        {
+            s.batch_size = k.batch_size.max(1);
+            s.grad_accumulation = k.grad_accumulation.max(1);
+        }
+        s.grad_checkpointing |= old.sticky.is_some_and(|k| k.grad_checkpointing);
         s.reason = format!(
             "sidecar restarted; keeping the configuration of signal {}",
             old.seq

@@ -103,6 +103,14 @@ impl State {
         }
     }
 
+    /// The state holding `sticky` (a sticky downgrade carried over a sidecar restart): the
+    /// knobs are brought down to it at once.
+    pub fn with_sticky(mut self, sticky: Option<Knobs>) -> Self {
+        self.sticky = sticky;
+        self.hold_sticky();
+        self
+    }
+
     /// The knobs recommended now.
     pub fn knobs(&self) -> Knobs {
         Knobs {

@@ -429,3 +429,73 @@ fn nonsense_and_floods_on_the_report_endpoint_are_refused_and_survived() {
         (metric(&metrics(&s), "memguard_sidecar_samples_total") > Some(before)).then_some(())
     });
 }
+
+/// The sidecar's own container restarted in place (SIGKILL, then the same command again, as the
+/// kubelet does) after an OOM kill: it starts from the sticky downgrade in the signal file, never
+/// relaxes above it, steps further down at the next OOM, and its summary carries the floor.
+#[test]
+fn a_restarted_sidecar_keeps_the_sticky_downgrade() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let signal = tmp.path().join("signal.json");
+    let oom_kills = |s: &Setup, n: u64| {
+        put(
+            &s.cg,
+            "memory.events",
+            &format!("low 0\nhigh 0\nmax {n}\noom {n}\noom_kill {n}\n"),
+        )
+    };
+    // The OOM kill must come after the sidecar's first look at the counter (its baseline).
+    let sampled = |s: &Setup| {
+        eventually(WAIT, "a few samples", || {
+            metric(&metrics(s), "memguard_sidecar_samples_total").filter(|n| *n >= 3.0)
+        })
+    };
+    let mut first = start(Some(&signal), &["--exit-when-empty", "false"]);
+    sampled(&first);
+    oom_kills(&first, 1);
+    let sticky = eventually(WAIT, "a sticky downgrade", || {
+        read_signal(&signal).filter(|s| s.sticky.is_some())
+    });
+    assert_eq!(
+        (sticky.batch_size, sticky.grad_accumulation),
+        (32, 2),
+        "one rung below 64 × 1"
+    );
+    first.sidecar.child.kill().expect("SIGKILL");
+    first.sidecar.child.wait().expect("reaped");
+
+    // Restarted with the same env (batch 64), on the same emptyDir (the signal file), watching
+    // a fresh container cgroup.
+    let second = start(Some(&signal), &["--exit-when-empty", "false"]);
+    sampled(&second);
+    let restarted = eventually(WAIT, "the restarted sidecar's signal", || {
+        read_signal(&signal).filter(|s| s.seq > sticky.seq)
+    });
+    assert_eq!(restarted.batch_size, 32, "{restarted:?}");
+    assert_eq!(restarted.sticky, sticky.sticky, "the floor is carried over");
+    // Calm for a while: never above the sticky batch.
+    let calm_until = Instant::now() + Duration::from_millis(600);
+    while Instant::now() < calm_until {
+        let now = signal_over_http(&second);
+        assert!(now.batch_size <= 32, "relaxed above the floor: {now:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The next OOM kill steps down from there.
+    oom_kills(&second, 1);
+    let lower = eventually(WAIT, "a second sticky downgrade", || {
+        read_signal(&signal).filter(|s| s.batch_size < 32)
+    });
+    assert_eq!(
+        lower.sticky.map(|k| (k.batch_size, k.grad_accumulation)),
+        Some((16, 4))
+    );
+    second.sidecar.terminate();
+    let summary = eventually(WAIT, "the summary", || {
+        std::fs::read_to_string(second.tmp.path().join("termination-log"))
+            .ok()
+            .filter(|t| !t.is_empty())
+    });
+    let summary: memguard_api::Summary = serde_json::from_str(summary.trim()).expect("summary");
+    assert_eq!(summary.sticky_batch_size, Some(16), "{summary:?}");
+    drop(tmp);
+}
