@@ -300,7 +300,9 @@ def read_sidecar_signals(path: Path) -> List[Dict[str, Any]]:
             rec = json.loads(line)
         except ValueError:
             continue
-        f = rec.get("fields", {})
+        # The event's fields are at the top level (memguard_runtime's JSON logs); older
+        # sidecars nested them under "fields".
+        f = rec.get("fields", rec)
         if f.get("message") == "signal" and "seq" in f and "batch_size" in f:
             out.append({"seq": f["seq"], "batch": f["batch_size"], "level": f.get("level"),
                         "time": parse_rfc3339(rec.get("timestamp", ""))})

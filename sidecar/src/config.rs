@@ -15,14 +15,8 @@ use std::time::Duration;
 /// Largest starting batch accepted (the downgrade searches divisors below it).
 pub const MAX_BATCH: u64 = 1 << 20;
 
-/// Log output format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormat {
-    /// One JSON object per line.
-    Json,
-    /// Human-readable.
-    Text,
-}
+/// Log output format (shared with the webhook).
+pub use memguard_runtime::LogFormat;
 
 /// The flags of `memguard-sidecar`.
 #[derive(Debug, Clone, Parser)]

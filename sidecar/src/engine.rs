@@ -40,6 +40,21 @@ pub struct Engine {
     oom_kill_seen: Option<u64>,
 }
 
+/// Everything one step read, and the state machine's inputs made from it.
+struct Readings {
+    sample: Option<MemorySample>,
+    /// The source answered "nothing there" (not a failed read).
+    clean_none: bool,
+    psi_cgroup: Option<Psi>,
+    psi_host: Option<Psi>,
+    gpus: Vec<gpu::GpuMemory>,
+    report: Option<memguard_api::Report>,
+    limit: Option<u64>,
+    working_set: Option<u64>,
+    gpu_used: Option<u64>,
+    inputs: Inputs,
+}
+
 /// Where the engine reads PSI from.
 #[derive(Debug, Clone, Default)]
 pub struct PsiPaths {
@@ -191,8 +206,31 @@ impl Engine {
         }
     }
 
-    /// One step at `now_ms` (milliseconds since start).
+    /// One step at `now_ms` (milliseconds since start), in four stages: read the
+    /// [`inputs`](Self::inputs), [`assess`](Self::assess) them, [`record`](Self::record) what was
+    /// seen, [`publish`](Self::publish) a changed signal.
     pub fn tick(&mut self, now_ms: u64) -> Tick {
+        let readings = self.inputs(now_ms);
+        let (reason, changed) = self.assess(&readings, now_ms);
+        self.record(&readings);
+        if changed {
+            self.publish(&readings, reason, now_ms);
+        }
+        self.flush();
+        self.shared.trace().push(Point {
+            ts_us: now_ms * 1000,
+            working_set: readings.working_set,
+            limit: readings.limit,
+            gpu_used: readings.gpu_used,
+            allocated: readings.report.as_ref().and_then(|r| r.allocated_bytes),
+            level: self.state.level,
+        });
+        self.gone(&readings.sample, readings.clean_none)
+    }
+
+    /// Samples every source (memory, PSI, GPU, the trainer's last report) and turns the
+    /// figures into the state machine's [`Inputs`]. Failed reads are counted and carry on.
+    fn inputs(&mut self, now_ms: u64) -> Readings {
         let (sample, clean_none) = match self.source.sample() {
             Ok(s) => {
                 let none = s.is_none();
@@ -203,8 +241,8 @@ impl Engine {
                 (None, false)
             }
         };
-        let psi_cgroup = self.psi_cgroup.as_deref().and_then(psi::read_psi);
-        let psi_host = self.psi_host.as_deref().and_then(psi::read_psi);
+        let psi_cgroup = self.read_psi(self.psi_cgroup.clone());
+        let psi_host = self.read_psi(self.psi_host.clone());
         let gpus = match self.gpu.sample() {
             Ok(g) => g,
             Err(e) => {
@@ -213,8 +251,8 @@ impl Engine {
             }
         };
         let limit = sample.as_ref().and_then(MemorySample::effective_limit);
-        let ws = sample.as_ref().and_then(|s| s.working_set_bytes);
-        if let Some(ws) = ws {
+        let working_set = sample.as_ref().and_then(|s| s.working_set_bytes);
+        if let Some(ws) = working_set {
             self.history.push(now_ms, ws);
         }
         let report = self.shared.status().report.clone();
@@ -227,7 +265,7 @@ impl Engine {
                 (Some(used), Some(total)) if total > 0 => {
                     pressure::reported_leak_eta(used, total, rate)
                 }
-                _ => pressure::reported_leak_eta(ws?, limit?, rate),
+                _ => pressure::reported_leak_eta(working_set?, limit?, rate),
             }
         });
         let seconds_to_limit = pressure::sooner(own_eta, reported_eta);
@@ -247,91 +285,116 @@ impl Engine {
             gpu_ratio,
             seconds_to_limit,
         };
-        let mut decision = pressure::assess(&self.state, &inputs, now_ms, &self.pressure);
-        if let Some((state, why)) = self.after_oom(&decision.state, sample.as_ref(), now_ms) {
+        Readings {
+            gpu_used: gpus.iter().map(|g| g.used_bytes).max(),
+            sample,
+            clean_none,
+            psi_cgroup,
+            psi_host,
+            gpus,
+            report,
+            limit,
+            working_set,
+            inputs,
+        }
+    }
+
+    /// The state machine's step, then the sticky downgrade after an OOM; the new state is
+    /// kept. Returns why, and whether the signal changed.
+    fn assess(&mut self, r: &Readings, now_ms: u64) -> (String, bool) {
+        let mut decision = pressure::assess(&self.state, &r.inputs, now_ms, &self.pressure);
+        if let Some((state, why)) = self.after_oom(&decision.state, r.sample.as_ref(), now_ms) {
             decision.state = state;
             decision.reason = why;
         }
         let changed = decision.state.signal_differs(&self.state)
             || decision.state.sticky != self.state.sticky;
         self.state = decision.state;
-        let gpu_used = gpus.iter().map(|g| g.used_bytes).max();
-        {
-            let mut st = self.shared.status();
-            st.samples_total += 1;
-            st.source_up = sample.is_some();
-            let info = self.source.info();
-            if st.source_info != Some(info) {
-                st.source_info = Some(info);
-                st.source = self.source.describe();
-            }
-            if let Some(ws) = ws {
-                st.peak_working_set = Some(st.peak_working_set.map_or(ws, |p| p.max(ws)));
-            }
-            if let Some(g) = gpu_used {
-                st.gpu_peak = Some(st.gpu_peak.map_or(g, |p| p.max(g)));
-            }
-            if let Some(k) = sample.as_ref().and_then(|s| s.events.oom_kill) {
-                st.oom_kill_start.get_or_insert(k);
-                st.oom_kill_now = Some(k);
-            }
-            st.downgrades = self.state.downgrades;
-            st.sticky_batch_size = self.state.sticky.map(|k| k.batch_size);
-            st.max_level = st.max_level.max(self.state.level);
-            st.seconds_to_limit = seconds_to_limit;
-            st.psi_cgroup = psi_cgroup;
-            st.psi_host = psi_host;
-            st.gpus = gpus;
-            if sample.is_some() {
-                st.sample = sample.clone();
-            }
+        (decision.reason, changed)
+    }
+
+    /// What this step saw, into the status the metrics, the summary and the API read.
+    fn record(&mut self, r: &Readings) {
+        let mut st = self.shared.status();
+        st.samples_total += 1;
+        st.source_up = r.sample.is_some();
+        let info = self.source.info();
+        if st.source_info != Some(info) {
+            st.source_info = Some(info);
+            st.source = self.source.describe();
         }
-        if changed {
-            let mut next = self.shared.signal.borrow().clone();
-            next.seq += 1;
-            next.level = self.state.level;
-            next.batch_size = self.state.batch_size;
-            next.grad_accumulation = self.state.grad_accumulation;
-            next.grad_checkpointing = self.state.grad_checkpointing;
-            next.sticky = self.state.sticky.map(|k| memguard_api::StickyKnobs {
-                batch_size: k.batch_size,
-                grad_accumulation: k.grad_accumulation,
-                grad_checkpointing: k.grad_checkpointing,
-            });
-            next.reason = decision.reason.clone();
-            next.pressure = Pressure {
-                memory_ratio: inputs.memory_ratio,
-                working_set_bytes: ws,
-                limit_bytes: limit,
-                psi_some_avg10: inputs.psi_some_avg10,
-                gpu_ratio,
-                seconds_to_limit,
-            };
-            next.timestamp = now_rfc3339();
-            tracing::info!(
-                seq = next.seq,
-                level = %next.level,
-                batch_size = next.batch_size,
-                grad_accumulation = next.grad_accumulation,
-                reason = %next.reason,
-                "signal"
-            );
-            self.shared
-                .trace()
-                .mark(now_ms * 1000, next.level, &next.reason);
-            self.shared.signal.send_replace(next);
-            self.pending_write = true;
+        if let Some(ws) = r.working_set {
+            st.peak_working_set = Some(st.peak_working_set.map_or(ws, |p| p.max(ws)));
         }
-        self.flush();
-        self.shared.trace().push(Point {
-            ts_us: now_ms * 1000,
-            working_set: ws,
-            limit,
-            gpu_used,
-            allocated: report.and_then(|r| r.allocated_bytes),
-            level: self.state.level,
+        if let Some(g) = r.gpu_used {
+            st.gpu_peak = Some(st.gpu_peak.map_or(g, |p| p.max(g)));
+        }
+        if let Some(k) = r.sample.as_ref().and_then(|s| s.events.oom_kill) {
+            st.oom_kill_start.get_or_insert(k);
+            st.oom_kill_now = Some(k);
+        }
+        st.downgrades = self.state.downgrades;
+        st.sticky_batch_size = self.state.sticky.map(|k| k.batch_size);
+        st.max_level = st.max_level.max(self.state.level);
+        st.seconds_to_limit = r.inputs.seconds_to_limit;
+        st.psi_cgroup = r.psi_cgroup;
+        st.psi_host = r.psi_host;
+        st.gpus = r.gpus.clone();
+        if r.sample.is_some() {
+            st.sample = r.sample.clone();
+        }
+    }
+
+    /// The next signal (seq + 1) from the new state, logged, marked in the trace, sent to the
+    /// API's watchers and queued for the file.
+    fn publish(&mut self, r: &Readings, reason: String, now_ms: u64) {
+        let mut next = self.shared.signal.borrow().clone();
+        next.seq += 1;
+        next.level = self.state.level;
+        next.batch_size = self.state.batch_size;
+        next.grad_accumulation = self.state.grad_accumulation;
+        next.grad_checkpointing = self.state.grad_checkpointing;
+        next.sticky = self.state.sticky.map(|k| memguard_api::StickyKnobs {
+            batch_size: k.batch_size,
+            grad_accumulation: k.grad_accumulation,
+            grad_checkpointing: k.grad_checkpointing,
         });
-        self.gone(&sample, clean_none)
+        next.reason = reason;
+        next.pressure = Pressure {
+            memory_ratio: r.inputs.memory_ratio,
+            working_set_bytes: r.working_set,
+            limit_bytes: r.limit,
+            psi_some_avg10: r.inputs.psi_some_avg10,
+            gpu_ratio: r.inputs.gpu_ratio,
+            seconds_to_limit: r.inputs.seconds_to_limit,
+        };
+        next.timestamp = now_rfc3339();
+        tracing::info!(
+            seq = next.seq,
+            level = %next.level,
+            batch_size = next.batch_size,
+            grad_accumulation = next.grad_accumulation,
+            reason = %next.reason,
+            "signal"
+        );
+        self.shared
+            .trace()
+            .mark(now_ms * 1000, next.level, &next.reason);
+        self.shared.signal.send_replace(next);
+        self.pending_write = true;
+    }
+
+    /// A PSI file's figures. Absent (PSI off, a v1 cgroup, a cgroup gone) is `None`, quietly;
+    /// a file that cannot be read or holds no `some` line is counted (`sample_errors_total`,
+    /// kind `psi`) and logged like any sampler failure, and also `None`.
+    fn read_psi(&mut self, path: Option<PathBuf>) -> Option<Psi> {
+        match psi::read_psi(&path?) {
+            Ok(p) => p,
+            Err(e) => {
+                self.sample_error("psi", &e);
+                None
+            }
+        }
     }
 
     /// A failed read is not "gone": only a clean `Ok(None)` after a sample was seen is.
@@ -611,6 +674,68 @@ mod tests {
         assert_eq!(st.sample_errors.get("parse"), Some(&2));
         assert_eq!(st.sample_errors.get("gpu"), Some(&3));
         assert_eq!(st.samples_total, 3);
+    }
+
+    /// PSI that is not there (PSI off, a v1 cgroup) is quiet; PSI that is there but cannot be
+    /// read, or reads as garbage, is counted like any sampler failure.
+    #[test]
+    fn psi_read_failures_are_counted_and_absent_psi_is_not() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let garbage = dir.path().join("memory.pressure");
+        std::fs::write(&garbage, "not psi at all\n").expect("write");
+        let shared = Arc::new(Shared::new(Signal::initial(8, 2, false)));
+        let mut e = Engine::new(
+            Box::new(Script(vec![mem(100, true)])),
+            Box::new(FakeGpu(Ok(vec![]))),
+            PsiPaths {
+                cgroup: Some(garbage.clone()),
+                // A directory where the file should be: read fails (EISDIR).
+                host: Some(dir.path().to_path_buf()),
+            },
+            PressureConfig::new(Thresholds::default()),
+            SignalWriter::new(dir.path().join("signal.json")),
+            shared.clone(),
+        );
+        e.tick(0);
+        e.tick(100);
+        assert_eq!(shared.status().sample_errors.get("psi"), Some(&4));
+        std::fs::write(
+            &garbage,
+            "some avg10=12.50 avg60=3.00 avg300=1.00 total=1000\n\
+             full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",
+        )
+        .expect("write");
+        e.tick(200);
+        assert_eq!(
+            shared.status().sample_errors.get("psi"),
+            Some(&5),
+            "only the host's"
+        );
+        assert_eq!(
+            shared
+                .status()
+                .psi_cgroup
+                .and_then(|p| p.some)
+                .map(|s| s.avg10),
+            Some(12.5)
+        );
+        let mut quiet = Engine::new(
+            Box::new(Script(vec![mem(100, true)])),
+            Box::new(FakeGpu(Ok(vec![]))),
+            PsiPaths {
+                cgroup: Some(dir.path().join("gone/memory.pressure")),
+                host: None,
+            },
+            PressureConfig::new(Thresholds::default()),
+            SignalWriter::new(dir.path().join("signal2.json")),
+            shared.clone(),
+        );
+        quiet.tick(300);
+        assert_eq!(
+            shared.status().sample_errors.get("psi"),
+            Some(&5),
+            "absent: not counted"
+        );
     }
 
     #[test]

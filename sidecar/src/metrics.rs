@@ -234,7 +234,7 @@ pub fn render(st: &Status, sig: &Signal) -> String {
         "Reports refused: not JSON, unknown fields, impossible figures.",
         st.reports_rejected as f64,
     );
-    let errors: Vec<(String, f64)> = ["read", "parse", "gpu"]
+    let errors: Vec<(String, f64)> = ["read", "parse", "gpu", "psi"]
         .iter()
         .map(|k| {
             (

@@ -28,17 +28,10 @@ const PSI_STALL: Duration = Duration::from_millis(100);
 /// PSI trigger window (rounded up to 2 s where the kernel demands it).
 const PSI_WINDOW: Duration = Duration::from_secs(1);
 
-/// Installs the global subscriber once (`RUST_LOG`, default `info`).
+/// Installs the global subscriber once, on standard error (`RUST_LOG`, default `info`): the
+/// setup the webhook shares ([`memguard_runtime`]).
 pub fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = match format {
-        LogFormat::Json => builder.json().try_init(),
-        LogFormat::Text => builder.with_ansi(false).try_init(),
-    };
+    memguard_runtime::init_tracing(format, memguard_runtime::LogStream::Stderr);
 }
 
 fn open_source(config: &Config) -> (Box<dyn MemorySource>, Option<PathBuf>) {
@@ -185,22 +178,6 @@ impl Drop for Watchers {
     }
 }
 
-async fn shutdown_signal() -> &'static str {
-    use tokio::signal::unix::{SignalKind, signal};
-    let term = async {
-        match signal(SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = term => "sigterm",
-        _ = tokio::signal::ctrl_c() => "interrupt",
-    }
-}
-
 /// Runs the sidecar until SIGTERM/ctrl-c or the trainer is gone; writes the summary at exit.
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let a = config.args.clone();
@@ -276,7 +253,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut interval = tokio::time::interval(a.interval);
     interval.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let started = Instant::now();
-    let shutdown = shutdown_signal();
+    let shutdown = memguard_runtime::shutdown_signal();
     tokio::pin!(shutdown);
     let exit_reason = loop {
         tokio::select! {

@@ -112,14 +112,8 @@ pub struct Args {
     pub log_format: LogFormat,
 }
 
-/// Log output format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormat {
-    /// One JSON object per line.
-    Json,
-    /// Human-readable.
-    Text,
-}
+/// Log output format (shared with the sidecar).
+pub use memguard_runtime::LogFormat;
 
 impl Args {
     /// The flag overrides of the policy.

@@ -119,21 +119,10 @@ async fn mutate(State(state): State<AppState>, body: Bytes) -> Response {
     }
 }
 
-/// Initializes logging once: JSON (default) or text, levels from `RUST_LOG` (default `info`).
+/// Initializes logging once, on standard output: JSON (default) or text, levels from
+/// `RUST_LOG` (default `info`). The setup the sidecar shares ([`memguard_runtime`]).
 pub fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stdout);
-    let _ = match format {
-        LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(false)
-            .try_init(),
-        LogFormat::Text => builder.try_init(),
-    };
+    memguard_runtime::init_tracing(format, memguard_runtime::LogStream::Stdout);
 }
 
 /// Runs the webhook until SIGTERM or ctrl-c, then drains for at most the grace period.
@@ -220,9 +209,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         "memguard-webhook serving"
     );
 
-    shutdown_signal().await;
+    let signal = memguard_runtime::shutdown_signal().await;
     let grace = Duration::from_secs(args.shutdown_grace_seconds);
     tracing::info!(
+        signal,
         grace_seconds = grace.as_secs(),
         "shutting down: draining connections"
     );
@@ -301,28 +291,6 @@ async fn connect(
         policy,
     );
     (profiles, tasks.with(policy_task))
-}
-
-/// SIGTERM (what the kubelet sends) or ctrl-c.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = term => {},
-    }
 }
 
 #[cfg(test)]

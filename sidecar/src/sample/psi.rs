@@ -4,7 +4,8 @@
 use rustix::fd::OwnedFd;
 use rustix::fs::{Mode, OFlags};
 use rustix::io::Errno;
-use std::path::Path;
+use std::io::ErrorKind;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// One PSI line (`some` or `full`).
@@ -63,9 +64,45 @@ pub fn parse_psi(text: &str) -> Psi {
     psi
 }
 
-/// Reads and parses a PSI file; `None` when absent or unreadable (PSI off, old kernel).
-pub fn read_psi(path: &Path) -> Option<Psi> {
-    std::fs::read_to_string(path).ok().map(|s| parse_psi(&s))
+/// Why a PSI file that is there gave no figures.
+#[derive(Debug, thiserror::Error)]
+pub enum PsiError {
+    /// The file could not be read.
+    #[error("{path}: {source}")]
+    Read {
+        /// The PSI file.
+        path: PathBuf,
+        /// What reading it said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file holds no complete `some` line.
+    #[error("{path}: no `some avg10=… avg60=… avg300=… total=…` line")]
+    Parse {
+        /// The PSI file.
+        path: PathBuf,
+    },
+}
+
+/// Reads and parses a PSI file. `Ok(None)` when there is none to read (absent, or PSI turned
+/// off: `EOPNOTSUPP`); an error when it is there but unreadable or holds no `some` line.
+pub fn read_psi(path: &Path) -> Result<Option<Psi>, PsiError> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => {
+            let psi = parse_psi(&text);
+            match psi.some {
+                Some(_) => Ok(Some(psi)),
+                None => Err(PsiError::Parse {
+                    path: path.to_path_buf(),
+                }),
+            }
+        }
+        Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::Unsupported) => Ok(None),
+        Err(source) => Err(PsiError::Read {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
 }
 
 /// The trigger text the kernel wants: `some <stall_us> <window_us>`.
