@@ -650,25 +650,33 @@ impl Parser<'_> {
                 let (knob, var) = entry
                     .split_once('=')
                     .ok_or_else(|| format!("`{entry}` is not `knob=VARIABLE`"))?;
-                let knob = Knob::parse(knob.trim()).ok_or_else(|| {
-                    format!(
-                        "unknown knob `{}` (expected one of: {})",
-                        knob.trim(),
-                        Knob::ALL.map(Knob::name).join(", ")
-                    )
-                })?;
-                let var = var.trim();
-                if !is_env_name(var) {
-                    return Err(format!("`{var}` is not a valid environment variable name"));
-                }
-                if var.starts_with("MEMGUARD_") {
-                    return Err(format!("`{var}`: MEMGUARD_* variables are memguard's own"));
-                }
-                map.insert(knob, var.to_string());
+                let (knob, var) = env_map_entry(knob, var)?;
+                map.insert(knob, var);
             }
             Ok(map)
         })
     }
+}
+
+/// One `env-map` entry, knob name → the trainer's own variable, checked: the knob exists, the
+/// variable is a plain name and not one of memguard's `MEMGUARD_*`. The one check for the
+/// annotation and the policy's `envNames`.
+pub fn env_map_entry(knob: &str, var: &str) -> Result<(Knob, String), String> {
+    let knob = Knob::parse(knob.trim()).ok_or_else(|| {
+        format!(
+            "unknown knob `{}` (expected one of: {})",
+            knob.trim(),
+            Knob::ALL.map(Knob::name).join(", ")
+        )
+    })?;
+    let var = var.trim();
+    if !is_env_name(var) {
+        return Err(format!("`{var}` is not a valid environment variable name"));
+    }
+    if var.starts_with("MEMGUARD_") {
+        return Err(format!("`{var}`: MEMGUARD_* variables are memguard's own"));
+    }
+    Ok((knob, var.to_string()))
 }
 
 /// `[A-Za-z_][A-Za-z0-9_]*`: what shells and Kubernetes accept without surprises.

@@ -8,6 +8,7 @@
 pub mod annotations;
 pub mod duration;
 pub mod env;
+pub mod estimate;
 pub mod hf_config;
 pub mod oom;
 pub mod policy;
@@ -19,8 +20,11 @@ pub mod wellknown;
 pub mod crd;
 #[cfg(feature = "crd")]
 pub mod pod;
+#[cfg(feature = "crd")]
+pub use pod::{ResolveError, TrainingPod};
 
 pub use annotations::{AnnotationError, EnvMap, Knob, TrainingAnnotations};
+pub use estimate::{BudgetSource, EstimateAnnotation, EstimateError};
 pub use oom::{OomKind, OomOutcome, OomRecord};
 pub use policy::{Policy, PolicySpec};
 pub use signal::{Level, Pressure, Report, Signal, StickyKnobs};

@@ -1,13 +1,14 @@
-//! Reading a pod spec the way every part of memguard must agree on: which container is the
-//! trainer, how many GPUs it asks for, which GPU products the pod is pinned to, and Kubernetes
-//! resource quantities. The webhook (at admission) and the profile controller (after the run)
+//! Reading a pod spec the way every part of memguard must agree on: [`TrainingPod::resolve`]
+//! (the annotations, which container is the trainer, how many GPUs it asks for, which GPU
+//! products the pod is pinned to, the device) and Kubernetes resource quantities. The webhook (at admission) and the profile controller (after the run)
 //! both key on these answers, so they live here once.
 
-use crate::annotations;
+use crate::annotations::{self, AnnotationError, TrainingAnnotations};
 use crate::wellknown;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use memguard_estimator::Device;
+use memguard_estimator::{Device, Parallelism, TrainingConfig};
+use std::collections::BTreeMap;
 
 /// NVIDIA MIG, mixed strategy: one resource per profile, `nvidia.com/mig-<g>g.<m>gb`.
 pub const NVIDIA_MIG_RESOURCE_PREFIX: &str = "nvidia.com/mig-";
@@ -37,6 +38,100 @@ pub const MPS_PINNED_MEM_ENV: &str = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT";
 pub const AMD_GPU_RESOURCE: &str = "amd.com/gpu";
 /// AMD node labeller: the GPU product (`AMD_Instinct_MI300X_OAM`).
 pub const AMD_GPU_PRODUCT_LABEL: &str = "amd.com/gpu.product-name";
+
+/// Why a pod is not a training pod memguard can read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResolveError {
+    /// Opted in, but no `memguard.io/` training annotation at all.
+    #[error(
+        "labelled {}={} but no training annotations (e.g. {})",
+        wellknown::ENABLED_LABEL,
+        wellknown::ENABLED_VALUE,
+        annotations::MODEL
+    )]
+    NoTrainingInput,
+    /// The training annotations do not parse: every problem.
+    #[error("{}", join(.0))]
+    Annotations(Vec<AnnotationError>),
+    /// `memguard.io/container` names no container, or the pod has none.
+    #[error("{0}")]
+    Trainer(String),
+}
+
+fn join(errors: &[AnnotationError]) -> String {
+    errors
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// A training pod as every part of memguard reads it from its spec alone (never from where it
+/// ran): the webhook at admission, the profile controller after the run. One reading, so the
+/// two always agree on the trainer, the config and the device.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainingPod<'a> {
+    /// The parsed annotations, as given.
+    pub annotations: TrainingAnnotations,
+    /// Index of the trainer in `spec.containers`.
+    pub trainer_index: usize,
+    /// The trainer container.
+    pub trainer: &'a Container,
+    /// GPUs the trainer asks for.
+    pub gpus: u64,
+    /// The GPU products the pod is pinned to, for its device: `nvidia.com/gpu.product` values
+    /// for `cuda` ([`gpu_products`]), [`AMD_GPU_PRODUCT_LABEL`] values for `rocm`, else none.
+    pub gpu_products: Vec<String>,
+    /// The training config with the device resolved (`memguard.io/device`, else
+    /// [`default_device`]) and, for data parallelism on GPUs without `memguard.io/world-size`,
+    /// the world size set to the pod's GPUs.
+    pub config: TrainingConfig,
+}
+
+impl<'a> TrainingPod<'a> {
+    /// Reads `pod`: its training annotations, its trainer, its device.
+    pub fn resolve(pod: &'a Pod) -> Result<Self, ResolveError> {
+        let empty = BTreeMap::new();
+        let given = pod.metadata.annotations.as_ref().unwrap_or(&empty);
+        if !annotations::has_training_input(given) {
+            return Err(ResolveError::NoTrainingInput);
+        }
+        let parsed = TrainingAnnotations::parse(given).map_err(ResolveError::Annotations)?;
+        let containers = pod
+            .spec
+            .as_ref()
+            .map(|s| s.containers.as_slice())
+            .unwrap_or_default();
+        let (trainer_index, trainer) =
+            pick_trainer(containers, parsed.container.as_deref()).map_err(ResolveError::Trainer)?;
+        let gpus = gpu_count(trainer);
+        let mut config = parsed.config.clone();
+        if !parsed.device_given {
+            config.device = default_device(pod, trainer);
+        }
+        // Data parallelism over the pod's own GPUs unless the user says how many devices take
+        // part (a multi-node job must: the pod cannot see its peers).
+        if !given.contains_key(annotations::WORLD_SIZE)
+            && config.parallelism != Parallelism::None
+            && matches!(config.device, Device::Cuda | Device::Rocm)
+        {
+            config.world_size = gpus.max(1);
+        }
+        let products = match config.device {
+            Device::Cuda => gpu_products(pod),
+            Device::Rocm => pinned_values(pod, AMD_GPU_PRODUCT_LABEL),
+            Device::Cpu | Device::Metal => Vec::new(),
+        };
+        Ok(TrainingPod {
+            annotations: parsed,
+            trainer_index,
+            trainer,
+            gpus,
+            gpu_products: products,
+            config,
+        })
+    }
+}
 
 /// The trainer: the container `memguard.io/container` names, else the first requesting a GPU,
 /// else the first. memguard's own sidecar (classic mode) is never the trainer. Returns its
@@ -492,6 +587,117 @@ pub fn parse_quantity(s: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn pod(annotations: &[(&str, &str)], containers: Vec<Container>) -> Pod {
+        let mut p = Pod::default();
+        p.metadata.annotations = Some(
+            annotations
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        );
+        p.spec = Some(k8s_openapi::api::core::v1::PodSpec {
+            containers,
+            ..Default::default()
+        });
+        p
+    }
+
+    fn gpus(name: &str, n: &str) -> Container {
+        Container {
+            name: name.into(),
+            resources: Some(k8s_openapi::api::core::v1::ResourceRequirements {
+                limits: Some(BTreeMap::from([(
+                    wellknown::NVIDIA_GPU_RESOURCE.to_string(),
+                    Quantity(n.into()),
+                )])),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// One reading for the webhook and the controller: the trainer, the device, the world size.
+    #[test]
+    fn resolve_reads_the_trainer_the_device_and_the_world_size() {
+        let model = (annotations::MODEL, "llama-3-8b");
+        let p = pod(&[model], vec![gpus("trainer", "2")]);
+        let t = TrainingPod::resolve(&p).expect("valid");
+        assert_eq!(
+            (
+                t.trainer_index,
+                t.gpus,
+                t.config.device,
+                t.config.world_size
+            ),
+            (0, 2, Device::Cuda, 1)
+        );
+        let p = pod(
+            &[model, (annotations::PARALLELISM, "fsdp")],
+            vec![Container::default(), gpus("trainer", "4")],
+        );
+        let t = TrainingPod::resolve(&p).expect("valid");
+        assert_eq!(
+            (t.trainer.name.as_str(), t.config.world_size),
+            ("trainer", 4)
+        );
+        let p = pod(
+            &[
+                model,
+                (annotations::PARALLELISM, "fsdp"),
+                (annotations::WORLD_SIZE, "16"),
+            ],
+            vec![gpus("trainer", "4")],
+        );
+        assert_eq!(
+            TrainingPod::resolve(&p).expect("valid").config.world_size,
+            16
+        );
+        let p = pod(&[model, (annotations::DEVICE, "cpu")], vec![gpus("t", "1")]);
+        assert_eq!(
+            TrainingPod::resolve(&p).expect("valid").config.device,
+            Device::Cpu
+        );
+        let cpu = pod(&[model], vec![Container::default()]);
+        assert_eq!(
+            TrainingPod::resolve(&cpu).expect("valid").config.device,
+            Device::Cpu
+        );
+    }
+
+    #[test]
+    fn resolve_says_why_a_pod_cannot_be_read() {
+        let none = pod(&[("other.io/x", "1")], vec![Container::default()]);
+        assert_eq!(
+            TrainingPod::resolve(&none),
+            Err(ResolveError::NoTrainingInput)
+        );
+        let bad = pod(
+            &[
+                (annotations::MODEL, "gpt-9"),
+                (annotations::BATCH_SIZE, "many"),
+            ],
+            vec![Container::default()],
+        );
+        let e = TrainingPod::resolve(&bad).expect_err("bad annotations");
+        assert!(
+            matches!(&e, ResolveError::Annotations(errors) if errors.len() == 2),
+            "{e}"
+        );
+        assert!(e.to_string().contains("; "), "every problem, joined: {e}");
+        let missing = pod(
+            &[
+                (annotations::MODEL, "llama-3-8b"),
+                (annotations::CONTAINER, "nope"),
+            ],
+            vec![Container::default()],
+        );
+        assert!(matches!(
+            TrainingPod::resolve(&missing),
+            Err(ResolveError::Trainer(_))
+        ));
+    }
+
     use std::collections::BTreeMap;
 
     #[test]

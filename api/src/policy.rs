@@ -4,6 +4,7 @@
 //! `MemguardPolicy` CRD, so the three can never drift apart. Every field is optional in the
 //! document; [`PolicySpec::resolved`] fills the documented defaults.
 
+use crate::annotations::{EnvMap, env_map_entry};
 use crate::duration::{format_duration, parse_duration};
 use crate::env;
 use memguard_estimator::{Bytes, parse_bytes};
@@ -314,8 +315,8 @@ pub struct Policy {
     pub sidecar_interval: Duration,
     /// Thresholds.
     pub thresholds: Thresholds,
-    /// Default env-map, as `knob=VAR` pairs.
-    pub env_names: BTreeMap<String, String>,
+    /// Default env-map (knob → the trainer's own variable), checked like the annotation's.
+    pub env_names: EnvMap,
     /// Floors.
     pub floors: memguard_estimator::plan::Floors,
     /// OOM recoveries in a row before "cannot fit" (see [`PolicySpec::max_oom_recoveries`]).
@@ -380,6 +381,15 @@ impl PolicySpec {
                 "maxOomRecoveries: {max_oom_recoveries} is more than {MAX_OOM_RECOVERIES_LIMIT}"
             ));
         }
+        let mut env_names = EnvMap::new();
+        for (knob, var) in &self.env_names {
+            match env_map_entry(knob, var) {
+                Ok((knob, var)) => {
+                    env_names.insert(knob, var);
+                }
+                Err(e) => errors.push(format!("envNames[{knob}]: {e}")),
+            }
+        }
         let sidecar = self.sidecar.clone().unwrap_or_default();
         let sidecar_interval = match sidecar.interval.as_deref().map(parse_duration) {
             None => Some(DEFAULT_SIDECAR_INTERVAL),
@@ -411,7 +421,7 @@ impl PolicySpec {
             }),
             sidecar_interval: sidecar_interval.unwrap_or(DEFAULT_SIDECAR_INTERVAL),
             thresholds,
-            env_names: self.env_names.clone(),
+            env_names,
             floors: self.floors.unwrap_or_default().resolved(),
             max_oom_recoveries,
             placement: self.placement.unwrap_or_default(),

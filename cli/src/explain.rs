@@ -14,7 +14,9 @@ use anyhow::Context;
 use k8s_openapi::api::core::v1::{ContainerStateTerminated, ContainerStatus, Pod};
 use memguard_api::Policy;
 use memguard_api::crd::{MemoryProfile, MemoryProfileSpec, MemoryProfileStatus, TrainingKnobs};
-use memguard_api::{OomRecord, Summary, annotations as keys, wellknown};
+use memguard_api::{
+    BudgetSource, EstimateAnnotation, OomRecord, Summary, annotations as keys, wellknown,
+};
 use memguard_estimator::{Bytes, estimate};
 use memguard_learn::observe::{
     NotObserved, knobs_from_env, knobs_of, oom_reason, parse_summary, try_observe, with_knobs,
@@ -22,7 +24,6 @@ use memguard_learn::observe::{
 use memguard_learn::update::{apply_limited, describe_knobs};
 use memguard_webhook::config::{Overrides, policy_from_str};
 use serde::Serialize;
-use serde_json::Value;
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -68,6 +69,9 @@ pub struct Explanation {
     /// `memguard.io/error`, when the webhook left the pod unchanged or said "cannot fit".
     #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<String>,
+    /// Why `memguard.io/estimate` could not be read (another version, a damaged value).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    estimate_error: Option<String>,
     /// The config the trainer was given (annotations with its `MEMGUARD_*` env).
     config: BTreeMap<&'static str, String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -234,7 +238,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 fn read_profile(path: &std::path::Path, pod: &Pod) -> Result<MemoryProfile, String> {
     let shown = path.display();
     let text = std::fs::read_to_string(path).map_err(|e| format!("reading {shown}: {e}"))?;
-    let value: Value =
+    let value: serde_json::Value =
         serde_saphyr::from_str(&text).map_err(|e| format!("{shown}: not valid YAML: {e}"))?;
     let profile: MemoryProfile =
         serde_json::from_value(value).map_err(|e| format!("{shown}: not a MemoryProfile: {e}"))?;
@@ -265,47 +269,39 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
         .unwrap_or_default();
     let knobs = knobs_from_env(&env);
     let ran = key.as_ref().map(|k| with_knobs(&k.config, &knobs));
-    let annotation: Value = annotations
-        .get(keys::ESTIMATE)
-        .and_then(|s| serde_json::from_str(s).ok())
-        .unwrap_or(Value::Null);
-    let u64_at = |k: &str| annotation.get(k).and_then(Value::as_u64);
+    let (annotation, estimate_error) = match annotations.get(keys::ESTIMATE) {
+        None => (None, None),
+        Some(text) => match EstimateAnnotation::parse(text) {
+            Ok(a) => (Some(a), None),
+            Err(e) => (None, Some(e.to_string())),
+        },
+    };
     let estimated = ran.as_ref().and_then(|c| estimate(c).ok());
-    let estimate_view = (annotation.is_object() || estimated.is_some()).then(|| EstimateView {
-        total_bytes: u64_at("total"),
-        uncalibrated_bytes: u64_at("uncalibrated"),
+    let estimate_view = (annotation.is_some() || estimated.is_some()).then(|| EstimateView {
+        total_bytes: annotation.as_ref().map(|a| a.total.0),
+        uncalibrated_bytes: annotation.as_ref().map(|a| a.uncalibrated.0),
         calibration_factor: annotation
-            .get("calibration")
-            .and_then(|c| c.get("factor"))
-            .and_then(Value::as_f64),
+            .as_ref()
+            .and_then(|a| a.calibration)
+            .map(|c| c.factor),
         components: estimated
             .as_ref()
             .map(|e| e.components.iter().map(|(c, b)| (c.name(), b.0)).collect())
             .unwrap_or_default(),
-        tensor_peak_bytes: u64_at("tensorPeak").or(estimated.as_ref().map(|e| e.tensor_peak.0)),
+        tensor_peak_bytes: annotation
+            .as_ref()
+            .map(|a| a.tensor_peak.0)
+            .or(estimated.as_ref().map(|e| e.tensor_peak.0)),
     });
-    let budget = annotation.is_object().then(|| BudgetView {
-        bytes: u64_at("budget"),
-        source: annotation.get("budgetSource").map(|s| match s {
-            Value::Object(m) => match (m.get("kind"), m.get("detail")) {
-                (Some(Value::String(k)), Some(Value::String(d))) => format!("{k} ({d})"),
-                (Some(Value::String(k)), _) => k.clone(),
-                _ => s.to_string(),
-            },
-            Value::String(s) => s.clone(),
-            other => other.to_string(),
-        }),
-        gpu_memory_bytes: u64_at("gpuMemory"),
-        fits: annotation.get("fits").and_then(Value::as_bool),
+    let budget = annotation.as_ref().map(|a| BudgetView {
+        bytes: a.budget.map(|b| b.0),
+        source: a.budget_source.as_ref().map(describe_source),
+        gpu_memory_bytes: a.gpu_memory.map(|b| b.0),
+        fits: a.fits,
     });
     let steps = annotation
-        .get("steps")
-        .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(|s| s.as_str().map(str::to_string))
-                .collect()
-        })
+        .as_ref()
+        .map(|a| a.steps.clone())
         .unwrap_or_default();
 
     let summary = sidecar_summary(pod);
@@ -358,6 +354,7 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
         pod: pod.metadata.name.clone().unwrap_or_default(),
         trainer,
         error: annotations.get(keys::ERROR).cloned(),
+        estimate_error,
         config: ran
             .as_ref()
             .map(|c| {
@@ -386,14 +383,21 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
         estimate: estimate_view,
         budget,
         steps,
-        admitted_after: annotation
-            .get("recovery")
-            .and_then(Value::as_str)
-            .map(str::to_string),
+        admitted_after: annotation.and_then(|a| a.recovery),
         run,
         ooms,
         restarts: status.as_ref().map_or(0, |s| s.restart_count),
         next,
+    }
+}
+
+/// `kind (detail)`, or `kind` alone: the annotation's `budgetSource` for a person.
+fn describe_source(source: &BudgetSource) -> String {
+    let value = serde_json::to_value(source).unwrap_or_default();
+    match (value["kind"].as_str(), value["detail"].as_str()) {
+        (Some(kind), Some(detail)) => format!("{kind} ({detail})"),
+        (Some(kind), None) => kind.to_string(),
+        _ => value.to_string(),
     }
 }
 
@@ -551,6 +555,9 @@ fn write_table(out: &mut impl Write, e: &Explanation) -> std::io::Result<()> {
     )?;
     if let Some(err) = &e.error {
         row(out, "error", err)?;
+    }
+    if let Some(err) = &e.estimate_error {
+        row(out, "estimate unreadable", err)?;
     }
     writeln!(out, "config")?;
     for (k, v) in &e.config {

@@ -151,6 +151,13 @@ impl Recorder {
             Ok(obs) => obs,
             Err(why) => return Ok(Recorded::Skipped(why)),
         };
+        if let Some(why) = &obs.estimate_problem {
+            tracing::warn!(
+                pod = obs.pod,
+                why,
+                "no usable estimate: the run is recorded, but does not calibrate"
+            );
+        }
         let namespace = pod
             .metadata
             .namespace

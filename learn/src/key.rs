@@ -5,12 +5,10 @@
 //! before the pod has a node, that the controller wrote after it finished.
 
 use k8s_openapi::api::core::v1::Pod;
-use memguard_api::TrainingAnnotations;
 use memguard_api::crd::{DeviceClass, MemoryProfileSpec};
-use memguard_api::pod::{default_device, gpu_products, pick_trainer};
+use memguard_api::pod::{ResolveError, TrainingPod};
 use memguard_estimator::params::total_params;
 use memguard_estimator::{Device, TrainingConfig};
-use std::collections::BTreeMap;
 
 /// Longest Kubernetes object name we produce (a DNS-1123 label).
 pub const MAX_NAME_LEN: usize = 63;
@@ -22,12 +20,21 @@ pub const CPU: &str = "cpu";
 /// Why a pod has no profile key.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KeyError {
-    /// The training annotations do not parse (the webhook skipped this pod too).
+    /// The training annotations are missing or do not parse (the webhook skipped this pod too).
     #[error("training annotations: {0}")]
     Annotations(String),
     /// `memguard.io/container` names no container, or the pod has none.
     #[error("{0}")]
     Trainer(String),
+}
+
+impl From<ResolveError> for KeyError {
+    fn from(e: ResolveError) -> Self {
+        match e {
+            ResolveError::Trainer(why) => KeyError::Trainer(why),
+            other => KeyError::Annotations(other.to_string()),
+        }
+    }
 }
 
 /// What the webhook and the controller both derive from a pod's spec.
@@ -37,66 +44,47 @@ pub struct PodKey {
     pub spec: MemoryProfileSpec,
     /// The `MemoryProfile` object name ([`object_name`] of `spec`).
     pub name: String,
-    /// The annotated training config, device resolved as the webhook does.
+    /// The training config as the webhook resolves it ([`TrainingPod::resolve`]).
     pub config: TrainingConfig,
     /// Name of the trainer container.
     pub trainer: String,
 }
 
-/// The profile key of `pod`: model (catalog name or shape key), method, precision, device class
-/// and device (the one GPU product the pod is pinned to, [`ANY_GPU`], or [`CPU`]).
+/// The profile key of `pod` ([`PodKey::of`] its [`TrainingPod`]).
 pub fn pod_key(pod: &Pod) -> Result<PodKey, KeyError> {
-    let empty = BTreeMap::new();
-    let annotations = pod.metadata.annotations.as_ref().unwrap_or(&empty);
-    let parsed = TrainingAnnotations::parse(annotations).map_err(|errors| {
-        KeyError::Annotations(
-            errors
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join("; "),
-        )
-    })?;
-    let containers = pod
-        .spec
-        .as_ref()
-        .map(|s| s.containers.as_slice())
-        .unwrap_or_default();
-    let (_, trainer) =
-        pick_trainer(containers, parsed.container.as_deref()).map_err(KeyError::Trainer)?;
-    let mut config = parsed.config;
-    if !parsed.device_given {
-        config.device = default_device(pod, trainer);
-    }
-    let (device_class, device) = match config.device {
-        Device::Cuda | Device::Rocm => {
-            let products = match config.device {
-                Device::Rocm => {
-                    memguard_api::pod::pinned_values(pod, memguard_api::pod::AMD_GPU_PRODUCT_LABEL)
-                }
-                _ => gpu_products(pod),
-            };
-            let device = match products.as_slice() {
-                [one] => one.clone(),
-                _ => ANY_GPU.to_string(),
-            };
-            (DeviceClass::Gpu, device)
+    Ok(PodKey::of(&TrainingPod::resolve(pod)?))
+}
+
+impl PodKey {
+    /// The profile key of a resolved pod: model (catalog name or shape key), method, precision,
+    /// device class and device (the one GPU product the pod is pinned to, [`ANY_GPU`], or
+    /// [`CPU`]).
+    pub fn of(training: &TrainingPod) -> PodKey {
+        let config = &training.config;
+        let (device_class, device) = match config.device {
+            Device::Cuda | Device::Rocm => {
+                let device = match training.gpu_products.as_slice() {
+                    [one] => one.clone(),
+                    _ => ANY_GPU.to_string(),
+                };
+                (DeviceClass::Gpu, device)
+            }
+            Device::Cpu | Device::Metal => (DeviceClass::Cpu, CPU.to_string()),
+        };
+        let spec = MemoryProfileSpec {
+            model: model_key(config),
+            method: config.method.name().to_string(),
+            precision: config.precision.name().to_string(),
+            device_class,
+            device,
+        };
+        PodKey {
+            name: object_name(&spec),
+            spec,
+            config: config.clone(),
+            trainer: training.trainer.name.clone(),
         }
-        Device::Cpu | Device::Metal => (DeviceClass::Cpu, CPU.to_string()),
-    };
-    let spec = MemoryProfileSpec {
-        model: model_key(&config),
-        method: config.method.name().to_string(),
-        precision: config.precision.name().to_string(),
-        device_class,
-        device,
-    };
-    Ok(PodKey {
-        name: object_name(&spec),
-        spec,
-        config,
-        trainer: trainer.name.clone(),
-    })
+    }
 }
 
 /// The catalog name, or `shape-<params>-<layers>x<hidden>` for a model given by its shape

@@ -6,9 +6,10 @@ use k8s_openapi::api::core::v1::{ContainerStateTerminated, ContainerStatus, Pod}
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use memguard_api::annotations as keys;
 use memguard_api::crd::{DeviceClass, TrainingKnobs};
-use memguard_api::{Level, OomKind, OomOutcome, OomRecord, Summary, env, wellknown};
+use memguard_api::{
+    EstimateAnnotation, Level, OomKind, OomOutcome, OomRecord, Summary, env, wellknown,
+};
 use memguard_estimator::{Bytes, TrainingConfig, parse_bytes};
-use serde::Deserialize;
 use std::collections::BTreeMap;
 
 /// `reason` of a container the kernel OOM-killed.
@@ -42,8 +43,12 @@ pub struct Observation {
     /// Set when the trainer ran out of memory: `OOMKilled`, [`KILLED_EXIT_137`], [`CUDA_OOM`] or
     /// [`CPU_OOM`].
     pub oom: Option<String>,
-    /// The webhook's estimate for the config the pod ran with, before calibration.
+    /// The webhook's estimate for the config the pod ran with, before calibration (the
+    /// `uncalibrated` of `memguard.io/estimate`).
     pub estimate: Option<Bytes>,
+    /// Why there is no `estimate`: no annotation, or one this version cannot read. The run is
+    /// still recorded (its peak and OOM count), but it does not calibrate.
+    pub estimate_problem: Option<String>,
     /// Peak the sidecar measured on the profile's device class (GPU or host memory).
     pub measured_peak: Option<Bytes>,
     /// Memory the trainer had: GPU memory per device, or its memory limit.
@@ -155,11 +160,18 @@ pub fn try_observe(pod: &Pod) -> Result<Observation, NotObserved> {
             .and_then(parse_summary)
     };
 
-    let empty = BTreeMap::new();
-    let annotations = pod.metadata.annotations.as_ref().unwrap_or(&empty);
-    let annotation = annotations
-        .get(keys::ESTIMATE)
-        .and_then(|s| serde_json::from_str::<EstimateAnnotation>(s).ok());
+    let (annotation, estimate_problem) = match pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(keys::ESTIMATE))
+    {
+        None => (None, Some(format!("no {} annotation", keys::ESTIMATE))),
+        Some(text) => match EstimateAnnotation::parse(text) {
+            Ok(a) => (Some(a), None),
+            Err(e) => (None, Some(e.to_string())),
+        },
+    };
     let trainer_env = trainer_env(pod, &key.trainer);
     // What the trainer ran with when it died: its OOM record says (a run-time downgrade or an
     // in-process recovery may have taken it below the env the webhook wrote); else the env.
@@ -182,9 +194,7 @@ pub fn try_observe(pod: &Pod) -> Result<Observation, NotObserved> {
 
     let estimate = annotation
         .as_ref()
-        .and_then(EstimateAnnotation::uncalibrated)
-        .or_else(|| env_u64(&trainer_env, env::ESTIMATE_BYTES).map(Bytes))
-        .or_else(|| summary.as_ref().and_then(|s| s.estimate_bytes).map(Bytes))
+        .map(|a| a.uncalibrated)
         .filter(|b| b.0 > 0);
     let gpu = key.spec.device_class == DeviceClass::Gpu;
     let measured_peak = summary
@@ -196,6 +206,7 @@ pub fn try_observe(pod: &Pod) -> Result<Observation, NotObserved> {
         annotation
             .as_ref()
             .and_then(|a| a.gpu_memory)
+            .map(|b| b.0)
             .or_else(|| summary.as_ref().and_then(|s| s.limit_bytes))
     } else {
         summary
@@ -213,6 +224,7 @@ pub fn try_observe(pod: &Pod) -> Result<Observation, NotObserved> {
         exit_code: terminated.exit_code,
         oom: oom_reason(pod, terminated, summary.as_ref()),
         estimate,
+        estimate_problem,
         measured_peak,
         limit,
         knobs,
@@ -301,41 +313,6 @@ pub fn parse_summary(message: &str) -> Option<Summary> {
         return None;
     }
     serde_json::from_str(line).ok()
-}
-
-/// The fields of `memguard.io/estimate` the controller reads.
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct EstimateAnnotation {
-    /// The calibrated total the plan compared with the budget.
-    total: Option<u64>,
-    /// The total before calibration (written by webhooks that know about profiles).
-    uncalibrated: Option<u64>,
-    calibration: Option<FactorOnly>,
-    gpu_memory: Option<u64>,
-}
-
-#[derive(Debug, Deserialize)]
-struct FactorOnly {
-    factor: f64,
-}
-
-impl EstimateAnnotation {
-    /// The estimate before calibration: `uncalibrated`, else `total / calibration.factor`, else
-    /// `total`. The profile must learn from the raw estimate, or each calibration would be
-    /// measured against itself and the factor would drift back to 1.
-    fn uncalibrated(&self) -> Option<Bytes> {
-        if let Some(raw) = self.uncalibrated {
-            return Some(Bytes(raw));
-        }
-        let total = self.total?;
-        match &self.calibration {
-            Some(c) if c.factor.is_finite() && c.factor > 0.0 => {
-                Some(Bytes::from_f64(total as f64 / c.factor))
-            }
-            _ => Some(Bytes(total)),
-        }
-    }
 }
 
 /// The trainer's literal env values (`valueFrom` entries carry no value here).

@@ -6,7 +6,9 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
-use memguard_api::{Summary, wellknown};
+use memguard_api::estimate::{BudgetSource, ESTIMATE_VERSION, EstimateAnnotation};
+use memguard_api::{Summary, annotations, wellknown};
+use memguard_estimator::Bytes;
 use std::collections::BTreeMap;
 
 /// `seconds` after the epoch.
@@ -70,6 +72,35 @@ impl PodBuilder {
             .annotations
             .get_or_insert_with(BTreeMap::new)
             .insert(key, value.to_string());
+        self
+    }
+
+    /// `memguard.io/estimate` as the webhook writes it: `uncalibrated` bytes (no calibration,
+    /// so also the total) and, for a GPU pod, the memory of one GPU.
+    pub fn estimated(self, uncalibrated: u64, gpu_memory: Option<u64>) -> Self {
+        let annotation = EstimateAnnotation {
+            v: ESTIMATE_VERSION,
+            total: Bytes(uncalibrated),
+            tensor_peak: Bytes(uncalibrated / 2),
+            budget: gpu_memory.map(|g| Bytes(g / 10 * 9)),
+            fits: gpu_memory.map(|g| uncalibrated <= g / 10 * 9),
+            steps: Vec::new(),
+            device: if gpu_memory.is_some() { "cuda" } else { "cpu" }.into(),
+            gpu_memory: gpu_memory.map(Bytes),
+            budget_source: gpu_memory.map(|_| BudgetSource::Annotation),
+            config: BTreeMap::new(),
+            uncalibrated: Bytes(uncalibrated),
+            calibration: None,
+            recovery: None,
+        };
+        self.annotate(annotations::ESTIMATE, &annotation.to_json())
+    }
+
+    /// Removes the annotation `key` (with its prefix).
+    pub fn without_annotation(mut self, key: &str) -> Self {
+        if let Some(a) = self.meta().annotations.as_mut() {
+            a.remove(key);
+        }
         self
     }
 

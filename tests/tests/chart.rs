@@ -767,7 +767,7 @@ fn policy_file_and_default_memguard_policy_are_the_same_valid_policy() {
         Some("48Mi")
     );
     assert_eq!(
-        policy.env_names["batch-size"],
+        policy.env_names[&memguard_api::Knob::BatchSize],
         "PER_DEVICE_TRAIN_BATCH_SIZE"
     );
 

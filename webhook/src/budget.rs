@@ -25,31 +25,9 @@ use memguard_api::policy::MAX_DRIVER_RESERVED_MIB;
 use memguard_estimator::{Bytes, Device};
 use serde::Serialize;
 
-/// Where the per-device memory figure came from: `budgetSource` in `memguard.io/estimate`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case", tag = "kind", content = "detail")]
-pub enum BudgetSource {
-    /// `memguard.io/gpu-memory`.
-    Annotation,
-    /// The policy's table, for the smallest of the products the pod may land on.
-    GpuProduct(String),
-    /// The policy's default GPU memory (no product known, or none in the table).
-    PolicyDefault,
-    /// The trainer's `limits.memory`.
-    MemoryLimit,
-    /// A MIG slice: the `<product>-MIG-<profile>` entry, or the profile alone when the product
-    /// is not known (`1g.10gb: smallest in table`, `1g.10gb: nominal`).
-    Mig(String),
-    /// HAMi's `nvidia.com/gpumem` or `nvidia.com/gpumem-percentage`.
-    Hami(String),
-    /// KAI Scheduler's (Run:ai's) `gpu-memory` or `gpu-fraction` annotation.
-    Kai(String),
-    /// NVIDIA MPS: `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` in the trainer's env.
-    Mps(String),
-    /// A required node affinity on `nvidia.com/gpu.memory` (memguard's `required` placement,
-    /// or the user's): the bound, less the largest driver reservation.
-    Placement(String),
-}
+/// Where the per-device memory figure came from: `budgetSource` in `memguard.io/estimate`,
+/// whose type ([`memguard_api::estimate`]) the profile controller reads back.
+pub use memguard_api::estimate::BudgetSource;
 
 /// The memory the plan aims at.
 #[derive(Debug, Clone, PartialEq, Serialize)]

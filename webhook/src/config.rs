@@ -8,7 +8,7 @@
 use kube::Resource;
 use memguard_api::crd::MemguardPolicy;
 use memguard_api::policy::SidecarMode;
-use memguard_api::{Knob, Policy, PolicySpec};
+use memguard_api::{Policy, PolicySpec};
 
 /// Flag overrides applied on top of the policy file or resource.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -93,40 +93,7 @@ pub fn effective_policy(
         }
         spec.sidecar = Some(sidecar);
     }
-    let mut errors = check_env_names(&spec);
-    match spec.resolved() {
-        Ok(policy) if errors.is_empty() => Ok(policy),
-        Ok(_) => Err(errors),
-        Err(more) => {
-            errors.extend(more);
-            Err(errors)
-        }
-    }
-}
-
-/// `envNames` keys must be knobs, and values plain variable names outside `MEMGUARD_*`.
-fn check_env_names(spec: &PolicySpec) -> Vec<String> {
-    let mut errors = Vec::new();
-    for (knob, var) in &spec.env_names {
-        if !Knob::ALL.iter().any(|k| k.name() == knob) {
-            let known: Vec<&str> = Knob::ALL.iter().map(|k| k.name()).collect();
-            errors.push(format!(
-                "envNames[{knob}]: unknown knob (expected one of: {})",
-                known.join(", ")
-            ));
-        }
-        let valid = var
-            .chars()
-            .next()
-            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-            && var.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-        if !valid || var.starts_with("MEMGUARD_") {
-            errors.push(format!(
-                "envNames[{knob}]: `{var}` is not a usable variable name"
-            ));
-        }
-    }
-    errors
+    spec.resolved()
 }
 
 #[cfg(test)]

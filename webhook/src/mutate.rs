@@ -10,18 +10,16 @@
 //! the patch, computed as a difference against the pod, comes out empty.
 
 use k8s_openapi::api::core::v1::Pod;
-use memguard_api::annotations::{self as keys, TrainingAnnotations};
+use memguard_api::annotations as keys;
 use memguard_api::crd::MemoryProfile;
-use memguard_api::pod::{default_device, gpu_count, pick_trainer};
+use memguard_api::estimate::{ESTIMATE_VERSION, EstimateAnnotation};
+use memguard_api::pod::TrainingPod;
 use memguard_api::policy::{PlacementMode, SidecarMode, SidecarResources};
 use memguard_api::{Knob, Policy, env, wellknown};
-use memguard_estimator::{
-    Bytes, Calibration, Device, DowngradePlan, Parallelism, TrainingConfig, plan_with_floors,
-};
+use memguard_estimator::{Bytes, Device, DowngradePlan, TrainingConfig, plan_with_floors};
 use memguard_learn::observe::knobs_of;
 use memguard_learn::update::describe_knobs;
-use memguard_learn::{Adjustments, PodKey, adjustments, pod_key};
-use serde::Serialize;
+use memguard_learn::{Adjustments, PodKey, adjustments};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -130,8 +128,8 @@ pub struct Mutation {
     pub user_env: Vec<(String, String)>,
     /// The sidecar.
     pub sidecar: SidecarPlan,
-    /// The `memguard.io/estimate` annotation value (compact JSON).
-    pub estimate_annotation: String,
+    /// The `memguard.io/estimate` annotation.
+    pub estimate: EstimateAnnotation,
     /// Warnings for the admission response, each ≤ [`MAX_WARNING_CHARS`].
     pub warnings: Vec<String>,
     /// `memguard.io/error` to keep on the mutated pod: "cannot fit: …", the profile's verdict
@@ -148,31 +146,6 @@ impl Mutation {
     }
 }
 
-/// `memguard.io/estimate`: what the webhook decided, compact, versioned.
-#[derive(Debug, Serialize)]
-#[serde(rename_all = "camelCase")]
-struct EstimateSummary<'a> {
-    v: u32,
-    total: Bytes,
-    tensor_peak: Bytes,
-    budget: Option<Bytes>,
-    fits: Option<bool>,
-    steps: Vec<&'static str>,
-    device: &'static str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    gpu_memory: Option<Bytes>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    budget_source: Option<&'a BudgetSource>,
-    config: BTreeMap<&'static str, String>,
-    /// The calibrated total before calibration: what the profile controller learns from.
-    uncalibrated: Bytes,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    calibration: Option<Calibration>,
-    /// The pending recovery of the pod's profile, after an OOM kill: its reason.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    recovery: Option<&'a str>,
-}
-
 /// Decides what to do with `pod` under `policy`. Never panics, never fails.
 pub fn mutate(pod: &Pod, policy: &Policy, profiles: &Profiles) -> Outcome {
     let empty = BTreeMap::new();
@@ -182,8 +155,7 @@ pub fn mutate(pod: &Pod, policy: &Policy, profiles: &Profiles) -> Outcome {
     {
         return Outcome::Unchanged;
     }
-    let annotations = pod.metadata.annotations.as_ref().unwrap_or(&empty);
-    match decide(pod, annotations, policy, profiles) {
+    match decide(pod, policy, profiles) {
         Ok(mutation) => Outcome::Mutated(Box::new(mutation)),
         Err(error) => skipped(error),
     }
@@ -195,68 +167,70 @@ pub fn skipped(error: String) -> Outcome {
     Outcome::Skipped { error, warning }
 }
 
-fn decide(
+/// The decision, in four named stages: [`resolve`](TrainingPod::resolve) the pod, find its
+/// [`budget`], [`plan`] the config into it, [`render`] the result.
+fn decide(pod: &Pod, policy: &Policy, profiles: &Profiles) -> Result<Mutation, String> {
+    let training = TrainingPod::resolve(pod).map_err(|e| e.to_string())?;
+    let mut warnings = Vec::new();
+    let budget = budget(pod, &training, policy, &mut warnings);
+    let planned = plan(pod, &training, budget, policy, profiles, &mut warnings)?;
+    Ok(render(&training, policy, planned, warnings))
+}
+
+/// The pod's safety ratio (`memguard.io/safety-ratio`), else the policy's.
+fn safety_ratio(training: &TrainingPod, policy: &Policy) -> f64 {
+    training
+        .annotations
+        .safety_ratio
+        .unwrap_or(policy.safety_ratio)
+}
+
+/// The memory the plan aims at ([`crate::budget`]), with the pod's safety ratio or the
+/// policy's.
+fn budget(
     pod: &Pod,
-    annotations: &BTreeMap<String, String>,
+    training: &TrainingPod,
+    policy: &Policy,
+    warnings: &mut Vec<String>,
+) -> Option<Budget> {
+    crate::budget::resolve(
+        pod,
+        training.trainer,
+        training.config.device,
+        training.annotations.gpu_memory,
+        safety_ratio(training, policy),
+        policy,
+        warnings,
+    )
+}
+
+/// A downgrade plan, what past runs taught it, the budget it was made for (placement may have
+/// raised it), the placement's node affinity, and the "cannot fit" verdict when there is one.
+struct Planned {
+    plan: DowngradePlan,
+    adjust: Adjustments,
+    budget: Option<Budget>,
+    affinity: Option<k8s_openapi::api::core::v1::Affinity>,
+    verdict: Option<String>,
+}
+
+/// What past runs of this profile teach (a calibration, a recovery after an OOM kill), where
+/// the pod may be placed, then the downgrade plan from there into the budget. A pod without a
+/// profile plans as before.
+fn plan(
+    pod: &Pod,
+    training: &TrainingPod,
+    mut budget: Option<Budget>,
     policy: &Policy,
     profiles: &Profiles,
-) -> Result<Mutation, String> {
-    if !keys::has_training_input(annotations) {
-        return Err(format!(
-            "labelled {}={} but no training annotations (e.g. {})",
-            wellknown::ENABLED_LABEL,
-            wellknown::ENABLED_VALUE,
-            keys::MODEL
-        ));
-    }
-    let parsed = TrainingAnnotations::parse(annotations).map_err(|errors| {
-        errors
-            .iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join("; ")
-    })?;
-    let containers = pod
-        .spec
-        .as_ref()
-        .map(|s| s.containers.as_slice())
-        .unwrap_or_default();
-    let (trainer_index, trainer) = pick_trainer(containers, parsed.container.as_deref())?;
-    let gpus = gpu_count(trainer);
-
-    let mut warnings = Vec::new();
-    let mut config = parsed.config.clone();
-    if !parsed.device_given {
-        config.device = default_device(pod, trainer);
-    }
-    // Data parallelism over the pod's own GPUs unless the user says how many devices take part
-    // (a multi-node job must: the pod cannot see its peers).
-    if !annotations.contains_key(keys::WORLD_SIZE)
-        && config.parallelism != Parallelism::None
-        && matches!(config.device, Device::Cuda | Device::Rocm)
-    {
-        config.world_size = gpus.max(1);
-    }
-
-    let safety_ratio = parsed.safety_ratio.unwrap_or(policy.safety_ratio);
-    let mut budget = crate::budget::resolve(
-        pod,
-        trainer,
-        config.device,
-        parsed.gpu_memory,
-        safety_ratio,
-        policy,
-        &mut warnings,
-    );
-
-    // What past runs of this profile teach: a calibration, and a recovery after an OOM kill.
-    // A pod without a key, or without a profile, plans as before.
-    let adjust = pod_key(pod)
-        .ok()
-        .and_then(|key| profiles.adjustments(pod.metadata.namespace.as_deref(), &key))
+    warnings: &mut Vec<String>,
+) -> Result<Planned, String> {
+    let key = PodKey::of(training);
+    let adjust = profiles
+        .adjustments(pod.metadata.namespace.as_deref(), &key)
         .unwrap_or_default();
     let calibration = adjust.effective_calibration();
-    let start = adjust.start(&config, &policy.floors);
+    let start = adjust.start(&training.config, &policy.floors);
     if let Some(recovery) = &adjust.recovery {
         warnings.push(truncate(&format!(
             "memguard: recovery: {}",
@@ -264,13 +238,16 @@ fn decide(
         )));
     }
     let placement = match &budget {
-        Some(b) if b.source == BudgetSource::PolicyDefault && placeable(pod, trainer, &config) => {
+        Some(b)
+            if b.source == BudgetSource::PolicyDefault
+                && placeable(pod, training.trainer, &training.config) =>
+        {
             crate::placement::place(
                 pod,
                 &start,
                 &calibration,
                 &policy.floors,
-                safety_ratio,
+                safety_ratio(training, policy),
                 policy,
             )
         }
@@ -286,7 +263,7 @@ fn decide(
             // Every node the affinity allows has at least this much: plan for it.
             budget = Some(Budget::new(
                 p.device_memory,
-                safety_ratio,
+                safety_ratio(training, policy),
                 BudgetSource::Placement(bound.clone()),
             ));
         }
@@ -330,7 +307,30 @@ fn decide(
             keys::ESTIMATE
         )));
     }
+    Ok(Planned {
+        plan,
+        adjust,
+        budget,
+        affinity: placement.map(|p| p.affinity),
+        verdict,
+    })
+}
 
+/// The plan as the pod will carry it: the trainer's `MEMGUARD_*` env, its own variables
+/// (env-map), the sidecar, the estimate annotation.
+fn render(
+    training: &TrainingPod,
+    policy: &Policy,
+    Planned {
+        plan,
+        adjust,
+        budget,
+        affinity,
+        verdict,
+    }: Planned,
+    mut warnings: Vec<String>,
+) -> Mutation {
+    let trainer = training.trainer;
     let knobs = knobs_for(&plan.config);
     let mut trainer_env: Vec<(String, String)> = knobs
         .iter()
@@ -352,10 +352,11 @@ fn decide(
         format!("http://{}", wellknown::SIDECAR_LISTEN),
     ));
 
-    let env_map = if parsed.env_map.is_empty() {
-        policy_env_map(policy)
+    // The pod's own env-map, else the policy's: both checked when they were parsed.
+    let env_map = if training.annotations.env_map.is_empty() {
+        &policy.env_names
     } else {
-        parsed.env_map.clone()
+        &training.annotations.env_map
     };
     let user_env: Vec<(String, String)> = env_map
         .iter()
@@ -377,21 +378,20 @@ fn decide(
     }
 
     let sidecar = sidecar_plan(policy, &trainer.name, &plan, budget.as_ref());
-    let estimate_annotation = estimate_annotation(&plan, budget.as_ref(), &config, &adjust);
-
-    Ok(Mutation {
-        trainer_index,
+    let estimate = estimate_annotation(&plan, budget.as_ref(), &training.config, &adjust);
+    Mutation {
+        trainer_index: training.trainer_index,
         trainer: trainer.name.clone(),
         budget,
         plan,
         trainer_env,
         user_env,
         sidecar,
-        estimate_annotation,
+        estimate,
         warnings,
         error: verdict,
-        affinity: placement.map(|p| p.affinity),
-    })
+        affinity,
+    }
 }
 
 /// Placement applies to a pod on whole NVIDIA GPUs, not pinned to a product, not time-sliced,
@@ -416,20 +416,6 @@ fn knobs_for(cfg: &TrainingConfig) -> Vec<Knob> {
     Knob::ALL
         .into_iter()
         .filter(|k| cfg.is_adapter() || !matches!(k, Knob::LoraRank | Knob::LoraLayers))
-        .collect()
-}
-
-/// The policy's default env-map. Entries naming an unknown knob are ignored here; policies are
-/// checked for them when loaded ([`crate::config::policy_from_str`]).
-fn policy_env_map(policy: &Policy) -> memguard_api::EnvMap {
-    policy
-        .env_names
-        .iter()
-        .filter_map(|(knob, var)| {
-            let knob = Knob::ALL.into_iter().find(|k| k.name() == knob.trim())?;
-            Some((knob, var.trim().to_string()))
-        })
-        .filter(|(_, var)| !var.is_empty() && !var.starts_with("MEMGUARD_"))
         .collect()
 }
 
@@ -486,32 +472,33 @@ fn estimate_annotation(
     budget: Option<&Budget>,
     config: &TrainingConfig,
     adjust: &Adjustments,
-) -> String {
+) -> EstimateAnnotation {
     let cfg = &plan.config;
-    let config_map: BTreeMap<&'static str, String> = knobs_for(cfg)
-        .into_iter()
-        .map(|k| (k.name(), k.value(cfg)))
-        .chain([("world-size", config.world_size.to_string())])
-        .collect();
-    let summary = EstimateSummary {
-        v: 1,
+    EstimateAnnotation {
+        v: ESTIMATE_VERSION,
         total: plan.total(),
         tensor_peak: plan.calibration.apply(plan.estimate.tensor_peak),
         budget: budget.map(|b| b.bytes),
         fits: budget.map(|_| plan.fits),
-        steps: plan.steps.iter().map(|s| s.rung.name()).collect(),
-        device: config.device.name(),
+        steps: plan
+            .steps
+            .iter()
+            .map(|s| s.rung.name().to_string())
+            .collect(),
+        device: config.device.name().to_string(),
         gpu_memory: budget
             .filter(|b| b.source != BudgetSource::MemoryLimit)
             .map(|b| b.device_memory),
-        budget_source: budget.map(|b| &b.source),
-        config: config_map,
+        budget_source: budget.map(|b| b.source.clone()),
+        config: knobs_for(cfg)
+            .into_iter()
+            .map(|k| (k.name().to_string(), k.value(cfg)))
+            .chain([("world-size".to_string(), config.world_size.to_string())])
+            .collect(),
         uncalibrated: plan.estimate.total,
         calibration: adjust.calibration.is_active().then_some(adjust.calibration),
-        recovery: adjust.recovery.as_ref().map(|r| r.reason.as_str()),
-    };
-    // Serializing plain integers, strings and bools cannot fail.
-    serde_json::to_string(&summary).unwrap_or_else(|_| "{}".into())
+        recovery: adjust.recovery.as_ref().map(|r| r.reason.clone()),
+    }
 }
 
 /// The admission warning for a "cannot fit: <why>; smallest config tried: <config>" verdict:

@@ -332,6 +332,7 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
         ops.add(&["spec", "shareProcessNamespace"], json!(true));
     }
 
+    let estimate = m.estimate.to_json();
     match &m.error {
         Some(error) => {
             let error: String = error.chars().take(MAX_ERROR_CHARS).collect();
@@ -339,7 +340,7 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
                 pod,
                 ops,
                 &[
-                    (keys::ESTIMATE, m.estimate_annotation.as_str()),
+                    (keys::ESTIMATE, estimate.as_str()),
                     (keys::ERROR, error.as_str()),
                 ],
                 &[],
@@ -348,7 +349,7 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
         None => annotate(
             pod,
             ops,
-            &[(keys::ESTIMATE, m.estimate_annotation.as_str())],
+            &[(keys::ESTIMATE, estimate.as_str())],
             &[keys::ERROR],
         ),
     }

@@ -144,7 +144,7 @@ fn accelerator_fixtures_get_their_device_budget_and_source() {
             panic!("{file}: not mutated");
         };
         let b = m.budget.as_ref().expect("a budget");
-        let estimate: Value = serde_json::from_str(&m.estimate_annotation).expect("JSON");
+        let estimate: Value = serde_json::from_str(&m.estimate.to_json()).expect("JSON");
         assert_eq!(estimate["device"], want["device"], "{file}");
         assert_eq!(estimate["budgetSource"]["kind"], want["source"], "{file}");
         assert_eq!(

@@ -16,10 +16,7 @@ fn pod() -> PodBuilder {
     PodBuilder::trainer()
         .annotate("model", "llama-3-8b")
         .annotate("method", "lora")
-        .annotate(
-            "memguard.io/estimate",
-            &format!(r#"{{"total":{},"gpuMemory":{}}}"#, 12 * GIB, 16 * GIB),
-        )
+        .estimated(12 * GIB, Some(16 * GIB))
         .gpus(1)
         .env(env::BATCH_SIZE, "16")
         .env(env::GRAD_ACCUMULATION, "1")

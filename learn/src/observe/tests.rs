@@ -12,6 +12,7 @@ fn gpu_pod() -> PodBuilder {
         .env(env::GRAD_ACCUMULATION, "1")
         .env(env::GRAD_CHECKPOINTING, "true")
         .env(env::ESTIMATE_BYTES, "12000000000")
+        .estimated(12_000_000_000, None)
 }
 
 #[test]
@@ -136,39 +137,76 @@ fn a_cpu_profile_learns_from_host_memory_and_the_memory_limit() {
     assert_eq!(obs.limit, Some(Bytes(32 * GIB)));
 }
 
+/// (name, estimate annotation, expected raw estimate, expected start of the problem)
+type EstimateCase<'a> = (&'a str, Option<&'a str>, Option<u64>, Option<&'a str>);
+
+/// The estimate is the annotation's `uncalibrated`, and nothing else: the env and the sidecar's
+/// summary carry the calibrated total, which measured against itself would pull every factor
+/// back to 1. An annotation missing or unreadable says so, and the run does not calibrate.
 #[test]
-fn the_estimate_is_read_before_calibration() {
-    // (name, estimate annotation, expected raw estimate)
-    let table = [
+fn the_estimate_is_the_annotations_uncalibrated_or_none_with_the_reason() {
+    // (name, estimate annotation, expected raw estimate, expected problem)
+    let v1 = PodBuilder::trainer()
+        .estimated(1000, None)
+        .build()
+        .metadata
+        .annotations
+        .expect("annotated")[keys::ESTIMATE]
+        .clone();
+    let calibrated = v1.replace(r#""total":1000"#, r#""total":1200"#).replace(
+        r#""uncalibrated":1000"#,
+        r#""uncalibrated":1000,"calibration":{"factor":1.2,"runs":3}"#,
+    );
+    let table: [EstimateCase; 6] = [
+        ("version 1", Some(&v1), Some(1000), None),
         (
-            "uncalibrated given",
-            Some(r#"{"total":1200,"uncalibrated":1000,"calibration":{"factor":1.2,"runs":3}}"#),
+            "calibrated: uncalibrated",
+            Some(&calibrated),
             Some(1000),
+            None,
         ),
         (
-            "total divided by the factor",
+            "an older shape: no guess from total / factor",
             Some(r#"{"total":1200,"calibration":{"factor":1.2,"runs":3}}"#),
-            Some(1000),
+            None,
+            Some("memguard.io/estimate is not a versioned estimate"),
         ),
         (
-            "no calibration: total",
-            Some(r#"{"total":1000}"#),
-            Some(1000),
+            "another version",
+            Some(r#"{"v":2,"uncalibrated":1000}"#),
+            None,
+            Some("memguard.io/estimate has version 2"),
         ),
         (
-            "garbled annotation: the env",
+            "garbled: not the env",
             Some("{not json"),
-            Some(12_000_000_000),
+            None,
+            Some("memguard.io/estimate is not a versioned estimate"),
         ),
-        ("no annotation: the env", None, Some(12_000_000_000)),
+        (
+            "no annotation: not the env",
+            None,
+            None,
+            Some("no memguard.io/estimate annotation"),
+        ),
     ];
-    for (name, annotation, want) in table {
-        let mut pod = gpu_pod();
-        if let Some(a) = annotation {
-            pod = pod.annotate(keys::ESTIMATE, a);
-        }
+    for (name, annotation, want, problem) in table {
+        let pod = match annotation {
+            Some(a) => gpu_pod().annotate(keys::ESTIMATE, a),
+            None => gpu_pod().without_annotation(keys::ESTIMATE),
+        };
         let obs = try_observe(&pod.trainer_terminated("Completed", 0, 1).build()).expect(name);
         assert_eq!(obs.estimate, want.map(Bytes), "{name}");
+        match problem {
+            None => assert_eq!(obs.estimate_problem, None, "{name}"),
+            Some(p) => assert!(
+                obs.estimate_problem
+                    .as_deref()
+                    .is_some_and(|e| e.starts_with(p)),
+                "{name}: {:?}",
+                obs.estimate_problem
+            ),
+        }
     }
 }
 

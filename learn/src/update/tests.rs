@@ -14,10 +14,7 @@ fn pod(name: &str, finished: i64) -> PodBuilder {
         .annotate("model", "llama-3-8b")
         .annotate("method", "lora")
         .annotate("gpu-memory", "16Gi")
-        .annotate(
-            "memguard.io/estimate",
-            &format!(r#"{{"total":{},"gpuMemory":{}}}"#, 12 * GIB, 16 * GIB),
-        )
+        .estimated(12 * GIB, Some(16 * GIB))
         .gpus(1)
         .env(env::BATCH_SIZE, "16")
         .env(env::GRAD_ACCUMULATION, "1")

@@ -9,7 +9,7 @@ fn decide(pod: PodBuilder) -> (Budget, String, Vec<String>) {
     match mutate(&pod.build(), &Policy::default(), &Profiles::default()) {
         Outcome::Mutated(m) => {
             let annotation: serde_json::Value =
-                serde_json::from_str(&m.estimate_annotation).expect("JSON");
+                serde_json::from_str(&m.estimate.to_json()).expect("JSON");
             assert_eq!(
                 annotation["budgetSource"],
                 serde_json::to_value(&m.budget.as_ref().expect("budget").source).expect("JSON"),

@@ -32,7 +32,7 @@ fn env_of<'a>(m: &'a Mutation, name: &str) -> Option<&'a str> {
 }
 
 fn annotation(m: &Mutation) -> serde_json::Value {
-    serde_json::from_str(&m.estimate_annotation).expect("estimate annotation is JSON")
+    serde_json::from_str(&m.estimate.to_json()).expect("estimate annotation is JSON")
 }
 
 /// One row per behaviour: the pod, and what must hold of the outcome.

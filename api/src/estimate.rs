@@ -1,0 +1,177 @@
+//! `memguard.io/estimate`: what the webhook decided for a pod, as compact versioned JSON. The
+//! webhook writes it ([`EstimateAnnotation::to_json`]); the profile controller reads it back
+//! ([`EstimateAnnotation::parse`]) to learn from the estimate before calibration. One type on
+//! both sides; a shape this version does not know is an error, never a guess.
+
+use memguard_estimator::{Bytes, Calibration};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// The version this crate writes and reads (`"v"`).
+pub const ESTIMATE_VERSION: u32 = 1;
+
+/// Where the per-device memory figure of the budget came from (`budgetSource`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", tag = "kind", content = "detail")]
+pub enum BudgetSource {
+    /// `memguard.io/gpu-memory`.
+    Annotation,
+    /// The policy's table, for the smallest of the products the pod may land on.
+    GpuProduct(String),
+    /// The policy's default GPU memory (no product known, or none in the table).
+    PolicyDefault,
+    /// The trainer's `limits.memory`.
+    MemoryLimit,
+    /// A MIG slice: the `<product>-MIG-<profile>` entry, or the profile alone when the product
+    /// is not known (`1g.10gb: smallest in table`, `1g.10gb: nominal`).
+    Mig(String),
+    /// HAMi's `nvidia.com/gpumem` or `nvidia.com/gpumem-percentage`.
+    Hami(String),
+    /// KAI Scheduler's (Run:ai's) `gpu-memory` or `gpu-fraction` annotation.
+    Kai(String),
+    /// NVIDIA MPS: `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` in the trainer's env.
+    Mps(String),
+    /// A required node affinity on `nvidia.com/gpu.memory` (memguard's `required` placement,
+    /// or the user's): the bound, less the largest driver reservation.
+    Placement(String),
+}
+
+/// The annotation, version [`ESTIMATE_VERSION`] (fixture: `api/fixtures/estimate-v1.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EstimateAnnotation {
+    /// The schema version, [`ESTIMATE_VERSION`].
+    pub v: u32,
+    /// The estimated peak of the final config, calibrated: what the plan compared with the
+    /// budget.
+    pub total: Bytes,
+    /// The tensor peak within `total`, calibrated.
+    pub tensor_peak: Bytes,
+    /// The budget the plan aimed at; `null` when the pod has none (a CPU pod without a limit).
+    pub budget: Option<Bytes>,
+    /// Whether the final config fits the budget; `null` without a budget.
+    pub fits: Option<bool>,
+    /// The downgrade rungs applied, in order (e.g. `grad-checkpointing`, `batch-size`).
+    pub steps: Vec<String>,
+    /// `cuda`, `rocm`, `cpu` or `metal`.
+    pub device: String,
+    /// Memory of one GPU the budget rests on (GPU pods).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_memory: Option<Bytes>,
+    /// Where the device memory came from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget_source: Option<BudgetSource>,
+    /// The final config's knobs (`batch-size`, …, `world-size`), as env values.
+    pub config: BTreeMap<String, String>,
+    /// `total` before calibration: what the profile controller learns from (measured against
+    /// the calibrated figure, each calibration would be measured against itself).
+    pub uncalibrated: Bytes,
+    /// The calibration applied, when one was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<Calibration>,
+    /// The reason of the profile's pending recovery after an OOM kill, when one applied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovery: Option<String>,
+}
+
+/// Why an annotation cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EstimateError {
+    /// Not JSON, or not an object with a numeric `"v"`.
+    #[error("memguard.io/estimate is not a versioned estimate: {0}")]
+    Unversioned(String),
+    /// Written by a memguard that speaks another version.
+    #[error(
+        "memguard.io/estimate has version {found}; this memguard reads version {ESTIMATE_VERSION}"
+    )]
+    Version {
+        /// The version found.
+        found: u64,
+    },
+    /// The right version, the wrong shape.
+    #[error("memguard.io/estimate (version {ESTIMATE_VERSION}): {0}")]
+    Shape(String),
+}
+
+impl EstimateAnnotation {
+    /// Reads an annotation value: the version first, then the shape of that version.
+    pub fn parse(text: &str) -> Result<Self, EstimateError> {
+        #[derive(Deserialize)]
+        struct Versioned {
+            v: u64,
+        }
+        let versioned: Versioned =
+            serde_json::from_str(text).map_err(|e| EstimateError::Unversioned(e.to_string()))?;
+        if versioned.v != u64::from(ESTIMATE_VERSION) {
+            return Err(EstimateError::Version { found: versioned.v });
+        }
+        serde_json::from_str(text).map_err(|e| EstimateError::Shape(e.to_string()))
+    }
+
+    /// The annotation value: compact JSON.
+    pub fn to_json(&self) -> String {
+        // Integers, strings, booleans and finite floats: serializing cannot fail.
+        serde_json::to_string(self).unwrap_or_else(|_| "{}".into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FIXTURE: &str = include_str!("../fixtures/estimate-v1.json");
+
+    #[test]
+    fn the_fixture_round_trips() {
+        let a = EstimateAnnotation::parse(FIXTURE).expect("fixture parses");
+        assert_eq!(a.v, ESTIMATE_VERSION);
+        assert_eq!(a.uncalibrated, Bytes(16_106_127_360));
+        assert_eq!(
+            a.budget_source,
+            Some(BudgetSource::GpuProduct("NVIDIA-A10G".into()))
+        );
+        assert_eq!(a.calibration.map(|c| c.runs), Some(4));
+        let written = a.to_json();
+        assert_eq!(EstimateAnnotation::parse(&written), Ok(a));
+        let fixture: serde_json::Value = serde_json::from_str(FIXTURE).expect("JSON");
+        let again: serde_json::Value = serde_json::from_str(&written).expect("JSON");
+        assert_eq!(again, fixture, "every field of the fixture is written back");
+    }
+
+    /// (name, annotation, what the error must be)
+    type Case<'a> = (&'a str, &'a str, fn(&EstimateError) -> bool);
+
+    #[test]
+    fn other_versions_and_shapes_are_errors_not_guesses() {
+        // (name, annotation, expected error)
+        let v2 = FIXTURE.replacen("\"v\": 1", "\"v\": 2", 1);
+        let old = r#"{"v":1,"total":1200,"calibration":{"factor":1.2,"runs":3}}"#;
+        let table: [Case; 5] = [
+            ("not JSON", "{not json", |e| {
+                matches!(e, EstimateError::Unversioned(_))
+            }),
+            ("no version", r#"{"total":1000}"#, |e| {
+                matches!(e, EstimateError::Unversioned(_))
+            }),
+            ("a later version", &v2, |e| {
+                *e == EstimateError::Version { found: 2 }
+            }),
+            (
+                "an older shape without uncalibrated",
+                old,
+                |e| matches!(e, EstimateError::Shape(m) if m.contains("tensorPeak") || m.contains("uncalibrated")),
+            ),
+            ("an unknown field", r#"{"v":1,"totl":1}"#, |e| {
+                matches!(e, EstimateError::Shape(_))
+            }),
+        ];
+        for (name, text, expected) in table {
+            let e = EstimateAnnotation::parse(text).expect_err(name);
+            assert!(expected(&e), "{name}: {e}");
+            assert!(
+                e.to_string().starts_with("memguard.io/estimate"),
+                "{name}: {e}"
+            );
+        }
+    }
+}
