@@ -59,5 +59,23 @@ case ${1:-} in
 esac
 
 /bin/sh "$0" --enter trainer "$TRAINER_ID" /bin/sh -c "$TRAINER_CMD" >"$POD_TMP/trainer.out" 2>&1 &
-/bin/sh "$0" --enter sidecar "$SIDECAR_ID" "$SIDECAR_BIN" "$@" &
+trainer=$!
+# A kubelet starts the pause container first, and each container's process already has its final
+# uid and capabilities. Here both are reached through a few execs (unshare, setpriv), so the
+# sidecar starts once PID 1 is the pause process and the trainer's PID is past setpriv
+# (NoNewPrivs set, no longer setpriv itself); otherwise it could meet them half-way, as root.
+(
+	tries=0
+	until [ "$(cat /proc/1/comm 2>/dev/null)" = pause ] &&
+		grep -q '^NoNewPrivs:[[:space:]]*1' /proc/$trainer/status 2>/dev/null &&
+		[ "$(cat /proc/$trainer/comm 2>/dev/null)" != setpriv ]; do
+		tries=$((tries + 1))
+		if [ $tries -gt 1200 ]; then
+			echo "pod.sh: pause or trainer did not start within 60 s" >&2
+			exit 1
+		fi
+		sleep 0.05
+	done
+	exec /bin/sh "$0" --enter sidecar "$SIDECAR_ID" "$SIDECAR_BIN" "$@"
+) &
 exec /bin/sh "$0" --enter pause "$PAUSE_ID" "$POD_TMP/pause" infinity >/dev/null 2>&1
