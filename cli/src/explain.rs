@@ -21,7 +21,7 @@ use memguard_estimator::{Bytes, estimate};
 use memguard_learn::observe::{
     NotObserved, knobs_from_env, knobs_of, oom_reason, parse_summary, try_observe, with_knobs,
 };
-use memguard_learn::update::{apply_limited, describe_knobs};
+use memguard_learn::update::{OomRules, apply_limited, describe_knobs};
 use memguard_webhook::config::{Overrides, policy_from_str};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -453,7 +453,7 @@ fn next_view(
         .clone()
         .unwrap_or_else(|| MemoryProfile::new(&obs.key.name, obs.key.spec.clone()));
     let before = profile.status.clone().unwrap_or_default();
-    let after = apply_limited(&before, &obs, ctx.policy.max_oom_recoveries);
+    let after = apply_limited(&before, &obs, &OomRules::of(&ctx.policy));
     let already_recorded = after == before && before.has_run(&obs.uid, &obs.finished_at);
     profile.status = Some(after.clone());
     let mut profiles = memguard_webhook::Profiles::default();

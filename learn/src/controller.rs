@@ -9,7 +9,7 @@
 
 use crate::metrics::Metrics;
 use crate::observe::{NotObserved, try_observe};
-use crate::update::apply_limited;
+use crate::update::{OomRules, apply_limited};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams, PostParams};
@@ -22,9 +22,9 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use tokio::sync::watch;
 
-/// Reads the policy's `maxOomRecoveries` in force now (the webhook passes its live policy, so a
-/// changed `MemguardPolicy` applies from the next OOM recorded).
-pub type OomLimit = Arc<dyn Fn() -> u32 + Send + Sync>;
+/// Reads the policy's OOM rules in force now (`maxOomRecoveries` and the floors; the webhook
+/// passes its live policy, so a changed `MemguardPolicy` applies from the next OOM recorded).
+pub type LiveOomRules = Arc<dyn Fn() -> OomRules + Send + Sync>;
 
 /// Label on the profiles the controller creates.
 pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "memguard");
@@ -123,7 +123,7 @@ pub struct Recorder {
     /// Reads and writes tried before giving up on conflicts.
     pub max_attempts: u32,
     /// OOM recoveries in a row before the verdict "cannot fit".
-    max_oom_recoveries: OomLimit,
+    oom_rules: LiveOomRules,
 }
 
 impl Recorder {
@@ -134,13 +134,13 @@ impl Recorder {
             client,
             metrics,
             max_attempts: 5,
-            max_oom_recoveries: Arc::new(|| memguard_api::policy::DEFAULT_MAX_OOM_RECOVERIES),
+            oom_rules: Arc::new(OomRules::default),
         }
     }
 
-    /// The recorder with `limit` read at each OOM instead of the default.
-    pub fn with_oom_limit(mut self, limit: OomLimit) -> Self {
-        self.max_oom_recoveries = limit;
+    /// The recorder with `rules` read at each OOM instead of the default policy's.
+    pub fn with_oom_rules(mut self, rules: LiveOomRules) -> Self {
+        self.oom_rules = rules;
         self
     }
 
@@ -200,7 +200,7 @@ impl Recorder {
                 });
             }
             let old = profile.status.clone().unwrap_or_default();
-            let new = apply_limited(&old, &obs, (self.max_oom_recoveries)());
+            let new = apply_limited(&old, &obs, &(self.oom_rules)());
             if new == old {
                 return Ok(Recorded::Unchanged);
             }
@@ -274,15 +274,15 @@ pub fn status_patch(resource_version: Option<&str>, old: &Value, new: &Value) ->
 }
 
 /// Runs the controller while `leader` is true: watches opted-in pods in every namespace and
-/// records the finished ones, with `limit` OOM recoveries in a row. Returns when `leader`'s
+/// records the finished ones, under the OOM `rules` in force at each OOM. Returns when `leader`'s
 /// sender is dropped.
 pub async fn run(
     client: Client,
     metrics: Metrics,
     mut leader: watch::Receiver<bool>,
-    limit: OomLimit,
+    oom_rules: LiveOomRules,
 ) {
-    let recorder = Recorder::new(client.clone(), metrics.clone()).with_oom_limit(limit);
+    let recorder = Recorder::new(client.clone(), metrics.clone()).with_oom_rules(oom_rules);
     let pods: Api<Pod> = Api::all(client);
     let selector = format!("{}={}", wellknown::ENABLED_LABEL, wellknown::ENABLED_VALUE);
     let mut seen: HashSet<(String, String)> = HashSet::new();

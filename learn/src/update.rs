@@ -6,10 +6,40 @@ use memguard_api::policy::DEFAULT_MAX_OOM_RECOVERIES;
 use memguard_estimator::calibration::FACTOR_RANGE;
 use memguard_estimator::{Bytes, Floors, LADDER, TrainingConfig};
 
-/// [`apply_limited`] under the default policy's `maxOomRecoveries`
-/// ([`DEFAULT_MAX_OOM_RECOVERIES`]).
+/// What the policy in force says about recovering from OOMs: how many recoveries in a row, and
+/// the floors no recovery steps below (the webhook clamps to the same floors, so a recovery
+/// below them would send the next pod back to the config that died).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OomRules {
+    /// The policy's `maxOomRecoveries`.
+    pub max_recoveries: u32,
+    /// The policy's floors.
+    pub floors: Floors,
+}
+
+impl Default for OomRules {
+    /// The default policy's: [`DEFAULT_MAX_OOM_RECOVERIES`] and the default floors.
+    fn default() -> Self {
+        OomRules {
+            max_recoveries: DEFAULT_MAX_OOM_RECOVERIES,
+            floors: Floors::default(),
+        }
+    }
+}
+
+impl OomRules {
+    /// The rules of a resolved policy.
+    pub fn of(policy: &memguard_api::policy::Policy) -> Self {
+        OomRules {
+            max_recoveries: policy.max_oom_recoveries,
+            floors: policy.floors,
+        }
+    }
+}
+
+/// [`apply_limited`] under the default policy's rules ([`OomRules::default`]).
 pub fn apply(status: &MemoryProfileStatus, obs: &Observation) -> MemoryProfileStatus {
-    apply_limited(status, obs, DEFAULT_MAX_OOM_RECOVERIES)
+    apply_limited(status, obs, &OomRules::default())
 }
 
 /// The status after `obs`. Recording the same pod again (same UID and `finishedAt`) returns
@@ -18,7 +48,7 @@ pub fn apply(status: &MemoryProfileStatus, obs: &Observation) -> MemoryProfileSt
 ///
 /// Every run is recorded with its (uncalibrated) estimate and measured peak; a run that ran out
 /// of memory also adds an [`OomEvent`], counts one more OOM in a row and, while fewer than
-/// `max_oom_recoveries` recoveries were made, sets the [`Recovery`] from [`recovery`]. Past
+/// `rules.max_recoveries` recoveries were made, sets the [`Recovery`] from [`recovery`]. Past
 /// that limit, or when every knob is already at its floor, the recovery stays where it is and
 /// the status carries a `cannot fit: …` verdict naming the smallest config tried. A later
 /// successful run keeps the recovery (it shows the recovery config works, while dropping it
@@ -30,8 +60,9 @@ pub fn apply(status: &MemoryProfileStatus, obs: &Observation) -> MemoryProfileSt
 pub fn apply_limited(
     status: &MemoryProfileStatus,
     obs: &Observation,
-    max_oom_recoveries: u32,
+    rules: &OomRules,
 ) -> MemoryProfileStatus {
+    let max_oom_recoveries = rules.max_recoveries;
     let mut next = status.clone();
     let recorded = next.record_run(ProfileRun {
         pod: obs.pod.clone(),
@@ -64,7 +95,7 @@ pub fn apply_limited(
                 if n == 1 { "" } else { "s" },
             ));
         } else {
-            let r = recovery(obs, status.recovery.as_ref());
+            let r = recovery(obs, status.recovery.as_ref(), &rules.floors);
             next.verdict = (r.rungs == 0).then(|| {
                 format!("cannot fit: every knob is at its floor; smallest config tried: {tried}")
             });
@@ -83,11 +114,10 @@ pub fn apply_limited(
 /// as safe as either; the factor also covers an estimate that was far off, the rung a kill that
 /// the factor alone would not prevent (a config already estimated above the limit). A factor
 /// never falls below the previous recovery's.
-pub fn recovery(obs: &Observation, previous: Option<&Recovery>) -> Recovery {
+/// Rungs stop at `floors`, the policy's: the webhook never plans below them.
+pub fn recovery(obs: &Observation, previous: Option<&Recovery>, floors: &Floors) -> Recovery {
     let died = &obs.ran;
-    let step = LADDER
-        .iter()
-        .find_map(|rung| rung.apply(died, &Floors::default()));
+    let step = LADDER.iter().find_map(|rung| rung.apply(died, floors));
     let implied = match (obs.limit, obs.estimate) {
         (Some(limit), Some(estimate)) if estimate.0 > 0 => {
             let need = limit.max(obs.measured_peak.unwrap_or(Bytes::ZERO));

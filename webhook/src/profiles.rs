@@ -127,10 +127,10 @@ pub fn start(
         let _ = stop_rx.await;
     }));
     // The controller reads the policy in force at each OOM: a changed limit applies at once.
-    let limit: memguard_learn::controller::OomLimit =
-        Arc::new(move || policy.load().max_oom_recoveries);
+    let rules: memguard_learn::controller::LiveOomRules =
+        Arc::new(move || memguard_learn::update::OomRules::of(&policy.load()));
     let controller_task = tokio::spawn(memguard_learn::controller::run(
-        client, metrics, leader_rx, limit,
+        client, metrics, leader_rx, rules,
     ));
     (
         Profiles::from_source(Arc::new(StoreSource(reader))),

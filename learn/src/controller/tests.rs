@@ -152,8 +152,12 @@ async fn the_oom_limit_is_read_from_the_policy_at_each_oom() {
     let limit = Arc::new(AtomicU32::new(3));
     let read = limit.clone();
     let (client, handle) = client();
-    let recorder = Recorder::new(client, Metrics::default())
-        .with_oom_limit(Arc::new(move || read.load(Ordering::SeqCst)));
+    let recorder = Recorder::new(client, Metrics::default()).with_oom_rules(Arc::new(move || {
+        crate::update::OomRules {
+            max_recoveries: read.load(Ordering::SeqCst),
+            ..Default::default()
+        }
+    }));
     // The policy changed to "never retry smaller" before this OOM.
     limit.store(0, Ordering::SeqCst);
     let steps = vec![

@@ -206,7 +206,7 @@ fn recovery_decisions() {
             factor: Some(f),
             ..Recovery::default()
         });
-        let r = recovery(&obs, prev.as_ref());
+        let r = recovery(&obs, prev.as_ref(), &Floors::default());
         let got = (
             r.rungs,
             r.config.batch_size,
@@ -234,7 +234,8 @@ fn recovery_decisions() {
                 o.ran.lora_rank = 4;
                 o.ran.lora_layers = Some(1);
             }),
-            None
+            None,
+            &Floors::default(),
         )
         .reason
         .contains("every knob is at its floor")
@@ -294,7 +295,11 @@ fn the_policy_limit_decides_when_recoveries_stop() {
         let mut status = MemoryProfileStatus::default();
         let mut recoveries = Vec::new();
         for i in 0..ooms {
-            status = apply_limited(&status, &oom_run(&format!("p{i}"), i64::from(i)), limit);
+            status = apply_limited(
+                &status,
+                &oom_run(&format!("p{i}"), i64::from(i)),
+                &limited(limit),
+            );
             if recoveries.last() != status.recovery.as_ref() {
                 recoveries.push(status.recovery.clone().expect("only ever set"));
             }
@@ -316,12 +321,57 @@ fn the_policy_limit_decides_when_recoveries_stop() {
 fn a_limit_raised_after_the_verdict_lets_the_next_oom_step_down_again() {
     let mut status = MemoryProfileStatus::default();
     for i in 0..2 {
-        status = apply_limited(&status, &oom_run(&format!("p{i}"), i), 1);
+        status = apply_limited(&status, &oom_run(&format!("p{i}"), i), &limited(1));
     }
     assert!(status.verdict.is_some(), "past the limit of 1");
     let kept = status.recovery.clone();
-    let raised = apply_limited(&status, &oom_run("p2", 2), 5);
+    let raised = apply_limited(&status, &oom_run("p2", 2), &limited(5));
     assert_eq!(raised.verdict, None, "recovering again: {raised:?}");
     assert_ne!(raised.recovery, kept, "a new step down");
     assert_eq!(raised.oom_recoveries, 3);
+}
+
+fn limited(max_recoveries: u32) -> OomRules {
+    OomRules {
+        max_recoveries,
+        ..OomRules::default()
+    }
+}
+
+/// A policy that raises the floors: the recovery never plans below them (the webhook would clamp
+/// it back to the config that died), and once nothing is left above them the verdict says so.
+#[test]
+fn recoveries_stop_at_the_policys_floors_not_the_defaults() {
+    let died = oom_run("p0", 0);
+    let batch = died.ran.batch_size;
+    assert!(
+        batch > 1,
+        "the fixture run must have room to shrink: {batch}"
+    );
+    let floors = Floors {
+        batch_size: batch,
+        ..Floors::default()
+    };
+    let strict = OomRules {
+        floors,
+        ..OomRules::default()
+    };
+    let by_default = apply_limited(&MemoryProfileStatus::default(), &died, &OomRules::default());
+    let by_policy = apply_limited(&MemoryProfileStatus::default(), &died, &strict);
+    let default_batch = by_default
+        .recovery
+        .as_ref()
+        .and_then(|r| r.config.batch_size);
+    let policy_batch = by_policy
+        .recovery
+        .as_ref()
+        .and_then(|r| r.config.batch_size);
+    assert!(
+        policy_batch.is_none_or(|b| b >= batch),
+        "below the policy's floor of {batch}: {by_policy:?}"
+    );
+    assert_ne!(
+        default_batch, policy_batch,
+        "the floors must matter here: {by_default:?}"
+    );
 }
