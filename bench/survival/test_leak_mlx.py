@@ -88,11 +88,12 @@ def run(out: Path, sidecar: Path, leak_mib: float, steps: int) -> Dict[str, Any]
                 side.send_signal(signal.SIGTERM)
                 side.wait(timeout=10)
         cg.remove()
+    # The sidecar's JSON log lines carry the event's fields at the top level (memguard_runtime).
     records = [json.loads(line) for line in side_log_path.read_text().splitlines() if line.startswith("{")]
     started = next(parse_rfc3339(r["timestamp"]) for r in records
-                   if r["fields"].get("message") == "memguard-sidecar starting")
-    signals = [{**r["fields"], "time": parse_rfc3339(r["timestamp"])} for r in records
-               if r["fields"].get("message") == "signal"]
+                   if r.get("message") == "memguard-sidecar starting")
+    signals = [{**r, "time": parse_rfc3339(r["timestamp"])} for r in records
+               if r.get("message") == "signal"]
     return {
         "events": survival.read_log(log),
         "sidecar_started": started,
