@@ -133,6 +133,10 @@ def rank_main(mode: str, out: Path) -> None:
         "collectives": batcher.runner.agreement.collectives,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
+    # Tear down together: a rank that destroys the group while its peer still has gloo work in
+    # flight can make the peer abort at exit ("terminate called without an active exception",
+    # seen once on a full check).
+    dist.barrier()
     dist.destroy_process_group()
 
 
