@@ -231,6 +231,24 @@ mod tests {
         assert_eq!(again, report);
     }
 
+    /// Found by cargo-fuzz (signal_report): serde_json's default float parser is not exact, so a
+    /// ratio written as `4.444444444444444e49` was read back one ULP off, and a restarted
+    /// sidecar's signal did not read back as what it wrote. `float_roundtrip` makes it exact.
+    #[test]
+    fn a_signal_reads_back_bit_for_bit_what_was_written() {
+        let text = include_str!("../fixtures/signal-v1.json");
+        let mut signal: Signal = serde_json::from_str(text).expect("fixture parses");
+        let written = r#"{"memory_ratio": 44444444444444444444444444444444444444444444444440, "working_set_bytes": 1, "limit_bytes": 1}"#;
+        signal.pressure = serde_json::from_str(written).expect("pressure parses");
+        for _ in 0..3 {
+            let again: Signal =
+                serde_json::from_str(&serde_json::to_string(&signal).expect("serializes"))
+                    .expect("re-parses");
+            assert_eq!(again, signal);
+            signal = again;
+        }
+    }
+
     #[test]
     fn report_rejects_unknown_fields() {
         assert!(serde_json::from_str::<Report>(r#"{"allocated": 1}"#).is_err());
