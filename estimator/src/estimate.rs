@@ -558,7 +558,33 @@ fn activations(x: &Ctx) -> Bytes {
     } else {
         kept_layers * layer + head
     };
-    Bytes::from_f64(x.tokens * per_token)
+    let quantized = layers * quantized_linear_inputs_per_token(x);
+    Bytes::from_f64(x.tokens * (per_token + quantized))
+}
+
+/// Inputs that a bitsandbytes 4- or 8-bit linear keeps for backward on top of what the same
+/// LoRA model keeps in 16 bits, per token and layer: `p·(2h + q + I)`, one copy of each
+/// distinct input of the block's linears (the two norm outputs, the attention output, the
+/// FFN's product; gate and up share theirs). Only for adapters on a base of 8 bits or less
+/// and without gradient checkpointing.
+///
+/// Why: `MatMul4Bit` (bitsandbytes up to 0.43.1, fixed by bitsandbytes PR #1270) and
+/// `MatMul8bitLt` (still) keep their input as a plain ctx attribute,
+/// `ctx.tensors = (A, B)` / `(CAt, subA, A)`, although the frozen weight needs no
+/// gradient; a frozen 16-bit `nn.Linear` keeps only its weight. Measured with
+/// `bench/accuracy/saved_tensors.py` (LitGPT blocks, h 256, q 256, I 704, bf16): QLoRA
+/// keeps 13,176 B per token-layer, LoRA 10,232 B, a difference of exactly
+/// `2·(2·256 + 256 + 704)` = 2,944 B. Reentrant checkpointing (HF's and PEFT's default in
+/// that bitsandbytes era) runs the forward without a graph and frees them (measured:
+/// 4.0·h per token-layer, as without quantization); non-reentrant checkpointing cannot see
+/// ctx attributes and keeps them, which is not modelled.
+fn quantized_linear_inputs_per_token(x: &Ctx) -> f64 {
+    if !x.cfg.is_adapter() || base_bits(x.cfg) > 8.0 || x.cfg.grad_checkpointing {
+        return 0.0;
+    }
+    let m = x.m;
+    let inputs = 2.0 * m.hidden_size as f64 + m.q_dim() as f64 + m.ffn_width_per_token();
+    x.regime.compute * inputs
 }
 
 /// Logits and their loss, by how the trainer computes it:
