@@ -107,6 +107,36 @@ fn qlora_stores_half_a_byte_per_quantized_weight_plus_block_scales() {
 }
 
 #[test]
+fn bitsandbytes_linears_keep_their_input_unless_checkpointing_drops_it() {
+    let mut lora = model("llama-2-7b");
+    lora.method = Method::Lora;
+    lora.grad_checkpointing = false;
+    let mut qlora = lora.clone();
+    qlora.method = Method::Qlora;
+    let acts = |c: &TrainingConfig| est(c).component(Component::Activations).as_f64();
+    let m = &lora.model;
+    let tokens = (lora.batch_size * lora.seq_length) as f64;
+    // One bf16 copy of each distinct linear input: two norm outputs, attention output, product.
+    let inputs = 2.0 * (2 * m.hidden_size + m.q_dim() + m.intermediate_size) as f64;
+    let expected = tokens * m.num_layers as f64 * inputs;
+    assert!((acts(&qlora) - acts(&lora) - expected).abs() < 2.0);
+    // LLM.int8 keeps it too (`ctx.tensors = (CAt, subA, A)`).
+    qlora.model_bits = Some(8);
+    assert!((acts(&qlora) - acts(&lora) - expected).abs() < 2.0);
+    // Reentrant checkpointing runs the forward without a graph: nothing kept.
+    lora.grad_checkpointing = true;
+    qlora.grad_checkpointing = true;
+    assert_eq!(acts(&qlora), acts(&lora));
+    // Full fine-tuning of a 16-bit model: no quantized linear.
+    let mut full = model("llama-2-7b");
+    full.grad_checkpointing = false;
+    full.model_bits = Some(16);
+    let mut plain = full.clone();
+    plain.model_bits = None;
+    assert_eq!(acts(&full), acts(&plain));
+}
+
+#[test]
 fn lora_trains_only_the_adapters() {
     let mut cfg = model("llama-3-8b");
     cfg.method = Method::Lora;
