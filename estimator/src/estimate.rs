@@ -402,11 +402,28 @@ fn master_weights(x: &Ctx) -> Bytes {
 
 /// Gradients of the trainable parameters: `Pt·g / N` (N under ZeRO-2/3 and FSDP); with the
 /// optimizer in backward only the largest tensor's gradient is alive at once.
+///
+/// FSDP with gradient accumulation holds them unsharded, `Pt·g`: the accumulating
+/// micro-batches run under `no_sync()` (Fabric's `no_backward_sync`, HF Accelerate's
+/// `accumulate`), which skips the reduce-scatter, so every unit keeps its full gradient
+/// until the last micro-batch's backward reduces it ("FSDP will accumulate the full model
+/// gradients (instead of gradient shards) until the eventual sync", torch's FSDP
+/// `no_sync` documentation). ZeRO reduces into its partitions at every micro-batch.
 fn gradients(x: &Ctx) -> Bytes {
     if x.cfg.optimizer_in_backward {
         return Bytes::from_f64(largest_trainable_tensor(x) * x.regime.grad);
     }
-    Bytes::from_f64(x.trainable * x.regime.grad / x.shards.grads)
+    let shards = if fsdp_accumulates_unsharded(x) {
+        1.0
+    } else {
+        x.shards.grads
+    };
+    Bytes::from_f64(x.trainable * x.regime.grad / shards)
+}
+
+/// Whether FSDP accumulates full, unsharded gradients over micro-batches (see [`gradients`]).
+fn fsdp_accumulates_unsharded(x: &Ctx) -> bool {
+    x.cfg.parallelism == Parallelism::Fsdp && x.cfg.world_size > 1 && x.cfg.grad_accumulation > 1
 }
 
 /// Elements of the largest trainable tensor: `r·max(h, I)` for adapters, `h·max(V, I)`
@@ -614,7 +631,8 @@ fn logits(x: &Ctx) -> Bytes {
 /// * autocast's 16-bit copies of fp32 trainable weights (HF AMP full fine-tuning), `Pt·p`;
 /// * ZeRO-3/FSDP: two gathered layers (current and prefetched), `2·(P/L)·p`; FSDP over
 ///   more than one device also the root unit (embeddings, head, final norm: `R`) unsharded
-///   through the step with its unsharded gradient, `R·(p + g)`;
+///   through the step with its unsharded gradient, `R·(p + g)` (`R·p` when gradients are
+///   accumulated unsharded anyway, see [`gradients`]);
 /// * DoRA: `W + B·A` of the largest adapted matrix, materialised for its norm, `in·out·p`;
 /// * a 4- or 8-bit base: each matrix is dequantized to `p` bytes for its matmul, forward
 ///   and backward (bitsandbytes `MatMul4Bit`, and LLM.int8's `CB·SCB/127`), one at a time,
@@ -635,7 +653,13 @@ fn forward_backward_workspace(x: &Ctx) -> Bytes {
         // root's parameters for backward) and whose unsharded gradient waits for the
         // embedding's, the last one computed, before its reduce-scatter.
         let root = (x.counts.embedding + x.counts.lm_head + x.m.hidden_size) as f64;
-        bytes += root * (p + x.regime.grad);
+        // Accumulating unsharded, the root's gradient is already among the gradients.
+        let grad = if fsdp_accumulates_unsharded(x) {
+            0.0
+        } else {
+            x.regime.grad
+        };
+        bytes += root * (p + grad);
     }
     if x.cfg.method == Method::Dora {
         bytes += params::largest_adapted_matrix(x.m, &x.cfg.lora_targets) as f64 * p;

@@ -479,3 +479,29 @@ fn fsdp_keeps_the_root_unit_unsharded_with_its_gradient() {
     let bucket = (8_030_261_248f64).min(5e8) * 2.0;
     assert_eq!(fsdp, zero3 - bucket + root);
 }
+
+#[test]
+fn fsdp_accumulates_unsharded_gradients_and_zero_does_not() {
+    let mut cfg = model("llama-3-8b");
+    cfg.precision = Precision::Bf16;
+    cfg.parallelism = Parallelism::Fsdp;
+    cfg.world_size = 4;
+    let grads = |c: &TrainingConfig| est(c).component(Component::Gradients).as_f64();
+    let transient = |c: &TrainingConfig| est(c).component(Component::Transient).as_f64();
+    let p = params::total_params(&cfg.model) as f64;
+    assert!((grads(&cfg) - p * 2.0 / 4.0).abs() < 2.0);
+    let synced = transient(&cfg);
+    // no_sync: every unit keeps its full gradient until the last micro-batch.
+    cfg.grad_accumulation = 4;
+    assert!((grads(&cfg) - p * 2.0).abs() < 2.0);
+    // The root's unsharded gradient is then one of them, not an extra.
+    let root = 2.0 * 128_256.0 * 4096.0 + 4096.0;
+    assert!((transient(&cfg) - (synced - root * 2.0)).abs() < 2.0);
+    // ZeRO-3 reduces into its partitions at every micro-batch.
+    cfg.parallelism = Parallelism::Zero3;
+    assert!((grads(&cfg) - p * 2.0 / 4.0).abs() < 2.0);
+    // One device: nothing to shard.
+    cfg.parallelism = Parallelism::Fsdp;
+    cfg.world_size = 1;
+    assert!((grads(&cfg) - p * 2.0).abs() < 2.0);
+}
