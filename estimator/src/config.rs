@@ -494,6 +494,11 @@ pub struct TrainingConfig {
     /// norms and the FFN activation keep only their inputs.
     #[cfg_attr(feature = "serde", serde(default))]
     pub compile: bool,
+    /// The adapters apply dropout to their input (`lora_dropout` above 0: LitGPT's configs use
+    /// 0.05; PEFT's default is 0). Each adapted projection then keeps a dropout mask and the
+    /// dropped copy of its input for LoRA A's gradient.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub lora_dropout: bool,
 }
 
 impl TrainingConfig {
@@ -524,6 +529,7 @@ impl TrainingConfig {
             optimizer_offload: false,
             optimizer_in_backward: false,
             compile: false,
+            lora_dropout: false,
         }
     }
 

@@ -499,8 +499,9 @@ fn adafactor_elements(x: &Ctx) -> f64 {
 ///   dense layers): gated `4·p·I` (gate and up outputs, the activation, their product),
 ///   plain `2·p·I` (fc1 output and the activation); MoE layers add fp32 router logits and
 ///   probabilities, `2·4·E`;
-/// * adapters: `p·r` per adapted projection (LoRA A's output); DoRA also keeps the base and
-///   LoRA outputs for its magnitude rescale, `2·p·Σ out`.
+/// * adapters: `p·r` per adapted projection (LoRA A's output); with LoRA dropout also the
+///   mask and the dropped input, `(1 + p)·Σ in` (`2·p·Σ in` off CUDA/ROCm); DoRA also keeps
+///   the base and LoRA outputs for its magnitude rescale, `2·p·Σ out`.
 pub fn layer_activation_bytes_per_token(cfg: &TrainingConfig, compute_bytes: f64) -> f64 {
     let m = &cfg.model;
     let p = compute_bytes;
@@ -540,6 +541,22 @@ pub fn layer_activation_bytes_per_token(cfg: &TrainingConfig, compute_bytes: f64
             .filter(|(on, ..)| *on)
             .count() as f64;
         let mut extra = p * cfg.lora_rank as f64 * projections;
+        if cfg.lora_dropout {
+            // Per adapted projection: the dropout mask (a bool on CUDA and ROCm, whose fused
+            // kernel returns one; a noise tensor in the input dtype elsewhere) and the dropped
+            // copy LoRA A keeps. Measured (bench/accuracy/saved_tensors.py, CPU, LitGPT): all
+            // targets keep 27.4·h per token-layer over the frozen model, `(p + p)·Σ in`.
+            let mask = match cfg.device {
+                Device::Cuda | Device::Rocm => 1.0,
+                Device::Cpu | Device::Metal => p,
+            };
+            let inputs: f64 = params::lora_matrices(m, t)
+                .iter()
+                .filter(|(on, ..)| *on)
+                .map(|&(_, i, _, _)| i as f64)
+                .sum();
+            extra += (mask + p) * inputs;
+        }
         if cfg.method == Method::Dora {
             extra += 2.0 * p * params::adapted_out_width_per_token(m, t) as f64;
         }

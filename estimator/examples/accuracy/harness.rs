@@ -20,7 +20,7 @@ pub const FILES: [&str; 2] = [
 /// and `tie_embeddings`.
 pub const COLLECTED: [&str; 1] = ["litgpt-confighub.csv"];
 
-/// The trainer choices (loss, compile, offloading, attention dropout) of ground-truth rows,
+/// The trainer choices (loss, compile, offloading, attention and LoRA dropout) of ground-truth rows,
 /// read from their sources, in `bench/accuracy/collected/` (the ground truth is kept as
 /// copied). Collected rows carry theirs as `[loss=chunked]`-style tags in their notes.
 pub const TRAINER_CHOICES: &str = "trainer-choices.csv";
@@ -41,6 +41,8 @@ pub struct Choices {
     pub optimizer_offload: String,
     #[serde(default)]
     pub attention_dropout: String,
+    #[serde(default)]
+    pub lora_dropout: String,
 }
 
 impl Choices {
@@ -68,6 +70,7 @@ impl Choices {
         cfg.optimizer_in_backward |= flag(&self.optimizer_in_backward);
         cfg.optimizer_offload |= flag(&self.optimizer_offload);
         cfg.model.attention_dropout |= flag(&self.attention_dropout);
+        cfg.lora_dropout |= flag(&self.lora_dropout);
         Ok(())
     }
 
@@ -94,6 +97,7 @@ impl Choices {
             optimizer_in_backward: yes(tag("optimizer-in-backward")),
             optimizer_offload: yes(tag("optimizer-offload")),
             attention_dropout: yes(tag("attention-dropout")),
+            lora_dropout: yes(tag("lora-dropout")),
         }
     }
 }

@@ -505,3 +505,23 @@ fn fsdp_accumulates_unsharded_gradients_and_zero_does_not() {
     cfg.world_size = 1;
     assert!((grads(&cfg) - p * 2.0).abs() < 2.0);
 }
+
+#[test]
+fn lora_dropout_keeps_a_mask_and_a_dropped_input_per_adapted_projection() {
+    let mut cfg = model("llama-2-7b");
+    cfg.method = Method::Lora;
+    cfg.precision = Precision::Bf16;
+    let without = layer_activation_bytes_per_token(&cfg, 2.0);
+    cfg.lora_dropout = true;
+    // q and v read the hidden state: a bool mask and a bf16 copy of h each.
+    let h = cfg.model.hidden_size as f64;
+    assert_eq!(layer_activation_bytes_per_token(&cfg, 2.0) - without, 2.0 * (1.0 + 2.0) * h);
+    // Off CUDA the mask is a noise tensor in the input dtype.
+    cfg.device = Device::Cpu;
+    assert_eq!(layer_activation_bytes_per_token(&cfg, 2.0) - without, 2.0 * (2.0 + 2.0) * h);
+    // Full fine-tuning has no adapter to drop out.
+    cfg.method = Method::Full;
+    let full = layer_activation_bytes_per_token(&cfg, 2.0);
+    cfg.lora_dropout = false;
+    assert_eq!(layer_activation_bytes_per_token(&cfg, 2.0), full);
+}
