@@ -75,6 +75,9 @@ pub const OPTIMIZER_OFFLOAD: &str = "memguard.io/optimizer-offload";
 pub const OPTIMIZER_IN_BACKWARD: &str = "memguard.io/optimizer-in-backward";
 /// `true|false`: the model runs under `torch.compile` (default `false`).
 pub const COMPILE: &str = "memguard.io/compile";
+/// `true|false`: the LoRA adapters apply dropout to their input (`lora_dropout` above 0;
+/// default `false`, PEFT's default of 0).
+pub const LORA_DROPOUT: &str = "memguard.io/lora-dropout";
 /// `fp32|bf16-mixed|fp16-mixed|bf16|fp16`.
 pub const PRECISION: &str = "memguard.io/precision";
 /// `cuda|cpu|metal|rocm`; default: `rocm` for AMD GPUs, `cuda` for NVIDIA GPUs, else `cpu`.
@@ -128,6 +131,7 @@ pub const INPUT_KEYS: &[&str] = &[
     OPTIMIZER_OFFLOAD,
     OPTIMIZER_IN_BACKWARD,
     COMPILE,
+    LORA_DROPOUT,
     PRECISION,
     DEVICE,
     PARALLELISM,
@@ -370,6 +374,9 @@ impl TrainingAnnotations {
         }
         if let Some(v) = p.boolean(COMPILE) {
             config.compile = v;
+        }
+        if let Some(v) = p.boolean(LORA_DROPOUT) {
+            config.lora_dropout = v;
         }
         let device = p.enum_value::<Device>(DEVICE);
         if let Some(v) = device {
@@ -732,11 +739,12 @@ mod tests {
         assert_eq!(a.config.loss, Loss::Standard);
         assert!(!a.config.compile && !a.config.activation_offload);
         assert!(!a.config.optimizer_offload && !a.config.optimizer_in_backward);
-        assert!(!a.config.model.attention_dropout);
+        assert!(!a.config.model.attention_dropout && !a.config.lora_dropout);
         let a = TrainingAnnotations::parse(&annotations(&[
             (MODEL, "gpt2"),
             (LOSS, "chunked"),
             (COMPILE, "true"),
+            (LORA_DROPOUT, "true"),
             (ACTIVATION_OFFLOAD, "true"),
             (OPTIMIZER_OFFLOAD, "true"),
             (OPTIMIZER_IN_BACKWARD, "true"),
@@ -745,6 +753,7 @@ mod tests {
         assert_eq!(a.config.loss, Loss::Chunked);
         assert!(a.config.compile && a.config.activation_offload);
         assert!(a.config.optimizer_offload && a.config.optimizer_in_backward);
+        assert!(a.config.lora_dropout);
         // GPT-2's config trains with attention dropout; the annotation can say otherwise.
         assert!(a.config.model.attention_dropout);
         let off = TrainingAnnotations::parse(&annotations(&[

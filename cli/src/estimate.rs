@@ -151,6 +151,8 @@ annotation_flags! {
     optimizer_in_backward => "optimizer-in-backward",
     /// true|false: torch.compile (default false).
     compile => "compile",
+    /// true|false: the LoRA adapters apply dropout to their input (default false).
+    lora_dropout => "lora-dropout",
     /// fp32|bf16-mixed|fp16-mixed|bf16|fp16.
     precision => "precision",
     /// cuda|cpu|metal|rocm.
