@@ -3,7 +3,7 @@
 //! asserts the targets).
 
 use memguard_estimator::{
-    Bytes, Device, LoraTargets, Loss, Method, ModelShape, Optimizer, Parallelism, Precision,
+    Bytes, Component, Device, LoraTargets, Loss, Method, ModelShape, Optimizer, Parallelism, Precision,
     TrainingConfig, estimate,
 };
 use std::collections::BTreeMap;
@@ -18,7 +18,7 @@ pub const FILES: [&str; 2] = [
 /// Measurements collected for this repository (`bench/accuracy/collected/`), in the same
 /// columns plus `split` (`fit` or `heldout`, fixed before the model was changed), `head_dim`
 /// and `tie_embeddings`.
-pub const COLLECTED: [&str; 1] = ["litgpt-confighub.csv"];
+pub const COLLECTED: [&str; 2] = ["litgpt-confighub.csv", "peft-method-comparison.csv"];
 
 /// The trainer choices (loss, compile, offloading, attention and LoRA dropout) of ground-truth rows,
 /// read from their sources, in `bench/accuracy/collected/` (the ground truth is kept as
@@ -187,7 +187,9 @@ pub struct Row {
 pub enum Compare {
     /// `tensor_peak` vs a `max_memory_allocated`-type figure.
     TensorPeak,
-    /// `total` vs a device-level figure (NVML, reserved, cgroup peak).
+    /// `tensor_peak` plus the allocator cache vs `max_memory_reserved` (no CUDA context).
+    Reserved,
+    /// `total` vs a device-level figure (NVML, cgroup peak, an unstated tool).
     Total,
 }
 
@@ -317,13 +319,15 @@ pub fn score(row: &Row, choices: Option<&Choices>) -> Result<Scored, String> {
         other => return Err(format!("split: `{other}` is not fit or heldout")),
     };
     let oom = row.outcome.trim().eq_ignore_ascii_case("oom");
-    let compare = if !oom && row.compare_to.trim() == "tensor_peak" {
-        Compare::TensorPeak
-    } else {
-        Compare::Total
+    let compare = match row.compare_to.trim() {
+        "tensor_peak" if !oom => Compare::TensorPeak,
+        "reserved" if !oom => Compare::Reserved,
+        _ => Compare::Total,
     };
     let estimated = match compare {
         Compare::TensorPeak => est.tensor_peak,
+        // `max_memory_reserved`: the caching allocator's blocks, without the CUDA context.
+        Compare::Reserved => est.tensor_peak + est.component(Component::AllocatorCache),
         Compare::Total => est.total,
     };
     Ok(Scored {

@@ -15,6 +15,7 @@ fn gb(b: memguard_estimator::Bytes) -> String {
 fn print_row(s: &Scored) {
     let compare = match s.compare {
         Compare::TensorPeak => "tensor_peak",
+        Compare::Reserved => "reserved",
         Compare::Total => "total",
     };
     let tag = match (s.unmodelled, s.split) {
@@ -57,6 +58,7 @@ fn print_csv(scored: &[Scored]) {
     for s in scored {
         let compare = match s.compare {
             Compare::TensorPeak => "tensor_peak",
+            Compare::Reserved => "reserved",
             Compare::Total => "total",
         };
         println!(
