@@ -3,8 +3,8 @@
 //! asserts the targets).
 
 use memguard_estimator::{
-    Bytes, Component, Device, LoraTargets, Loss, Method, ModelShape, Optimizer, Parallelism, Precision,
-    TrainingConfig, estimate,
+    Bytes, Component, Device, LoraTargets, Loss, Method, ModelShape, Optimizer, Parallelism,
+    Precision, TrainingConfig, estimate,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -515,10 +515,16 @@ fn lora_dropout_keeps_a_mask_and_a_dropped_input_per_adapted_projection() {
     cfg.lora_dropout = true;
     // q and v read the hidden state: a bool mask and a bf16 copy of h each.
     let h = cfg.model.hidden_size as f64;
-    assert_eq!(layer_activation_bytes_per_token(&cfg, 2.0) - without, 2.0 * (1.0 + 2.0) * h);
+    assert_eq!(
+        layer_activation_bytes_per_token(&cfg, 2.0) - without,
+        2.0 * (1.0 + 2.0) * h
+    );
     // Off CUDA the mask is a noise tensor in the input dtype.
     cfg.device = Device::Cpu;
-    assert_eq!(layer_activation_bytes_per_token(&cfg, 2.0) - without, 2.0 * (2.0 + 2.0) * h);
+    assert_eq!(
+        layer_activation_bytes_per_token(&cfg, 2.0) - without,
+        2.0 * (2.0 + 2.0) * h
+    );
     // Full fine-tuning has no adapter to drop out.
     cfg.method = Method::Full;
     let full = layer_activation_bytes_per_token(&cfg, 2.0);
