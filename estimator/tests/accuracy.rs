@@ -47,7 +47,7 @@ fn collected_oom_rows_are_predicted_not_to_fit() {
         .iter()
         .filter(|r| r.collected && r.oom_predicted().is_some())
         .collect();
-    assert_eq!(ooms.len(), 6);
+    assert_eq!(ooms.len(), 5);
     for r in ooms {
         assert_eq!(r.oom_predicted(), Some(true), "{}", r.id);
     }
