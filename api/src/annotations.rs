@@ -3,9 +3,10 @@
 //! The CLI's `estimate` flags are the same keys without the prefix, and go through the same
 //! parser ([`TrainingAnnotations::parse_keys`]), so a pod and a command line can never disagree.
 
+use crate::models::ModelCatalog;
 use memguard_estimator::{
     Bytes, ConfigError, Device, LoraTargets, Loss, Method, ModelShape, Optimizer, Parallelism,
-    Precision, TrainingConfig, catalog, parse_bytes, parse_count,
+    Precision, TrainingConfig, parse_bytes, parse_count,
 };
 use std::collections::BTreeMap;
 use std::fmt;
@@ -13,7 +14,8 @@ use std::fmt;
 /// Prefix of every memguard annotation.
 pub const PREFIX: &str = "memguard.io/";
 
-/// Catalog model name, e.g. `llama-3-8b`.
+/// Model name, e.g. `llama-3-8b` or `meta-llama/Llama-3.1-8B`: one of the policy's models
+/// (`spec.models`), else of the built-in catalog.
 pub const MODEL: &str = "memguard.io/model";
 /// Total parameters (`7e9`, `7B`, `125M`).
 pub const MODEL_PARAMS: &str = "memguard.io/model-params";
@@ -269,9 +271,13 @@ pub fn has_training_input(annotations: &BTreeMap<String, String>) -> bool {
 }
 
 impl TrainingAnnotations {
-    /// Parses pod annotations. Keys outside `memguard.io/` are ignored; unknown `memguard.io/`
-    /// keys are errors (a typo must not silently fall back to a default). Returns every error.
-    pub fn parse(annotations: &BTreeMap<String, String>) -> Result<Self, Vec<AnnotationError>> {
+    /// Parses pod annotations, `model` resolved in `models` (the policy's, then the built-in
+    /// catalog). Keys outside `memguard.io/` are ignored; unknown `memguard.io/` keys are errors
+    /// (a typo must not silently fall back to a default). Returns every error.
+    pub fn parse(
+        annotations: &BTreeMap<String, String>,
+        models: &ModelCatalog,
+    ) -> Result<Self, Vec<AnnotationError>> {
         let mut keys = BTreeMap::new();
         let mut errors = Vec::new();
         for (key, value) in annotations {
@@ -287,7 +293,7 @@ impl TrainingAnnotations {
             }
             keys.insert(short.to_string(), value.clone());
         }
-        match Self::parse_keys(&keys) {
+        match Self::parse_keys(&keys, models) {
             Ok(parsed) if errors.is_empty() => Ok(parsed),
             Ok(_) => Err(errors),
             Err(more) => {
@@ -298,8 +304,11 @@ impl TrainingAnnotations {
     }
 
     /// Parses keys without the prefix (`batch-size` → `4`): the CLI's flags and annotations alike.
-    pub fn parse_keys(keys: &BTreeMap<String, String>) -> Result<Self, Vec<AnnotationError>> {
-        Self::parse_keys_with_model(keys, None)
+    pub fn parse_keys(
+        keys: &BTreeMap<String, String>,
+        models: &ModelCatalog,
+    ) -> Result<Self, Vec<AnnotationError>> {
+        Self::parse_keys_with_model(keys, models, None)
     }
 
     /// As [`Self::parse_keys`], with the model given as a shape (a Hugging Face `config.json`
@@ -307,6 +316,7 @@ impl TrainingAnnotations {
     /// as well is an error.
     pub fn parse_keys_with_model(
         keys: &BTreeMap<String, String>,
+        models: &ModelCatalog,
         model: Option<ModelShape>,
     ) -> Result<Self, Vec<AnnotationError>> {
         let mut p = Parser {
@@ -314,8 +324,11 @@ impl TrainingAnnotations {
             errors: Vec::new(),
         };
 
-        let model = p.model_shape(model);
+        let (model, storage) = p.model_shape(model, models);
         let mut config = TrainingConfig::new(model.unwrap_or_else(placeholder_shape));
+        // A policy model's `quantization_config` sets the storage unless the keys say otherwise.
+        config.model_bits = storage.model_bits;
+        config.double_quant = storage.double_quant;
         if let Some(v) = p.parse_with(MODEL_BITS, |s| {
             s.trim()
                 .parse::<u32>()
@@ -490,6 +503,13 @@ fn edit_distance(a: &str, b: &str) -> usize {
     prev[b.len()]
 }
 
+/// The storage a named model's `config.json` states (`quantization_config`).
+#[derive(Default)]
+struct Storage {
+    model_bits: Option<u32>,
+    double_quant: bool,
+}
+
 struct Parser<'a> {
     keys: &'a BTreeMap<String, String>,
     errors: Vec<AnnotationError>,
@@ -536,25 +556,40 @@ impl Parser<'_> {
         self.parse_with(key, |s| s.parse::<T>().map_err(|e| config_message(&e)))
     }
 
-    /// The model: a catalog entry with any shape keys overriding it, or the shape keys alone.
-    fn model_shape(&mut self, given: Option<ModelShape>) -> Option<ModelShape> {
+    /// The model: a named model (the policy's, else the built-in catalog's) with any shape keys
+    /// overriding it, or the shape keys alone; and the storage the named model's config states.
+    fn model_shape(
+        &mut self,
+        given: Option<ModelShape>,
+        models: &ModelCatalog,
+    ) -> (Option<ModelShape>, Storage) {
+        let mut storage = Storage::default();
         if given.is_some() && self.get(MODEL).is_some() {
             self.errors.push(AnnotationError::new(
                 MODEL,
-                "give a catalog model or a config.json, not both".to_string(),
+                "give a model name or a config.json, not both".to_string(),
             ));
-            return None;
+            return (None, storage);
         }
         let base = match (self.get(MODEL), given) {
             (_, Some(shape)) => Some(shape),
-            (Some(name), None) => match catalog::lookup(name) {
-                Some(shape) => Some(shape),
+            (Some(name), None) => match models.lookup(name) {
+                Some(found) => {
+                    storage = Storage {
+                        model_bits: found.model_bits,
+                        double_quant: found.double_quant,
+                    };
+                    Some(found.shape)
+                }
                 None => {
                     self.errors.push(AnnotationError::new(
                         MODEL,
-                        format!("unknown model `{name}` (see `memguard estimate --list-models`)"),
+                        format!(
+                            "unknown model `{name}`: {} (see `memguard estimate --list-models`)",
+                            models.searched()
+                        ),
                     ));
-                    return None;
+                    return (None, storage);
                 }
             },
             (None, None) => {
@@ -567,7 +602,7 @@ impl Parser<'_> {
                     self.errors.push(AnnotationError::new(
                         MODEL,
                         format!(
-                            "give a catalog model, or the shape: missing {}",
+                            "give a model name, or the shape: missing {}",
                             missing.join(", ")
                         ),
                     ));
@@ -647,7 +682,7 @@ impl Parser<'_> {
         if shape_overridden {
             shape.name = shape.name.map(|n| format!("{n} (modified)"));
         }
-        Some(shape)
+        (Some(shape), storage)
     }
 
     fn env_map(&mut self) -> Option<EnvMap> {
@@ -697,6 +732,11 @@ fn is_env_name(s: &str) -> bool {
 mod tests {
     use super::*;
 
+    /// Parses against the built-in catalog only.
+    fn parse(a: &BTreeMap<String, String>) -> Result<TrainingAnnotations, Vec<AnnotationError>> {
+        TrainingAnnotations::parse(a, &ModelCatalog::default())
+    }
+
     fn annotations(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs
             .iter()
@@ -706,7 +746,7 @@ mod tests {
 
     #[test]
     fn parses_a_catalog_model_with_training_keys() {
-        let a = TrainingAnnotations::parse(&annotations(&[
+        let a = parse(&annotations(&[
             (MODEL, "llama-3-8b"),
             (METHOD, "lora"),
             (BATCH_SIZE, "8"),
@@ -734,13 +774,13 @@ mod tests {
     #[test]
     fn trainer_choices_have_documented_defaults_and_parse_strictly() {
         let base = [(MODEL, "meta-llama/Llama-3.1-8B")];
-        let a = TrainingAnnotations::parse(&annotations(&base)).expect("valid");
+        let a = parse(&annotations(&base)).expect("valid");
         assert_eq!(a.config.model.name.as_deref(), Some("llama-3.1-8b"));
         assert_eq!(a.config.loss, Loss::Standard);
         assert!(!a.config.compile && !a.config.activation_offload);
         assert!(!a.config.optimizer_offload && !a.config.optimizer_in_backward);
         assert!(!a.config.model.attention_dropout && !a.config.lora_dropout);
-        let a = TrainingAnnotations::parse(&annotations(&[
+        let a = parse(&annotations(&[
             (MODEL, "gpt2"),
             (LOSS, "chunked"),
             (COMPILE, "true"),
@@ -756,13 +796,13 @@ mod tests {
         assert!(a.config.lora_dropout);
         // GPT-2's config trains with attention dropout; the annotation can say otherwise.
         assert!(a.config.model.attention_dropout);
-        let off = TrainingAnnotations::parse(&annotations(&[
+        let off = parse(&annotations(&[
             (MODEL, "gpt2"),
             (ATTENTION_DROPOUT, "false"),
         ]))
         .expect("valid");
         assert!(!off.config.model.attention_dropout);
-        let errs = TrainingAnnotations::parse(&annotations(&[
+        let errs = parse(&annotations(&[
             (MODEL, "gpt2"),
             (LOSS, "liger-ish"),
             (COMPILE, "yes"),
@@ -774,7 +814,7 @@ mod tests {
 
     #[test]
     fn collects_every_error_not_just_the_first() {
-        let errs = TrainingAnnotations::parse(&annotations(&[
+        let errs = parse(&annotations(&[
             (MODEL, "llama-3-8b"),
             (BATCH_SIZE, "many"),
             (OPTIMIZER, "adamx"),
@@ -794,7 +834,7 @@ mod tests {
     #[test]
     fn shape_without_model_needs_the_core_keys() {
         let errs =
-            TrainingAnnotations::parse(&annotations(&[(HIDDEN_SIZE, "4096")])).expect_err("bad");
+            parse(&annotations(&[(HIDDEN_SIZE, "4096")])).expect_err("bad");
         assert_eq!(errs.len(), 1);
         assert!(
             errs[0]
@@ -805,7 +845,7 @@ mod tests {
 
     #[test]
     fn heads_not_dividing_hidden_size_names_the_key() {
-        let errs = TrainingAnnotations::parse(&annotations(&[
+        let errs = parse(&annotations(&[
             (HIDDEN_SIZE, "1000"),
             (NUM_LAYERS, "4"),
             (NUM_HEADS, "3"),
@@ -824,7 +864,7 @@ mod tests {
             "batch-size=MEMGUARD_X",
         ] {
             let errs =
-                TrainingAnnotations::parse(&annotations(&[(MODEL, "llama-3-8b"), (ENV_MAP, bad)]))
+                parse(&annotations(&[(MODEL, "llama-3-8b"), (ENV_MAP, bad)]))
                     .expect_err(bad);
             assert_eq!(errs[0].key, "env-map", "{bad}");
         }
@@ -832,14 +872,14 @@ mod tests {
 
     #[test]
     fn unknown_model_is_an_error() {
-        let errs = TrainingAnnotations::parse(&annotations(&[(MODEL, "gpt-9")])).expect_err("bad");
+        let errs = parse(&annotations(&[(MODEL, "gpt-9")])).expect_err("bad");
         assert_eq!(errs[0].key, "model");
     }
 
     #[test]
     fn output_keys_are_not_unknown() {
         assert!(
-            TrainingAnnotations::parse(&annotations(&[
+            parse(&annotations(&[
                 (MODEL, "llama-3-8b"),
                 (ESTIMATE, "{}"),
                 (ERROR, "x"),

@@ -77,6 +77,12 @@ pub fn parse(text: &str) -> Result<HfModel, Vec<String>> {
     let Some(root) = root.as_object() else {
         return Err(vec!["config.json: not a JSON object".into()]);
     };
+    parse_object(root)
+}
+
+/// Reads a `config.json` already parsed into a JSON object (a policy's `spec.models[].config`).
+/// Returns every problem found, each naming its field.
+pub fn parse_object(root: &Map<String, Value>) -> Result<HfModel, Vec<String>> {
     let mut r = Reader::default();
     // Multimodal configs (Gemma 3, LLaVA, Mistral 3) nest the language model.
     let text_cfg = match root.get("text_config") {

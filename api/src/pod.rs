@@ -4,6 +4,7 @@
 //! both key on these answers, so they live here once.
 
 use crate::annotations::{self, AnnotationError, TrainingAnnotations};
+use crate::models::ModelCatalog;
 use crate::wellknown;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -89,14 +90,16 @@ pub struct TrainingPod<'a> {
 }
 
 impl<'a> TrainingPod<'a> {
-    /// Reads `pod`: its training annotations, its trainer, its device.
-    pub fn resolve(pod: &'a Pod) -> Result<Self, ResolveError> {
+    /// Reads `pod`: its training annotations (`memguard.io/model` looked up in `models`: the
+    /// policy's, then the built-in catalog), its trainer, its device.
+    pub fn resolve(pod: &'a Pod, models: &ModelCatalog) -> Result<Self, ResolveError> {
         let empty = BTreeMap::new();
         let given = pod.metadata.annotations.as_ref().unwrap_or(&empty);
         if !annotations::has_training_input(given) {
             return Err(ResolveError::NoTrainingInput);
         }
-        let parsed = TrainingAnnotations::parse(given).map_err(ResolveError::Annotations)?;
+        let parsed =
+            TrainingAnnotations::parse(given, models).map_err(ResolveError::Annotations)?;
         let containers = pod
             .spec
             .as_ref()
@@ -588,6 +591,11 @@ pub fn parse_quantity(s: &str) -> Option<u64> {
 mod tests {
     use super::*;
 
+    /// Resolves against the built-in catalog only.
+    fn resolve(pod: &Pod) -> Result<TrainingPod<'_>, ResolveError> {
+        TrainingPod::resolve(pod, &ModelCatalog::default())
+    }
+
     fn pod(annotations: &[(&str, &str)], containers: Vec<Container>) -> Pod {
         let mut p = Pod::default();
         p.metadata.annotations = Some(
@@ -622,7 +630,7 @@ mod tests {
     fn resolve_reads_the_trainer_the_device_and_the_world_size() {
         let model = (annotations::MODEL, "llama-3-8b");
         let p = pod(&[model], vec![gpus("trainer", "2")]);
-        let t = TrainingPod::resolve(&p).expect("valid");
+        let t = resolve(&p).expect("valid");
         assert_eq!(
             (
                 t.trainer_index,
@@ -636,7 +644,7 @@ mod tests {
             &[model, (annotations::PARALLELISM, "fsdp")],
             vec![Container::default(), gpus("trainer", "4")],
         );
-        let t = TrainingPod::resolve(&p).expect("valid");
+        let t = resolve(&p).expect("valid");
         assert_eq!(
             (t.trainer.name.as_str(), t.config.world_size),
             ("trainer", 4)
@@ -650,17 +658,17 @@ mod tests {
             vec![gpus("trainer", "4")],
         );
         assert_eq!(
-            TrainingPod::resolve(&p).expect("valid").config.world_size,
+            resolve(&p).expect("valid").config.world_size,
             16
         );
         let p = pod(&[model, (annotations::DEVICE, "cpu")], vec![gpus("t", "1")]);
         assert_eq!(
-            TrainingPod::resolve(&p).expect("valid").config.device,
+            resolve(&p).expect("valid").config.device,
             Device::Cpu
         );
         let cpu = pod(&[model], vec![Container::default()]);
         assert_eq!(
-            TrainingPod::resolve(&cpu).expect("valid").config.device,
+            resolve(&cpu).expect("valid").config.device,
             Device::Cpu
         );
     }
@@ -669,7 +677,7 @@ mod tests {
     fn resolve_says_why_a_pod_cannot_be_read() {
         let none = pod(&[("other.io/x", "1")], vec![Container::default()]);
         assert_eq!(
-            TrainingPod::resolve(&none),
+            resolve(&none),
             Err(ResolveError::NoTrainingInput)
         );
         let bad = pod(
@@ -679,7 +687,7 @@ mod tests {
             ],
             vec![Container::default()],
         );
-        let e = TrainingPod::resolve(&bad).expect_err("bad annotations");
+        let e = resolve(&bad).expect_err("bad annotations");
         assert!(
             matches!(&e, ResolveError::Annotations(errors) if errors.len() == 2),
             "{e}"
@@ -693,7 +701,7 @@ mod tests {
             vec![Container::default()],
         );
         assert!(matches!(
-            TrainingPod::resolve(&missing),
+            resolve(&missing),
             Err(ResolveError::Trainer(_))
         ));
     }

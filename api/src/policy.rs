@@ -7,6 +7,7 @@
 use crate::annotations::{EnvMap, env_map_entry};
 use crate::duration::{format_duration, parse_duration};
 use crate::env;
+use crate::models::{ModelCatalog, ModelSpec};
 use memguard_estimator::{Bytes, parse_bytes};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -294,6 +295,15 @@ pub struct PolicySpec {
     /// GPU pods not pinned to a product (docs/webhook.md, "Placement").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub placement: Option<PlacementMode>,
+    /// Models pods may name in `memguard.io/model` besides the built-in catalog, each with its
+    /// Hugging Face `config.json` (docs/webhook.md, "Models in the policy"). Looked up before the built-in
+    /// catalog; an entry named like a built-in model shadows it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[cfg_attr(
+        feature = "crd",
+        schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))
+    )]
+    pub models: Vec<ModelSpec>,
 }
 
 /// A policy with every default applied and every quantity parsed.
@@ -323,6 +333,8 @@ pub struct Policy {
     pub max_oom_recoveries: u32,
     /// Placement of GPU pods not pinned to a product.
     pub placement: PlacementMode,
+    /// The models pods may name: the policy's, then the built-in catalog.
+    pub models: ModelCatalog,
 }
 
 impl Default for Policy {
@@ -390,6 +402,10 @@ impl PolicySpec {
                 Err(e) => errors.push(format!("envNames[{knob}]: {e}")),
             }
         }
+        let models = ModelCatalog::from_specs(&self.models).unwrap_or_else(|problems| {
+            errors.extend(problems);
+            ModelCatalog::default()
+        });
         let sidecar = self.sidecar.clone().unwrap_or_default();
         let sidecar_interval = match sidecar.interval.as_deref().map(parse_duration) {
             None => Some(DEFAULT_SIDECAR_INTERVAL),
@@ -425,6 +441,7 @@ impl PolicySpec {
             floors: self.floors.unwrap_or_default().resolved(),
             max_oom_recoveries,
             placement: self.placement.unwrap_or_default(),
+            models,
         })
     }
 }

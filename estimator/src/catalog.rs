@@ -763,8 +763,9 @@ const CATALOG: &[Entry] = &[
     },
 ];
 
-/// `Llama_3.1-8B` → `llama-3-1-8b`.
-fn normalize(name: &str) -> String {
+/// `Llama_3.1-8B` → `llama-3-1-8b`: how names are compared (case, and `_`, `.` and spaces as
+/// `-`). Public so the models a policy adds compare the same way.
+pub fn normalize(name: &str) -> String {
     name.trim()
         .to_ascii_lowercase()
         .replace(['_', '.', ' '], "-")
