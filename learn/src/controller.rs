@@ -10,6 +10,7 @@
 use crate::metrics::Metrics;
 use crate::observe::{NotObserved, try_observe};
 use crate::update::{OomRules, apply_limited};
+use memguard_api::{ModelCatalog, Policy};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams, PostParams};
@@ -22,9 +23,10 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use tokio::sync::watch;
 
-/// Reads the policy's OOM rules in force now (`maxOomRecoveries` and the floors; the webhook
-/// passes its live policy, so a changed `MemguardPolicy` applies from the next OOM recorded).
-pub type LiveOomRules = Arc<dyn Fn() -> OomRules + Send + Sync>;
+/// Reads the policy in force now: its models (a pod's model is looked up in them, as at
+/// admission) and its OOM rules (`maxOomRecoveries` and the floors). The webhook passes its live
+/// policy, so a changed `MemguardPolicy` applies from the next pod recorded.
+pub type LivePolicy = Arc<dyn Fn() -> Arc<Policy> + Send + Sync>;
 
 /// Label on the profiles the controller creates.
 pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "memguard");
@@ -122,32 +124,34 @@ pub struct Recorder {
     metrics: Metrics,
     /// Reads and writes tried before giving up on conflicts.
     pub max_attempts: u32,
-    /// OOM recoveries in a row before the verdict "cannot fit".
-    oom_rules: LiveOomRules,
+    /// The policy in force: models, and OOM recoveries in a row before "cannot fit".
+    policy: LivePolicy,
 }
 
 impl Recorder {
-    /// A recorder using `client`, counting into `metrics`, under the default policy's
-    /// `maxOomRecoveries`.
+    /// A recorder using `client`, counting into `metrics`, under the default policy (the
+    /// built-in models, the default `maxOomRecoveries`).
     pub fn new(client: Client, metrics: Metrics) -> Self {
+        let default = Arc::new(Policy::default());
         Recorder {
             client,
             metrics,
             max_attempts: 5,
-            oom_rules: Arc::new(OomRules::default),
+            policy: Arc::new(move || default.clone()),
         }
     }
 
-    /// The recorder with `rules` read at each OOM instead of the default policy's.
-    pub fn with_oom_rules(mut self, rules: LiveOomRules) -> Self {
-        self.oom_rules = rules;
+    /// The recorder with `policy` read at each pod instead of the default policy.
+    pub fn with_policy(mut self, policy: LivePolicy) -> Self {
+        self.policy = policy;
         self
     }
 
     /// Records `pod` if it is a finished, opted-in pod: get-or-create its profile, fold the
     /// observation into the status, patch the status (retrying on conflicts).
     pub async fn record(&self, pod: &Pod) -> Result<Recorded, Error> {
-        let obs = match try_observe(pod) {
+        let policy = (self.policy)();
+        let obs = match try_observe(pod, &policy.models) {
             Ok(obs) => obs,
             Err(why) => return Ok(Recorded::Skipped(why)),
         };
@@ -200,7 +204,7 @@ impl Recorder {
                 });
             }
             let old = profile.status.clone().unwrap_or_default();
-            let new = apply_limited(&old, &obs, &(self.oom_rules)());
+            let new = apply_limited(&old, &obs, &OomRules::of(&policy));
             if new == old {
                 return Ok(Recorded::Unchanged);
             }
@@ -274,15 +278,15 @@ pub fn status_patch(resource_version: Option<&str>, old: &Value, new: &Value) ->
 }
 
 /// Runs the controller while `leader` is true: watches opted-in pods in every namespace and
-/// records the finished ones, under the OOM `rules` in force at each OOM. Returns when `leader`'s
-/// sender is dropped.
+/// records the finished ones, under the `policy` in force at each pod (its models and OOM rules).
+/// Returns when `leader`'s sender is dropped.
 pub async fn run(
     client: Client,
     metrics: Metrics,
     mut leader: watch::Receiver<bool>,
-    oom_rules: LiveOomRules,
+    policy: LivePolicy,
 ) {
-    let recorder = Recorder::new(client.clone(), metrics.clone()).with_oom_rules(oom_rules);
+    let recorder = Recorder::new(client.clone(), metrics.clone()).with_policy(policy.clone());
     let pods: Api<Pod> = Api::all(client);
     let selector = format!("{}={}", wellknown::ENABLED_LABEL, wellknown::ENABLED_VALUE);
     let mut seen: HashSet<(String, String)> = HashSet::new();
@@ -311,7 +315,7 @@ pub async fn run(
                 }
                 item = stream.next() => match item {
                     Some(Ok(pod)) => {
-                        let id = finished_id(&pod);
+                        let id = finished_id(&pod, &policy().models);
                         if id.as_ref().is_some_and(|id| seen.contains(id)) {
                             continue;
                         }
@@ -336,8 +340,8 @@ pub async fn run(
 
 /// `(uid, finishedAt)` of a pod whose run is fully recorded once handled (trainer and sidecar
 /// terminated, or the pod in a final phase); `None` for pods that may still change.
-fn finished_id(pod: &Pod) -> Option<(String, String)> {
-    let obs = try_observe(pod).ok()?;
+fn finished_id(pod: &Pod, models: &ModelCatalog) -> Option<(String, String)> {
+    let obs = try_observe(pod, models).ok()?;
     let final_phase = matches!(
         pod.status.as_ref().and_then(|s| s.phase.as_deref()),
         Some("Succeeded" | "Failed")

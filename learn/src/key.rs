@@ -6,6 +6,7 @@
 
 use k8s_openapi::api::core::v1::Pod;
 use memguard_api::crd::{DeviceClass, MemoryProfileSpec};
+use memguard_api::ModelCatalog;
 use memguard_api::pod::{ResolveError, TrainingPod};
 use memguard_estimator::params::total_params;
 use memguard_estimator::{Device, TrainingConfig};
@@ -50,13 +51,14 @@ pub struct PodKey {
     pub trainer: String,
 }
 
-/// The profile key of `pod` ([`PodKey::of`] its [`TrainingPod`]).
-pub fn pod_key(pod: &Pod) -> Result<PodKey, KeyError> {
-    Ok(PodKey::of(&TrainingPod::resolve(pod)?))
+/// The profile key of `pod` ([`PodKey::of`] its [`TrainingPod`]), its model looked up in
+/// `models` (the policy's, then the built-in catalog) as the webhook did at admission.
+pub fn pod_key(pod: &Pod, models: &ModelCatalog) -> Result<PodKey, KeyError> {
+    Ok(PodKey::of(&TrainingPod::resolve(pod, models)?))
 }
 
 impl PodKey {
-    /// The profile key of a resolved pod: model (catalog name or shape key), method, precision,
+    /// The profile key of a resolved pod: model (its name or shape key), method, precision,
     /// device class and device (the one GPU product the pod is pinned to, [`ANY_GPU`], or
     /// [`CPU`]).
     pub fn of(training: &TrainingPod) -> PodKey {
@@ -87,7 +89,8 @@ impl PodKey {
     }
 }
 
-/// The catalog name, or `shape-<params>-<layers>x<hidden>` for a model given by its shape
+/// The model's name (a policy model's or a built-in one's), or `shape-<params>-<layers>x<hidden>`
+/// for a model given by its shape
 /// (`shape-7e9-32x4096`).
 pub fn model_key(cfg: &TrainingConfig) -> String {
     if let Some(name) = &cfg.model.name {
@@ -223,7 +226,7 @@ mod tests {
             ),
         ];
         for (name, pod, want) in table {
-            let key = pod_key(&pod.build()).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let key = pod_key(&pod.build(), &ModelCatalog::default()).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!(key.spec, want, "{name}");
             assert_eq!(key.name, object_name(&want), "{name}");
         }
@@ -234,12 +237,12 @@ mod tests {
         let bad = PodBuilder::trainer()
             .annotate("model", "no-such-model")
             .build();
-        assert!(matches!(pod_key(&bad), Err(KeyError::Annotations(_))));
+        assert!(matches!(pod_key(&bad, &ModelCatalog::default()), Err(KeyError::Annotations(_))));
         let wrong = PodBuilder::trainer()
             .annotate("model", "llama-3-8b")
             .annotate("container", "nope")
             .build();
-        assert!(matches!(pod_key(&wrong), Err(KeyError::Trainer(_))));
+        assert!(matches!(pod_key(&wrong, &ModelCatalog::default()), Err(KeyError::Trainer(_))));
     }
 
     #[test]

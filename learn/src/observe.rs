@@ -7,7 +7,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use memguard_api::annotations as keys;
 use memguard_api::crd::{DeviceClass, TrainingKnobs};
 use memguard_api::{
-    EstimateAnnotation, Level, OomKind, OomOutcome, OomRecord, Summary, env, wellknown,
+    EstimateAnnotation, ModelCatalog, Level, OomKind, OomOutcome, OomRecord, Summary, env, wellknown,
 };
 use memguard_estimator::{Bytes, TrainingConfig, parse_bytes};
 use std::collections::BTreeMap;
@@ -79,8 +79,8 @@ pub enum NotObserved {
 }
 
 /// [`try_observe`], for callers that do not care why not.
-pub fn observe(pod: &Pod) -> Option<Observation> {
-    try_observe(pod).ok()
+pub fn observe(pod: &Pod, models: &ModelCatalog) -> Option<Observation> {
+    try_observe(pod, models).ok()
 }
 
 /// Reads a pod whose trainer has terminated (now, or before a restart in place) into an
@@ -91,7 +91,10 @@ pub fn observe(pod: &Pod) -> Option<Observation> {
 /// are a pod in a final phase (`Succeeded`/`Failed`), a pod without a sidecar status, and a
 /// trainer already restarted in place (its `lastState`; the sidecar keeps running and will
 /// summarize the whole pod later).
-pub fn try_observe(pod: &Pod) -> Result<Observation, NotObserved> {
+///
+/// The pod's model is looked up in `models` (the policy in force's, then the built-in catalog),
+/// as the webhook did at admission.
+pub fn try_observe(pod: &Pod, models: &ModelCatalog) -> Result<Observation, NotObserved> {
     let opted_in = pod
         .metadata
         .labels
@@ -104,7 +107,7 @@ pub fn try_observe(pod: &Pod) -> Result<Observation, NotObserved> {
     let (Some(name), Some(uid)) = (&pod.metadata.name, &pod.metadata.uid) else {
         return Err(NotObserved::NoIdentity);
     };
-    let key = pod_key(pod).map_err(|e| NotObserved::NoKey(e.to_string()))?;
+    let key = pod_key(pod, models).map_err(|e| NotObserved::NoKey(e.to_string()))?;
     let status = pod.status.as_ref();
     let statuses = |init: bool| {
         status

@@ -170,7 +170,7 @@ pub fn skipped(error: String) -> Outcome {
 /// The decision, in four named stages: [`resolve`](TrainingPod::resolve) the pod, find its
 /// [`budget`], [`plan`] the config into it, [`render`] the result.
 fn decide(pod: &Pod, policy: &Policy, profiles: &Profiles) -> Result<Mutation, String> {
-    let training = TrainingPod::resolve(pod).map_err(|e| e.to_string())?;
+    let training = TrainingPod::resolve(pod, &policy.models).map_err(|e| e.to_string())?;
     let mut warnings = Vec::new();
     let budget = budget(pod, &training, policy, &mut warnings);
     let planned = plan(pod, &training, budget, policy, profiles, &mut warnings)?;

@@ -163,6 +163,10 @@ impl PolicyWatch {
         match change {
             Change::Applied { generation } => {
                 tracing::info!(policy, generation, "MemguardPolicy applied");
+                // A model shadowing a built-in one is allowed, and said once per change.
+                for note in self.live.load().models.notes() {
+                    tracing::info!(policy, generation, note, "MemguardPolicy");
+                }
             }
             Change::Rejected {
                 generation,

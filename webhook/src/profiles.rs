@@ -126,11 +126,11 @@ pub fn start(
         // Sent or dropped: either way, stop.
         let _ = stop_rx.await;
     }));
-    // The controller reads the policy in force at each OOM: a changed limit applies at once.
-    let rules: memguard_learn::controller::LiveOomRules =
-        Arc::new(move || memguard_learn::update::OomRules::of(&policy.load()));
+    // The controller reads the policy in force at each pod: a changed model list or OOM limit
+    // applies at once, and a pod's model resolves as it did at admission.
+    let live: memguard_learn::controller::LivePolicy = Arc::new(move || policy.load_full());
     let controller_task = tokio::spawn(memguard_learn::controller::run(
-        client, metrics, leader_rx, rules,
+        client, metrics, leader_rx, live,
     ));
     (
         Profiles::from_source(Arc::new(StoreSource(reader))),

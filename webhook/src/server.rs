@@ -142,6 +142,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let file_policy = Arc::new(
         crate::config::effective_policy(file.as_ref(), None, &overrides).map_err(invalid)?,
     );
+    for note in file_policy.models.notes() {
+        tracing::info!(note, "policy file");
+    }
 
     let profile_metrics = memguard_learn::metrics::Metrics::default();
     let metrics = Arc::new(Metrics::new().with_profile_metrics(&profile_metrics));

@@ -9,6 +9,13 @@ use http::{Method, StatusCode};
 use memguard_api::crd::{MemoryProfileSpec, MemoryProfileStatus};
 use memguard_api::env;
 
+/// Observes against the built-in catalog only.
+fn try_observe(
+    pod: &k8s_openapi::api::core::v1::Pod,
+) -> Result<crate::observe::Observation, crate::observe::NotObserved> {
+    crate::observe::try_observe(pod, &memguard_api::ModelCatalog::default())
+}
+
 const GIB: u64 = 1 << 30;
 const PROFILES: &str = "/apis/memguard.io/v1alpha1/namespaces/ml/memoryprofiles";
 
@@ -24,11 +31,11 @@ fn pod() -> PodBuilder {
 }
 
 fn profile_name() -> String {
-    crate::pod_key(&pod().build()).expect("key").name
+    crate::pod_key(&pod().build(), &memguard_api::ModelCatalog::default()).expect("key").name
 }
 
 fn key() -> MemoryProfileSpec {
-    crate::pod_key(&pod().build()).expect("key").spec
+    crate::pod_key(&pod().build(), &memguard_api::ModelCatalog::default()).expect("key").spec
 }
 
 fn profile(rv: &str, status: Option<&MemoryProfileStatus>) -> Value {
@@ -152,11 +159,11 @@ async fn the_oom_limit_is_read_from_the_policy_at_each_oom() {
     let limit = Arc::new(AtomicU32::new(3));
     let read = limit.clone();
     let (client, handle) = client();
-    let recorder = Recorder::new(client, Metrics::default()).with_oom_rules(Arc::new(move || {
-        crate::update::OomRules {
-            max_recoveries: read.load(Ordering::SeqCst),
-            ..Default::default()
-        }
+    let recorder = Recorder::new(client, Metrics::default()).with_policy(Arc::new(move || {
+        Arc::new(Policy {
+            max_oom_recoveries: read.load(Ordering::SeqCst),
+            ..Policy::default()
+        })
     }));
     // The policy changed to "never retry smaller" before this OOM.
     limit.store(0, Ordering::SeqCst);

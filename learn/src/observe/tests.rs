@@ -1,6 +1,13 @@
 use super::*;
 use crate::testutil::{PodBuilder, summary};
 
+/// Observes against the built-in catalog only.
+fn try_observe(
+    pod: &k8s_openapi::api::core::v1::Pod,
+) -> Result<crate::observe::Observation, crate::observe::NotObserved> {
+    crate::observe::try_observe(pod, &memguard_api::ModelCatalog::default())
+}
+
 const GIB: u64 = 1 << 30;
 
 fn gpu_pod() -> PodBuilder {

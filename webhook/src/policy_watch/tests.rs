@@ -398,3 +398,45 @@ async fn a_resource_flapping_between_valid_and_invalid_always_serves_the_last_va
     .await;
     assert_eq!((f.safety_ratio(), f.generation()), (0.8, Some(0.0)));
 }
+
+/// A `spec.models` entry whose `config` is another model's (its published count is 5 % off) is
+/// an invalid policy like any other: rejected, counted, named; the models in force stay.
+#[tokio::test]
+async fn a_models_entry_with_a_wrong_parameter_count_is_rejected_and_the_models_in_force_stay() {
+    let config: serde_json::Value = serde_json::from_str(include_str!(
+        "../../../api/fixtures/hf-config/qwen2.5-coder-7b-instruct.json"
+    ))
+    .expect("fixture");
+    let mut f = fixture(Overrides::default());
+    let good = serde_json::json!({"models": [
+        {"name": "acme-coder-7b", "config": config, "params": 7_615_616_512u64},
+    ]});
+    f.feed(vec![Ok(Event::InitApply(resource(NAME, 4, good)))])
+        .await;
+    let found = |f: &Fixture, name: &str| f.live.load().models.lookup(name).map(|m| m.shape);
+    let before = found(&f, "acme-coder-7b").expect("generation 4's model");
+    let bad = serde_json::json!({"models": [
+        {"name": "acme-coder-7b", "config": config, "params": "8.03B"},
+        {"name": "acme-coder-7b-v2", "config": config},
+    ]});
+    let change = f.watch.handle(Event::Apply(resource(NAME, 5, bad)));
+    let Some(Change::Rejected {
+        generation: 5,
+        problems,
+    }) = change
+    else {
+        panic!("expected a rejection of generation 5, got {change:?}");
+    };
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(
+        problems[0].starts_with("models[acme-coder-7b].params: published 8030000000, but the config derives 7615487488 (-5.2 %"),
+        "{problems:?}"
+    );
+    assert_eq!(found(&f, "acme-coder-7b"), Some(before), "generation 4 stays");
+    assert_eq!(found(&f, "acme-coder-7b-v2"), None, "nothing of generation 5");
+    assert_eq!(f.generation(), Some(4.0));
+    assert_eq!(
+        (f.reloads("ok"), f.reloads("error")),
+        (Some(1.0), Some(1.0))
+    );
+}
