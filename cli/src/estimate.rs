@@ -5,6 +5,7 @@
 
 use memguard_api::annotations::TrainingAnnotations;
 use memguard_api::policy::DEFAULT_SAFETY_RATIO;
+use memguard_api::{ModelCatalog, Policy};
 use memguard_estimator::{
     Bytes, Calibration, DowngradePlan, Estimate, ServingConfig, TrainingConfig, catalog,
     estimate_serving, parse_bytes, plan_with_floors,
@@ -46,14 +47,16 @@ macro_rules! annotation_flags {
             /// `gpu-memory=2000`. Repeat for several.
             #[arg(long, value_name = "KEY=VALUE", help_heading = "The pod memguard would see")]
             pod_annotation: Vec<String>,
-            /// Policy document (YAML or JSON `PolicySpec`) whose GPU table and safety ratio
-            /// apply with --gpu-resource; default: the built-in policy.
+            /// Policy document (YAML or JSON `PolicySpec`, or a `MemguardPolicy` manifest): its
+            /// models (`spec.models`) are known to --model and --list-models, and its GPU table
+            /// and safety ratio apply with --gpu-resource; default: the built-in policy.
             #[arg(long, value_name = "FILE", help_heading = "The pod memguard would see")]
             policy_file: Option<std::path::PathBuf>,
             /// Output format.
             #[arg(long, value_enum, default_value_t = Output::Table)]
             output: Output,
-            /// List the catalog's model names and exit.
+            /// List the model names --model accepts and exit: the --policy-file's models (marked
+            /// `policy`), then the built-in catalog's.
             #[arg(long)]
             list_models: bool,
             /// A Hugging Face `config.json` describing the model, instead of --model: its shape,
@@ -89,7 +92,8 @@ macro_rules! annotation_flags {
 }
 
 annotation_flags! {
-    /// Catalog model name (see --list-models), e.g. `llama-3-8b`.
+    /// Model name (see --list-models): a built-in one such as `llama-3-8b` or
+    /// `meta-llama/Llama-3.1-8B`, or one of the --policy-file's models.
     model => "model",
     /// Total parameters: `7B`, `125M`, `7e9`.
     model_params => "model-params",
@@ -180,10 +184,12 @@ enum Output {
 /// Runs `memguard estimate`.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let mut out = std::io::stdout().lock();
+    let policy = match read_policy(args.policy_file.as_deref()) {
+        Ok(policy) => policy,
+        Err(message) => return Ok(bad_input([message])),
+    };
     if args.list_models {
-        for name in catalog::names() {
-            writeln!(out, "{name}")?;
-        }
+        list_models(&mut out, &policy.models)?;
         return Ok(ExitCode::SUCCESS);
     }
     let mut keys = args.keys();
@@ -194,11 +200,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         },
         None => None,
     };
-    let parsed = match TrainingAnnotations::parse_keys_with_model(&keys, given) {
+    let parsed = match TrainingAnnotations::parse_keys_with_model(&keys, &policy.models, given) {
         Ok(parsed) => parsed,
         Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
     };
-    let from_pod = match pod_budget(&args, &parsed) {
+    let from_pod = match pod_budget(&args, &parsed, &policy) {
         Ok(b) => b,
         Err(message) => return Ok(bad_input([message])),
     };
@@ -277,7 +283,11 @@ struct PodBudget {
 /// `--gpu-resource`, `--gpu-product`, `--pod-annotation`: a pod with one trainer asking for those
 /// resources, pinned to that product, carrying those annotations, run through
 /// [`memguard_webhook::budget::resolve`] exactly as at admission. `None` without those flags.
-fn pod_budget(args: &Args, parsed: &TrainingAnnotations) -> Result<Option<PodBudget>, String> {
+fn pod_budget(
+    args: &Args,
+    parsed: &TrainingAnnotations,
+    policy: &Policy,
+) -> Result<Option<PodBudget>, String> {
     use memguard_api::pod::{AMD_GPU_PRODUCT_LABEL, AMD_GPU_RESOURCE, default_device};
     if args.gpu_resource.is_empty() && args.gpu_product.is_none() && args.pod_annotation.is_empty()
     {
@@ -319,15 +329,6 @@ fn pod_budget(args: &Args, parsed: &TrainingAnnotations) -> Result<Option<PodBud
         "spec": spec,
     }))
     .map_err(|e| format!("the pod the flags describe: {e}"))?;
-    let policy = match &args.policy_file {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| format!("--policy-file: reading {}: {e}", path.display()))?;
-            memguard_webhook::config::policy_from_str(Some(&text), &Default::default())
-                .map_err(|errors| format!("--policy-file: {}", errors.join("; ")))?
-        }
-        None => memguard_api::Policy::default(),
-    };
     let trainer = pod
         .spec
         .as_ref()
@@ -346,7 +347,7 @@ fn pod_budget(args: &Args, parsed: &TrainingAnnotations) -> Result<Option<PodBud
         device,
         parsed.gpu_memory,
         safety_ratio,
-        &policy,
+        policy,
         &mut warnings,
     )
     .ok_or_else(|| {
@@ -360,6 +361,44 @@ fn pod_budget(args: &Args, parsed: &TrainingAnnotations) -> Result<Option<PodBud
         device,
         warnings,
     }))
+}
+
+/// `--policy-file`, checked as the webhook checks it; the built-in policy without one.
+fn read_policy(path: Option<&std::path::Path>) -> Result<Policy, String> {
+    let Some(path) = path else {
+        return Ok(Policy::default());
+    };
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("--policy-file: reading {}: {e}", path.display()))?;
+    memguard_webhook::config::policy_from_str(Some(&text), &Default::default())
+        .map_err(|errors| format!("--policy-file {}: {}", path.display(), errors.join("; ")))
+}
+
+/// `--list-models`: the policy's models first (what a pod's name resolves to first), each marked
+/// `policy` with its aliases and the built-in model it shadows; then the built-in names, one per
+/// line, a shadowed one marked so.
+fn list_models(out: &mut impl Write, models: &ModelCatalog) -> std::io::Result<()> {
+    let policy = models.policy_models();
+    for m in policy {
+        let mut notes = vec!["policy".to_string()];
+        if !m.aliases.is_empty() {
+            notes.push(format!("aliases: {}", m.aliases.join(", ")));
+        }
+        if let Some(builtin) = &m.shadows {
+            notes.push(format!("shadows the built-in {builtin}"));
+        }
+        writeln!(out, "{} ({})", m.name, notes.join("; "))?;
+    }
+    for name in catalog::names() {
+        match policy
+            .iter()
+            .find(|m| m.shadows.as_deref() == Some(name))
+        {
+            Some(m) => writeln!(out, "{name} (built-in, shadowed by the policy's {})", m.name)?,
+            None => writeln!(out, "{name}")?,
+        }
+    }
+    Ok(())
 }
 
 /// Reads `--model-config`: the shape, and the storage bits and double quantization of its

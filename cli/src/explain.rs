@@ -216,7 +216,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Err(errors) => return bad_input(format!("invalid policy: {}", errors.join("; "))),
     };
     let profile = match &args.profile {
-        Some(path) => match read_profile(path, &pod) {
+        Some(path) => match read_profile(path, &pod, &policy.models) {
             Ok(p) => Some(p),
             Err(e) => return bad_input(e),
         },
@@ -235,14 +235,18 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 }
 
 /// The one `MemoryProfile` in `path`, which must hold the pod's key.
-fn read_profile(path: &std::path::Path, pod: &Pod) -> Result<MemoryProfile, String> {
+fn read_profile(
+    path: &std::path::Path,
+    pod: &Pod,
+    models: &memguard_api::ModelCatalog,
+) -> Result<MemoryProfile, String> {
     let shown = path.display();
     let text = std::fs::read_to_string(path).map_err(|e| format!("reading {shown}: {e}"))?;
     let value: serde_json::Value =
         serde_saphyr::from_str(&text).map_err(|e| format!("{shown}: not valid YAML: {e}"))?;
     let profile: MemoryProfile =
         serde_json::from_value(value).map_err(|e| format!("{shown}: not a MemoryProfile: {e}"))?;
-    let key = memguard_learn::key::pod_key(pod)
+    let key = memguard_learn::key::pod_key(pod, models)
         .map_err(|e| format!("{shown}: the pod has no profile key to match it with: {e}"))?;
     if profile.spec != key.spec {
         let json = |v: &MemoryProfileSpec| serde_json::to_string(v).unwrap_or_default();
@@ -261,7 +265,7 @@ fn read_profile(path: &std::path::Path, pod: &Pod) -> Result<MemoryProfile, Stri
 pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
     let empty = BTreeMap::new();
     let annotations = pod.metadata.annotations.as_ref().unwrap_or(&empty);
-    let key = memguard_learn::key::pod_key(pod).ok();
+    let key = memguard_learn::key::pod_key(pod, &ctx.policy.models).ok();
     let trainer = key.as_ref().map(|k| k.trainer.clone());
     let env = trainer
         .as_deref()
@@ -425,7 +429,7 @@ fn next_view(
     let mut pod = pod.clone();
     pod.metadata.uid.get_or_insert_with(|| "explain".into());
     pod.metadata.name.get_or_insert_with(|| "unnamed".into());
-    let obs = match try_observe(&pod) {
+    let obs = match try_observe(&pod, &ctx.policy.models) {
         Ok(obs) => obs,
         Err(why) => {
             return NextView {

@@ -379,3 +379,130 @@ fn bad_config_json_is_a_clear_error() {
     assert_eq!(both.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&both.stderr).contains("not both"));
 }
+
+/// `webhook/tests/fixtures/policy-models.yaml`: a `MemguardPolicy` adding Qwen2.5-Coder-7B as
+/// `acme-coder-7b` (and a GPTQ variant).
+fn models_policy() -> String {
+    format!(
+        "{}/../webhook/tests/fixtures/policy-models.yaml",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+#[test]
+fn a_policy_file_adds_models_by_name_and_alias() {
+    let policy = models_policy();
+    let with = |model: &str| {
+        json(&[
+            "estimate",
+            "--policy-file",
+            &policy,
+            "--model",
+            model,
+            "--method",
+            "lora",
+            "--gpu-memory",
+            "24GiB",
+        ])
+    };
+    let by_name = with("acme-coder-7b");
+    assert_eq!(by_name["model"], "acme-coder-7b");
+    assert_eq!(with("qwen/qwen2.5-coder-7b-instruct"), by_name, "alias");
+    // The same config.json given directly: the same estimate, but for the published count the
+    // policy states (7615616512; the config derives 7615487488 without Qwen's q/k/v biases).
+    let from_config = json(&[
+        "estimate",
+        "--model-config",
+        &fixture("qwen2.5-coder-7b-instruct"),
+        "--model-params",
+        "7615616512",
+        "--method",
+        "lora",
+        "--gpu-memory",
+        "24GiB",
+    ]);
+    assert_eq!(
+        u64_at(&from_config, "total_bytes"),
+        u64_at(&by_name, "total_bytes")
+    );
+    assert_eq!(from_config["steps"], by_name["steps"]);
+    // The GPTQ variant's quantization_config stores the base in 4 bits (embeddings and head stay
+    // 16-bit: about 2.8× less, not 4×).
+    let gptq = json(&[
+        "estimate",
+        "--policy-file",
+        &policy,
+        "--model",
+        "acme-coder-7b-gptq",
+        "--method",
+        "lora",
+    ]);
+    let weights = |v: &Value| v["components"]["weights"].as_u64().expect("weights");
+    assert!(
+        weights(&gptq) * 5 < weights(&by_name) * 2,
+        "{} vs {}",
+        weights(&gptq),
+        weights(&by_name)
+    );
+
+    // Without the policy the name is unknown, and the error says where memguard looked.
+    let out = memguard(&["estimate", "--model", "acme-coder-7b"]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(
+            "--model: unknown model `acme-coder-7b`: not in the built-in catalog, and the policy adds no models"
+        ),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn list_models_marks_the_policys_models() {
+    let out = memguard(&["estimate", "--list-models", "--policy-file", &models_policy()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(
+        lines[..2],
+        [
+            "acme-coder-7b (policy; aliases: Qwen/Qwen2.5-Coder-7B-Instruct)",
+            "acme-coder-7b-gptq (policy; aliases: Qwen/Qwen2.5-Coder-7B-Instruct-GPTQ-Int4)",
+        ]
+    );
+    assert!(lines.contains(&"llama-3-8b"), "{text}");
+}
+
+#[test]
+fn a_policy_file_with_a_bad_model_is_refused_naming_the_entry_and_field() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let text = std::fs::read_to_string(models_policy())
+        .expect("fixture")
+        .replace("params: 7615616512", "params: 8030261248")
+        .replace("- name: acme-coder-7b-gptq", "- name: ACME_coder.7b-GPTQ\n      # a typo\n      param: 1");
+    let path = dir.path().join("policy.yaml");
+    std::fs::write(&path, text).expect("write");
+    let path = path.to_str().expect("utf-8");
+    let out = memguard(&["estimate", "--policy-file", path, "--model", "acme-coder-7b"]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("unknown field `param`"), "{stderr}");
+    let text = std::fs::read_to_string(models_policy())
+        .expect("fixture")
+        .replace("params: 7615616512", "params: 8030261248")
+        .replace("- name: acme-coder-7b-gptq", "- name: ACME_coder-7b");
+    std::fs::write(path, text).expect("write");
+    let out = memguard(&["estimate", "--policy-file", path, "--list-models"]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(
+            "models[acme-coder-7b].params: published 8030261248, but the config derives 7615487488 (-5.2 %, more than 2 %)"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("models[ACME_coder-7b].name: `ACME_coder-7b` is already a name of models[acme-coder-7b].name"),
+        "{stderr}"
+    );
+}

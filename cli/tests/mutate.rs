@@ -372,3 +372,37 @@ spec:
         "{env}"
     );
 }
+
+/// A pod naming a model only the policy knows: mutated under `--policy-file`, skipped (with the
+/// error naming where memguard looked) without it.
+#[test]
+fn a_model_the_policy_adds_is_known_to_mutate_under_its_policy_file() {
+    let pod = std::fs::read_to_string(fixture("pods/single-gpu-lora.yaml"))
+        .expect("fixture")
+        .replace(
+            "memguard.io/model: llama-3-8b",
+            "memguard.io/model: Qwen/Qwen2.5-Coder-7B-Instruct",
+        );
+    let policy = fixture("policy-models.yaml");
+    let out = memguard(
+        &["mutate", "-f", "-", "--policy-file", policy.to_str().expect("utf-8")],
+        Some(&pod),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mutated: Value = serde_saphyr::from_str(&stdout(&out)).expect("YAML out");
+    let annotations = &mutated["metadata"]["annotations"];
+    assert!(annotations["memguard.io/estimate"].is_string(), "{mutated}");
+    assert!(annotations.get("memguard.io/error").is_none(), "{mutated}");
+    assert_eq!(mutated["spec"]["initContainers"][0]["name"], "memguard-sidecar");
+
+    let out = memguard(&["mutate", "-f", "-"], Some(&pod));
+    assert_eq!(out.status.code(), Some(2), "skipped: {}", stderr(&out));
+    let skipped: Value = serde_saphyr::from_str(&stdout(&out)).expect("YAML out");
+    let error = skipped["metadata"]["annotations"]["memguard.io/error"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        error.contains("unknown model `Qwen/Qwen2.5-Coder-7B-Instruct`: not in the built-in catalog, and the policy adds no models"),
+        "{error}"
+    );
+}

@@ -245,6 +245,38 @@ mod tests {
         assert!(matches!(pod_key(&wrong, &ModelCatalog::default()), Err(KeyError::Trainer(_))));
     }
 
+    /// The controller keys a pod on the policy's model as the webhook did at admission; without
+    /// the policy's models the pod has no key (the webhook skipped it too).
+    #[test]
+    fn a_policy_model_is_keyed_by_its_policy_name_whatever_spelling_the_pod_used() {
+        let config: serde_json::Value = serde_json::from_str(include_str!(
+            "../../api/fixtures/hf-config/qwen2.5-coder-7b-instruct.json"
+        ))
+        .expect("fixture");
+        let spec: memguard_api::PolicySpec = serde_json::from_value(serde_json::json!({
+            "models": [{"name": "acme-coder-7b", "aliases": ["Qwen/Qwen2.5-Coder-7B-Instruct"],
+                        "config": config}],
+        }))
+        .expect("a policy");
+        let policy = spec.resolved().expect("valid");
+        for spelling in ["acme-coder-7b", "qwen/qwen2.5-coder-7b-instruct"] {
+            let pod = PodBuilder::trainer()
+                .annotate("model", spelling)
+                .annotate("method", "lora")
+                .gpus(1)
+                .build();
+            let key = pod_key(&pod, &policy.models).expect("a key");
+            assert_eq!(key.spec.model, "acme-coder-7b", "{spelling}");
+            assert!(
+                matches!(
+                    pod_key(&pod, &ModelCatalog::default()),
+                    Err(KeyError::Annotations(_))
+                ),
+                "{spelling}"
+            );
+        }
+    }
+
     #[test]
     fn object_names_are_dns_labels_and_distinct_for_distinct_keys() {
         let long = "m".repeat(80);
