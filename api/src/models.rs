@@ -58,8 +58,8 @@ pub struct ModelSpec {
 /// Any JSON object, kept whole by the API server (a `config.json` has dozens of fields).
 #[cfg(feature = "crd")]
 fn config_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    // The field's doc comment becomes the description.
     schemars::json_schema!({
-        "description": "The model's Hugging Face `config.json`, as an object: the fields that decide memory are read (`hidden_size`, `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`, `intermediate_size`, `vocab_size`, experts, `head_dim`, `tie_word_embeddings`, `quantization_config`, `attention_dropout`, ...) and every other field is ignored.",
         "type": "object",
         "x-kubernetes-preserve-unknown-fields": true,
     })
@@ -69,7 +69,6 @@ fn config_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
 #[cfg(feature = "crd")]
 fn params_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({
-        "description": "The published parameter count (`7615616512`, or `\"7.6B\"`). When given, the count the config derives must be within 2 % of it, and the estimate uses it.",
         "x-kubernetes-int-or-string": true,
     })
 }

@@ -297,3 +297,60 @@ fn the_policy_schema_rejects_placement_typos() {
         assert!(err.contains(why), "{bad}: {err}");
     }
 }
+
+/// `spec.models`: an entry with a whole `config.json` (every field kept) is accepted; a misspelt
+/// or missing field, a blank name and a `config` that is not an object are rejected, as the API
+/// server rejects them (the webhook checks the rest at load: `api::models`).
+#[test]
+fn the_policy_schema_takes_models_with_a_whole_config_and_rejects_typos() {
+    let Some(python) = python_with_jsonschema() else {
+        return;
+    };
+    let crds = crds_by_kind();
+    let version = &crds["MemguardPolicy"]["spec"]["versions"][0];
+    let schema = &version["schema"]["openAPIV3Schema"];
+    let models = &schema["properties"]["spec"]["properties"]["models"];
+    assert_eq!(models["x-kubernetes-list-type"], "map", "names unique");
+    assert_eq!(models["x-kubernetes-list-map-keys"], serde_json::json!(["name"]));
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            workspace_root().join("api/fixtures/hf-config/qwen2.5-coder-7b-instruct.json"),
+        )
+        .expect("fixture"),
+    )
+    .expect("JSON");
+    let doc = |entry: Value| {
+        serde_json::json!({"apiVersion": "memguard.io/v1alpha1", "kind": "MemguardPolicy",
+            "metadata": {"name": "default"}, "spec": {"models": [entry]}})
+    };
+    let entry = serde_json::json!({"name": "acme-coder-7b", "aliases": ["Qwen/Qwen2.5-Coder-7B-Instruct"],
+        "config": config, "params": 7_615_616_512u64});
+    let mut as_text = entry.clone();
+    as_text["params"] = serde_json::json!("7.6B");
+    for good in [entry.clone(), as_text] {
+        validate_against_crd(&python, schema, &doc(good.clone()))
+            .unwrap_or_else(|e| panic!("{good} refused: {e}"));
+    }
+    let with = |field: &str, value: Value| {
+        let mut e = entry.clone();
+        e[field] = value;
+        e
+    };
+    let without = |field: &str| {
+        let mut e = entry.clone();
+        e.as_object_mut().expect("object").remove(field);
+        e
+    };
+    for (bad, why) in [
+        (with("confg", serde_json::json!({})), "confg"),
+        (with("alias", serde_json::json!(["x"])), "alias"),
+        (without("config"), "config"),
+        (without("name"), "name"),
+        (with("name", serde_json::json!("")), "name"),
+        (with("config", serde_json::json!("config.json")), "config"),
+    ] {
+        let err = validate_against_crd(&python, schema, &doc(bad.clone()))
+            .expect_err(&format!("{bad} must be rejected"));
+        assert!(err.contains(why), "{bad}: {err}");
+    }
+}
