@@ -1075,3 +1075,40 @@ fn notes_show_how_to_opt_in_and_verify_with_contract_names() {
 fn dashboard_metrics_are_registered_by_the_webhook_and_the_sidecar() {
     assert_metrics_registered(DASHBOARD_METRICS.iter().copied(), "the dashboard");
 }
+
+/// `ci/custom-model-values.yaml`: a Helm-installed policy adds a model; the ConfigMap the webhook
+/// starts from and the `MemguardPolicy` it watches both resolve it, by name and by alias, to the
+/// config given, with the published count (the CRD schema check is in
+/// `every_rendered_manifest_is_valid_for_kubernetes_1_33`).
+#[test]
+fn a_custom_model_in_the_values_reaches_both_policy_documents() {
+    let Some(helm) = helm() else { return };
+    let docs = render_with(&helm, "custom-model-values.yaml");
+    let (spec, resource) = policy_documents("custom-model", &docs);
+    let resource = resource.expect("a MemguardPolicy");
+    let from_resource: PolicySpec =
+        serde_json::from_value(resource["spec"].clone()).expect("a PolicySpec");
+    for (what, spec) in [("ConfigMap", spec), ("MemguardPolicy", from_resource)] {
+        let policy = spec.resolved().expect("valid");
+        for name in ["acme-coder-7b", "Qwen/Qwen2.5-Coder-7B-Instruct"] {
+            let found = policy
+                .models
+                .lookup(name)
+                .unwrap_or_else(|| panic!("{what}: {name} unknown"));
+            assert_eq!(found.source, memguard_api::models::Source::Policy, "{what}");
+            assert_eq!(found.shape.name.as_deref(), Some("acme-coder-7b"), "{what}");
+            assert_eq!(found.shape.params, Some(7_615_616_512), "{what}");
+            assert_eq!(
+                (found.shape.hidden_size, found.shape.num_layers),
+                (3584, 28),
+                "{what}"
+            );
+        }
+    }
+    // The chart's values schema refuses a misspelt entry before anything renders.
+    expect_failure(
+        &helm,
+        &[r#"json:policy.models=[{"name":"x","confg":{}}]"#],
+        "confg",
+    );
+}

@@ -112,5 +112,6 @@ Its shape is memguard_api::PolicySpec (camelCase, unknown fields rejected).
     "resources" .Values.sidecar.resources) }}
 {{- with $p.gpuMemory }}{{ $_ := set $policy "gpuMemory" . }}{{ end }}
 {{- with $p.envNames }}{{ $_ := set $policy "envNames" . }}{{ end }}
+{{- with $p.models }}{{ $_ := set $policy "models" . }}{{ end }}
 {{- toYaml $policy }}
 {{- end }}
