@@ -833,8 +833,7 @@ mod tests {
 
     #[test]
     fn shape_without_model_needs_the_core_keys() {
-        let errs =
-            parse(&annotations(&[(HIDDEN_SIZE, "4096")])).expect_err("bad");
+        let errs = parse(&annotations(&[(HIDDEN_SIZE, "4096")])).expect_err("bad");
         assert_eq!(errs.len(), 1);
         assert!(
             errs[0]
@@ -864,8 +863,7 @@ mod tests {
             "batch-size=MEMGUARD_X",
         ] {
             let errs =
-                parse(&annotations(&[(MODEL, "llama-3-8b"), (ENV_MAP, bad)]))
-                    .expect_err(bad);
+                parse(&annotations(&[(MODEL, "llama-3-8b"), (ENV_MAP, bad)])).expect_err(bad);
             assert_eq!(errs[0].key, "env-map", "{bad}");
         }
     }

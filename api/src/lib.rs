@@ -26,8 +26,8 @@ pub use pod::{ResolveError, TrainingPod};
 
 pub use annotations::{AnnotationError, EnvMap, Knob, TrainingAnnotations};
 pub use estimate::{BudgetSource, EstimateAnnotation, EstimateError};
-pub use oom::{OomKind, OomOutcome, OomRecord};
 pub use models::ModelCatalog;
+pub use oom::{OomKind, OomOutcome, OomRecord};
 pub use policy::{Policy, PolicySpec};
 pub use signal::{Level, Pressure, Report, Signal, StickyKnobs};
 pub use summary::Summary;

@@ -340,7 +340,11 @@ fn params_value(v: &Value) -> Result<u64, String> {
             _ => return Err(format!("`{n}` is not a whole positive count")),
         },
         Value::String(s) => parse_count(s).map_err(|e| e.to_string())?,
-        other => return Err(format!("`{other}` is not a count (`7615616512` or `\"7.6B\"`)")),
+        other => {
+            return Err(format!(
+                "`{other}` is not a count (`7615616512` or `\"7.6B\"`)"
+            ));
+        }
     };
     if n == 0 {
         return Err("must be more than 0".into());

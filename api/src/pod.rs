@@ -657,29 +657,17 @@ mod tests {
             ],
             vec![gpus("trainer", "4")],
         );
-        assert_eq!(
-            resolve(&p).expect("valid").config.world_size,
-            16
-        );
+        assert_eq!(resolve(&p).expect("valid").config.world_size, 16);
         let p = pod(&[model, (annotations::DEVICE, "cpu")], vec![gpus("t", "1")]);
-        assert_eq!(
-            resolve(&p).expect("valid").config.device,
-            Device::Cpu
-        );
+        assert_eq!(resolve(&p).expect("valid").config.device, Device::Cpu);
         let cpu = pod(&[model], vec![Container::default()]);
-        assert_eq!(
-            resolve(&cpu).expect("valid").config.device,
-            Device::Cpu
-        );
+        assert_eq!(resolve(&cpu).expect("valid").config.device, Device::Cpu);
     }
 
     #[test]
     fn resolve_says_why_a_pod_cannot_be_read() {
         let none = pod(&[("other.io/x", "1")], vec![Container::default()]);
-        assert_eq!(
-            resolve(&none),
-            Err(ResolveError::NoTrainingInput)
-        );
+        assert_eq!(resolve(&none), Err(ResolveError::NoTrainingInput));
         let bad = pod(
             &[
                 (annotations::MODEL, "gpt-9"),
@@ -700,10 +688,7 @@ mod tests {
             ],
             vec![Container::default()],
         );
-        assert!(matches!(
-            resolve(&missing),
-            Err(ResolveError::Trainer(_))
-        ));
+        assert!(matches!(resolve(&missing), Err(ResolveError::Trainer(_))));
     }
 
     use std::collections::BTreeMap;

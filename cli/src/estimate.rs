@@ -390,11 +390,12 @@ fn list_models(out: &mut impl Write, models: &ModelCatalog) -> std::io::Result<(
         writeln!(out, "{} ({})", m.name, notes.join("; "))?;
     }
     for name in catalog::names() {
-        match policy
-            .iter()
-            .find(|m| m.shadows.as_deref() == Some(name))
-        {
-            Some(m) => writeln!(out, "{name} (built-in, shadowed by the policy's {})", m.name)?,
+        match policy.iter().find(|m| m.shadows.as_deref() == Some(name)) {
+            Some(m) => writeln!(
+                out,
+                "{name} (built-in, shadowed by the policy's {})",
+                m.name
+            )?,
             None => writeln!(out, "{name}")?,
         }
     }

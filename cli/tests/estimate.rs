@@ -459,8 +459,17 @@ fn a_policy_file_adds_models_by_name_and_alias() {
 
 #[test]
 fn list_models_marks_the_policys_models() {
-    let out = memguard(&["estimate", "--list-models", "--policy-file", &models_policy()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = memguard(&[
+        "estimate",
+        "--list-models",
+        "--policy-file",
+        &models_policy(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(
@@ -479,11 +488,20 @@ fn a_policy_file_with_a_bad_model_is_refused_naming_the_entry_and_field() {
     let text = std::fs::read_to_string(models_policy())
         .expect("fixture")
         .replace("params: 7615616512", "params: 8030261248")
-        .replace("- name: acme-coder-7b-gptq", "- name: ACME_coder.7b-GPTQ\n      # a typo\n      param: 1");
+        .replace(
+            "- name: acme-coder-7b-gptq",
+            "- name: ACME_coder.7b-GPTQ\n      # a typo\n      param: 1",
+        );
     let path = dir.path().join("policy.yaml");
     std::fs::write(&path, text).expect("write");
     let path = path.to_str().expect("utf-8");
-    let out = memguard(&["estimate", "--policy-file", path, "--model", "acme-coder-7b"]);
+    let out = memguard(&[
+        "estimate",
+        "--policy-file",
+        path,
+        "--model",
+        "acme-coder-7b",
+    ]);
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("unknown field `param`"), "{stderr}");

@@ -364,13 +364,25 @@ fn a_file_that_is_not_a_pod_is_a_usage_error() {
 fn a_model_the_policy_adds_is_keyed_and_learned_under_its_policy_file() {
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
-    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../webhook/tests/fixtures/policy-models.yaml");
+    let fixture =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../webhook/tests/fixtures/policy-models.yaml");
     std::fs::copy(fixture, d.join("policy.yaml")).expect("copy");
-    std::fs::write(d.join("pod.yaml"), POD.replace("llama-3-8b", "acme-coder-7b")).expect("write");
+    std::fs::write(
+        d.join("pod.yaml"),
+        POD.replace("llama-3-8b", "acme-coder-7b"),
+    )
+    .expect("write");
     let pod: Value = serde_json::from_str(&ok_stdout(memguard(
         d,
-        &["mutate", "-o", "json", "-f", "pod.yaml", "--policy-file", "policy.yaml"],
+        &[
+            "mutate",
+            "-o",
+            "json",
+            "-f",
+            "pod.yaml",
+            "--policy-file",
+            "policy.yaml",
+        ],
     )))
     .expect("json");
     let batch: u64 = env_of(&pod, "MEMGUARD_BATCH_SIZE").parse().expect("batch");
@@ -380,9 +392,15 @@ fn a_model_the_policy_adds_is_keyed_and_learned_under_its_policy_file() {
         "batch_size": batch, "grad_accumulation": 1, "exit_reason": "trainer-exited"});
     let dead = finished(pod, trainer, summary, "Failed");
     let e = explain_json(d, &dead, &["--policy-file", "policy.yaml"]);
-    assert_eq!(e["next"]["profile"]["spec"]["model"], "acme-coder-7b", "{e}");
+    assert_eq!(
+        e["next"]["profile"]["spec"]["model"], "acme-coder-7b",
+        "{e}"
+    );
     assert_eq!(e["ooms"][0]["reason"], "CudaOOM", "{e}");
     assert_eq!(e["next"]["profile"]["status"]["oomRecoveries"], 1, "{e}");
     let without = explain_json(d, &dead, &[]).to_string();
-    assert!(without.contains("unknown model `acme-coder-7b`"), "{without}");
+    assert!(
+        without.contains("unknown model `acme-coder-7b`"),
+        "{without}"
+    );
 }

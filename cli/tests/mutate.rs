@@ -385,7 +385,13 @@ fn a_model_the_policy_adds_is_known_to_mutate_under_its_policy_file() {
         );
     let policy = fixture("policy-models.yaml");
     let out = memguard(
-        &["mutate", "-f", "-", "--policy-file", policy.to_str().expect("utf-8")],
+        &[
+            "mutate",
+            "-f",
+            "-",
+            "--policy-file",
+            policy.to_str().expect("utf-8"),
+        ],
         Some(&pod),
     );
     assert!(out.status.success(), "{}", stderr(&out));
@@ -393,7 +399,10 @@ fn a_model_the_policy_adds_is_known_to_mutate_under_its_policy_file() {
     let annotations = &mutated["metadata"]["annotations"];
     assert!(annotations["memguard.io/estimate"].is_string(), "{mutated}");
     assert!(annotations.get("memguard.io/error").is_none(), "{mutated}");
-    assert_eq!(mutated["spec"]["initContainers"][0]["name"], "memguard-sidecar");
+    assert_eq!(
+        mutated["spec"]["initContainers"][0]["name"],
+        "memguard-sidecar"
+    );
 
     let out = memguard(&["mutate", "-f", "-"], Some(&pod));
     assert_eq!(out.status.code(), Some(2), "skipped: {}", stderr(&out));

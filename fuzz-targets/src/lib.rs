@@ -52,7 +52,9 @@ pub fn annotations(data: &[u8]) {
         };
         map.insert(key, value.to_string());
     }
-    match TrainingAnnotations::parse(&map) {
+    // The models of a policy that adds two (one quantized), in front of the built-in catalog:
+    // the lookup the webhook really does.
+    match TrainingAnnotations::parse(&map, &fixture_models().models) {
         Ok(_) => {}
         Err(errors) => {
             assert!(!errors.is_empty(), "a refusal names at least one error");
@@ -62,6 +64,16 @@ pub fn annotations(data: &[u8]) {
         }
     }
     let _ = memguard_api::annotations::has_training_input(&map);
+}
+
+/// A policy with models of its own (`webhook/tests/fixtures/policy-models.yaml`).
+fn fixture_models() -> &'static memguard_api::Policy {
+    static POLICY: OnceLock<memguard_api::Policy> = OnceLock::new();
+    POLICY.get_or_init(|| {
+        let text = include_str!("../../webhook/tests/fixtures/policy-models.yaml");
+        config::policy_from_str(Some(text), &config::Overrides::default())
+            .expect("the fixture policy is valid")
+    })
 }
 
 /// The policy the webhook's golden fixtures run under (a table of GPU products, a sidecar with
@@ -187,8 +199,8 @@ pub fn quantities(data: &[u8]) {
 
 /// The policy document: a `PolicySpec` or a `MemguardPolicy` manifest, YAML or JSON, through
 /// the same function the webhook uses for its file and `memguard mutate` for `--policy`.
-/// Invariant: a policy that validates passes its own validation again (the thresholds are
-/// ordered and within range).
+/// Invariants: a policy that validates passes its own validation again (the thresholds are
+/// ordered and within range), and each model it adds (`spec.models`) answers to its own name.
 pub fn policy(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
@@ -204,6 +216,11 @@ pub fn policy(data: &[u8]) {
                 "safety ratio {} accepted",
                 policy.safety_ratio
             );
+            // Every accepted model answers to its own name (names are unique).
+            for m in policy.models.policy_models() {
+                let found = policy.models.lookup(&m.name).expect("resolves by its name");
+                assert_eq!(found.shape.name.as_deref(), Some(m.name.as_str()));
+            }
         }
         Err(errors) => assert!(!errors.is_empty(), "a refusal says why"),
     }

@@ -10,7 +10,6 @@
 use crate::metrics::Metrics;
 use crate::observe::{NotObserved, try_observe};
 use crate::update::{OomRules, apply_limited};
-use memguard_api::{ModelCatalog, Policy};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams, PostParams};
@@ -18,6 +17,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use memguard_api::crd::MemoryProfile;
 use memguard_api::wellknown;
+use memguard_api::{ModelCatalog, Policy};
 use serde_json::{Map, Value, json};
 use std::collections::HashSet;
 use std::sync::Arc;

@@ -5,8 +5,8 @@
 //! before the pod has a node, that the controller wrote after it finished.
 
 use k8s_openapi::api::core::v1::Pod;
-use memguard_api::crd::{DeviceClass, MemoryProfileSpec};
 use memguard_api::ModelCatalog;
+use memguard_api::crd::{DeviceClass, MemoryProfileSpec};
 use memguard_api::pod::{ResolveError, TrainingPod};
 use memguard_estimator::params::total_params;
 use memguard_estimator::{Device, TrainingConfig};
@@ -226,7 +226,8 @@ mod tests {
             ),
         ];
         for (name, pod, want) in table {
-            let key = pod_key(&pod.build(), &ModelCatalog::default()).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let key = pod_key(&pod.build(), &ModelCatalog::default())
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!(key.spec, want, "{name}");
             assert_eq!(key.name, object_name(&want), "{name}");
         }
@@ -237,12 +238,18 @@ mod tests {
         let bad = PodBuilder::trainer()
             .annotate("model", "no-such-model")
             .build();
-        assert!(matches!(pod_key(&bad, &ModelCatalog::default()), Err(KeyError::Annotations(_))));
+        assert!(matches!(
+            pod_key(&bad, &ModelCatalog::default()),
+            Err(KeyError::Annotations(_))
+        ));
         let wrong = PodBuilder::trainer()
             .annotate("model", "llama-3-8b")
             .annotate("container", "nope")
             .build();
-        assert!(matches!(pod_key(&wrong, &ModelCatalog::default()), Err(KeyError::Trainer(_))));
+        assert!(matches!(
+            pod_key(&wrong, &ModelCatalog::default()),
+            Err(KeyError::Trainer(_))
+        ));
     }
 
     /// The controller keys a pod on the policy's model as the webhook did at admission; without

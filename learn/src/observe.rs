@@ -7,7 +7,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use memguard_api::annotations as keys;
 use memguard_api::crd::{DeviceClass, TrainingKnobs};
 use memguard_api::{
-    EstimateAnnotation, ModelCatalog, Level, OomKind, OomOutcome, OomRecord, Summary, env, wellknown,
+    EstimateAnnotation, Level, ModelCatalog, OomKind, OomOutcome, OomRecord, Summary, env,
+    wellknown,
 };
 use memguard_estimator::{Bytes, TrainingConfig, parse_bytes};
 use std::collections::BTreeMap;

@@ -311,7 +311,10 @@ fn the_policy_schema_takes_models_with_a_whole_config_and_rejects_typos() {
     let schema = &version["schema"]["openAPIV3Schema"];
     let models = &schema["properties"]["spec"]["properties"]["models"];
     assert_eq!(models["x-kubernetes-list-type"], "map", "names unique");
-    assert_eq!(models["x-kubernetes-list-map-keys"], serde_json::json!(["name"]));
+    assert_eq!(
+        models["x-kubernetes-list-map-keys"],
+        serde_json::json!(["name"])
+    );
     let config: Value = serde_json::from_str(
         &std::fs::read_to_string(
             workspace_root().join("api/fixtures/hf-config/qwen2.5-coder-7b-instruct.json"),

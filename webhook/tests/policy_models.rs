@@ -37,7 +37,12 @@ fn trainer_env(pod: &Value) -> Vec<(String, String)> {
         .as_array()
         .into_iter()
         .flatten()
-        .filter_map(|e| Some((e["name"].as_str()?.to_string(), e["value"].as_str()?.to_string())))
+        .filter_map(|e| {
+            Some((
+                e["name"].as_str()?.to_string(),
+                e["value"].as_str()?.to_string(),
+            ))
+        })
         .collect()
 }
 
@@ -109,19 +114,20 @@ async fn a_policy_model_named_by_name_or_alias_is_planned_like_its_spelled_out_s
     let (by_shape, _) = admit(&mut conn, &spelled, "by-shape").await;
 
     let env = trainer_env(&by_name);
-    let value = |name: &str| {
-        env.iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| v.as_str())
-    };
+    let value = |name: &str| env.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str());
     // The plan had work to do: 8 × 4096 tokens of a 7.6B model do not fit an A10G as given.
     assert!(
-        value("MEMGUARD_GRAD_CHECKPOINTING") == Some("true") || value("MEMGUARD_BATCH_SIZE") != Some("8"),
+        value("MEMGUARD_GRAD_CHECKPOINTING") == Some("true")
+            || value("MEMGUARD_BATCH_SIZE") != Some("8"),
         "{env:?}"
     );
     assert!(value("MEMGUARD_ESTIMATE_BYTES").is_some(), "{env:?}");
     assert_eq!(trainer_env(&by_alias), env, "alias and name");
-    assert_eq!(trainer_env(&by_shape), env, "the spelled-out shape and the name");
+    assert_eq!(
+        trainer_env(&by_shape),
+        env,
+        "the spelled-out shape and the name"
+    );
     let estimate = |pod: &Value| pod["metadata"]["annotations"]["memguard.io/estimate"].clone();
     assert!(estimate(&by_name).is_string(), "{by_name}");
     assert_eq!(estimate(&by_alias), estimate(&by_name));

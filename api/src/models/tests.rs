@@ -51,7 +51,10 @@ fn a_policy_model_resolves_by_name_and_alias_in_any_case_before_the_built_in_cat
         assert_eq!(found.source, Source::Policy, "{spelling}");
         assert_eq!(found.shape.name.as_deref(), Some("qwen2.5-coder-7b"));
         assert_eq!(found.shape.params, Some(CODER_PARAMS));
-        assert_eq!((found.shape.hidden_size, found.shape.num_kv_heads), (3584, 4));
+        assert_eq!(
+            (found.shape.hidden_size, found.shape.num_kv_heads),
+            (3584, 4)
+        );
         assert_eq!(found.model_bits, None);
     }
     // The built-in catalog is still there behind it, and not for the built-in catalog alone.
@@ -82,7 +85,10 @@ fn a_wrong_parameter_count_names_the_entry_and_both_figures() {
     let errors = resolve(json!([entry])).expect_err("5 % off");
     assert_eq!(errors.len(), 1, "{errors:?}");
     let e = &errors[0];
-    assert!(e.starts_with("models[coder].params: published 8030261248"), "{e}");
+    assert!(
+        e.starts_with("models[coder].params: published 8030261248"),
+        "{e}"
+    );
     let derived = memguard_estimator::params::ParamCounts::of(
         &hf_config::parse_object(coder_config().as_object().expect("object"))
             .expect("valid")
@@ -94,7 +100,10 @@ fn a_wrong_parameter_count_names_the_entry_and_both_figures() {
     for bad in [json!(0), json!(-7), json!("lots"), json!(7.5), json!([1])] {
         entry["params"] = bad.clone();
         let errors = resolve(json!([entry])).expect_err("not a count");
-        assert!(errors[0].starts_with("models[coder].params: "), "{bad}: {errors:?}");
+        assert!(
+            errors[0].starts_with("models[coder].params: "),
+            "{bad}: {errors:?}"
+        );
     }
 }
 
@@ -121,11 +130,16 @@ fn a_bad_config_names_the_entry_and_the_config_field() {
         .remove("vocab_size");
     let errors = resolve(json!([entry])).expect_err("bad config");
     assert!(
-        errors.contains(&"models[coder].config.hidden_size: `\"3584\"` is not a non-negative integer".to_string()),
+        errors.contains(
+            &"models[coder].config.hidden_size: `\"3584\"` is not a non-negative integer"
+                .to_string()
+        ),
         "{errors:?}"
     );
     assert!(
-        errors.iter().any(|e| e.starts_with("models[coder].config.vocab_size: missing")),
+        errors
+            .iter()
+            .any(|e| e.starts_with("models[coder].config.vocab_size: missing")),
         "{errors:?}"
     );
     let mut entry = coder("coder");
@@ -165,9 +179,8 @@ fn quantization_comes_from_the_config() {
 fn names_must_be_unique_whatever_their_case_or_separators() {
     let errors = resolve(json!([coder("coder"), coder("CODER")])).expect_err("duplicate");
     assert!(
-        errors.iter().any(|e| e.starts_with(
-            "models[CODER].name: `CODER` is already a name of models[coder].name"
-        )),
+        errors.iter().any(|e| e
+            .starts_with("models[CODER].name: `CODER` is already a name of models[coder].name")),
         "{errors:?}"
     );
     // An alias that is another entry's name (here also both entries' identical alias).
@@ -197,7 +210,10 @@ fn names_are_plain_and_not_shape_keys() {
     for (name, why) in [
         ("", "models[0].name: must not be empty"),
         ("my model", "models[0].name: `my model` contains whitespace"),
-        ("shape-7e9-32x4096", "models[0].name: `shape-7e9-32x4096`: names starting"),
+        (
+            "shape-7e9-32x4096",
+            "models[0].name: `shape-7e9-32x4096`: names starting",
+        ),
     ] {
         let errors = resolve(json!([coder(name)])).expect_err(name);
         assert!(errors[0].starts_with(why), "{name}: {errors:?}");
@@ -210,7 +226,11 @@ fn names_are_plain_and_not_shape_keys() {
 fn a_policy_model_named_like_a_built_in_one_shadows_it_with_a_note() {
     let entry = coder("llama-3-8b");
     let models = resolve(json!([entry.clone()])).expect("valid");
-    for spelling in ["llama-3-8b", "llama3-8b", "meta-llama/Meta-Llama-3-8B-Instruct"] {
+    for spelling in [
+        "llama-3-8b",
+        "llama3-8b",
+        "meta-llama/Meta-Llama-3-8B-Instruct",
+    ] {
         let found = models.lookup(spelling).expect(spelling);
         assert_eq!(found.source, Source::Policy, "{spelling}");
         assert_eq!(found.shape.hidden_size, 3584, "{spelling}");
@@ -258,7 +278,11 @@ fn every_problem_of_every_entry_is_reported_with_the_rest_of_the_policy() {
 
 #[test]
 fn the_unknown_model_message_says_where_it_looked() {
-    assert!(ModelCatalog::default().searched().contains("adds no models"));
+    assert!(
+        ModelCatalog::default()
+            .searched()
+            .contains("adds no models")
+    );
     let two = resolve(json!([coder("a"), {
         "name": "b", "config": coder_config()
     }]))

@@ -31,11 +31,15 @@ fn pod() -> PodBuilder {
 }
 
 fn profile_name() -> String {
-    crate::pod_key(&pod().build(), &memguard_api::ModelCatalog::default()).expect("key").name
+    crate::pod_key(&pod().build(), &memguard_api::ModelCatalog::default())
+        .expect("key")
+        .name
 }
 
 fn key() -> MemoryProfileSpec {
-    crate::pod_key(&pod().build(), &memguard_api::ModelCatalog::default()).expect("key").spec
+    crate::pod_key(&pod().build(), &memguard_api::ModelCatalog::default())
+        .expect("key")
+        .spec
 }
 
 fn profile(rv: &str, status: Option<&MemoryProfileStatus>) -> Value {

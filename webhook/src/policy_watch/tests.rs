@@ -432,8 +432,16 @@ async fn a_models_entry_with_a_wrong_parameter_count_is_rejected_and_the_models_
         problems[0].starts_with("models[acme-coder-7b].params: published 8030000000, but the config derives 7615487488 (-5.2 %"),
         "{problems:?}"
     );
-    assert_eq!(found(&f, "acme-coder-7b"), Some(before), "generation 4 stays");
-    assert_eq!(found(&f, "acme-coder-7b-v2"), None, "nothing of generation 5");
+    assert_eq!(
+        found(&f, "acme-coder-7b"),
+        Some(before),
+        "generation 4 stays"
+    );
+    assert_eq!(
+        found(&f, "acme-coder-7b-v2"),
+        None,
+        "nothing of generation 5"
+    );
     assert_eq!(f.generation(), Some(4.0));
     assert_eq!(
         (f.reloads("ok"), f.reloads("error")),
