@@ -75,6 +75,11 @@ for path in [os.path.join(root, "webhook/tests/fixtures/policy.yaml")] + sorted(
         add("policy", json.dumps(spec))
         add("policy", yaml.safe_dump({"apiVersion": "memguard.io/v1alpha1", "kind": "MemguardPolicy",
                                       "metadata": {"name": "default"}, "spec": spec}))
+# A policy that adds models (spec.models, each a config.json), and pods naming them.
+with open(os.path.join(root, "webhook/tests/fixtures/policy-models.yaml")) as f:
+    add("policy", f.read())
+add("annotations", "model=acme-coder-7b\nmethod=lora\n")
+add("annotations", "model=Qwen/Qwen2.5-Coder-7B-Instruct-GPTQ-Int4\nmethod=qlora\nmodel-bits=8\n")
 add("policy", "safetyRatio: 0.8\nthresholds:\n  warn: 0.7\n  downgrade: 0.8\n  critical: 0.9\n")
 add("policy", "kind: ConfigMap\napiVersion: v1\n")
 
