@@ -188,6 +188,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok(policy) => policy,
         Err(message) => return Ok(bad_input([message])),
     };
+    // A policy model shadowing a built-in one is allowed; say so, as the webhook logs it.
+    for note in policy.models.notes() {
+        eprintln!("note: {note}");
+    }
     if args.list_models {
         list_models(&mut out, &policy.models)?;
         return Ok(ExitCode::SUCCESS);

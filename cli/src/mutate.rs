@@ -111,6 +111,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok(p) => p,
         Err(errors) => return bad_input(format!("invalid policy: {}", errors.join("; "))),
     };
+    for note in policy.models.notes() {
+        eprintln!("note: {note}");
+    }
 
     let (source, text) = if args.file.as_os_str() == "-" {
         let mut text = String::new();

@@ -524,3 +524,60 @@ fn a_policy_file_with_a_bad_model_is_refused_naming_the_entry_and_field() {
         "{stderr}"
     );
 }
+
+/// A policy model named like a built-in one wins over it, for every spelling, and the CLI says so.
+#[test]
+fn a_policy_model_shadowing_a_built_in_one_wins_with_a_note() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let text = std::fs::read_to_string(models_policy())
+        .expect("fixture")
+        .replace("- name: acme-coder-7b\n", "- name: llama-3-8b\n");
+    let path = dir.path().join("policy.yaml");
+    std::fs::write(&path, text).expect("write");
+    let path = path.to_str().expect("utf-8");
+    let out = memguard(&[
+        "estimate",
+        "--policy-file",
+        path,
+        "--model",
+        "meta-llama/Meta-Llama-3-8B-Instruct",
+        "--output",
+        "json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("note: models[llama-3-8b] shadows the built-in model `llama-3-8b`"),
+        "{stderr}"
+    );
+    let shadowed: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let builtin = json(&["estimate", "--model", "meta-llama/Meta-Llama-3-8B-Instruct"]);
+    let coder = json(&[
+        "estimate",
+        "--policy-file",
+        &models_policy(),
+        "--model",
+        "acme-coder-7b",
+    ]);
+    assert_eq!(
+        shadowed["total_bytes"], coder["total_bytes"],
+        "the policy's config"
+    );
+    assert_ne!(shadowed["total_bytes"], builtin["total_bytes"]);
+    let out = memguard(&["estimate", "--policy-file", path, "--list-models"]);
+    let list = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        list.lines().any(|l| l
+            == "llama-3-8b (policy; aliases: Qwen/Qwen2.5-Coder-7B-Instruct; shadows the built-in llama-3-8b)"),
+        "{list}"
+    );
+    assert!(
+        list.lines()
+            .any(|l| l == "llama-3-8b (built-in, shadowed by the policy's llama-3-8b)"),
+        "{list}"
+    );
+}
