@@ -34,6 +34,10 @@ pub enum BudgetSource {
     /// A required node affinity on `nvidia.com/gpu.memory` (memguard's `required` placement,
     /// or the user's): the bound, less the largest driver reservation.
     Placement(String),
+    /// A DRA claim (`spec.resourceClaims`): the device's `memory` capacity in its
+    /// ResourceSlice, or the policy's usable figure for its product when smaller
+    /// (`gpu.nvidia.com/gpu-0 on node-a`, `class gpu.nvidia.com: smallest of 4 devices`).
+    Dra(String),
 }
 
 /// The annotation, version [`ESTIMATE_VERSION`] (fixture: `api/fixtures/estimate-v1.json`).

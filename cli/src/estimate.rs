@@ -350,6 +350,7 @@ fn pod_budget(
         trainer,
         device,
         parsed.gpu_memory,
+        None,
         safety_ratio,
         policy,
         &mut warnings,

@@ -93,6 +93,12 @@ pub struct Args {
     #[arg(long, env = "MEMGUARD_WEBHOOK_NO_KUBE")]
     pub no_kube: bool,
 
+    /// Do not watch DRA objects (ResourceClaim, ResourceClaimTemplate, DeviceClass,
+    /// ResourceSlice): pods with DRA claims are admitted with a warning. The chart sets it
+    /// when `dra.enabled` is false (and grants no RBAC on `resource.k8s.io`).
+    #[arg(long, env = "MEMGUARD_WEBHOOK_NO_DRA")]
+    pub no_dra: bool,
+
     /// Namespace of the profile controller's leader Lease; default: `$POD_NAMESPACE` (the
     /// chart sets it from the downward API), else the client's default namespace.
     #[arg(long, env = "MEMGUARD_WEBHOOK_LEASE_NAMESPACE")]

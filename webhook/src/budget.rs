@@ -4,14 +4,16 @@
 //! For a GPU (`cuda` or `rocm`), in order:
 //! 1. `memguard.io/gpu-memory`: the user said so;
 //! 2. a sharing system's cap on the pod (HAMi, KAI / Run:ai, MPS): the smallest applies;
-//! 3. a MIG slice (mixed strategy resource, or single strategy product): its profile's size;
-//! 4. the GPU product the pod is pinned to, from the policy's table;
-//! 5. the policy's default.
+//! 3. the device of its DRA claims ([`crate::dra`], read before this stage);
+//! 4. a MIG slice (mixed strategy resource, or single strategy product): its profile's size;
+//! 5. the GPU product the pod is pinned to, from the policy's table;
+//! 6. the policy's default.
 //!
 //! For a CPU or Metal pod, the trainer's memory limit. Anything the pod asks for that memguard
-//! cannot size (an unknown extended resource, a DRA claim, time-slicing without a cap) is a
+//! cannot size (an unknown extended resource, an unreadable DRA claim, time-slicing without a cap) is a
 //! warning, never a guess.
 
+use crate::dra::DraMemory;
 use crate::mutate::truncate;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use memguard_api::Policy;
@@ -62,6 +64,7 @@ pub fn resolve(
     trainer: &Container,
     device: Device,
     annotated: Option<Bytes>,
+    dra: Option<&DraMemory>,
     safety_ratio: f64,
     policy: &Policy,
     warnings: &mut Vec<String>,
@@ -77,16 +80,10 @@ pub fn resolve(
             memguard_api::annotations::GPU_MEMORY
         )));
     }
-    if !acc.dra_claims.is_empty() && annotated.is_none() {
-        warnings.push(truncate(&format!(
-            "memguard: DRA claim {}: device memory unknown (claim not read); set {}",
-            acc.dra_claims.join(", "),
-            memguard_api::annotations::GPU_MEMORY
-        )));
-    }
     match device {
         Device::Cuda | Device::Rocm => {
-            let (memory, source) = gpu_memory(pod, device, &acc, annotated, policy, warnings);
+            let (memory, source) =
+                gpu_memory(pod, device, &acc, annotated, dra, policy, warnings);
             Some(Budget::new(memory, safety_ratio, source))
         }
         Device::Cpu | Device::Metal => match memory_limit(trainer) {
@@ -119,14 +116,19 @@ fn gpu_memory(
     device: Device,
     acc: &Accelerators,
     annotated: Option<Bytes>,
+    dra: Option<&DraMemory>,
     policy: &Policy,
     warnings: &mut Vec<String>,
 ) -> (Bytes, BudgetSource) {
     if let Some(b) = annotated {
         return (b, BudgetSource::Annotation);
     }
-    // The whole device first: a fraction or a percentage is of it.
-    let whole = device_memory(pod, device, acc, policy, warnings);
+    // The whole device first: a fraction or a percentage is of it. A DRA claim's device
+    // is what the pod gets, whatever its node labels say.
+    let whole = match dra {
+        Some(m) => (m.bytes, BudgetSource::Dra(m.detail.clone())),
+        None => device_memory(pod, device, acc, policy, warnings),
+    };
     let mib = |n: u64| Bytes::mib(n);
     let share = |f: f64| Bytes::from_f64(whole.0.as_f64() * f);
     let mut caps: Vec<(Bytes, BudgetSource)> = Vec::new();

@@ -11,6 +11,9 @@
 pub mod args;
 pub mod budget;
 pub mod config;
+pub mod dra;
+#[cfg(feature = "server")]
+pub mod dra_watch;
 pub mod manifest;
 #[cfg(feature = "server")]
 pub mod metrics;

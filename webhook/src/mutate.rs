@@ -41,6 +41,9 @@ pub struct Profiles {
     /// Profiles given directly, matched by key (spec), whatever their name or namespace.
     listed: Vec<MemoryProfile>,
     source: Option<Arc<dyn ProfileSource>>,
+    /// The DRA objects (claims, templates, classes, slices) the budget stage reads; carried
+    /// here because it is the one read-only cluster view every caller already passes.
+    dra: Option<Arc<dyn DraCatalog>>,
 }
 
 impl std::fmt::Debug for Profiles {
@@ -48,6 +51,7 @@ impl std::fmt::Debug for Profiles {
         f.debug_struct("Profiles")
             .field("listed", &self.listed.len())
             .field("source", &self.source.is_some())
+            .field("dra", &self.dra.is_some())
             .finish()
     }
 }
@@ -58,7 +62,20 @@ impl Profiles {
         Profiles {
             listed: Vec::new(),
             source: Some(source),
+            dra: None,
         }
+    }
+
+    /// The same, reading DRA objects from `catalog` (the webhook's watch caches, or
+    /// `memguard mutate --dra`).
+    pub fn with_dra(mut self, catalog: Arc<dyn DraCatalog>) -> Self {
+        self.dra = Some(catalog);
+        self
+    }
+
+    /// The DRA catalog, when there is one.
+    pub fn dra(&self) -> Option<&dyn DraCatalog> {
+        self.dra.as_deref()
     }
 
     /// Adds a profile; it applies to every pod with its key (`spec`).
@@ -97,6 +114,7 @@ pub enum Outcome {
 }
 
 pub use crate::budget::{Budget, BudgetSource};
+use crate::dra::{DraCatalog, DraMemory};
 
 /// The sidecar to inject, as decided (rendered into a container by [`crate::patch`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -170,11 +188,39 @@ pub fn skipped(error: String) -> Outcome {
 /// The decision, in four named stages: [`resolve`](TrainingPod::resolve) the pod, find its
 /// [`budget`], [`plan`] the config into it, [`render`] the result.
 fn decide(pod: &Pod, policy: &Policy, profiles: &Profiles) -> Result<Mutation, String> {
-    let training = TrainingPod::resolve(pod, &policy.models).map_err(|e| e.to_string())?;
+    let mut training =
+        TrainingPod::resolve(pod, &policy.models).map_err(|e| e.to_string())?;
     let mut warnings = Vec::new();
-    let budget = budget(pod, &training, policy, &mut warnings);
+    let dra = dra_devices(pod, &mut training, policy, profiles, &mut warnings);
+    let budget = budget(pod, &training, dra.as_ref(), policy, &mut warnings);
     let planned = plan(pod, &training, budget, policy, profiles, &mut warnings)?;
     Ok(render(&training, policy, planned, warnings))
+}
+
+/// The memory of the trainer's DRA devices ([`crate::dra`]), and its device when the pod
+/// names none and asks for no other accelerator: a claim on NVIDIA's driver makes a `cuda`
+/// pod, AMD's a `rocm` one. What cannot be read is a warning, unless `memguard.io/gpu-memory`
+/// already says how much memory there is.
+fn dra_devices(
+    pod: &Pod,
+    training: &mut TrainingPod,
+    policy: &Policy,
+    profiles: &Profiles,
+    warnings: &mut Vec<String>,
+) -> Option<DraMemory> {
+    let reading = crate::dra::read(pod, training.trainer, profiles.dra(), policy);
+    if training.annotations.gpu_memory.is_none() {
+        for w in &reading.warnings {
+            warnings.push(truncate(&format!("memguard: {w}")));
+        }
+    }
+    let memory = reading.memory?;
+    if !training.annotations.device_given && training.config.device == Device::Cpu {
+        training.config.device = memory.device;
+    }
+    // A claim's device counts only for a pod on that kind of device (a CPU pod by
+    // annotation keeps its memory limit).
+    (training.config.device == memory.device).then_some(memory)
 }
 
 /// The pod's safety ratio (`memguard.io/safety-ratio`), else the policy's.
@@ -190,6 +236,7 @@ fn safety_ratio(training: &TrainingPod, policy: &Policy) -> f64 {
 fn budget(
     pod: &Pod,
     training: &TrainingPod,
+    dra: Option<&DraMemory>,
     policy: &Policy,
     warnings: &mut Vec<String>,
 ) -> Option<Budget> {
@@ -198,6 +245,7 @@ fn budget(
         training.trainer,
         training.config.device,
         training.annotations.gpu_memory,
+        dra,
         safety_ratio(training, policy),
         policy,
         warnings,

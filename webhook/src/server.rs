@@ -283,6 +283,7 @@ async fn connect(
         .or_else(|| env("HOSTNAME"))
         .unwrap_or_else(|| format!("memguard-webhook-{}", std::process::id()));
     tracing::info!(identity, lease_namespace, "profile controller enabled");
+    let dra = (!args.no_dra).then(|| crate::dra_watch::start(client.clone()));
     let (profiles, tasks) = crate::profiles::start(
         client,
         metrics,
@@ -293,7 +294,16 @@ async fn connect(
         },
         policy,
     );
-    (profiles, tasks.with(policy_task))
+    match dra {
+        Some((catalog, task)) => (
+            profiles.with_dra(catalog),
+            tasks.with(policy_task).with(task),
+        ),
+        None => {
+            tracing::info!("--no-dra: DRA claims are admitted with a warning");
+            (profiles, tasks.with(policy_task))
+        }
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,157 @@
+use super::*;
+use crate::testutil::trainer_pod;
+use serde_json::json;
+
+const OBJECTS: &str = include_str!("../../tests/fixtures/dra/objects.yaml");
+
+fn catalog() -> StaticCatalog {
+    StaticCatalog::from_yaml(OBJECTS).expect("fixture objects")
+}
+
+/// A pod in `ml` whose trainer uses one claim `gpu` from `source` (`resourceClaimTemplateName`
+/// or `resourceClaimName`).
+fn reading(source: &str, name: &str, catalog: Option<&dyn DraCatalog>) -> DraReading {
+    let pod = trainer_pod()
+        .spec("resourceClaims", json!([{"name": "gpu", source: name}]))
+        .build();
+    let trainer = &pod.spec.as_ref().expect("spec").containers[0];
+    read(&pod, trainer, catalog, &Policy::default())
+}
+
+#[test]
+fn a_template_on_a_typed_class_takes_the_smallest_matching_gpu_capped_by_the_table() {
+    let c = catalog();
+    let r = reading("resourceClaimTemplateName", "single-h100", Some(&c));
+    let m = r.memory.expect("sized");
+    // 81559Mi published; the table's NVML-usable figure for the H100 is smaller and wins.
+    assert_eq!(m.bytes, Bytes::mib(81008));
+    assert_eq!(m.device, Device::Cuda);
+    assert!(m.detail.contains("table NVIDIA-H100-80GB-HBM3"), "{}", m.detail);
+    assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+}
+
+#[test]
+fn first_available_takes_the_smallest_alternative() {
+    let c = catalog();
+    let m = reading("resourceClaimTemplateName", "mig-or-gpu", Some(&c))
+        .memory
+        .expect("sized");
+    assert_eq!(m.bytes, Bytes::mib(9984), "the MIG slice, not the whole GPU");
+}
+
+#[test]
+fn an_unevaluated_selector_is_a_warning_and_the_smallest_candidate() {
+    let c = catalog();
+    let r = reading("resourceClaimTemplateName", "gpu-40gi-plus", Some(&c));
+    assert_eq!(r.memory.expect("sized").bytes, Bytes::mib(81008));
+    assert!(
+        r.warnings[0].contains("1 CEL selector(s) not evaluated"),
+        "{:?}",
+        r.warnings
+    );
+}
+
+#[test]
+fn an_allocated_claim_reads_its_device() {
+    let c = catalog();
+    let m = reading("resourceClaimName", "shared-h200", Some(&c))
+        .memory
+        .expect("sized");
+    assert_eq!(m.bytes, Bytes::mib(143071), "the table's H200, below 143771Mi");
+    assert!(m.detail.starts_with("allocated node-b/gpu-0"), "{}", m.detail);
+}
+
+#[test]
+fn each_missing_object_is_named() {
+    let c = catalog();
+    let empty = StaticCatalog::default();
+    let cases: Vec<(&str, &str, &dyn DraCatalog, &str)> = vec![
+        ("resourceClaimTemplateName", "absent", &c, "ResourceClaimTemplate ml/absent not found"),
+        ("resourceClaimName", "absent", &c, "ResourceClaim ml/absent not found"),
+        ("resourceClaimTemplateName", "one-mi300x", &c, "no ResourceSlice of driver gpu.amd.com"),
+        ("resourceClaimTemplateName", "single-h100", &empty, "not found"),
+    ];
+    for (source, name, catalog, want) in cases {
+        let r = reading(source, name, Some(catalog));
+        assert_eq!(r.memory, None, "{name}");
+        assert!(r.warnings.iter().any(|w| w.contains(want)), "{name}: {:?}", r.warnings);
+        assert!(r.warnings[0].starts_with("DRA claim gpu ("), "{:?}", r.warnings);
+    }
+    let mut no_class = catalog();
+    no_class.classes.clear();
+    let r = reading("resourceClaimTemplateName", "single-h100", Some(&no_class));
+    assert!(r.warnings[0].contains("DeviceClass gpu.nvidia.com not found"), "{:?}", r.warnings);
+}
+
+/// A catalog that cannot answer (no RBAC, not synced, API not served) says why.
+struct Unavailable;
+impl DraCatalog for Unavailable {
+    fn unavailable(&self) -> Option<String> {
+        Some("resource.k8s.io/v1 not served by this cluster".into())
+    }
+    fn claim(&self, _: &str, _: &str) -> Option<ResourceClaim> {
+        panic!("not asked when unavailable")
+    }
+    fn claim_template(&self, _: &str, _: &str) -> Option<ResourceClaimTemplate> {
+        panic!("not asked when unavailable")
+    }
+    fn device_class(&self, _: &str) -> Option<DeviceClass> {
+        panic!("not asked when unavailable")
+    }
+    fn slices(&self, _: &str) -> Vec<ResourceSlice> {
+        panic!("not asked when unavailable")
+    }
+}
+
+#[test]
+fn an_unavailable_or_absent_catalog_is_one_warning_naming_why() {
+    let r = reading("resourceClaimTemplateName", "single-h100", Some(&Unavailable));
+    assert_eq!(r.memory, None);
+    assert_eq!(
+        r.warnings,
+        vec![
+            "DRA claim gpu (template single-h100): device memory unknown \
+             (resource.k8s.io/v1 not served by this cluster)"
+                .to_string()
+        ]
+    );
+    let r = reading("resourceClaimTemplateName", "single-h100", None);
+    assert!(r.warnings[0].contains("no DRA catalog"), "{:?}", r.warnings);
+}
+
+#[test]
+fn selectors_read_equalities_only() {
+    assert_eq!(
+        driver_equality("device.driver == \"gpu.nvidia.com\""),
+        Some("gpu.nvidia.com".into())
+    );
+    assert_eq!(
+        terms("device.driver == 'a' && device.attributes['a'].type == 'gpu'"),
+        (
+            vec![
+                Term::Driver("a".into()),
+                Term::Attribute {
+                    domain: "a".into(),
+                    name: "type".into(),
+                    value: "gpu".into()
+                }
+            ],
+            false
+        )
+    );
+    assert!(terms("device.driver == 'a' || device.driver == 'b'").1);
+    assert!(terms("device.attributes['a'].count == 2").1, "not a string");
+    assert!(terms("!(device.driver == 'a')").1);
+}
+
+#[test]
+fn objects_of_other_kinds_or_versions_are_refused_by_name() {
+    let e = StaticCatalog::from_yaml("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n")
+        .expect_err("a pod");
+    assert!(e.contains("Pod p: apiVersion `v1`"), "{e}");
+    let e = StaticCatalog::from_yaml(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimz\nmetadata: {name: x}\n",
+    )
+    .expect_err("a typo");
+    assert!(e.contains("`ResourceClaimz` x is no DRA object"), "{e}");
+}
