@@ -228,3 +228,52 @@ fn placement_affinity_is_valid_kubernetes_and_keeps_the_users_terms() {
         panic!("kubernetes-validate rejected the placed pods:\n{out}");
     }
 }
+
+/// The DRA fixture pods (`tests/fixtures/dra/`) with `dra/objects.yaml` as the catalog, as
+/// the webhook's watch caches would hold it: each gets its device, budget source, memory and
+/// warning (`dra.yaml`, shared with the CLI's test), and its decision is a snapshot.
+#[test]
+fn dra_fixtures_read_their_device_from_the_catalog() {
+    use memguard_webhook::dra::StaticCatalog;
+    let policy = policy();
+    let dir = fixtures().join("dra");
+    let objects = std::fs::read_to_string(dir.join("objects.yaml")).expect("objects");
+    let catalog = StaticCatalog::from_yaml(&objects).expect("DRA objects");
+    let profiles = Profiles::default().with_dra(std::sync::Arc::new(catalog));
+    let text = std::fs::read_to_string(fixtures().join("dra.yaml")).expect("table");
+    let table: serde_json::Map<String, Value> = serde_saphyr::from_str(&text).expect("YAML");
+    assert_eq!(table.len(), 6, "{table:?}");
+    for (file, want) in table {
+        let text = std::fs::read_to_string(dir.join(&file)).expect(&file);
+        let pod: Pod = serde_saphyr::from_str(&text).expect("a Pod");
+        let Outcome::Mutated(m) = mutate(&pod, &policy, &profiles) else {
+            panic!("{file}: not mutated");
+        };
+        let b = m.budget.as_ref().expect("a budget");
+        let estimate: Value = serde_json::from_str(&m.estimate.to_json()).expect("JSON");
+        assert_eq!(estimate["device"], want["device"], "{file}");
+        assert_eq!(estimate["budgetSource"]["kind"], want["source"], "{file}");
+        assert_eq!(Some(b.device_memory.0), want["deviceMemory"].as_u64(), "{file}");
+        if let Some(d) = want["detail"].as_str() {
+            let detail = estimate["budgetSource"]["detail"].as_str().unwrap_or_default();
+            assert!(detail.contains(d), "{file}: {detail}");
+        }
+        match want["warning"].as_str() {
+            Some(w) => assert!(m.warnings.iter().any(|x| x.contains(w)), "{file}: {:?}", m.warnings),
+            None => assert!(
+                !m.warnings.iter().any(|x| x.contains("DRA") || x.contains("CEL")),
+                "{file}: {:?}",
+                m.warnings
+            ),
+        }
+        let patch = patch::build(&pod, &Outcome::Mutated(m.clone()));
+        let name = format!("dra-{}", file.trim_end_matches(".yaml"));
+        let snapshot = json!({
+            "budget": {"deviceMemory": b.device_memory.to_string(), "source": b.source},
+            "device": estimate["device"],
+            "warnings": m.warnings,
+            "patch": readable(&patch),
+        });
+        insta::assert_yaml_snapshot!(name, snapshot);
+    }
+}
