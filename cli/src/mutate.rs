@@ -49,6 +49,35 @@ pub struct Args {
     /// apply to pods with the same key. Repeat for several; a file may hold several documents.
     #[arg(long = "profile", value_name = "FILE")]
     pub profiles: Vec<PathBuf>,
+
+    /// DRA objects (`resource.k8s.io/v1` ResourceClaimTemplate, ResourceClaim, DeviceClass,
+    /// ResourceSlice; e.g. `kubectl get resourceclaimtemplates,deviceclasses,resourceslices
+    /// -A -o yaml` split into documents) read as the webhook reads its watch caches: a pod's
+    /// claims get their device's memory. Repeat for several files.
+    #[arg(long = "dra", value_name = "FILE")]
+    pub dra: Vec<PathBuf>,
+}
+
+/// Every DRA object in `paths`; `None` without any (claims then get a warning, as in a
+/// webhook without its DRA caches).
+fn read_dra(
+    paths: &[PathBuf],
+) -> Result<Option<std::sync::Arc<memguard_webhook::dra::StaticCatalog>>, String> {
+    if paths.is_empty() {
+        return Ok(None);
+    }
+    let mut catalog = memguard_webhook::dra::StaticCatalog::default();
+    for path in paths {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("reading {}: {e}", path.display()))?;
+        let more = memguard_webhook::dra::StaticCatalog::from_yaml(&text)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        catalog.claims.extend(more.claims);
+        catalog.templates.extend(more.templates);
+        catalog.classes.extend(more.classes);
+        catalog.slices.extend(more.slices);
+    }
+    Ok(Some(std::sync::Arc::new(catalog)))
 }
 
 /// Reads every `MemoryProfile` in `paths`.
@@ -135,9 +164,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         return bad_input(format!("{source}: no documents"));
     }
 
-    let profiles = match read_profiles(&args.profiles) {
-        Ok(p) => p,
-        Err(e) => return bad_input(e),
+    let profiles = match (read_profiles(&args.profiles), read_dra(&args.dra)) {
+        (Ok(p), Ok(Some(dra))) => p.with_dra(dra),
+        (Ok(p), Ok(None)) => p,
+        (Err(e), _) | (_, Err(e)) => return bad_input(e),
     };
     let mut results: Vec<Mutated> = Vec::with_capacity(documents.len());
     for (i, doc) in documents.iter().enumerate() {

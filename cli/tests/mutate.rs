@@ -415,3 +415,60 @@ fn a_model_the_policy_adds_is_known_to_mutate_under_its_policy_file() {
         "{error}"
     );
 }
+
+/// The DRA fixtures with `--dra objects.yaml`: the same device, source, memory and warning as
+/// through the webhook's catalog (one table, `fixtures/dra.yaml`).
+#[test]
+fn dra_fixtures_read_their_device_from_the_objects_given() {
+    let policy = fixture("policy.yaml");
+    let objects = fixture("dra/objects.yaml");
+    let table: serde_json::Map<String, Value> = serde_saphyr::from_str(
+        &std::fs::read_to_string(fixture("dra.yaml")).expect("table"),
+    )
+    .expect("YAML");
+    assert_eq!(table.len(), 6);
+    for (file, want) in table {
+        let pod = fixture(&format!("dra/{file}"));
+        let out = memguard(
+            &[
+                "mutate",
+                "-f",
+                pod.to_str().expect("utf-8"),
+                "--policy-file",
+                policy.to_str().expect("utf-8"),
+                "--dra",
+                objects.to_str().expect("utf-8"),
+            ],
+            None,
+        );
+        assert!(out.status.success(), "{file}: {}", stderr(&out));
+        let mutated: Value = serde_saphyr::from_str(&stdout(&out)).expect("YAML out");
+        let estimate: Value = serde_json::from_str(
+            mutated["metadata"]["annotations"]["memguard.io/estimate"]
+                .as_str()
+                .expect("estimate annotation"),
+        )
+        .expect("JSON");
+        assert_eq!(estimate["device"], want["device"], "{file}");
+        assert_eq!(estimate["budgetSource"]["kind"], want["source"], "{file}");
+        if want["source"] == "dra" {
+            assert_eq!(estimate["gpuMemory"], want["deviceMemory"], "{file}");
+        }
+        if let Some(w) = want["warning"].as_str() {
+            assert!(stderr(&out).contains(w), "{file}: {}", stderr(&out));
+        }
+    }
+    // A file that is not DRA objects is refused by name, exit 2.
+    let out = memguard(
+        &[
+            "mutate",
+            "-f",
+            fixture("dra/dra-template.yaml").to_str().expect("utf-8"),
+            "--dra",
+            fixture("policy.yaml").to_str().expect("utf-8"),
+        ],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("apiVersion"), "{}", stderr(&out));
+}
