@@ -811,8 +811,16 @@ fn rbac_is_least_privilege() {
             {"apiGroups": ["memguard.io"], "resources": ["memoryprofiles/status"],
              "verbs": ["patch"]},
             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["resource.k8s.io"],
+             "resources": ["resourceclaims", "resourceclaimtemplates", "deviceclasses",
+                           "resourceslices"],
+             "verbs": ["get", "list", "watch"]},
         ])
     );
+    // dra.enabled=false: no access to resource.k8s.io, and the webhook told not to watch it.
+    let off = helm_template(&helm, &["--set", "dra.enabled=false"]).expect("renders");
+    assert!(!off.contains("resource.k8s.io"), "no DRA rule when off");
+    assert!(off.contains("MEMGUARD_WEBHOOK_NO_DRA"), "--no-dra when off");
     let role = find_kind(&docs, "Role");
     assert_eq!(role["metadata"]["namespace"], NAMESPACE);
     assert_eq!(role["rules"].as_array().expect("rules").len(), 1);
