@@ -47,6 +47,16 @@ macro_rules! annotation_flags {
             /// `gpu-memory=2000`. Repeat for several.
             #[arg(long, value_name = "KEY=VALUE", help_heading = "The pod memguard would see")]
             pod_annotation: Vec<String>,
+            /// A DRA claim the trainer would use: `TEMPLATE` (a ResourceClaimTemplate's name)
+            /// or `claim/NAME` (a ResourceClaim's), looked up in the --dra objects. The device
+            /// and its memory then come from the claim, as at admission.
+            #[arg(long, value_name = "TEMPLATE|claim/NAME", help_heading = "The pod memguard would see")]
+            dra_claim: Option<String>,
+            /// DRA objects (`resource.k8s.io/v1` ResourceClaimTemplate, ResourceClaim,
+            /// DeviceClass, ResourceSlice), a multi-document YAML, for --dra-claim. Repeat for
+            /// several files.
+            #[arg(long, value_name = "FILE", help_heading = "The pod memguard would see")]
+            dra: Vec<std::path::PathBuf>,
             /// Policy document (YAML or JSON `PolicySpec`, or a `MemguardPolicy` manifest): its
             /// models (`spec.models`) are known to --model and --list-models, and its GPU table
             /// and safety ratio apply with --gpu-resource; default: the built-in policy.
@@ -293,9 +303,16 @@ fn pod_budget(
     policy: &Policy,
 ) -> Result<Option<PodBudget>, String> {
     use memguard_api::pod::{AMD_GPU_PRODUCT_LABEL, AMD_GPU_RESOURCE, default_device};
-    if args.gpu_resource.is_empty() && args.gpu_product.is_none() && args.pod_annotation.is_empty()
+    if args.gpu_resource.is_empty()
+        && args.gpu_product.is_none()
+        && args.pod_annotation.is_empty()
+        && args.dra_claim.is_none()
     {
         return Ok(None);
+    }
+    let dra = crate::mutate::read_dra(&args.dra).map_err(|e| format!("--dra: {e}"))?;
+    if args.dra_claim.is_some() && dra.is_none() {
+        return Err("--dra-claim needs --dra FILE (the DRA objects to read)".into());
     }
     let mut limits = serde_json::Map::new();
     for r in &args.gpu_resource {
@@ -328,8 +345,32 @@ fn pod_budget(
         };
         spec["nodeSelector"] = json!({ label: product });
     }
+    // The pod lives where the claim's object does: offline there is no other namespace.
+    let mut namespace = "default".to_string();
+    if let (Some(claim), Some(catalog)) = (&args.dra_claim, &dra) {
+        let (field, name) = match claim.strip_prefix("claim/") {
+            Some(n) => ("resourceClaimName", n),
+            None => ("resourceClaimTemplateName", claim.as_str()),
+        };
+        let found = match field {
+            "resourceClaimName" => catalog
+                .claims
+                .iter()
+                .find(|c| c.metadata.name == name)
+                .map(|c| c.metadata.namespace.clone()),
+            _ => catalog
+                .templates
+                .iter()
+                .find(|t| t.metadata.name == name)
+                .map(|t| t.metadata.namespace.clone()),
+        };
+        if let Some(Some(ns)) = found {
+            namespace = ns;
+        }
+        spec["resourceClaims"] = json!([{"name": "gpu", field: name}]);
+    }
     let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(json!({
-        "metadata": {"name": "estimate", "annotations": annotations},
+        "metadata": {"name": "estimate", "namespace": namespace, "annotations": annotations},
         "spec": spec,
     }))
     .map_err(|e| format!("the pod the flags describe: {e}"))?;
@@ -338,19 +379,37 @@ fn pod_budget(
         .as_ref()
         .and_then(|s| s.containers.first())
         .ok_or("the pod the flags describe has no trainer")?;
-    let device = if parsed.device_given {
+    let mut device = if parsed.device_given {
         parsed.config.device
     } else {
         default_device(&pod, trainer)
     };
     let safety_ratio = parsed.safety_ratio.unwrap_or(policy.safety_ratio);
     let mut warnings = Vec::new();
+    // As at admission (`mutate::dra_devices`): the claim's driver names the device when
+    // nothing else does, and its memory counts for a pod on that device.
+    let reading = memguard_webhook::dra::read(
+        &pod,
+        trainer,
+        dra.as_deref().map(|c| c as &dyn memguard_webhook::dra::DraCatalog),
+        policy,
+    );
+    if parsed.gpu_memory.is_none() {
+        warnings.extend(reading.warnings.iter().map(|w| format!("memguard: {w}")));
+    }
+    if let Some(m) = &reading.memory
+        && !parsed.device_given
+        && device == memguard_estimator::Device::Cpu
+    {
+        device = m.device;
+    }
+    let dra_memory = reading.memory.filter(|m| m.device == device);
     let budget = memguard_webhook::budget::resolve(
         &pod,
         trainer,
         device,
         parsed.gpu_memory,
-        None,
+        dra_memory.as_ref(),
         safety_ratio,
         policy,
         &mut warnings,

@@ -60,7 +60,7 @@ pub struct Args {
 
 /// Every DRA object in `paths`; `None` without any (claims then get a warning, as in a
 /// webhook without its DRA caches).
-fn read_dra(
+pub(crate) fn read_dra(
     paths: &[PathBuf],
 ) -> Result<Option<std::sync::Arc<memguard_webhook::dra::StaticCatalog>>, String> {
     if paths.is_empty() {

@@ -580,4 +580,29 @@ fn a_policy_model_shadowing_a_built_in_one_wins_with_a_note() {
             .any(|l| l == "llama-3-8b (built-in, shadowed by the policy's llama-3-8b)"),
         "{list}"
     );
+
+/// `--dra-claim` with `--dra`: the claim's device and memory, as the webhook reads them; a
+/// claim whose objects are missing is an error naming what is missing, and no guess.
+#[test]
+fn a_dra_claim_gives_its_device_and_memory_offline() {
+    let objects = concat!(env!("CARGO_MANIFEST_DIR"), "/../webhook/tests/fixtures/dra/objects.yaml");
+    let base = ["estimate", "--model", "llama-3-8b", "--method", "lora"];
+    let with = |claim: &str| {
+        let mut a = base.to_vec();
+        a.extend(["--dra-claim", claim, "--dra", objects]);
+        a.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let args = with("claim/shared-h200");
+    let v = json(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(v["device"], "cuda");
+    assert_eq!(v["budget_source"]["kind"], "dra");
+    assert_eq!(u64_at(&v, "device_memory_bytes"), 143_071 << 20);
+    let args = with("one-mi300x");
+    let out = memguard(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no ResourceSlice of driver gpu.amd.com"), "{err}");
+    let out = memguard(&["estimate", "--model", "llama-3-8b", "--dra-claim", "single-h100"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--dra-claim needs --dra"));
 }
