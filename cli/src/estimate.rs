@@ -391,7 +391,8 @@ fn pod_budget(
     let reading = memguard_webhook::dra::read(
         &pod,
         trainer,
-        dra.as_deref().map(|c| c as &dyn memguard_webhook::dra::DraCatalog),
+        dra.as_deref()
+            .map(|c| c as &dyn memguard_webhook::dra::DraCatalog),
         policy,
     );
     if parsed.gpu_memory.is_none() {

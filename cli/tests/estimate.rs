@@ -585,7 +585,10 @@ fn a_policy_model_shadowing_a_built_in_one_wins_with_a_note() {
 /// claim whose objects are missing is an error naming what is missing, and no guess.
 #[test]
 fn a_dra_claim_gives_its_device_and_memory_offline() {
-    let objects = concat!(env!("CARGO_MANIFEST_DIR"), "/../webhook/tests/fixtures/dra/objects.yaml");
+    let objects = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../webhook/tests/fixtures/dra/objects.yaml"
+    );
     let base = ["estimate", "--model", "llama-3-8b", "--method", "lora"];
     let with = |claim: &str| {
         let mut a = base.to_vec();
@@ -601,8 +604,17 @@ fn a_dra_claim_gives_its_device_and_memory_offline() {
     let out = memguard(&args.iter().map(String::as_str).collect::<Vec<_>>());
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("no ResourceSlice of driver gpu.amd.com"), "{err}");
-    let out = memguard(&["estimate", "--model", "llama-3-8b", "--dra-claim", "single-h100"]);
+    assert!(
+        err.contains("no ResourceSlice of driver gpu.amd.com"),
+        "{err}"
+    );
+    let out = memguard(&[
+        "estimate",
+        "--model",
+        "llama-3-8b",
+        "--dra-claim",
+        "single-h100",
+    ]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--dra-claim needs --dra"));
 }

@@ -422,10 +422,9 @@ fn a_model_the_policy_adds_is_known_to_mutate_under_its_policy_file() {
 fn dra_fixtures_read_their_device_from_the_objects_given() {
     let policy = fixture("policy.yaml");
     let objects = fixture("dra/objects.yaml");
-    let table: serde_json::Map<String, Value> = serde_saphyr::from_str(
-        &std::fs::read_to_string(fixture("dra.yaml")).expect("table"),
-    )
-    .expect("YAML");
+    let table: serde_json::Map<String, Value> =
+        serde_saphyr::from_str(&std::fs::read_to_string(fixture("dra.yaml")).expect("table"))
+            .expect("YAML");
     assert_eq!(table.len(), 6);
     for (file, want) in table {
         let pod = fixture(&format!("dra/{file}"));

@@ -82,8 +82,7 @@ pub fn resolve(
     }
     match device {
         Device::Cuda | Device::Rocm => {
-            let (memory, source) =
-                gpu_memory(pod, device, &acc, annotated, dra, policy, warnings);
+            let (memory, source) = gpu_memory(pod, device, &acc, annotated, dra, policy, warnings);
             Some(Budget::new(memory, safety_ratio, source))
         }
         Device::Cpu | Device::Metal => match memory_limit(trainer) {

@@ -310,8 +310,14 @@ impl StaticCatalog {
     /// `ResourceSlice` of `resource.k8s.io/v1`); anything else is an error naming it.
     pub fn add(&mut self, object: serde_json::Value) -> Result<(), String> {
         let kind = object["kind"].as_str().unwrap_or_default().to_string();
-        let api = object["apiVersion"].as_str().unwrap_or_default().to_string();
-        let name = object["metadata"]["name"].as_str().unwrap_or_default().to_string();
+        let api = object["apiVersion"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        let name = object["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
         if api != API_VERSION {
             return Err(format!(
                 "{kind} {name}: apiVersion `{api}`; memguard reads {API_VERSION}"
@@ -319,13 +325,19 @@ impl StaticCatalog {
         }
         let bad = |e: serde_json::Error| format!("{kind} {name}: {e}");
         match kind.as_str() {
-            "ResourceClaim" => self.claims.push(serde_json::from_value(object).map_err(bad)?),
+            "ResourceClaim" => self
+                .claims
+                .push(serde_json::from_value(object).map_err(bad)?),
             "ResourceClaimTemplate" => {
                 self.templates
                     .push(serde_json::from_value(object).map_err(bad)?);
             }
-            "DeviceClass" => self.classes.push(serde_json::from_value(object).map_err(bad)?),
-            "ResourceSlice" => self.slices.push(serde_json::from_value(object).map_err(bad)?),
+            "DeviceClass" => self
+                .classes
+                .push(serde_json::from_value(object).map_err(bad)?),
+            "ResourceSlice" => self
+                .slices
+                .push(serde_json::from_value(object).map_err(bad)?),
             other => {
                 return Err(format!(
                     "`{other}` {name} is no DRA object (ResourceClaim, ResourceClaimTemplate, DeviceClass, ResourceSlice)"
@@ -750,12 +762,18 @@ fn usable(d: &SliceDevice, capacity: Bytes, policy: &Policy) -> (Bytes, String) 
     let product = d
         .attributes
         .get(PRODUCT_ATTRIBUTE)
-        .or_else(|| d.attributes.get(&format!("{NVIDIA_DRIVER}/{PRODUCT_ATTRIBUTE}")))
+        .or_else(|| {
+            d.attributes
+                .get(&format!("{NVIDIA_DRIVER}/{PRODUCT_ATTRIBUTE}"))
+        })
         .and_then(|a| a.string.as_deref());
     // NVML names products with spaces; GPU feature discovery's labels (the table's keys)
     // replace them with dashes.
     let key = product.map(|p| p.trim().replace(' ', "-"));
-    match key.as_deref().and_then(|k| policy.gpu_memory.get(k).map(|b| (k, *b))) {
+    match key
+        .as_deref()
+        .and_then(|k| policy.gpu_memory.get(k).map(|b| (k, *b)))
+    {
         Some((k, table)) if table < capacity => (table, format!(", table {k}")),
         _ => (capacity, String::new()),
     }

@@ -67,7 +67,12 @@ impl WatchCatalog {
             .and_then(|v| serde_json::from_value(v).ok())
     }
 
-    fn get<T: DeserializeOwned>(&self, kind: usize, namespace: Option<&str>, name: &str) -> Option<T> {
+    fn get<T: DeserializeOwned>(
+        &self,
+        kind: usize,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Option<T> {
         let (ar, store) = &self.stores.get()?.0[kind];
         let key = ObjectRef::<DynamicObject>::new_with(name, ar.clone());
         let key = match namespace {

@@ -188,8 +188,7 @@ pub fn skipped(error: String) -> Outcome {
 /// The decision, in four named stages: [`resolve`](TrainingPod::resolve) the pod, find its
 /// [`budget`], [`plan`] the config into it, [`render`] the result.
 fn decide(pod: &Pod, policy: &Policy, profiles: &Profiles) -> Result<Mutation, String> {
-    let mut training =
-        TrainingPod::resolve(pod, &policy.models).map_err(|e| e.to_string())?;
+    let mut training = TrainingPod::resolve(pod, &policy.models).map_err(|e| e.to_string())?;
     let mut warnings = Vec::new();
     let dra = dra_devices(pod, &mut training, policy, profiles, &mut warnings);
     let budget = budget(pod, &training, dra.as_ref(), policy, &mut warnings);

@@ -253,15 +253,27 @@ fn dra_fixtures_read_their_device_from_the_catalog() {
         let estimate: Value = serde_json::from_str(&m.estimate.to_json()).expect("JSON");
         assert_eq!(estimate["device"], want["device"], "{file}");
         assert_eq!(estimate["budgetSource"]["kind"], want["source"], "{file}");
-        assert_eq!(Some(b.device_memory.0), want["deviceMemory"].as_u64(), "{file}");
+        assert_eq!(
+            Some(b.device_memory.0),
+            want["deviceMemory"].as_u64(),
+            "{file}"
+        );
         if let Some(d) = want["detail"].as_str() {
-            let detail = estimate["budgetSource"]["detail"].as_str().unwrap_or_default();
+            let detail = estimate["budgetSource"]["detail"]
+                .as_str()
+                .unwrap_or_default();
             assert!(detail.contains(d), "{file}: {detail}");
         }
         match want["warning"].as_str() {
-            Some(w) => assert!(m.warnings.iter().any(|x| x.contains(w)), "{file}: {:?}", m.warnings),
+            Some(w) => assert!(
+                m.warnings.iter().any(|x| x.contains(w)),
+                "{file}: {:?}",
+                m.warnings
+            ),
             None => assert!(
-                !m.warnings.iter().any(|x| x.contains("DRA") || x.contains("CEL")),
+                !m.warnings
+                    .iter()
+                    .any(|x| x.contains("DRA") || x.contains("CEL")),
                 "{file}: {:?}",
                 m.warnings
             ),

@@ -26,7 +26,11 @@ fn a_template_on_a_typed_class_takes_the_smallest_matching_gpu_capped_by_the_tab
     // 81559Mi published; the table's NVML-usable figure for the H100 is smaller and wins.
     assert_eq!(m.bytes, Bytes::mib(81008));
     assert_eq!(m.device, Device::Cuda);
-    assert!(m.detail.contains("table NVIDIA-H100-80GB-HBM3"), "{}", m.detail);
+    assert!(
+        m.detail.contains("table NVIDIA-H100-80GB-HBM3"),
+        "{}",
+        m.detail
+    );
     assert!(r.warnings.is_empty(), "{:?}", r.warnings);
 }
 
@@ -36,7 +40,11 @@ fn first_available_takes_the_smallest_alternative() {
     let m = reading("resourceClaimTemplateName", "mig-or-gpu", Some(&c))
         .memory
         .expect("sized");
-    assert_eq!(m.bytes, Bytes::mib(9984), "the MIG slice, not the whole GPU");
+    assert_eq!(
+        m.bytes,
+        Bytes::mib(9984),
+        "the MIG slice, not the whole GPU"
+    );
 }
 
 #[test]
@@ -57,8 +65,16 @@ fn an_allocated_claim_reads_its_device() {
     let m = reading("resourceClaimName", "shared-h200", Some(&c))
         .memory
         .expect("sized");
-    assert_eq!(m.bytes, Bytes::mib(143071), "the table's H200, below 143771Mi");
-    assert!(m.detail.starts_with("allocated node-b/gpu-0"), "{}", m.detail);
+    assert_eq!(
+        m.bytes,
+        Bytes::mib(143071),
+        "the table's H200, below 143771Mi"
+    );
+    assert!(
+        m.detail.starts_with("allocated node-b/gpu-0"),
+        "{}",
+        m.detail
+    );
 }
 
 #[test]
@@ -66,21 +82,53 @@ fn each_missing_object_is_named() {
     let c = catalog();
     let empty = StaticCatalog::default();
     let cases: Vec<(&str, &str, &dyn DraCatalog, &str)> = vec![
-        ("resourceClaimTemplateName", "absent", &c, "ResourceClaimTemplate ml/absent not found"),
-        ("resourceClaimName", "absent", &c, "ResourceClaim ml/absent not found"),
-        ("resourceClaimTemplateName", "one-mi300x", &c, "no ResourceSlice of driver gpu.amd.com"),
-        ("resourceClaimTemplateName", "single-h100", &empty, "not found"),
+        (
+            "resourceClaimTemplateName",
+            "absent",
+            &c,
+            "ResourceClaimTemplate ml/absent not found",
+        ),
+        (
+            "resourceClaimName",
+            "absent",
+            &c,
+            "ResourceClaim ml/absent not found",
+        ),
+        (
+            "resourceClaimTemplateName",
+            "one-mi300x",
+            &c,
+            "no ResourceSlice of driver gpu.amd.com",
+        ),
+        (
+            "resourceClaimTemplateName",
+            "single-h100",
+            &empty,
+            "not found",
+        ),
     ];
     for (source, name, catalog, want) in cases {
         let r = reading(source, name, Some(catalog));
         assert_eq!(r.memory, None, "{name}");
-        assert!(r.warnings.iter().any(|w| w.contains(want)), "{name}: {:?}", r.warnings);
-        assert!(r.warnings[0].starts_with("DRA claim gpu ("), "{:?}", r.warnings);
+        assert!(
+            r.warnings.iter().any(|w| w.contains(want)),
+            "{name}: {:?}",
+            r.warnings
+        );
+        assert!(
+            r.warnings[0].starts_with("DRA claim gpu ("),
+            "{:?}",
+            r.warnings
+        );
     }
     let mut no_class = catalog();
     no_class.classes.clear();
     let r = reading("resourceClaimTemplateName", "single-h100", Some(&no_class));
-    assert!(r.warnings[0].contains("DeviceClass gpu.nvidia.com not found"), "{:?}", r.warnings);
+    assert!(
+        r.warnings[0].contains("DeviceClass gpu.nvidia.com not found"),
+        "{:?}",
+        r.warnings
+    );
 }
 
 /// A catalog that cannot answer (no RBAC, not synced, API not served) says why.
@@ -105,7 +153,11 @@ impl DraCatalog for Unavailable {
 
 #[test]
 fn an_unavailable_or_absent_catalog_is_one_warning_naming_why() {
-    let r = reading("resourceClaimTemplateName", "single-h100", Some(&Unavailable));
+    let r = reading(
+        "resourceClaimTemplateName",
+        "single-h100",
+        Some(&Unavailable),
+    );
     assert_eq!(r.memory, None);
     assert_eq!(
         r.warnings,

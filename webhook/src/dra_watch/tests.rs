@@ -42,7 +42,10 @@ async fn a_cluster_without_the_api_is_said_once_and_asked_nothing_more() {
     let (catalog, task) = start(client);
     let (request, send) = handle.next_request().await.expect("discovery");
     assert_eq!(request.uri().path(), "/apis/resource.k8s.io/v1");
-    send.send_response(answer(StatusCode::NOT_FOUND, &status_error(404, "NotFound")));
+    send.send_response(answer(
+        StatusCode::NOT_FOUND,
+        &status_error(404, "NotFound"),
+    ));
     task.await.expect("the task ends");
     assert_eq!(
         catalog.unavailable().as_deref(),
@@ -66,9 +69,12 @@ async fn synced_caches_answer_from_the_listed_objects() {
             let path = request.uri().path().to_string();
             let query = request.uri().query().unwrap_or_default().to_string();
             if path == "/apis/resource.k8s.io/v1" {
-                send.send_response(answer(StatusCode::OK, &json!({
+                send.send_response(answer(
+                    StatusCode::OK,
+                    &json!({
                     "kind": "APIResourceList", "apiVersion": "v1",
-                    "groupVersion": "resource.k8s.io/v1", "resources": []})));
+                    "groupVersion": "resource.k8s.io/v1", "resources": []}),
+                ));
             } else if query.contains("watch=true") {
                 pending.push(send);
             } else {
@@ -77,11 +83,13 @@ async fn synced_caches_answer_from_the_listed_objects() {
                     .iter()
                     .find(|(_, p)| *p == plural)
                     .expect("a DRA kind");
-                let items: Vec<&Value> =
-                    objects.iter().filter(|o| o["kind"] == *kind).collect();
-                send.send_response(answer(StatusCode::OK, &json!({
+                let items: Vec<&Value> = objects.iter().filter(|o| o["kind"] == *kind).collect();
+                send.send_response(answer(
+                    StatusCode::OK,
+                    &json!({
                     "kind": format!("{kind}List"), "apiVersion": "resource.k8s.io/v1",
-                    "metadata": {"resourceVersion": "1"}, "items": items})));
+                    "metadata": {"resourceVersion": "1"}, "items": items}),
+                ));
             }
         }
     });
@@ -90,7 +98,9 @@ async fn synced_caches_answer_from_the_listed_objects() {
         "{:?}",
         catalog.unavailable()
     );
-    let template = catalog.claim_template("ml", "single-h100").expect("template");
+    let template = catalog
+        .claim_template("ml", "single-h100")
+        .expect("template");
     assert_eq!(template.metadata.name, "single-h100");
     assert!(catalog.claim_template("other", "single-h100").is_none());
     assert!(catalog.device_class("gpu.nvidia.com").is_some());
@@ -108,11 +118,17 @@ async fn a_forbidden_watch_keeps_the_catalog_unsynced_and_names_the_error() {
     let server = tokio::spawn(async move {
         while let Some((request, send)) = handle.next_request().await {
             if request.uri().path() == "/apis/resource.k8s.io/v1" {
-                send.send_response(answer(StatusCode::OK, &json!({
+                send.send_response(answer(
+                    StatusCode::OK,
+                    &json!({
                     "kind": "APIResourceList", "apiVersion": "v1",
-                    "groupVersion": "resource.k8s.io/v1", "resources": []})));
+                    "groupVersion": "resource.k8s.io/v1", "resources": []}),
+                ));
             } else {
-                send.send_response(answer(StatusCode::FORBIDDEN, &status_error(403, "Forbidden")));
+                send.send_response(answer(
+                    StatusCode::FORBIDDEN,
+                    &status_error(403, "Forbidden"),
+                ));
             }
         }
     });
