@@ -409,8 +409,10 @@ fn pod_budget(
         &pod,
         trainer,
         device,
-        parsed.gpu_memory,
-        dra_memory.as_ref(),
+        memguard_webhook::budget::Known {
+            annotated: parsed.gpu_memory,
+            dra: dra_memory.as_ref(),
+        },
         safety_ratio,
         policy,
         &mut warnings,

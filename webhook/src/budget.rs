@@ -57,18 +57,27 @@ impl Budget {
     }
 }
 
+/// What is known of one device's memory before the pod's resources are read.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Known<'a> {
+    /// `memguard.io/gpu-memory`: the user said so.
+    pub annotated: Option<Bytes>,
+    /// The device of the trainer's DRA claims ([`crate::dra`]), when they were read.
+    pub dra: Option<&'a DraMemory>,
+}
+
 /// The budget of `trainer` in `pod` on `device`, and the warnings on the way. `None` for a CPU
 /// pod without a memory limit.
 pub fn resolve(
     pod: &Pod,
     trainer: &Container,
     device: Device,
-    annotated: Option<Bytes>,
-    dra: Option<&DraMemory>,
+    known: Known<'_>,
     safety_ratio: f64,
     policy: &Policy,
     warnings: &mut Vec<String>,
 ) -> Option<Budget> {
+    let Known { annotated, dra } = known;
     let acc = Accelerators::of(pod, trainer);
     for problem in &acc.problems {
         warnings.push(truncate(&format!("memguard: ignored {problem}")));

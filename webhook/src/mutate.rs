@@ -243,8 +243,10 @@ fn budget(
         pod,
         training.trainer,
         training.config.device,
-        training.annotations.gpu_memory,
-        dra,
+        crate::budget::Known {
+            annotated: training.annotations.gpu_memory,
+            dra,
+        },
         safety_ratio(training, policy),
         policy,
         warnings,
