@@ -580,6 +580,7 @@ fn a_policy_model_shadowing_a_built_in_one_wins_with_a_note() {
             .any(|l| l == "llama-3-8b (built-in, shadowed by the policy's llama-3-8b)"),
         "{list}"
     );
+}
 
 /// `--dra-claim` with `--dra`: the claim's device and memory, as the webhook reads them; a
 /// claim whose objects are missing is an error naming what is missing, and no guess.
