@@ -379,15 +379,14 @@ fn pod_budget(
         .as_ref()
         .and_then(|s| s.containers.first())
         .ok_or("the pod the flags describe has no trainer")?;
-    let mut device = if parsed.device_given {
+    let device = if parsed.device_given {
         parsed.config.device
     } else {
         default_device(&pod, trainer)
     };
     let safety_ratio = parsed.safety_ratio.unwrap_or(policy.safety_ratio);
     let mut warnings = Vec::new();
-    // As at admission (`mutate::dra_devices`): the claim's driver names the device when
-    // nothing else does, and its memory counts for a pod on that device.
+    // As at admission: the claim's driver names the device when nothing else does.
     let reading = memguard_webhook::dra::read(
         &pod,
         trainer,
@@ -398,20 +397,14 @@ fn pod_budget(
     if parsed.gpu_memory.is_none() {
         warnings.extend(reading.warnings.iter().map(|w| format!("memguard: {w}")));
     }
-    if let Some(m) = &reading.memory
-        && !parsed.device_given
-        && device == memguard_estimator::Device::Cpu
-    {
-        device = m.device;
-    }
-    let dra_memory = reading.memory.filter(|m| m.device == device);
+    let (device, dra_memory) = reading.on(device, parsed.device_given);
     let budget = memguard_webhook::budget::resolve(
         &pod,
         trainer,
         device,
         memguard_webhook::budget::Known {
             annotated: parsed.gpu_memory,
-            dra: dra_memory.as_ref(),
+            dra: dra_memory,
         },
         safety_ratio,
         policy,

@@ -401,6 +401,24 @@ pub struct DraReading {
     pub warnings: Vec<String>,
 }
 
+impl DraReading {
+    /// The device the trainer runs on, and the DRA memory that counts for it: the claims'
+    /// driver names the device when nothing else does (`device` is `cpu` and was not given),
+    /// and their memory counts only for a pod on that device (a pod made `cpu` by annotation
+    /// keeps its memory limit). Admission and `memguard estimate` both decide with this.
+    pub fn on(&self, device: Device, device_given: bool) -> (Device, Option<&DraMemory>) {
+        let Some(m) = &self.memory else {
+            return (device, None);
+        };
+        let device = if !device_given && device == Device::Cpu {
+            m.device
+        } else {
+            device
+        };
+        (device, (m.device == device).then_some(m))
+    }
+}
+
 /// One pod claim the trainer uses: its name, and where its spec comes from.
 struct PodClaim<'a> {
     name: &'a str,

@@ -197,8 +197,8 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &Profiles) -> Result<Mutation, S
 }
 
 /// The memory of the trainer's DRA devices ([`crate::dra`]), and its device when the pod
-/// names none and asks for no other accelerator: a claim on NVIDIA's driver makes a `cuda`
-/// pod, AMD's a `rocm` one. What cannot be read is a warning, unless `memguard.io/gpu-memory`
+/// names none and asks for no other accelerator ([`DraReading::on`](crate::dra::DraReading::on)):
+/// a claim on NVIDIA's driver makes a `cuda` pod, AMD's a `rocm` one. What cannot be read is a warning, unless `memguard.io/gpu-memory`
 /// already says how much memory there is.
 fn dra_devices(
     pod: &Pod,
@@ -213,13 +213,9 @@ fn dra_devices(
             warnings.push(truncate(&format!("memguard: {w}")));
         }
     }
-    let memory = reading.memory?;
-    if !training.annotations.device_given && training.config.device == Device::Cpu {
-        training.config.device = memory.device;
-    }
-    // A claim's device counts only for a pod on that kind of device (a CPU pod by
-    // annotation keeps its memory limit).
-    (training.config.device == memory.device).then_some(memory)
+    let (device, memory) = reading.on(training.config.device, training.annotations.device_given);
+    training.config.device = device;
+    memory.cloned()
 }
 
 /// The pod's safety ratio (`memguard.io/safety-ratio`), else the policy's.

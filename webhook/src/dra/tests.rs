@@ -207,3 +207,51 @@ fn objects_of_other_kinds_or_versions_are_refused_by_name() {
     .expect_err("a typo");
     assert!(e.contains("`ResourceClaimz` x is no DRA object"), "{e}");
 }
+
+#[test]
+fn the_claims_driver_names_the_device_only_when_nothing_else_does() {
+    let c = catalog();
+    let r = reading("resourceClaimTemplateName", "single-h100", Some(&c));
+    let m = r.memory.clone().expect("sized");
+    assert_eq!(
+        r.on(Device::Cpu, false),
+        (Device::Cuda, Some(&m)),
+        "a GPU pod now"
+    );
+    assert_eq!(
+        r.on(Device::Cpu, true),
+        (Device::Cpu, None),
+        "cpu by annotation stays"
+    );
+    assert_eq!(
+        r.on(Device::Rocm, true),
+        (Device::Rocm, None),
+        "another device: not counted"
+    );
+    assert_eq!(r.on(Device::Cuda, true), (Device::Cuda, Some(&m)));
+    let none = DraReading::default();
+    assert_eq!(none.on(Device::Cpu, false), (Device::Cpu, None));
+}
+
+#[test]
+fn the_gpu_memory_annotation_silences_dra_warnings_and_wins() {
+    use crate::{Outcome, Profiles, mutate};
+    let pod = trainer_pod()
+        .annotate(memguard_api::annotations::GPU_MEMORY, "40Gi")
+        .annotate(memguard_api::annotations::DEVICE, "cuda")
+        .spec(
+            "resourceClaims",
+            json!([{"name": "gpu", "resourceClaimTemplateName": "absent"}]),
+        )
+        .build();
+    let profiles = Profiles::default().with_dra(std::sync::Arc::new(catalog()));
+    let Outcome::Mutated(m) = mutate(&pod, &Policy::default(), &profiles) else {
+        panic!("not mutated");
+    };
+    assert_eq!(m.budget.expect("budget").device_memory, Bytes::gib(40));
+    assert!(
+        !m.warnings.iter().any(|w| w.contains("DRA")),
+        "{:?}",
+        m.warnings
+    );
+}
