@@ -38,6 +38,7 @@ pub struct Engine {
     pending_write: bool,
     errors_logged: u64,
     oom_kill_seen: Option<u64>,
+    waiting_for_trainer: bool,
 }
 
 /// Everything one step read, and the state machine's inputs made from it.
@@ -101,6 +102,7 @@ impl Engine {
             pending_write: true,
             errors_logged: 0,
             oom_kill_seen: None,
+            waiting_for_trainer: false,
         }
     }
 
@@ -284,6 +286,7 @@ impl Engine {
             psi_some_avg10: psi_used.and_then(|p| p.some).map(|s| s.avg10),
             gpu_ratio,
             seconds_to_limit,
+            trainer_batch: report.as_ref().and_then(|r| r.batch_size),
         };
         Readings {
             gpu_used: gpus.iter().map(|g| g.used_bytes).max(),
@@ -303,6 +306,10 @@ impl Engine {
     /// kept. Returns why, and whether the signal changed.
     fn assess(&mut self, r: &Readings, now_ms: u64) -> (String, bool) {
         let mut decision = pressure::assess(&self.state, &r.inputs, now_ms, &self.pressure);
+        if decision.waiting_for_trainer && !self.waiting_for_trainer {
+            tracing::info!(reason = %decision.reason, "downgrade due; waiting for the trainer to apply the last one");
+        }
+        self.waiting_for_trainer = decision.waiting_for_trainer;
         if let Some((state, why)) = self.after_oom(&decision.state, r.sample.as_ref(), now_ms) {
             decision.state = state;
             decision.reason = why;
@@ -337,6 +344,7 @@ impl Engine {
         st.sticky_batch_size = self.state.sticky.map(|k| k.batch_size);
         st.max_level = st.max_level.max(self.state.level);
         st.seconds_to_limit = r.inputs.seconds_to_limit;
+        st.waiting_for_trainer = self.waiting_for_trainer;
         st.psi_cgroup = r.psi_cgroup;
         st.psi_host = r.psi_host;
         st.gpus = r.gpus.clone();
@@ -657,6 +665,41 @@ mod tests {
         });
         e.tick(3000);
         assert_eq!(shared.status().seconds_to_limit, Some(10.0));
+    }
+
+    #[test]
+    fn the_next_downgrade_waits_for_the_trainer_to_report_the_last_one_applied() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // 880 of 1000 all along: downgrade pressure that only the trainer can relieve.
+        let (mut e, shared) = engine(vec![mem(880, true)], FakeGpu(Ok(vec![])), dir.path());
+        let runs = |batch| {
+            Some(memguard_api::Report {
+                batch_size: Some(batch),
+                step: Some(1),
+                ..Default::default()
+            })
+        };
+        shared.status().report = runs(8);
+        e.tick(0);
+        assert_eq!(shared.signal.borrow().batch_size, 4);
+        // A cooldown later the trainer still runs 8: no second halving, and it shows.
+        e.tick(31_000);
+        assert_eq!(shared.signal.borrow().batch_size, 4);
+        assert!(shared.status().waiting_for_trainer);
+        let metrics = crate::metrics::render(&shared.status(), &shared.signal.borrow());
+        assert!(
+            metrics.contains("memguard_sidecar_waiting_for_trainer 1"),
+            "{metrics}"
+        );
+        // It applies at 40 s; the cooldown counts from then.
+        shared.status().report = runs(4);
+        e.tick(40_000);
+        assert!(!shared.status().waiting_for_trainer);
+        e.tick(69_000);
+        assert_eq!(shared.signal.borrow().batch_size, 4);
+        e.tick(70_000);
+        assert_eq!(shared.signal.borrow().batch_size, 2);
+        assert_eq!(on_disk(dir.path()).batch_size, 2);
     }
 
     #[test]

@@ -215,6 +215,11 @@ pub fn render(st: &Status, sig: &Signal) -> String {
     );
     o.counter("samples_total", "Samples taken.", st.samples_total as f64);
     o.gauge(
+        "waiting_for_trainer",
+        "1 while a downgrade is due but waits for the trainer to report the batch of the last one (bounded by four cooldowns).",
+        Some(if st.waiting_for_trainer { 1.0 } else { 0.0 }),
+    );
+    o.gauge(
         "source_up",
         "1 when the last sample read the trainer's memory; 0 while the source is missing or failing (the memory figures are then the last good ones).",
         Some(if st.source_up { 1.0 } else { 0.0 }),

@@ -9,6 +9,14 @@
 //! At `downgrade` or above, the batch is halved (floor 1) and accumulation doubled so the
 //! effective batch is kept; then a cooldown must pass before the next downgrade (entering
 //! `critical` skips it once). At batch 1, gradient checkpointing is the last lever.
+//!
+//! A trainer applies a downgrade at its next step boundary, which on a loaded machine or with
+//! long steps can be later than the cooldown. When it reports the batch it runs, the next
+//! downgrade waits until that batch is the one recommended, and the cooldown counts from when
+//! it was: otherwise pressure the trainer has not yet had the chance to relieve is answered
+//! again (seen: 32 → 8 where 32 → 16 was enough). The wait is bounded
+//! ([`PressureConfig::apply_wait_ms`]), for a trainer that reports but never applies, and
+//! entering `critical` does not wait.
 
 use memguard_api::Level;
 use memguard_api::policy::Thresholds;
@@ -27,18 +35,28 @@ pub struct PressureConfig {
     pub relax_after_ms: u64,
     /// A steady growth reaching the limit within this many seconds counts as downgrade pressure.
     pub leak_horizon_s: f64,
+    /// The longest a downgrade waits for the trainer to apply the previous one (milliseconds
+    /// after it was issued).
+    pub apply_wait_ms: u64,
 }
 
 impl PressureConfig {
     /// Defaults: 0.05 hysteresis, 30 s cooldown, 5 s hold before a level falls, 60 s leak
-    /// horizon.
+    /// horizon, and a wait for the trainer of four cooldowns.
     pub fn new(thresholds: Thresholds) -> Self {
+        PressureConfig::with_cooldown(thresholds, 30_000)
+    }
+
+    /// The defaults with another cooldown; the trainer is waited for four cooldowns (a step with
+    /// accumulation can take minutes; `critical` does not wait).
+    pub fn with_cooldown(thresholds: Thresholds, cooldown_ms: u64) -> Self {
         PressureConfig {
             thresholds,
             hysteresis: 0.05,
-            cooldown_ms: 30_000,
+            cooldown_ms,
             relax_after_ms: 5_000,
             leak_horizon_s: 60.0,
+            apply_wait_ms: cooldown_ms.saturating_mul(4),
         }
     }
 }
@@ -54,6 +72,8 @@ pub struct Inputs {
     pub gpu_ratio: Option<f64>,
     /// Seconds until the limit at a steady growth, when one is seen.
     pub seconds_to_limit: Option<f64>,
+    /// The batch the trainer last reported running (`POST /v1/report`), when it reports one.
+    pub trainer_batch: Option<u64>,
 }
 
 /// What the state machine remembers between assessments.
@@ -69,6 +89,8 @@ pub struct State {
     pub grad_checkpointing: bool,
     /// When the last downgrade was issued (ms).
     pub last_downgrade_ms: Option<u64>,
+    /// When the trainer was first seen running the batch of the last downgrade (ms).
+    pub applied_ms: Option<u64>,
     /// Downgrades issued.
     pub downgrades: u64,
     /// Since when (ms) the figures have allowed a level below the current one.
@@ -97,6 +119,7 @@ impl State {
             grad_accumulation: grad_accumulation.max(1),
             grad_checkpointing,
             last_downgrade_ms: None,
+            applied_ms: None,
             downgrades: 0,
             relax_since_ms: None,
             sticky: None,
@@ -150,6 +173,8 @@ pub struct Decision {
     pub reason: String,
     /// A downgrade was issued now.
     pub downgraded: bool,
+    /// A downgrade was due but waits for the trainer to apply the last one.
+    pub waiting_for_trainer: bool,
 }
 
 fn ratio_level(r: f64, t: &Thresholds, margin: f64) -> Level {
@@ -270,13 +295,35 @@ pub fn assess(state: &State, inputs: &Inputs, now_ms: u64, c: &PressureConfig) -
     };
     next.level = level;
     let mut downgraded = false;
+    let mut waiting_for_trainer = false;
+    // The trainer runs what was recommended (or less): from now the downgrade is in effect.
+    let applied = inputs.trainer_batch.is_none_or(|b| b <= state.batch_size);
+    // A trainer that does not report its batch is taken to apply at once, as before.
+    if inputs.trainer_batch.is_some()
+        && applied
+        && state.last_downgrade_ms.is_some()
+        && state.applied_ms.is_none()
+    {
+        next.applied_ms = Some(now_ms);
+    }
     // Downgrade again only while the figures are over the threshold, not merely held by hysteresis.
     if level >= Level::Downgrade && enter >= Level::Downgrade {
-        let cooled = state
+        let in_effect_since = state
             .last_downgrade_ms
-            .is_none_or(|t| now_ms.saturating_sub(t) >= c.cooldown_ms);
+            .map(|t| next.applied_ms.unwrap_or(t).max(t));
+        let cooled = in_effect_since.is_none_or(|t| now_ms.saturating_sub(t) >= c.cooldown_ms);
+        let waited_out = state
+            .last_downgrade_ms
+            .is_some_and(|t| now_ms.saturating_sub(t) >= c.apply_wait_ms);
         let escalated = level == Level::Critical && state.level < Level::Critical;
-        if cooled || escalated {
+        if !applied && !waited_out && !escalated {
+            waiting_for_trainer = true;
+            reason.push_str(&format!(
+                "; waiting for the trainer to apply batch {} (it reports {})",
+                state.batch_size,
+                inputs.trainer_batch.unwrap_or_default()
+            ));
+        } else if cooled || waited_out || escalated {
             if state.batch_size > 1 {
                 let (b, a) = halved_batch(state.batch_size, state.grad_accumulation);
                 reason.push_str(&format!(
@@ -300,12 +347,14 @@ pub fn assess(state: &State, inputs: &Inputs, now_ms: u64, c: &PressureConfig) -
     if downgraded {
         next.downgrades += 1;
         next.last_downgrade_ms = Some(now_ms);
+        next.applied_ms = None;
     }
     next.hold_sticky();
     Decision {
         state: next,
         reason,
         downgraded,
+        waiting_for_trainer,
     }
 }
 
@@ -360,6 +409,7 @@ pub fn sticky_downgrade(
     if next.knobs() != current {
         next.downgrades += 1;
         next.last_downgrade_ms = Some(now_ms);
+        next.applied_ms = None;
     }
     next
 }
@@ -598,6 +648,81 @@ mod tests {
                 (Critical, 2, 8),
                 (Critical, 2, 8),
             ]
+        );
+    }
+
+    fn reporting(r: f64, batch: u64) -> Inputs {
+        Inputs {
+            trainer_batch: Some(batch),
+            ..mem(r)
+        }
+    }
+
+    #[test]
+    fn a_downgrade_waits_for_the_trainer_to_apply_the_last_one_and_cools_from_then() {
+        let c = cfg();
+        let steps = [
+            // (ms, memory ratio, batch the trainer reports) -> recommended batch, and why
+            (0, 0.86, 32, 16, "batch 32 -> 16"),
+            (
+                30_000,
+                0.88,
+                32,
+                16,
+                "waiting for the trainer to apply batch 16 (it reports 32)",
+            ),
+            (44_000, 0.88, 32, 16, "waiting for the trainer"),
+            (45_000, 0.88, 16, 16, "cooling down"), // applied: the cooldown starts now
+            (74_999, 0.88, 16, 16, "cooling down"),
+            (75_000, 0.88, 16, 8, "batch 16 -> 8"),
+        ];
+        let mut s = State::new(32, 1, false);
+        for (t, ratio, reported, want, why) in steps {
+            let d = assess(&s, &reporting(ratio, reported), t, &c);
+            assert_eq!(d.state.batch_size, want, "at {t} ms: {}", d.reason);
+            assert!(d.reason.contains(why), "at {t} ms: {}", d.reason);
+            s = d.state;
+        }
+        // Without the trainer's batch (a trainer that does not report it), the cooldown alone
+        // spaces the downgrades, as before.
+        let got = run(
+            State::new(32, 1, false),
+            &[(0, mem(0.86)), (30_000, mem(0.88))],
+        );
+        assert_eq!(got[1].1, 8);
+    }
+
+    #[test]
+    fn a_trainer_that_never_applies_is_waited_for_four_cooldowns() {
+        let c = cfg();
+        assert_eq!(c.apply_wait_ms, 4 * c.cooldown_ms);
+        let mut s = assess(&State::new(32, 1, false), &reporting(0.86, 32), 0, &c).state;
+        for t in [30_000, 60_000, 119_999] {
+            s = assess(&s, &reporting(0.88, 32), t, &c).state;
+            assert_eq!(s.batch_size, 16, "at {t} ms");
+        }
+        let d = assess(&s, &reporting(0.88, 32), 120_000, &c);
+        assert_eq!(d.state.batch_size, 8, "{}", d.reason);
+        assert!(d.downgraded);
+    }
+
+    #[test]
+    fn entering_critical_does_not_wait_for_the_trainer() {
+        let c = cfg();
+        let s = assess(&State::new(32, 1, false), &reporting(0.86, 32), 0, &c).state;
+        let d = assess(&s, &reporting(0.96, 32), 1_000, &c);
+        assert_eq!((d.state.level, d.state.batch_size), (Level::Critical, 8));
+    }
+
+    #[test]
+    fn a_trainer_running_less_than_recommended_has_applied() {
+        let c = cfg();
+        let s = assess(&State::new(32, 1, false), &reporting(0.86, 32), 0, &c).state;
+        let s = assess(&s, &reporting(0.88, 4), 10_000, &c).state;
+        assert_eq!(s.applied_ms, Some(10_000));
+        assert_eq!(
+            assess(&s, &reporting(0.88, 4), 40_000, &c).state.batch_size,
+            8
         );
     }
 

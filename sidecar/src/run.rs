@@ -195,8 +195,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tracing::info!(gpu = %gpu.describe(), "GPU source");
     let psi_cgroup = dir.as_deref().map(|d| cgroup_psi_path(&a.cgroup_root, d));
     let host = a.proc_root.join("pressure/memory");
-    let mut pressure = PressureConfig::new(config.thresholds);
-    pressure.cooldown_ms = a.cooldown.as_millis() as u64;
+    let mut pressure =
+        PressureConfig::with_cooldown(config.thresholds, a.cooldown.as_millis() as u64);
     pressure.relax_after_ms = a.relax_after.as_millis() as u64;
     pressure.leak_horizon_s = a.leak_horizon.as_secs_f64();
     let mut engine = Engine::new(

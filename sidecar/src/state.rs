@@ -63,6 +63,8 @@ pub struct Status {
     pub sticky_batch_size: Option<u64>,
     /// Seconds to the limit of a steady growth, when one is seen.
     pub seconds_to_limit: Option<f64>,
+    /// A downgrade is due but waits for the trainer to apply the last one.
+    pub waiting_for_trainer: bool,
 }
 
 impl Status {
