@@ -5,8 +5,8 @@
 
 use crate::models::ModelCatalog;
 use memguard_estimator::{
-    Bytes, ConfigError, Device, LoraTargets, Loss, Method, ModelShape, Optimizer, Parallelism,
-    Precision, TrainingConfig, parse_bytes, parse_count,
+    Bytes, ConfigError, Device, GradSync, LoraTargets, Loss, Method, ModelShape, Optimizer,
+    Parallelism, Precision, TrainingConfig, parse_bytes, parse_count,
 };
 use std::collections::BTreeMap;
 use std::fmt;
@@ -80,6 +80,12 @@ pub const COMPILE: &str = "memguard.io/compile";
 /// `true|false`: the LoRA adapters apply dropout to their input (`lora_dropout` above 0;
 /// default `false`, PEFT's default of 0).
 pub const LORA_DROPOUT: &str = "memguard.io/lora-dropout";
+/// `accumulate|each-batch`: how the trainer synchronises gradients while micro-batches
+/// accumulate (default `accumulate`: `no_sync()` until the last micro-batch, what HF
+/// Accelerate, the HF Trainer and LitGPT do; `each-batch`: Accelerate's `sync_each_batch`).
+/// Under FSDP with several ranks and accumulation above 1, `accumulate` holds full,
+/// unsharded gradients.
+pub const GRAD_SYNC: &str = "memguard.io/grad-sync";
 /// `fp32|bf16-mixed|fp16-mixed|bf16|fp16`.
 pub const PRECISION: &str = "memguard.io/precision";
 /// `cuda|cpu|metal|rocm`; default: `rocm` for AMD GPUs, `cuda` for NVIDIA GPUs, else `cpu`.
@@ -134,6 +140,7 @@ pub const INPUT_KEYS: &[&str] = &[
     OPTIMIZER_IN_BACKWARD,
     COMPILE,
     LORA_DROPOUT,
+    GRAD_SYNC,
     PRECISION,
     DEVICE,
     PARALLELISM,
@@ -191,17 +198,20 @@ pub enum Knob {
     LoraRank,
     /// Adapted layers.
     LoraLayers,
+    /// Gradient synchronisation while accumulating (`accumulate|each-batch`).
+    GradSync,
 }
 
 impl Knob {
     /// Every knob.
-    pub const ALL: [Knob; 6] = [
+    pub const ALL: [Knob; 7] = [
         Knob::BatchSize,
         Knob::GradAccumulation,
         Knob::GradCheckpointing,
         Knob::SeqLength,
         Knob::LoraRank,
         Knob::LoraLayers,
+        Knob::GradSync,
     ];
 
     /// The name used in `env-map` (the annotation key without prefix).
@@ -213,6 +223,7 @@ impl Knob {
             Knob::SeqLength => "seq-length",
             Knob::LoraRank => "lora-rank",
             Knob::LoraLayers => "lora-layers",
+            Knob::GradSync => "grad-sync",
         }
     }
 
@@ -225,6 +236,7 @@ impl Knob {
             Knob::SeqLength => crate::env::SEQ_LENGTH,
             Knob::LoraRank => crate::env::LORA_RANK,
             Knob::LoraLayers => crate::env::LORA_LAYERS,
+            Knob::GradSync => crate::env::GRAD_SYNC,
         }
     }
 
@@ -237,6 +249,7 @@ impl Knob {
             Knob::SeqLength => cfg.seq_length.to_string(),
             Knob::LoraRank => cfg.lora_rank.to_string(),
             Knob::LoraLayers => cfg.adapted_layers().to_string(),
+            Knob::GradSync => cfg.grad_sync.name().to_string(),
         }
     }
 
@@ -390,6 +403,9 @@ impl TrainingAnnotations {
         }
         if let Some(v) = p.boolean(LORA_DROPOUT) {
             config.lora_dropout = v;
+        }
+        if let Some(v) = p.enum_value::<GradSync>(GRAD_SYNC) {
+            config.grad_sync = v;
         }
         let device = p.enum_value::<Device>(DEVICE);
         if let Some(v) = device {
@@ -780,11 +796,13 @@ mod tests {
         assert!(!a.config.compile && !a.config.activation_offload);
         assert!(!a.config.optimizer_offload && !a.config.optimizer_in_backward);
         assert!(!a.config.model.attention_dropout && !a.config.lora_dropout);
+        assert_eq!(a.config.grad_sync, GradSync::Accumulate);
         let a = parse(&annotations(&[
             (MODEL, "gpt2"),
             (LOSS, "chunked"),
             (COMPILE, "true"),
             (LORA_DROPOUT, "true"),
+            (GRAD_SYNC, "each-batch"),
             (ACTIVATION_OFFLOAD, "true"),
             (OPTIMIZER_OFFLOAD, "true"),
             (OPTIMIZER_IN_BACKWARD, "true"),
@@ -794,6 +812,7 @@ mod tests {
         assert!(a.config.compile && a.config.activation_offload);
         assert!(a.config.optimizer_offload && a.config.optimizer_in_backward);
         assert!(a.config.lora_dropout);
+        assert_eq!(a.config.grad_sync, GradSync::EachBatch);
         // GPT-2's config trains with attention dropout; the annotation can say otherwise.
         assert!(a.config.model.attention_dropout);
         let off = parse(&annotations(&[
@@ -806,10 +825,16 @@ mod tests {
             (MODEL, "gpt2"),
             (LOSS, "liger-ish"),
             (COMPILE, "yes"),
+            (GRAD_SYNC, "sometimes"),
         ]))
         .expect_err("invalid");
         let keys: Vec<&str> = errs.iter().map(|e| e.key.as_str()).collect();
-        assert_eq!(keys, vec!["loss", "compile"], "{errs:?}");
+        assert_eq!(keys, vec!["loss", "compile", "grad-sync"], "{errs:?}");
+        assert!(
+            errs[2].message.contains("accumulate each-batch"),
+            "{}",
+            errs[2].message
+        );
     }
 
     #[test]

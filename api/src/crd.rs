@@ -288,6 +288,10 @@ pub struct TrainingKnobs {
     /// Adapted layers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora_layers: Option<u64>,
+    /// Gradient synchronisation while accumulating, `accumulate` or `each-batch` (FSDP across
+    /// ranks only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_sync: Option<String>,
 }
 
 /// The downgrade to apply to the next pod of a profile whose last pod was OOM-killed. It stays

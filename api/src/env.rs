@@ -12,6 +12,10 @@ pub const SEQ_LENGTH: &str = "MEMGUARD_SEQ_LENGTH";
 pub const LORA_RANK: &str = "MEMGUARD_LORA_RANK";
 /// Recommended number of adapted layers (adapter methods only).
 pub const LORA_LAYERS: &str = "MEMGUARD_LORA_LAYERS";
+/// `each-batch` when the trainer should reduce-scatter gradients at every micro-batch
+/// (Accelerate's `sync_each_batch`), `accumulate` otherwise; written for FSDP pods with
+/// several ranks only, where it decides whether accumulated gradients stay sharded.
+pub const GRAD_SYNC: &str = "MEMGUARD_GRAD_SYNC";
 /// The estimated peak of the final config, in bytes.
 pub const ESTIMATE_BYTES: &str = "MEMGUARD_ESTIMATE_BYTES";
 /// The budget the plan aimed at, in bytes.
@@ -111,6 +115,7 @@ pub const TRAINER_VARS: &[&str] = &[
     SEQ_LENGTH,
     LORA_RANK,
     LORA_LAYERS,
+    GRAD_SYNC,
     ESTIMATE_BYTES,
     BUDGET_BYTES,
     SIGNAL_FILE,

@@ -7,7 +7,7 @@ use memguard_api::annotations::TrainingAnnotations;
 use memguard_api::policy::DEFAULT_SAFETY_RATIO;
 use memguard_api::{ModelCatalog, Policy};
 use memguard_estimator::{
-    Bytes, Calibration, DowngradePlan, Estimate, ServingConfig, TrainingConfig, catalog,
+    Bytes, Calibration, DowngradePlan, Estimate, GradSync, ServingConfig, TrainingConfig, catalog,
     estimate_serving, parse_bytes, plan_with_floors,
 };
 use serde_json::{Value, json};
@@ -167,6 +167,10 @@ annotation_flags! {
     compile => "compile",
     /// true|false: the LoRA adapters apply dropout to their input (default false).
     lora_dropout => "lora-dropout",
+    /// accumulate|each-batch: how gradients are synchronised while micro-batches accumulate
+    /// (default accumulate: no_sync until the last micro-batch, as Accelerate and LitGPT do;
+    /// each-batch: Accelerate's sync_each_batch, which keeps FSDP's gradients sharded).
+    grad_sync => "grad-sync",
     /// fp32|bf16-mixed|fp16-mixed|bf16|fp16.
     precision => "precision",
     /// cuda|cpu|metal|rocm.
@@ -638,6 +642,7 @@ fn config_json(cfg: &TrainingConfig) -> Value {
         "seq_length": cfg.seq_length,
         "lora_rank": if cfg.is_adapter() { Some(cfg.lora_rank) } else { None },
         "lora_layers": if cfg.is_adapter() { Some(cfg.adapted_layers()) } else { None },
+        "grad_sync": cfg.grad_sync.name(),
     })
 }
 
@@ -726,7 +731,7 @@ fn write_table(
     if plan.fits {
         writeln!(
             out,
-            "fits after {} step(s): batch {}, accumulation {}, checkpointing {}, seq {}{}",
+            "fits after {} step(s): batch {}, accumulation {}, checkpointing {}, seq {}{}{}",
             plan.steps.len(),
             c.batch_size,
             c.grad_accumulation,
@@ -736,6 +741,11 @@ fn write_table(
                 format!(", LoRA rank {}, layers {}", c.lora_rank, c.adapted_layers())
             } else {
                 String::new()
+            },
+            if c.grad_sync == GradSync::EachBatch {
+                ", gradients synced each batch"
+            } else {
+                ""
             }
         )?;
     } else {

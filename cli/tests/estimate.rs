@@ -75,6 +75,60 @@ fn budget_that_is_too_small_downgrades_and_keeps_the_effective_batch() {
 }
 
 #[test]
+fn grad_sync_flag_keeps_fsdp_gradients_sharded_and_the_plan_syncs_before_halving() {
+    let fsdp = [
+        "estimate",
+        "--model",
+        "llama-3-8b",
+        "--parallelism",
+        "fsdp",
+        "--world-size",
+        "8",
+        "--batch-size",
+        "4",
+        "--grad-accumulation",
+        "2",
+        "--seq-length",
+        "1024",
+    ];
+    let grads = |v: &Value| v["components"]["gradients"].as_u64().expect("gradients");
+    let accumulate = json(&fsdp);
+    let each = json(&[&fsdp[..], &["--grad-sync", "each-batch"]].concat());
+    // Unsharded under no_sync, one eighth with a reduce-scatter per micro-batch.
+    assert_eq!(grads(&accumulate), grads(&each) * 8);
+    assert_eq!(
+        json(&[&fsdp[..], &["--grad-sync", "accumulate"]].concat()),
+        accumulate,
+        "accumulate is the default"
+    );
+
+    // Planned into the synced total: checkpointing, then the sync rung, and it says so.
+    let checkpointed = [
+        &fsdp[..],
+        &["--grad-sync", "each-batch", "--grad-checkpointing", "true"],
+    ]
+    .concat();
+    let budget = u64_at(&json(&checkpointed), "total_bytes").to_string();
+    let v = json(&[&fsdp[..], &["--budget", &budget]].concat());
+    let rungs: Vec<&str> = v["steps"]
+        .as_array()
+        .expect("steps")
+        .iter()
+        .filter_map(|s| s["rung"].as_str())
+        .collect();
+    assert_eq!(rungs, ["grad-checkpointing", "sync-each-batch"]);
+    assert_eq!(v["config"]["grad_sync"], "each-batch");
+
+    let out = memguard(&[&fsdp[..], &["--grad-sync", "sometimes"]].concat());
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--grad-sync") && stderr.contains("accumulate each-batch"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn generous_budget_needs_no_steps() {
     let v = json(&[
         "estimate",

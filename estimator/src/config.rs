@@ -102,6 +102,28 @@ impl Default for Loss {
 }
 
 named_enum! {
+    /// How gradients are synchronised across data-parallel ranks while micro-batches accumulate.
+    GradSync {
+        /// The accumulating micro-batches skip synchronisation (`no_sync()`, FSDP2's
+        /// `set_requires_gradient_sync(False)`) and the last one reduces: what HF Accelerate,
+        /// the HF Trainer and LitGPT do by default. Under FSDP every rank then holds full,
+        /// unsharded gradients until the last micro-batch.
+        Accumulate => "accumulate" | "no-sync",
+        /// Every micro-batch reduce-scatters its gradients (Accelerate's
+        /// `GradientAccumulationPlugin(sync_each_batch=True)`): FSDP keeps them sharded, at
+        /// the cost of one reduction per micro-batch.
+        EachBatch => "each-batch" | "sync-each-batch",
+    }
+}
+
+impl Default for GradSync {
+    /// `accumulate`: what Accelerate and LitGPT do unless told otherwise.
+    fn default() -> Self {
+        GradSync::Accumulate
+    }
+}
+
+named_enum! {
     /// The numeric regime of training (the static part differs by 2× between them).
     Precision {
         /// Everything in fp32.
@@ -499,12 +521,16 @@ pub struct TrainingConfig {
     /// dropped copy of its input for LoRA A's gradient.
     #[cfg_attr(feature = "serde", serde(default))]
     pub lora_dropout: bool,
+    /// How gradients are synchronised while micro-batches accumulate (only FSDP with several
+    /// ranks and accumulation above 1 is affected: unsharded gradients under `accumulate`).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub grad_sync: GradSync,
 }
 
 impl TrainingConfig {
     /// A config with memguard's defaults: full fine-tuning in bf16-mixed with AdamW, batch 1,
     /// sequence 2048, flash attention on, one CUDA device, the standard loss, nothing offloaded,
-    /// no `torch.compile`.
+    /// no `torch.compile`, gradients synchronised at the last micro-batch only.
     pub fn new(model: ModelShape) -> Self {
         TrainingConfig {
             model,
@@ -530,6 +556,7 @@ impl TrainingConfig {
             optimizer_in_backward: false,
             compile: false,
             lora_dropout: false,
+            grad_sync: GradSync::Accumulate,
         }
     }
 
@@ -543,6 +570,16 @@ impl TrainingConfig {
         self.lora_layers
             .unwrap_or(self.model.num_layers)
             .min(self.model.num_layers)
+    }
+
+    /// Whether FSDP holds full, unsharded gradients across accumulating micro-batches: several
+    /// ranks, accumulation above 1, and the micro-batches run under `no_sync()`
+    /// ([`GradSync::Accumulate`]).
+    pub fn fsdp_accumulates_unsharded(&self) -> bool {
+        self.parallelism == Parallelism::Fsdp
+            && self.world_size > 1
+            && self.grad_accumulation > 1
+            && self.grad_sync == GradSync::Accumulate
     }
 
     /// Checks every field and returns every problem, each naming its field.

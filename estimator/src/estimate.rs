@@ -408,7 +408,8 @@ fn master_weights(x: &Ctx) -> Bytes {
 /// `accumulate`), which skips the reduce-scatter, so every unit keeps its full gradient
 /// until the last micro-batch's backward reduces it ("FSDP will accumulate the full model
 /// gradients (instead of gradient shards) until the eventual sync", torch's FSDP
-/// `no_sync` documentation). ZeRO reduces into its partitions at every micro-batch.
+/// `no_sync` documentation). ZeRO reduces into its partitions at every micro-batch, and so
+/// does FSDP under `grad-sync: each-batch` (Accelerate's `sync_each_batch`).
 fn gradients(x: &Ctx) -> Bytes {
     if x.cfg.optimizer_in_backward {
         return Bytes::from_f64(largest_trainable_tensor(x) * x.regime.grad);
@@ -423,7 +424,7 @@ fn gradients(x: &Ctx) -> Bytes {
 
 /// Whether FSDP accumulates full, unsharded gradients over micro-batches (see [`gradients`]).
 fn fsdp_accumulates_unsharded(x: &Ctx) -> bool {
-    x.cfg.parallelism == Parallelism::Fsdp && x.cfg.world_size > 1 && x.cfg.grad_accumulation > 1
+    x.cfg.fsdp_accumulates_unsharded()
 }
 
 /// Elements of the largest trainable tensor: `r·max(h, I)` for adapters, `h·max(V, I)`

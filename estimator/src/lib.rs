@@ -27,8 +27,8 @@ pub mod units;
 
 pub use calibration::Calibration;
 pub use config::{
-    ConfigError, Device, LoraTargets, Loss, Method, Mla, ModelShape, Optimizer, Parallelism,
-    Precision, TrainingConfig,
+    ConfigError, Device, GradSync, LoraTargets, Loss, Method, Mla, ModelShape, Optimizer,
+    Parallelism, Precision, TrainingConfig,
 };
 pub use estimate::{Component, Estimate, estimate};
 pub use inference::{ServingConfig, estimate_serving};

@@ -1,7 +1,7 @@
 //! The downgrade plan: walk the quality-preserving ladder until the step fits the budget.
 
 use crate::calibration::Calibration;
-use crate::config::{ConfigError, TrainingConfig};
+use crate::config::{ConfigError, GradSync, Parallelism, TrainingConfig};
 use crate::estimate::{Estimate, estimate};
 use crate::units::Bytes;
 use std::fmt;
@@ -13,6 +13,10 @@ use std::fmt;
 pub enum Rung {
     /// Recompute activations in the backward pass: costs time, not quality.
     GradCheckpointing,
+    /// FSDP across ranks: reduce-scatter gradients at every micro-batch instead of holding them
+    /// unsharded until the last (Accelerate's `sync_each_batch`). Costs communication, not
+    /// quality; tried before the batch is halved, since halving raises accumulation.
+    SyncEachBatch,
     /// Halve the per-device batch and double gradient accumulation: same effective batch.
     HalveBatch,
     /// Halve the sequence length: sees less context per sample.
@@ -25,8 +29,9 @@ pub enum Rung {
 
 /// The ladder, cheapest quality cost first. Each rung is applied as often as it helps (down to
 /// its floor) before the next is tried.
-pub const LADDER: [Rung; 5] = [
+pub const LADDER: [Rung; 6] = [
     Rung::GradCheckpointing,
+    Rung::SyncEachBatch,
     Rung::HalveBatch,
     Rung::HalveSeqLength,
     Rung::HalveLoraRank,
@@ -38,6 +43,7 @@ impl Rung {
     pub const fn name(self) -> &'static str {
         match self {
             Rung::GradCheckpointing => "grad-checkpointing",
+            Rung::SyncEachBatch => "sync-each-batch",
             Rung::HalveBatch => "halve-batch",
             Rung::HalveSeqLength => "halve-seq-length",
             Rung::HalveLoraRank => "halve-lora-rank",
@@ -56,6 +62,21 @@ impl Rung {
                 }
                 next.grad_checkpointing = true;
                 "enable gradient checkpointing".to_string()
+            }
+            Rung::SyncEachBatch => {
+                // Only FSDP across ranks holds unsharded gradients, and only while it
+                // accumulates or a halved batch would make it accumulate.
+                let could_accumulate =
+                    cfg.grad_accumulation > 1 || cfg.batch_size > floors.batch_size.max(1);
+                if cfg.parallelism != Parallelism::Fsdp
+                    || cfg.world_size <= 1
+                    || cfg.grad_sync == GradSync::EachBatch
+                    || !could_accumulate
+                {
+                    return None;
+                }
+                next.grad_sync = GradSync::EachBatch;
+                "sync gradients at every micro-batch: FSDP keeps them sharded".to_string()
             }
             Rung::HalveBatch => {
                 let floor = floors.batch_size.max(1);
@@ -219,7 +240,12 @@ pub fn plan_with_floors(
                 continue 'ladder;
             };
             // A rung that saves nothing would cost quality for no memory: try the next one.
-            if next_estimate.total >= current_estimate.total {
+            // Syncing each batch at accumulation 1 saves nothing by itself, but it is what
+            // lets the halving after it save: taken when it does.
+            if next_estimate.total >= current_estimate.total
+                && !(rung == Rung::SyncEachBatch
+                    && halving_saves(&next, current_estimate.total, floors))
+            {
                 continue 'ladder;
             }
             steps.push(Step {
@@ -242,6 +268,14 @@ pub fn plan_with_floors(
         estimate: current_estimate,
         calibration: *calibration,
     })
+}
+
+/// Whether halving the batch of `cfg` gives a total below `than` (a valid config).
+fn halving_saves(cfg: &TrainingConfig, than: Bytes, floors: &Floors) -> bool {
+    Rung::HalveBatch
+        .apply(cfg, floors)
+        .and_then(|(halved, _)| estimate(&halved).ok())
+        .is_some_and(|e| e.total < than)
 }
 
 #[cfg(test)]
@@ -413,6 +447,171 @@ mod tests {
         let last = p.steps.last().expect("steps");
         assert_eq!(last.total_after, cal.apply(p.estimate.total));
         assert!(p.total() <= budget);
+    }
+
+    /// Full fine-tuning of Llama 3 8B under FSDP on 8 ranks, batch 8, no accumulation,
+    /// sequence 1024: unsharded gradients (`Pt·4`, 32 GB) outweigh what halving the batch saves
+    /// once checkpointing is on.
+    fn fsdp() -> TrainingConfig {
+        let mut cfg = TrainingConfig::new(catalog::lookup("llama-3-8b").expect("catalog"));
+        cfg.parallelism = Parallelism::Fsdp;
+        cfg.world_size = 8;
+        cfg.batch_size = 8;
+        cfg.seq_length = 1024;
+        cfg
+    }
+
+    fn fsdp_with(f: impl Fn(&mut TrainingConfig)) -> TrainingConfig {
+        let mut cfg = fsdp();
+        f(&mut cfg);
+        cfg
+    }
+
+    #[test]
+    fn fsdp_syncs_each_batch_before_halving_so_that_halving_saves() {
+        use Rung::*;
+        // Halving under no_sync would hold the gradients unsharded: more memory, not less.
+        let ckpt = fsdp_with(|c| c.grad_checkpointing = true);
+        let halved_no_sync = fsdp_with(|c| {
+            c.grad_checkpointing = true;
+            c.batch_size = 4;
+            c.grad_accumulation = 2;
+        });
+        assert!(
+            total(&halved_no_sync) > total(&ckpt),
+            "the defect this rung cures"
+        );
+        let synced = |f: &dyn Fn(&mut TrainingConfig)| {
+            fsdp_with(|c| {
+                c.grad_sync = GradSync::EachBatch;
+                f(c)
+            })
+        };
+        // (name, start, budget = the total of the config the plan should reach, rungs)
+        let table: Vec<(&str, TrainingConfig, Bytes, Vec<Rung>)> = vec![
+            (
+                "accumulation 1: sync (free there) lets the batch halve",
+                fsdp(),
+                total(&synced(&|c| {
+                    c.grad_checkpointing = true;
+                    c.batch_size = 2;
+                    c.grad_accumulation = 4;
+                })),
+                vec![GradCheckpointing, SyncEachBatch, HalveBatch, HalveBatch],
+            ),
+            (
+                "already accumulating: syncing alone is enough",
+                fsdp_with(|c| {
+                    c.batch_size = 4;
+                    c.grad_accumulation = 2;
+                }),
+                total(&synced(&|c| {
+                    c.grad_checkpointing = true;
+                    c.batch_size = 4;
+                    c.grad_accumulation = 2;
+                })),
+                vec![GradCheckpointing, SyncEachBatch],
+            ),
+            (
+                "the trainer syncs each batch already: no rung for it",
+                synced(&|_| {}),
+                total(&synced(&|c| {
+                    c.grad_checkpointing = true;
+                    c.batch_size = 2;
+                    c.grad_accumulation = 4;
+                })),
+                vec![GradCheckpointing, HalveBatch, HalveBatch],
+            ),
+            (
+                "checkpointing is enough: the trainer's sync is left alone",
+                fsdp(),
+                total(&ckpt),
+                vec![GradCheckpointing],
+            ),
+        ];
+        for (name, start, budget, expected) in table {
+            let p = plan(&start, budget, &Calibration::none()).expect("valid");
+            let rungs: Vec<Rung> = p.steps.iter().map(|s| s.rung).collect();
+            assert_eq!(rungs, expected, "{name}");
+            assert!(p.fits, "{name}");
+            let synced =
+                expected.contains(&SyncEachBatch) || start.grad_sync == GradSync::EachBatch;
+            assert_eq!(
+                p.config.grad_sync == GradSync::EachBatch,
+                synced,
+                "{name}: grad sync"
+            );
+            assert_eq!(
+                p.config.batch_size * p.config.grad_accumulation,
+                start.batch_size * start.grad_accumulation,
+                "{name}: effective batch"
+            );
+        }
+    }
+
+    #[test]
+    fn sync_each_batch_only_where_fsdp_would_hold_unsharded_gradients() {
+        let floors = Floors::default();
+        let applies = |cfg: &TrainingConfig| Rung::SyncEachBatch.apply(cfg, &floors).is_some();
+        assert!(applies(&fsdp()));
+        assert!(applies(&fsdp_with(|c| {
+            c.batch_size = 1;
+            c.grad_accumulation = 8;
+        })));
+        let not = [
+            ("one rank", fsdp_with(|c| c.world_size = 1)),
+            (
+                "ZeRO-3 reduces every micro-batch",
+                fsdp_with(|c| c.parallelism = Parallelism::Zero3),
+            ),
+            ("DDP", fsdp_with(|c| c.parallelism = Parallelism::Ddp)),
+            (
+                "already each batch",
+                fsdp_with(|c| c.grad_sync = GradSync::EachBatch),
+            ),
+            (
+                "batch at its floor and no accumulation: nothing will accumulate",
+                fsdp_with(|c| c.batch_size = 1),
+            ),
+        ];
+        for (name, cfg) in not {
+            assert!(!applies(&cfg), "{name}");
+            let p = plan(&cfg, Bytes(1), &Calibration::none()).expect("valid");
+            assert!(
+                p.steps.iter().all(|s| s.rung != Rung::SyncEachBatch),
+                "{name}: {:?}",
+                p.steps
+            );
+        }
+        // At accumulation 1 with no batch to halve below a high floor, syncing enables nothing.
+        let high_floor = Floors {
+            batch_size: 8,
+            ..Floors::default()
+        };
+        let p =
+            plan_with_floors(&fsdp(), Bytes(1), &Calibration::none(), &high_floor).expect("valid");
+        assert!(p.steps.iter().all(|s| s.rung != Rung::SyncEachBatch));
+        assert_eq!(p.config.grad_sync, GradSync::Accumulate);
+    }
+
+    #[test]
+    fn sync_each_batch_saves_the_unsharded_gradients_when_accumulating() {
+        let accumulating = fsdp_with(|c| {
+            c.batch_size = 4;
+            c.grad_accumulation = 2;
+        });
+        let (synced, why) = Rung::SyncEachBatch
+            .apply(&accumulating, &Floors::default())
+            .expect("applies");
+        assert!(why.contains("every micro-batch"), "{why}");
+        let grads = |c: &TrainingConfig| {
+            estimate(c)
+                .expect("valid")
+                .component(crate::Component::Gradients)
+        };
+        // bf16-mixed: fp32 gradients of 8.03B parameters, whole vs one eighth.
+        assert_eq!(grads(&accumulating).0, grads(&synced).0 * 8);
+        assert!(total(&synced) < total(&accumulating));
     }
 
     #[test]

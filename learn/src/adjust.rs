@@ -3,7 +3,7 @@
 
 use memguard_api::crd::{MemoryProfileStatus, Recovery};
 use memguard_estimator::calibration::{FACTOR_RANGE, MIN_RUNS};
-use memguard_estimator::{Calibration, Floors, TrainingConfig};
+use memguard_estimator::{Calibration, Floors, GradSync, TrainingConfig};
 
 /// The adjustments a profile asks for.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -89,6 +89,9 @@ pub fn recovery_start(
     }
     if k.grad_checkpointing == Some(true) {
         out.grad_checkpointing = true;
+    }
+    if k.grad_sync.as_deref().and_then(|s| s.parse().ok()) == Some(GradSync::EachBatch) {
+        out.grad_sync = GradSync::EachBatch;
     }
     out.seq_length = smaller(cfg.seq_length, k.seq_length, floors.seq_length);
     if cfg.is_adapter() {

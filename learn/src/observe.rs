@@ -10,7 +10,7 @@ use memguard_api::{
     EstimateAnnotation, Level, ModelCatalog, OomKind, OomOutcome, OomRecord, Summary, env,
     wellknown,
 };
-use memguard_estimator::{Bytes, TrainingConfig, parse_bytes};
+use memguard_estimator::{Bytes, GradSync, Parallelism, TrainingConfig, parse_bytes};
 use std::collections::BTreeMap;
 
 /// `reason` of a container the kernel OOM-killed.
@@ -349,6 +349,10 @@ pub fn knobs_from_env(vars: &BTreeMap<String, String>) -> TrainingKnobs {
         seq_length: env_u64(vars, env::SEQ_LENGTH).filter(|v| *v > 0),
         lora_rank: env_u64(vars, env::LORA_RANK).filter(|v| *v > 0),
         lora_layers: env_u64(vars, env::LORA_LAYERS).filter(|v| *v > 0),
+        grad_sync: vars
+            .get(env::GRAD_SYNC)
+            .and_then(|v| v.parse::<GradSync>().ok())
+            .map(|g| g.name().to_string()),
     }
 }
 
@@ -373,12 +377,17 @@ pub fn with_knobs(cfg: &TrainingConfig, knobs: &TrainingKnobs) -> TrainingConfig
     if let Some(v) = knobs.lora_layers {
         out.lora_layers = Some(v);
     }
+    if let Some(v) = knobs.grad_sync.as_deref().and_then(|s| s.parse().ok()) {
+        out.grad_sync = v;
+    }
     out
 }
 
-/// The knobs of `cfg` (LoRA knobs only for adapter methods).
+/// The knobs of `cfg` (LoRA knobs only for adapter methods, the gradient sync only for FSDP
+/// across ranks, as the webhook writes them).
 pub fn knobs_of(cfg: &TrainingConfig) -> TrainingKnobs {
     let adapter = cfg.is_adapter();
+    let fsdp_ranks = cfg.parallelism == Parallelism::Fsdp && cfg.world_size > 1;
     TrainingKnobs {
         batch_size: Some(cfg.batch_size),
         grad_accumulation: Some(cfg.grad_accumulation),
@@ -386,6 +395,7 @@ pub fn knobs_of(cfg: &TrainingConfig) -> TrainingKnobs {
         seq_length: Some(cfg.seq_length),
         lora_rank: adapter.then_some(cfg.lora_rank),
         lora_layers: adapter.then(|| cfg.adapted_layers()),
+        grad_sync: fsdp_ranks.then(|| cfg.grad_sync.name().to_string()),
     }
 }
 

@@ -4,7 +4,7 @@ use crate::observe::{Observation, knobs_of};
 use memguard_api::crd::{MemoryProfileStatus, OomEvent, ProfileRun, Recovery, TrainingKnobs};
 use memguard_api::policy::DEFAULT_MAX_OOM_RECOVERIES;
 use memguard_estimator::calibration::FACTOR_RANGE;
-use memguard_estimator::{Bytes, Floors, LADDER, TrainingConfig};
+use memguard_estimator::{Bytes, Floors, GradSync, LADDER, TrainingConfig};
 
 /// What the policy in force says about recovering from OOMs: how many recoveries in a row, and
 /// the floors no recovery steps below (the webhook clamps to the same floors, so a recovery
@@ -181,6 +181,9 @@ pub fn describe_knobs(k: &TrainingKnobs) -> String {
     }
     if let Some(l) = k.lora_layers {
         parts.push(format!("{l} layers"));
+    }
+    if k.grad_sync.as_deref() == Some(GradSync::EachBatch.name()) {
+        parts.push("gradients synced each batch".into());
     }
     parts.join(", ")
 }

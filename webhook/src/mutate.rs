@@ -16,7 +16,9 @@ use memguard_api::estimate::{ESTIMATE_VERSION, EstimateAnnotation};
 use memguard_api::pod::TrainingPod;
 use memguard_api::policy::{PlacementMode, SidecarMode, SidecarResources};
 use memguard_api::{Knob, Policy, env, wellknown};
-use memguard_estimator::{Bytes, Device, DowngradePlan, TrainingConfig, plan_with_floors};
+use memguard_estimator::{
+    Bytes, Device, DowngradePlan, Parallelism, TrainingConfig, plan_with_floors,
+};
 use memguard_learn::observe::knobs_of;
 use memguard_learn::update::describe_knobs;
 use memguard_learn::{Adjustments, PodKey, adjustments};
@@ -456,11 +458,14 @@ fn placeable(
         && !constrains_gpu_memory(pod)
 }
 
-/// The knobs that mean something for this config (LoRA knobs only for adapter methods).
+/// The knobs that mean something for this config (LoRA knobs only for adapter methods, the
+/// gradient sync only for FSDP across ranks, where it decides whether gradients stay sharded).
 fn knobs_for(cfg: &TrainingConfig) -> Vec<Knob> {
+    let fsdp_ranks = cfg.parallelism == Parallelism::Fsdp && cfg.world_size > 1;
     Knob::ALL
         .into_iter()
         .filter(|k| cfg.is_adapter() || !matches!(k, Knob::LoraRank | Knob::LoraLayers))
+        .filter(|k| fsdp_ranks || *k != Knob::GradSync)
         .collect()
 }
 

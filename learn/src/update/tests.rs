@@ -381,3 +381,38 @@ fn recoveries_stop_at_the_policys_floors_not_the_defaults() {
         "the floors must matter here: {by_default:?}"
     );
 }
+
+#[test]
+fn an_fsdp_oom_kill_recovers_by_syncing_each_batch_and_the_next_pod_starts_so() {
+    // Full fine-tuning under FSDP on 8 ranks, checkpointing on, accumulating under no_sync.
+    let mut p = pod("fsdp-0", 50)
+        .annotate("method", "full")
+        .annotate("parallelism", "fsdp")
+        .annotate("world-size", "8")
+        .env(env::BATCH_SIZE, "4")
+        .env(env::GRAD_ACCUMULATION, "4")
+        .env(env::GRAD_SYNC, "accumulate")
+        .build();
+    let terminated = p
+        .status
+        .as_mut()
+        .and_then(|s| s.container_statuses.as_mut())
+        .and_then(|s| s.first_mut())
+        .and_then(|s| s.state.as_mut())
+        .and_then(|s| s.terminated.as_mut())
+        .expect("terminated trainer");
+    terminated.reason = Some("OOMKilled".into());
+    terminated.exit_code = 137;
+    let obs = try_observe(&p).expect("observed");
+    assert_eq!(obs.knobs.grad_sync.as_deref(), Some("accumulate"));
+
+    let r = recovery(&obs, None, &Floors::default());
+    assert_eq!(r.rungs, 1);
+    assert_eq!(r.config.grad_sync.as_deref(), Some("each-batch"));
+    assert_eq!(r.config.batch_size, Some(4), "the batch is not halved yet");
+    assert!(r.reason.contains("every micro-batch"), "{}", r.reason);
+
+    let start = crate::adjust::recovery_start(&obs.ran, &r, &Floors::default());
+    assert_eq!(start.grad_sync, memguard_estimator::GradSync::EachBatch);
+    assert!(describe_knobs(&r.config).contains("gradients synced each batch"));
+}

@@ -632,3 +632,48 @@ fn admission_looks_profiles_up_in_the_request_namespace_when_the_pod_has_none() 
         "{patch}"
     );
 }
+
+#[test]
+fn grad_sync_is_written_for_fsdp_across_ranks_only_and_follows_the_plan() {
+    let fsdp = || {
+        trainer_pod()
+            .gpus(1)
+            .annotate(keys::METHOD, "full")
+            .annotate(keys::PARALLELISM, "fsdp")
+            .annotate(keys::WORLD_SIZE, "8")
+            .annotate(keys::SEQ_LENGTH, "1024")
+            .annotate(keys::GRAD_ACCUMULATION, "2")
+            .annotate(keys::GPU_MEMORY, "192GiB")
+            .annotate(keys::ENV_MAP, "grad-sync=TRAINER_GRAD_SYNC")
+    };
+    // Roomy: nothing to plan, the trainer's own choice is repeated.
+    let roomy = mutated(fsdp(), &Policy::default());
+    assert!(roomy.plan.steps.is_empty(), "{:?}", roomy.plan.steps);
+    assert_eq!(env_of(&roomy, env::GRAD_SYNC), Some("accumulate"));
+    assert_eq!(env_of(&roomy, "TRAINER_GRAD_SYNC"), Some("accumulate"));
+    assert_eq!(annotation(&roomy)["config"]["grad-sync"], "accumulate");
+
+    // Tight: checkpointing is not enough, so the plan syncs each batch, and the trainer, its
+    // own variable and the estimate annotation all say so.
+    let tight = mutated(
+        fsdp().annotate(keys::GPU_MEMORY, "72GiB"),
+        &Policy::default(),
+    );
+    let rungs: Vec<&str> = tight.plan.steps.iter().map(|s| s.rung.name()).collect();
+    assert_eq!(
+        rungs[..2],
+        ["grad-checkpointing", "sync-each-batch"],
+        "{rungs:?}"
+    );
+    assert_eq!(env_of(&tight, env::GRAD_SYNC), Some("each-batch"));
+    assert_eq!(env_of(&tight, "TRAINER_GRAD_SYNC"), Some("each-batch"));
+    assert_eq!(annotation(&tight)["config"]["grad-sync"], "each-batch");
+    assert_eq!(annotation(&tight)["steps"][1], "sync-each-batch");
+
+    // One rank, or not FSDP: the variable would mean nothing and is not written.
+    for (key, value) in [(keys::WORLD_SIZE, "1"), (keys::PARALLELISM, "ddp")] {
+        let m = mutated(fsdp().annotate(key, value), &Policy::default());
+        assert_eq!(env_of(&m, env::GRAD_SYNC), None, "{key}={value}");
+        assert!(annotation(&m)["config"].get("grad-sync").is_none());
+    }
+}
