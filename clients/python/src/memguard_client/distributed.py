@@ -7,9 +7,11 @@ boundary the adapters (:class:`memguard_client.torch.MicroBatcher`, :func:`memgu
 agree through ``torch.distributed`` when it is initialised with more than one rank:
 
 * the **smallest** micro-batch size wins (the rank closest to its limit decides);
-* **any** rank's gradient checkpointing wins.
+* **any** rank's gradient checkpointing wins;
+* **any** rank's "sync gradients at every micro-batch" wins (FSDP, see
+  :mod:`memguard_client.recovery`).
 
-Both ride in one ``all_reduce(MIN)`` of a 2-element int64 tensor per step (the cost is measured
+All three ride in one ``all_reduce(MIN)`` of a 3-element int64 tensor per step (the cost is measured
 by ``bench/distributed/agree_bench.py`` and recorded in docs/python-client.md). During in-process
 OOM recovery the same kind of collective tells every rank whether any rank ran out of memory in
 the micro-batch just run (:meth:`Agreement.status`), so all ranks halve together.
@@ -86,11 +88,19 @@ class Agreement:
 
     def step(self, batch_size: int, checkpointing: bool) -> Tuple[int, bool]:
         """Agree on the micro-batch size (min) and gradient checkpointing (any) for a step."""
+        size, ckpt, _ = self.step_sync(batch_size, checkpointing, False)
+        return size, ckpt
+
+    def step_sync(
+        self, batch_size: int, checkpointing: bool, sync_each_batch: bool
+    ) -> Tuple[int, bool, bool]:
+        """Agree on the micro-batch size (min), gradient checkpointing (any) and syncing
+        gradients at every micro-batch (any) for a step: one collective."""
         batch_size = max(1, int(batch_size))
-        reduced = self._min([batch_size, 0 if checkpointing else 1])
+        reduced = self._min([batch_size, 0 if checkpointing else 1, 0 if sync_each_batch else 1])
         if reduced is None:
-            return batch_size, bool(checkpointing)
-        return max(1, reduced[0]), reduced[1] == 0
+            return batch_size, bool(checkpointing), bool(sync_each_batch)
+        return max(1, reduced[0]), reduced[1] == 0, reduced[2] == 0
 
     def status(self, oom: bool, size: int, fresh: bool) -> Status:
         """Agree after a micro-batch phase: did any rank run out of memory, the smallest

@@ -16,6 +16,13 @@ SEQ_LENGTH = "MEMGUARD_SEQ_LENGTH"
 LORA_RANK = "MEMGUARD_LORA_RANK"
 #: Recommended number of adapted layers.
 LORA_LAYERS = "MEMGUARD_LORA_LAYERS"
+#: ``each-batch`` when the trainer should sync gradients at every micro-batch (Accelerate's
+#: ``sync_each_batch``: FSDP keeps them sharded), ``accumulate`` otherwise (FSDP on several
+#: ranks only).
+GRAD_SYNC = "MEMGUARD_GRAD_SYNC"
+#: :data:`GRAD_SYNC`'s values.
+EACH_BATCH = "each-batch"
+ACCUMULATE = "accumulate"
 #: The estimated peak of the final config, in bytes.
 ESTIMATE_BYTES = "MEMGUARD_ESTIMATE_BYTES"
 #: The budget the plan aimed at, in bytes.
@@ -47,6 +54,18 @@ def env_int(environ: Mapping[str, str], name: str, default: int) -> int:
     except ValueError:
         return default
     return value if value >= 1 else default
+
+
+def env_grad_sync(environ: Mapping[str, str], default: str) -> str:
+    """:data:`EACH_BATCH` or :data:`ACCUMULATE` from ``environ[GRAD_SYNC]`` (the spellings
+    memguard_estimator::GradSync accepts); ``default`` when unset or unknown."""
+    raw = environ.get(GRAD_SYNC)
+    v = raw.strip().lower() if raw is not None else ""
+    if v in (EACH_BATCH, "sync-each-batch"):
+        return EACH_BATCH
+    if v in (ACCUMULATE, "no-sync"):
+        return ACCUMULATE
+    return default
 
 
 def env_bool(environ: Mapping[str, str], name: str, default: bool) -> bool:

@@ -53,6 +53,9 @@ class Guard:
         batch_size, grad_accumulation, grad_checkpointing: starting values used when the
             corresponding ``MEMGUARD_*`` variable is not set (the webhook's plan wins over the
             script's own defaults).
+        grad_sync: ``"each-batch"`` or ``"accumulate"`` (default), used when
+            ``MEMGUARD_GRAD_SYNC`` is not set: whether gradients are synced at every
+            micro-batch (see :attr:`grad_sync`).
         env: the environment to read (default ``os.environ``); tests pass a dict.
         background: long-poll the sidecar URL in a daemon thread (default). With ``False`` the
             HTTP source is asked only by :meth:`poll_http`.
@@ -72,6 +75,7 @@ class Guard:
         batch_size: Optional[int] = None,
         grad_accumulation: Optional[int] = None,
         grad_checkpointing: Optional[bool] = None,
+        grad_sync: Optional[str] = None,
         env: Optional[Mapping[str, str]] = None,
         background: bool = True,
         poll_wait: float = 30.0,
@@ -93,6 +97,9 @@ class Guard:
             environ, _env.GRAD_ACCUMULATION, grad_accumulation if grad_accumulation else 1
         )
         start_ckpt = _env.env_bool(environ, _env.GRAD_CHECKPOINTING, bool(grad_checkpointing))
+        self._grad_sync = _env.env_grad_sync(
+            environ, _env.EACH_BATCH if grad_sync == _env.EACH_BATCH else _env.ACCUMULATE
+        )
         self._initial = Signal(
             version=1,
             seq=-1,
@@ -166,6 +173,14 @@ class Guard:
     def grad_checkpointing(self) -> bool:
         """Whether gradient checkpointing is recommended."""
         return self._current.grad_checkpointing
+
+    @property
+    def grad_sync(self) -> str:
+        """``"each-batch"`` when the webhook's plan (``MEMGUARD_GRAD_SYNC``) asks the trainer
+        to sync gradients at every micro-batch, so FSDP keeps them sharded; else
+        ``"accumulate"``. Fixed for the run: the adapters also switch to syncing each batch
+        by themselves at a run-time downgrade under FSDP."""
+        return self._grad_sync
 
     @property
     def effective_batch(self) -> int:

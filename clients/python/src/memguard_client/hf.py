@@ -37,6 +37,18 @@ micro-batch size (smallest wins) and gradient checkpointing (any wins) are agree
 collective, so every rank runs the same number of forward/backward passes per batch whatever its
 own sidecar says. Gradient checkpointing is turned on when agreed and the model supports it.
 
+FSDP: gradients stay sharded
+----------------------------
+With FSDP and several ranks, from the step of a run-time downgrade on (or from the start with
+``MEMGUARD_GRAD_SYNC=each-batch``, the webhook's ``sync-each-batch`` rung), the adapter sets
+Accelerate's ``sync_each_batch`` on ``trainer.accelerator`` (the Trainer reads it before every
+micro-batch of its own accumulation) and runs its own micro-batches without ``no_sync``; with
+FSDP 2 each also runs under ``set_requires_gradient_sync(True)``, so even the micro-batch during
+which the switch happens reduce-scatters. Gradients then stay sharded (``Pt·g/N``) instead of
+accumulating unsharded (``Pt·g``); the cost is one reduce-scatter per micro-batch. The switch is
+agreed with the step's micro-batch size, so every rank makes it at the same step. With
+``MEMGUARD_GRAD_SYNC=each-batch`` the flag is also set at :func:`attach`, whatever the backend.
+
 Out of memory inside a step
 ---------------------------
 A ``torch.OutOfMemoryError`` (or the CPU allocator's out-of-memory ``RuntimeError``) raised by a
@@ -79,8 +91,10 @@ from .recovery import (
     DEFAULT_MAX_OOM_RETRIES,
     StepRunner,
     enable_checkpointing,
+    force_sync_of,
     grads_fresh,
     is_fsdp,
+    sync_each_batch_on,
     zero_grads,
 )
 
@@ -126,10 +140,15 @@ class MemguardCallback(_callback_base()):  # type: ignore[misc]
         agree: bool = True,
         recover_oom: bool = True,
         max_oom_retries: int = DEFAULT_MAX_OOM_RETRIES,
+        sync_each_batch: Optional[bool] = None,
     ) -> None:
         self.guard = guard if guard is not None else Guard()
         self.runner = StepRunner(
-            self.guard, Agreement(agree), recover_oom=recover_oom, max_oom_retries=max_oom_retries
+            self.guard,
+            Agreement(agree),
+            recover_oom=recover_oom,
+            max_oom_retries=max_oom_retries,
+            sync_each_batch=sync_each_batch,
         )
         self.attached = False
         self._local = threading.local()
@@ -147,6 +166,11 @@ class MemguardCallback(_callback_base()):  # type: ignore[misc]
     def micro_batches(self) -> int:
         """Micro-batches run to completion."""
         return self.runner.micro_batches
+
+    @property
+    def sync_each_batch(self) -> bool:
+        """Gradients are reduced at every micro-batch (FSDP with several ranks; agreed)."""
+        return self.runner.sync_each_batch
 
     @property
     def cache_releases(self) -> int:
@@ -224,7 +248,10 @@ class MemguardCallback(_callback_base()):  # type: ignore[misc]
             fsdp = fsdp_seen.get(id(model))
             if fsdp is None:
                 fsdp = fsdp_seen[id(model)] = _is_fsdp_trainer(trainer, model)
-            runner.begin_step(lambda: grads_fresh(model))
+            runner.begin_step(lambda: grads_fresh(model), fsdp=fsdp)
+            if runner.sync_each_batch:
+                # Before this step's micro-batches: the Trainer reads it from the next one on.
+                sync_each_batch_on(getattr(trainer, "accelerator", None))
             if runner.checkpointing:
                 enable_checkpointing(model)
             if self._skip_pending:
@@ -247,6 +274,7 @@ class MemguardCallback(_callback_base()):  # type: ignore[misc]
                 no_sync=lambda: _no_sync(trainer, model),
                 zero_grads=zero_grads(model),
                 recover=not (fsdp and runner.agreement.world_size() > 1),
+                force_sync=force_sync_of(model),
             )
             if result.skipped:
                 self._skip_pending = True
@@ -268,8 +296,13 @@ def attach(
     agree: bool = True,
     recover_oom: bool = True,
     max_oom_retries: int = DEFAULT_MAX_OOM_RETRIES,
+    sync_each_batch: Optional[bool] = None,
 ) -> MemguardCallback:
     """Make ``trainer`` follow memguard: add the callback and wrap its training step.
+
+    ``sync_each_batch`` (FSDP with several ranks): ``None`` (default) syncs gradients at every
+    micro-batch from a run-time downgrade on, or from the start with
+    ``MEMGUARD_GRAD_SYNC=each-batch``; ``True`` always; ``False`` never (see the module doc).
 
     Raises :class:`UnsupportedTrainerError` for DeepSpeed and SageMaker model parallel (see the
     module doc). Returns the callback (its counters are useful in logs).
@@ -283,8 +316,15 @@ def attach(
             "batch size still applies), or use DDP/FSDP; see docs/python-client.md"
         )
     cb = MemguardCallback(
-        guard, agree=agree, recover_oom=recover_oom, max_oom_retries=max_oom_retries
+        guard,
+        agree=agree,
+        recover_oom=recover_oom,
+        max_oom_retries=max_oom_retries,
+        sync_each_batch=sync_each_batch,
     )
+    if sync_each_batch is not False and cb.guard.grad_sync == "each-batch":
+        # The webhook's plan counted on sharded gradients from the first micro-batch.
+        sync_each_batch_on(getattr(trainer, "accelerator", None))
     cb.wrap(trainer)
     add = getattr(trainer, "add_callback", None)
     if callable(add):

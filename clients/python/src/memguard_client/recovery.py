@@ -36,6 +36,21 @@ one rank, OOM recovery is off and the error propagates (the micro-batch size agr
 works). Retries are bounded (``max_oom_retries`` per batch) and at micro-batch size 1 the error
 propagates with a note saying so.
 
+FSDP: gradients stay sharded when the micro-batch shrinks
+--------------------------------------------------------
+Running a batch as several micro-batches is gradient accumulation. Under ``no_sync()`` (FSDP 1)
+or ``set_requires_gradient_sync(False)`` (FSDP 2) every rank would hold its units' full,
+unsharded gradients until the last micro-batch: ``Pt·g`` instead of ``Pt·g/N``, more memory
+right when the rank is under pressure. So with FSDP and several ranks, from the step whose agreed
+micro-batch size falls below the first step's (a run-time downgrade), or from the start when the
+webhook's plan says so (``MEMGUARD_GRAD_SYNC=each-batch``, :attr:`memguard_client.Guard.grad_sync`),
+:attr:`StepRunner.sync_each_batch` is on: every micro-batch reduce-scatters its gradients (FSDP 2:
+``set_requires_gradient_sync(True)`` around it, which also overrides an enclosing ``no_sync`` of
+the trainer's own accumulation), and the adapters set Accelerate's ``sync_each_batch`` so the
+trainer's own accumulation does the same (:func:`sync_each_batch_on`). The decision rides in the
+step's agreement, so every rank switches at the same step. It costs one reduction per
+micro-batch, not quality, and stays on for the rest of the run.
+
 Each recovery is recorded with :func:`memguard_client.oom.record` (``outcome="recovered"``, the
 failing and the new micro-batch size), which reports it to the sidecar (``POST /v1/report``) so
 its metrics and its summary count it. An OOM given up on is re-raised unchanged (with a note):
@@ -130,6 +145,10 @@ class StepRunner:
         recover_oom: recover from OOM in-process (default True).
         max_oom_retries: OOM retries allowed within one batch.
         release_cache: release the CUDA cache after a downgrade.
+        sync_each_batch: with FSDP on several ranks, sync gradients at every micro-batch:
+            ``None`` (default) from a run-time downgrade on, or from the start when the guard
+            says ``each-batch``; ``True`` always; ``False`` never (the micro-batches then hold
+            unsharded gradients under ``no_sync``).
     """
 
     def __init__(
@@ -140,8 +159,13 @@ class StepRunner:
         recover_oom: bool = True,
         max_oom_retries: int = DEFAULT_MAX_OOM_RETRIES,
         release_cache: bool = True,
+        sync_each_batch: Optional[bool] = None,
     ) -> None:
         self.guard = guard
+        self.sync_policy = sync_each_batch
+        #: Gradients are synced at every micro-batch (agreed; FSDP with several ranks only).
+        self.sync_each_batch = False
+        self._first_size: Optional[int] = None
         self.agreement = agreement if agreement is not None else Agreement()
         self.recover_oom = recover_oom
         self.max_oom_retries = max(0, int(max_oom_retries))
@@ -163,14 +187,26 @@ class StepRunner:
 
     # --- step boundary --------------------------------------------------------------------
 
-    def begin_step(self, grads_fresh: Optional[Callable[[], bool]] = None) -> bool:
-        """Follow the guard and agree on this step's size and checkpointing (one collective
-        when distributed). Returns True when the applied size or checkpointing changed."""
+    def begin_step(
+        self, grads_fresh: Optional[Callable[[], bool]] = None, *, fsdp: bool = False
+    ) -> bool:
+        """Follow the guard and agree on this step's size, checkpointing and gradient sync (one
+        collective when distributed). ``fsdp``: the model is sharded by FSDP (same on every
+        rank). Returns True when the applied size or checkpointing changed."""
         self.guard.refresh()
         want = self.guard.batch_size
         if self.oom_cap is not None:
             want = min(want, self.oom_cap)
-        size, ckpt = self.agreement.step(want, self.guard.grad_checkpointing)
+        want_sync = self.sync_policy is True or (
+            self.sync_policy is None and getattr(self.guard, "grad_sync", None) == "each-batch"
+        )
+        size, ckpt, sync = self.agreement.step_sync(want, self.guard.grad_checkpointing, want_sync)
+        if self._first_size is None:
+            self._first_size = size
+        # Agreed values only, so every rank decides alike at the same step.
+        downgraded = self.sync_policy is None and size < self._first_size
+        if fsdp and self.agreement.world_size() > 1 and self.sync_policy is not False:
+            self.sync_each_batch = self.sync_each_batch or sync or downgraded
         changed = (size, ckpt) != (self.size, self.checkpointing)
         if self.size is not None and size < self.size:
             self.downgrades += 1
@@ -194,6 +230,7 @@ class StepRunner:
         no_sync: Callable[[], Optional[ContextManager[Any]]],
         zero_grads: Optional[Callable[[], None]],
         recover: bool = True,
+        force_sync: Optional[Callable[[], Optional[ContextManager[Any]]]] = None,
     ) -> RunResult:
         """Run ``batch`` as micro-batches of the agreed size.
 
@@ -203,7 +240,9 @@ class StepRunner:
         is ``rows / B``. ``no_sync()`` gives the context that defers gradient synchronisation
         (DDP's ``no_sync``) or ``None``. ``zero_grads()`` resets the gradients to ``None``
         (needed to recover from an OOM in backward). ``recover=False`` lets OOM propagate
-        (FSDP with several ranks).
+        (FSDP with several ranks). While :attr:`sync_each_batch` is on, no micro-batch runs
+        under ``no_sync()``, and each runs under ``force_sync()`` when given (FSDP 2:
+        synchronise even inside the trainer's own ``no_sync``).
         """
         if self.size is None:
             self.begin_step()
@@ -231,7 +270,10 @@ class StepRunner:
                         raise _Retry(st)
                 phase[0] = "backward"
 
-            ctx = (None if last else no_sync()) or contextlib.nullcontext()
+            if self.sync_each_batch:
+                ctx = (force_sync() if force_sync is not None else None) or contextlib.nullcontext()
+            else:
+                ctx = (None if last else no_sync()) or contextlib.nullcontext()
             try:
                 with ctx:
                     out = micro(data, weight, after_forward)
@@ -373,6 +415,42 @@ def no_sync_of(model: Any) -> Callable[[], Optional[ContextManager[Any]]]:
         return None
 
     return make
+
+
+def force_sync_of(model: Any) -> Callable[[], Optional[ContextManager[Any]]]:
+    """The context making a micro-batch reduce its gradients even inside an enclosing
+    ``no_sync`` (the trainer's own accumulation), as a factory: FSDP 2's
+    ``set_requires_gradient_sync(True)``; ``None`` for other models (FSDP 1 and DDP keep the
+    enclosing context, which the trainer leaves once Accelerate's ``sync_each_batch`` is set)."""
+
+    def make() -> Optional[ContextManager[Any]]:
+        if callable(getattr(model, "set_requires_gradient_sync", None)):
+            return _fsdp2_sync(model)
+        return None
+
+    return make
+
+
+@contextlib.contextmanager
+def _fsdp2_sync(model: Any) -> Iterator[None]:
+    # Left on afterwards: an enclosing no_sync() turns it back on at its exit anyway, and from
+    # now on every micro-batch is to sync.
+    model.set_requires_gradient_sync(True)
+    yield
+
+
+def sync_each_batch_on(accelerator: Any) -> bool:
+    """Set HF Accelerate's ``sync_each_batch`` on ``accelerator``: its ``accumulate()`` and the
+    HF Trainer read ``accelerator.gradient_state.plugin_kwargs["sync_each_batch"]`` at every
+    micro-batch, so the change applies from the next one. Returns True when it was set now
+    (False: already on, or not an Accelerator)."""
+    state = getattr(accelerator, "gradient_state", None)
+    kwargs = getattr(state, "plugin_kwargs", None)
+    if not isinstance(kwargs, dict) or kwargs.get("sync_each_batch"):
+        return False
+    kwargs["sync_each_batch"] = True
+    log.info("memguard: gradients synced at every micro-batch (Accelerate sync_each_batch)")
+    return True
 
 
 @contextlib.contextmanager

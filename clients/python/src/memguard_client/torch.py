@@ -20,6 +20,11 @@ run the same number of forward/backward passes. Every rank must call ``backward`
 batch. An out-of-memory error inside a micro-batch is recovered in-process (halve, run the rest
 again, exact or the step skipped and counted; see :mod:`memguard_client.recovery`).
 
+With FSDP and several ranks, a downgrade (or ``MEMGUARD_GRAD_SYNC=each-batch``) makes every
+micro-batch reduce-scatter its gradients instead of running under ``no_sync``, so they stay
+sharded (:attr:`MicroBatcher.sync_each_batch`); pass ``accelerator=`` to set Accelerate's
+``sync_each_batch`` at the same step for a loop that accumulates with ``accelerator.accumulate``.
+
 ``torch`` is imported only when a function needs it; without torch (or without CUDA) the cache
 release is a no-op and :meth:`MicroBatcher.backward` works with any loss object that supports
 ``* float`` and ``.backward()``.
@@ -39,7 +44,9 @@ from .recovery import (
     enable_checkpointing,
     grads_fresh,
     is_fsdp,
+    force_sync_of,
     no_sync_of,
+    sync_each_batch_on,
     zero_grads,
 )
 
@@ -55,6 +62,10 @@ class MicroBatcher:
         agree: agree with the other ranks through ``torch.distributed`` (default True).
         recover_oom: recover from out-of-memory errors in-process (default True).
         max_oom_retries: OOM retries allowed within one batch.
+        sync_each_batch: FSDP with several ranks: ``None`` (default) syncs gradients at every
+            micro-batch from a downgrade on (or from the start with
+            ``MEMGUARD_GRAD_SYNC=each-batch``), ``True`` always, ``False`` never.
+        accelerator: an HF ``Accelerator`` whose ``sync_each_batch`` is set at the same step.
     """
 
     def __init__(
@@ -65,15 +76,19 @@ class MicroBatcher:
         agree: bool = True,
         recover_oom: bool = True,
         max_oom_retries: int = DEFAULT_MAX_OOM_RETRIES,
+        sync_each_batch: Optional[bool] = None,
+        accelerator: Any = None,
     ) -> None:
         self.guard = guard if guard is not None else Guard()
         self.release_cache = release_cache
+        self.accelerator = accelerator
         self.runner = StepRunner(
             self.guard,
             Agreement(agree),
             recover_oom=recover_oom,
             max_oom_retries=max_oom_retries,
             release_cache=release_cache,
+            sync_each_batch=sync_each_batch,
         )
         #: The last :meth:`backward` ran out of memory after gradients had accumulated: its
         #: optimizer step must be skipped (:meth:`step` does).
@@ -90,6 +105,11 @@ class MicroBatcher:
     def grad_checkpointing(self) -> bool:
         """Gradient checkpointing as agreed across ranks."""
         return self.runner.checkpointing
+
+    @property
+    def sync_each_batch(self) -> bool:
+        """Gradients are reduced at every micro-batch (FSDP with several ranks; agreed)."""
+        return self.runner.sync_each_batch
 
     @property
     def cache_releases(self) -> int:
@@ -121,9 +141,13 @@ class MicroBatcher:
         distributed: every rank must call it at the same point). :meth:`backward` calls it
         itself when it was not called for this batch. Returns True when the applied micro-batch
         size or checkpointing changed."""
+        if self._fsdp is None and model is not None:
+            self._fsdp = is_fsdp(model)
         changed = self.runner.begin_step(
-            (lambda: grads_fresh(model)) if model is not None else None
+            (lambda: grads_fresh(model)) if model is not None else None, fsdp=bool(self._fsdp)
         )
+        if self.runner.sync_each_batch and self.accelerator is not None:
+            sync_each_batch_on(self.accelerator)
         self._fresh_step = True
         if self.runner.checkpointing and model is not None:
             enable_checkpointing(model)
@@ -169,6 +193,7 @@ class MicroBatcher:
             no_sync=no_sync_of(model),
             zero_grads=zero_grads(model) if model is not None else None,
             recover=recover,
+            force_sync=force_sync_of(model) if model is not None else None,
         )
         self.skip_step = result.skipped
         return float(sum(result.outputs))
