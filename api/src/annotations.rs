@@ -86,6 +86,10 @@ pub const LORA_DROPOUT: &str = "memguard.io/lora-dropout";
 /// Under FSDP with several ranks and accumulation above 1, `accumulate` holds full,
 /// unsharded gradients.
 pub const GRAD_SYNC: &str = "memguard.io/grad-sync";
+/// `true|false`: a 4- or 8-bit base quantizes the LM head too (Lightning Fabric's
+/// `BitsandbytesPrecision`, as LitGPT runs QLoRA); default `false` (transformers' bitsandbytes
+/// integration keeps `lm_head` in 16 bits).
+pub const QUANTIZED_HEAD: &str = "memguard.io/quantized-head";
 /// `fp32|bf16-mixed|fp16-mixed|bf16|fp16`.
 pub const PRECISION: &str = "memguard.io/precision";
 /// `cuda|cpu|metal|rocm`; default: `rocm` for AMD GPUs, `cuda` for NVIDIA GPUs, else `cpu`.
@@ -141,6 +145,7 @@ pub const INPUT_KEYS: &[&str] = &[
     COMPILE,
     LORA_DROPOUT,
     GRAD_SYNC,
+    QUANTIZED_HEAD,
     PRECISION,
     DEVICE,
     PARALLELISM,
@@ -406,6 +411,9 @@ impl TrainingAnnotations {
         }
         if let Some(v) = p.enum_value::<GradSync>(GRAD_SYNC) {
             config.grad_sync = v;
+        }
+        if let Some(v) = p.boolean(QUANTIZED_HEAD) {
+            config.quantized_head = v;
         }
         let device = p.enum_value::<Device>(DEVICE);
         if let Some(v) = device {
@@ -803,6 +811,7 @@ mod tests {
             (COMPILE, "true"),
             (LORA_DROPOUT, "true"),
             (GRAD_SYNC, "each-batch"),
+            (QUANTIZED_HEAD, "true"),
             (ACTIVATION_OFFLOAD, "true"),
             (OPTIMIZER_OFFLOAD, "true"),
             (OPTIMIZER_IN_BACKWARD, "true"),
@@ -813,6 +822,7 @@ mod tests {
         assert!(a.config.optimizer_offload && a.config.optimizer_in_backward);
         assert!(a.config.lora_dropout);
         assert_eq!(a.config.grad_sync, GradSync::EachBatch);
+        assert!(a.config.quantized_head);
         // GPT-2's config trains with attention dropout; the annotation can say otherwise.
         assert!(a.config.model.attention_dropout);
         let off = parse(&annotations(&[

@@ -306,6 +306,10 @@ impl Reader {
             mla,
             extra_params: 0,
             attention_dropout: false,
+            // Gemma 2's `attn_logit_softcapping` (null when off, as in Gemma 3).
+            attention_softcapping: c
+                .get("attn_logit_softcapping")
+                .is_some_and(|v| v.as_f64().is_some_and(|cap| cap > 0.0)),
         }
     }
 

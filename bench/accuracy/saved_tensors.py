@@ -376,6 +376,64 @@ def frozen_linear_saves_input() -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# One full step's peak: the LM head under Fabric's bitsandbytes precision
+# ---------------------------------------------------------------------------------------------
+
+
+class _PeakTracker(_Allocations):
+    """`_Allocations` that also sums the live non-static bytes after every op (forward and
+    backward) and remembers the largest sum and the biggest storages alive at that moment."""
+
+    def __init__(self, static: set[int]):
+        super().__init__()
+        self.static = static
+        self.peak = 0
+        self.at_peak: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        live = [(n, p) for p, (ref, n) in self.storages.items() if not ref.expired() and p not in self.static]
+        total = sum(n for n, _ in live)
+        if total > self.peak:
+            self.peak = total
+            self.at_peak = sorted((n for n, _ in live), reverse=True)[:4]
+        return out
+
+
+def head_step_peak(quantize_head: bool, layers: int = 2, vocab: int = 32768, seq: int = 256) -> dict:
+    """Peak live bytes (parameters and packed weights excluded) of one forward + backward of
+    LitGPT's `lora.GPT` as `litgpt/finetune/lora.py` runs it (LoRA on every linear and the
+    head, `lm_head_chunk_size=128`, `chunked_cross_entropy`), with the blocks' linears in NF4
+    and the LM head's inner `nn.Linear` either NF4 too (Fabric's `BitsandbytesPrecision`
+    patches every `nn.Linear` built under `init_module`, the head's included) or bf16
+    (transformers' bnb integration skips `lm_head`). Legacy bnb `MatMul4Bit` semantics."""
+    from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
+    from litgpt.utils import chunked_cross_entropy
+
+    torch.manual_seed(0)
+    kw = dict(block_size=seq, vocab_size=vocab, padded_vocab_size=vocab, n_layer=layers, n_head=HEADS,
+              n_query_groups=KV_HEADS, n_embd=H, rotary_percentage=1.0, parallel_residual=False, bias=False,
+              norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=INTER)
+    model = GPT(Config(**kw, **LORA_ALL, lora_head=True, lora_dropout=0.0)).to(DT)
+    mark_only_lora_as_trainable(model)
+    for block in model.transformer.h:
+        quantize_linears(block)
+    if quantize_head:
+        quantize_linears(model.lm_head)
+    model.train()
+    torch.manual_seed(1)
+    ids = torch.randint(0, vocab, (1, seq))
+    tracker = _PeakTracker(_static_ptrs(model))
+    with legacy_bnb(True), tracker:
+        logits = model(ids, lm_head_chunk_size=128)
+        logits[-1] = logits[-1][..., :-1, :]
+        loss = chunked_cross_entropy(logits, ids[..., 1:])
+        loss.backward()
+    return {"quantize_head": quantize_head, "V": vocab, "h": H, "S": seq, "peak": tracker.peak,
+            "largest_at_peak": tracker.at_peak, "head_bf16_bytes": vocab * H * 2}
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 LORA_QV = dict(lora_r=8, lora_alpha=16, lora_query=True, lora_value=True)

@@ -171,6 +171,8 @@ annotation_flags! {
     /// (default accumulate: no_sync until the last micro-batch, as Accelerate and LitGPT do;
     /// each-batch: Accelerate's sync_each_batch, which keeps FSDP's gradients sharded).
     grad_sync => "grad-sync",
+    /// true|false: a 4- or 8-bit base quantizes the LM head too (Fabric/LitGPT; default false).
+    quantized_head => "quantized-head",
     /// fp32|bf16-mixed|fp16-mixed|bf16|fp16.
     precision => "precision",
     /// cuda|cpu|metal|rocm.

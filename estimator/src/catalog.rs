@@ -21,6 +21,7 @@ struct Entry {
     lm_head: bool,
     head_dim: Option<u64>,
     attention_dropout: bool,
+    attention_softcapping: bool,
     moe_intermediate: Option<u64>,
     shared_experts: u64,
     dense_layers: u64,
@@ -58,6 +59,7 @@ const fn dense(
         lm_head: true,
         head_dim: None,
         attention_dropout: false,
+        attention_softcapping: false,
         moe_intermediate: None,
         shared_experts: 0,
         dense_layers: 0,
@@ -83,7 +85,8 @@ const fn gpt2(
     }
 }
 
-/// Gemma 2: explicit head_dim, tied embeddings, 256k vocabulary.
+/// Gemma 2: explicit head_dim, tied embeddings, 256k vocabulary, soft-capped attention
+/// scores (`attn_logit_softcapping` 50).
 #[allow(clippy::too_many_arguments)]
 const fn gemma2(
     name: &'static str,
@@ -97,6 +100,7 @@ const fn gemma2(
 ) -> Entry {
     Entry {
         head_dim: Some(head_dim),
+        attention_softcapping: true,
         ..dense(name, params, h, l, a, kv, i, 256_000, true)
     }
 }
@@ -836,6 +840,7 @@ fn shape(e: &Entry) -> ModelShape {
         mla: e.mla,
         extra_params: e.extra_params,
         attention_dropout: e.attention_dropout,
+        attention_softcapping: e.attention_softcapping,
     }
 }
 

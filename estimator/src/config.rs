@@ -342,6 +342,11 @@ pub struct ModelShape {
     /// mask and the dropped copy of the `S²` probabilities; with 0 it keeps neither.
     #[cfg_attr(feature = "serde", serde(default))]
     pub attention_dropout: bool,
+    /// The attention scores are soft-capped, `tanh(s/c)·c` (Gemma 2's
+    /// `attn_logit_softcapping`). Eager attention then keeps the tanh output as well; flash
+    /// kernels without a soft-cap cannot run it, so LitGPT computes the scores itself.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub attention_softcapping: bool,
 }
 
 /// Multi-head latent attention (DeepSeek-V2/V3), as its `config.json` spells it.
@@ -384,6 +389,7 @@ impl Default for ModelShape {
             mla: None,
             extra_params: 0,
             attention_dropout: false,
+            attention_softcapping: false,
         }
     }
 }
@@ -525,6 +531,13 @@ pub struct TrainingConfig {
     /// ranks and accumulation above 1 is affected: unsharded gradients under `accumulate`).
     #[cfg_attr(feature = "serde", serde(default))]
     pub grad_sync: GradSync,
+    /// A 4- or 8-bit base quantizes the LM head too (Lightning Fabric's
+    /// `BitsandbytesPrecision`, which LitGPT uses, swaps every `nn.Linear` built under
+    /// `init_module`, the head's included; transformers' bitsandbytes integration skips
+    /// `lm_head`, the default here). The head is then a separate quantized copy and is
+    /// dequantized whole for its matmuls.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub quantized_head: bool,
 }
 
 impl TrainingConfig {
@@ -557,6 +570,7 @@ impl TrainingConfig {
             compile: false,
             lora_dropout: false,
             grad_sync: GradSync::Accumulate,
+            quantized_head: false,
         }
     }
 

@@ -361,12 +361,24 @@ fn base_bits(cfg: &TrainingConfig) -> f64 {
 /// Not modelled: PEFT's `prepare_model_for_kbit_training` casts the unquantized parameters
 /// of a bitsandbytes model to fp32 (`Pu·2` more), but not those of a GPTQ model, and no field
 /// says which quantizer a run uses (the Qwen-1 Q-LoRA rows, GPTQ, show no upcast).
+///
+/// With [`TrainingConfig::quantized_head`] the head is quantized too: an untied head moves from
+/// `Pu` to the quantized part; a tied one becomes a separate quantized copy `V·h·bits/8`
+/// beside the 16-bit embedding (LitGPT never ties: its checkpoint converter copies the
+/// embedding into `lm_head.weight`, and Fabric swaps that `nn.Linear` for a 4-bit one).
 fn weights(x: &Ctx) -> Bytes {
     let base = if x.cfg.is_adapter() {
         let bits = base_bits(x.cfg);
         if bits <= 8.0 {
-            let unq = x.params - x.quantizable();
-            x.quantizable() * bits / 8.0 + unq * 2.0
+            let head = quantized_head_params(x);
+            // An untied head leaves the 16-bit part when it is quantized.
+            let moved = if head > 0.0 {
+                x.counts.lm_head as f64
+            } else {
+                0.0
+            };
+            let unq = x.params - x.quantizable() - moved;
+            (x.quantizable() + head) * bits / 8.0 + unq * 2.0
         } else {
             x.params * bits / 8.0
         }
@@ -376,13 +388,23 @@ fn weights(x: &Ctx) -> Bytes {
     Bytes::from_f64((base + x.trainable * x.regime.weight) / x.shards.weights)
 }
 
-/// NF4 block scales of a 4-bit base: `Pq/64 · 4` (one fp32 absmax per 64 weights); with
+/// Parameters of an LM head quantized with the base ([`TrainingConfig::quantized_head`] on
+/// an adapter of 8 bits or less): `V·h`, else 0.
+fn quantized_head_params(x: &Ctx) -> f64 {
+    if x.cfg.quantized_head && x.m.lm_head && x.cfg.is_adapter() && base_bits(x.cfg) <= 8.0 {
+        (x.m.vocab_size * x.m.hidden_size) as f64
+    } else {
+        0.0
+    }
+}
+
+/// NF4 block scales of a 4-bit base (and of a quantized head): `Pq/64 · 4` (one fp32 absmax per 64 weights); with
 /// double quantization `Pq/64 · 1 + Pq/(64·256) · 4` (8-bit scales, one fp32 per 256).
 fn quant_scales(x: &Ctx) -> Bytes {
     if !x.cfg.is_adapter() || base_bits(x.cfg) > 4.0 {
         return Bytes::ZERO;
     }
-    let blocks = x.quantizable() / NF4_BLOCK;
+    let blocks = (x.quantizable() + quantized_head_params(x)) / NF4_BLOCK;
     let bytes = if x.cfg.double_quant {
         blocks + blocks / DOUBLE_QUANT_BLOCK * 4.0
     } else {
@@ -492,8 +514,9 @@ fn adafactor_elements(x: &Ctx) -> f64 {
 ///   without flash attention also `heads·S·(4 + c)`: the fp32 softmax probabilities and
 ///   their 16-bit cast for `P·V` (`c = p` under 16-bit compute, 0 in fp32), plus `1 + 4`
 ///   for the dropout mask and the dropped probabilities when the model trains with
-///   attention dropout (BERT, GPT-2; PyTorch's dropout with `p = 0` returns its input); and
-///   the k, v repeated to every head, `2·p·(q − kv)`;
+///   attention dropout (BERT, GPT-2; PyTorch's dropout with `p = 0` returns its input),
+///   plus `p` for soft-capped scores (Gemma 2: `tanh(s/c)·c` keeps its tanh output, LitGPT's
+///   `scaled_dot_product_attention`); and the k, v repeated to every head, `2·p·(q − kv)`;
 /// * with `torch.compile`, norms keep their 16-bit input only (`2·p·h`) and the FFN the
 ///   gate and up outputs (`2·p·I` gated, `p·I` plain): Inductor recomputes the rest;
 /// * FFN, per routed and shared expert (`I` is then `(e + shared)·I_e`, averaged with the
@@ -522,7 +545,9 @@ pub fn layer_activation_bytes_per_token(cfg: &TrainingConfig, compute_bytes: f64
     if !cfg.flash_attention {
         let cast = if p < 4.0 { p } else { 0.0 };
         let dropout = if m.attention_dropout { 1.0 + 4.0 } else { 0.0 };
-        attention += m.num_heads as f64 * cfg.seq_length as f64 * (4.0 + dropout + cast);
+        // Soft-capped scores (Gemma 2) keep the tanh output too, in the compute dtype.
+        let softcap = if m.attention_softcapping { p } else { 0.0 };
+        attention += m.num_heads as f64 * cfg.seq_length as f64 * (4.0 + dropout + cast + softcap);
         attention += 2.0 * p * (q - kv);
     }
     let ffn_matrices = match (m.ffn_gated, cfg.compile) {
@@ -685,12 +710,39 @@ fn forward_backward_workspace(x: &Ctx) -> Bytes {
     if x.cfg.is_adapter() && base_bits(x.cfg) <= 8.0 {
         let m = x.m;
         let widest = m.q_dim().max(m.intermediate_size) as f64;
-        bytes += m.hidden_size as f64 * widest * p;
+        let block = m.hidden_size as f64 * widest * p;
+        bytes += block.max(quantized_head_dequant_excess(x, block));
     }
     if x.cfg.optimizer_in_backward {
         bytes += optimizer_temporary(x);
     }
     Bytes::from_f64(bytes)
+}
+
+/// A quantized LM head ([`TrainingConfig::quantized_head`]) is dequantized whole, `V·h·p`,
+/// for its matmul in forward and again in backward (bitsandbytes `MatMul4Bit`:
+/// `grad_A = grad_output @ dequantize_4bit(B)`). Its backward runs after every chunk's loss
+/// backward (autograd takes the latest nodes first), so at that moment the logits and their
+/// gradient are alive, `2·p·B·S·V` (none under a fused loss), instead of the loss's
+/// [`logits`] term, on top of the activations. Returns what that moment needs beyond the
+/// logits term (at least `block`, the blocks' own dequantized matrix it replaces).
+///
+/// Measured (bench/accuracy/saved_tensors.py `head_step_peak`, LitGPT `lora.GPT` as
+/// `finetune/lora.py` runs it, h 256, S 64, V 32768 and 65536, CPU): quantizing the head
+/// raises the step's peak by 0.58·`V·h·p`, with the dequantized head, the logits and their
+/// gradient alive at the peak; this term predicts `V·h·p + 2·p·S·V − 4·p·S·V` = 0.50·`V·h·p`
+/// there (the bf16-head peak holds four logit-sized tensors).
+fn quantized_head_dequant_excess(x: &Ctx, block: f64) -> f64 {
+    let head = quantized_head_params(x);
+    if head == 0.0 {
+        return block;
+    }
+    let p = x.regime.compute;
+    let kept_logits = match x.cfg.loss {
+        Loss::Fused => 0.0,
+        Loss::Standard | Loss::Chunked => 2.0 * p * x.tokens * x.m.vocab_size as f64,
+    };
+    (head * p + kept_logits - logits(x).as_f64()).max(block)
 }
 
 /// Optimizer workspace at the step. Adam/AdamW as HF Trainer and torchtune run it (fused,

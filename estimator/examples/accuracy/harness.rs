@@ -43,6 +43,8 @@ pub struct Choices {
     pub attention_dropout: String,
     #[serde(default)]
     pub lora_dropout: String,
+    #[serde(default)]
+    pub quantized_head: String,
 }
 
 impl Choices {
@@ -71,6 +73,7 @@ impl Choices {
         cfg.optimizer_offload |= flag(&self.optimizer_offload);
         cfg.model.attention_dropout |= flag(&self.attention_dropout);
         cfg.lora_dropout |= flag(&self.lora_dropout);
+        cfg.quantized_head |= flag(&self.quantized_head);
         Ok(())
     }
 
@@ -98,6 +101,7 @@ impl Choices {
             optimizer_offload: yes(tag("optimizer-offload")),
             attention_dropout: yes(tag("attention-dropout")),
             lora_dropout: yes(tag("lora-dropout")),
+            quantized_head: yes(tag("quantized-head")),
         }
     }
 }
@@ -285,6 +289,8 @@ pub fn config(row: &Row) -> Result<TrainingConfig, String> {
     cfg.lora_targets = targets(&row.lora_targets)?;
     cfg.lora_layers = opt_u64(&row.lora_layers)?;
     cfg.double_quant = row.notes.contains("[double-quant]");
+    // A model fact with no column: Gemma 2's soft-capped attention scores.
+    cfg.model.attention_softcapping = row.notes.contains("[attention-softcapping]");
     cfg.optimizer = row
         .optimizer
         .parse::<Optimizer>()

@@ -531,3 +531,62 @@ fn lora_dropout_keeps_a_mask_and_a_dropped_input_per_adapted_projection() {
     cfg.lora_dropout = false;
     assert_eq!(layer_activation_bytes_per_token(&cfg, 2.0), full);
 }
+
+#[test]
+fn a_quantized_head_is_a_separate_4bit_copy_dequantized_whole_at_its_backward() {
+    // gemma-2-9b QLoRA as LitGPT runs it: tied in the checkpoint, a separate NF4 head.
+    let mut cfg = model("gemma-2-9b");
+    cfg.method = Method::Qlora;
+    cfg.precision = Precision::Bf16;
+    cfg.loss = Loss::Chunked;
+    cfg.seq_length = 512;
+    let before = est(&cfg);
+    cfg.quantized_head = true;
+    let after = est(&cfg);
+    let (v, h) = (cfg.model.vocab_size as f64, cfg.model.hidden_size as f64);
+    let delta = |c| after.component(c).as_f64() - before.component(c).as_f64();
+    // Storage: V·h·4/8 beside the 16-bit embedding, plus one fp32 absmax per 64 weights.
+    assert!((delta(Component::Weights) - v * h * 0.5).abs() < 1.0);
+    assert!((delta(Component::QuantScales) - v * h / 64.0 * 4.0).abs() < 1.0);
+    // At the head's backward: the dequantized head and the logits with their gradient,
+    // instead of the loss's logits term and the blocks' largest dequantized matrix.
+    let t = 512.0;
+    let block = h * cfg.model.intermediate_size as f64 * 2.0;
+    let expected = v * h * 2.0 + 2.0 * 2.0 * t * v - before.component(Component::Logits).as_f64();
+    assert!((delta(Component::Transient) - (expected - block)).abs() < 16.0);
+    // A 16-bit LoRA base has no quantized head whatever the flag says.
+    cfg.method = Method::Lora;
+    let lora = est(&cfg);
+    cfg.quantized_head = false;
+    assert_eq!(est(&cfg).tensor_peak, lora.tensor_peak);
+}
+
+#[test]
+fn an_untied_quantized_head_leaves_the_16_bit_part() {
+    let mut cfg = model("llama-3-8b");
+    cfg.method = Method::Qlora;
+    cfg.precision = Precision::Bf16;
+    let before = est(&cfg).component(Component::Weights).as_f64();
+    cfg.quantized_head = true;
+    let after = est(&cfg).component(Component::Weights).as_f64();
+    let vh = (cfg.model.vocab_size * cfg.model.hidden_size) as f64;
+    assert!((before - after - vh * 1.5).abs() < 1.0);
+}
+
+#[test]
+fn soft_capped_scores_keep_their_tanh_output_without_flash_attention() {
+    let mut cfg = model("gemma-2-9b");
+    cfg.precision = Precision::Bf16;
+    cfg.flash_attention = false;
+    assert!(cfg.model.attention_softcapping);
+    let capped = layer_activation_bytes_per_token(&cfg, 2.0);
+    cfg.model.attention_softcapping = false;
+    let plain = layer_activation_bytes_per_token(&cfg, 2.0);
+    let heads_s = cfg.model.num_heads as f64 * cfg.seq_length as f64;
+    assert_eq!(capped - plain, heads_s * 2.0);
+    // Flash attention keeps no scores at all.
+    cfg.flash_attention = true;
+    let flash = layer_activation_bytes_per_token(&cfg, 2.0);
+    cfg.model.attention_softcapping = true;
+    assert_eq!(layer_activation_bytes_per_token(&cfg, 2.0), flash);
+}
