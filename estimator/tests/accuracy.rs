@@ -94,3 +94,18 @@ fn oom_rows_are_predicted_not_to_fit() {
         assert_eq!(r.oom_predicted(), Some(true), "{}", r.id);
     }
 }
+
+/// The held-out rows (never tuned on) keep their median within the target, and no held-out
+/// row is under-estimated by more than 11 %: the LitGPT QLoRA rows of 128k/256k-vocabulary
+/// models were at −21.3 % before the quantized LM head was modelled and sit at −10.5 % at
+/// worst now (the −10 % target is still missed, see docs/accuracy.md). A regression guard.
+#[test]
+fn held_out_rows_stay_within_their_regression_bounds() {
+    let rows = all_rows();
+    let s = harness::summarize_where(&rows, Device::Cuda, |r| {
+        r.split == harness::Split::HeldOut
+    });
+    assert!(s.median_ape <= MEDIAN_APE, "median {:.1} %", s.median_ape * 100.0);
+    let (worst, id) = s.worst_under.expect("held-out rows under-estimate somewhere");
+    assert!(worst >= -0.11, "{id}: under-estimated by {:.1} %", worst * 100.0);
+}
