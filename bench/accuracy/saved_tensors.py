@@ -24,6 +24,10 @@ Quantized setups replace every `nn.Linear` of the blocks with bitsandbytes' `Lin
   `linear(A, dequantize_4bit(B).t())` and keeps `ctx.tensors = (A, B)`;
 * `bnb-installed`: the installed bitsandbytes (0.48+ keeps `(None, B)`: no input).
 
+`head_step_peak` measures one whole step's peak instead (forward and backward, live bytes
+summed after every op): LitGPT's `lora.GPT` with the LM head's linear in bf16 or NF4, as
+Fabric's `BitsandbytesPrecision` makes it (`--only head` runs just that).
+
 Rerun: `python3 bench/accuracy/saved_tensors.py` (needs torch, transformers, peft,
 bitsandbytes, litgpt; CPU only, about a minute). `--json` prints the raw figures.
 """
@@ -491,6 +495,16 @@ def main() -> int:
             dt = ", ".join(f"{d} {v / H:.2f}h" for d, v in r["saved_by_dtype"].items() if abs(v) > 0.5)
             print(f"{family:7} {name:58} saved {r['saved']:8.0f} B = {r['saved'] / H:6.2f}h   "
                   f"live {r['live']:8.0f} B = {r['live'] / H:6.2f}h   [{dt}]", flush=True)
+    results["head_step"] = []
+    if not args.only or "head" in args.only:
+        for vocab in (32768, 65536):
+            bf16, nf4 = (head_step_peak(q, vocab=vocab, seq=64) for q in (False, True))
+            rise = (nf4["peak"] - bf16["peak"]) / bf16["head_bf16_bytes"]
+            results["head_step"].append({"bf16_head": bf16, "nf4_head": nf4, "rise_over_Vhp": rise})
+            if not args.json:
+                print(f"step peak, LM head bf16 vs NF4 (V {vocab}, h {H}, S 64): {bf16['peak']} B -> "
+                      f"{nf4['peak']} B, +{rise:.2f}·V·h·p; largest alive at the NF4 peak: "
+                      f"{nf4['largest_at_peak']}", flush=True)
     if args.json:
         json.dump(results, sys.stdout, indent=1)
     else:

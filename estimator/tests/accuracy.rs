@@ -102,10 +102,18 @@ fn oom_rows_are_predicted_not_to_fit() {
 #[test]
 fn held_out_rows_stay_within_their_regression_bounds() {
     let rows = all_rows();
-    let s = harness::summarize_where(&rows, Device::Cuda, |r| {
-        r.split == harness::Split::HeldOut
-    });
-    assert!(s.median_ape <= MEDIAN_APE, "median {:.1} %", s.median_ape * 100.0);
-    let (worst, id) = s.worst_under.expect("held-out rows under-estimate somewhere");
-    assert!(worst >= -0.11, "{id}: under-estimated by {:.1} %", worst * 100.0);
+    let s = harness::summarize_where(&rows, Device::Cuda, |r| r.split == harness::Split::HeldOut);
+    assert!(
+        s.median_ape <= MEDIAN_APE,
+        "median {:.1} %",
+        s.median_ape * 100.0
+    );
+    let (worst, id) = s
+        .worst_under
+        .expect("held-out rows under-estimate somewhere");
+    assert!(
+        worst >= -0.11,
+        "{id}: under-estimated by {:.1} %",
+        worst * 100.0
+    );
 }
