@@ -4,7 +4,7 @@ use crate::observe::{Observation, knobs_of};
 use memguard_api::crd::{MemoryProfileStatus, OomEvent, ProfileRun, Recovery, TrainingKnobs};
 use memguard_api::policy::DEFAULT_MAX_OOM_RECOVERIES;
 use memguard_estimator::calibration::FACTOR_RANGE;
-use memguard_estimator::{Bytes, Floors, GradSync, LADDER, TrainingConfig};
+use memguard_estimator::{Bytes, Floors, GradSync, LADDER, Rung, TrainingConfig};
 
 /// What the policy in force says about recovering from OOMs: how many recoveries in a row, and
 /// the floors no recovery steps below (the webhook clamps to the same floors, so a recovery
@@ -117,7 +117,20 @@ pub fn apply_limited(
 /// Rungs stop at `floors`, the policy's: the webhook never plans below them.
 pub fn recovery(obs: &Observation, previous: Option<&Recovery>, floors: &Floors) -> Recovery {
     let died = &obs.ran;
-    let step = LADDER.iter().find_map(|rung| rung.apply(died, floors));
+    let step = LADDER
+        .iter()
+        .find_map(|rung| rung.apply(died, floors).map(|s| (*rung, s)))
+        .map(|(rung, (next, why))| {
+            // Syncing each batch without accumulation changes nothing by itself: it is what
+            // lets the halving after it save, so the recovery takes both (as the planner does).
+            if rung == Rung::SyncEachBatch
+                && died.grad_accumulation == 1
+                && let Some((halved, more)) = Rung::HalveBatch.apply(&next, floors)
+            {
+                return (2, halved, format!("{why}, then {more}"));
+            }
+            (1, next, why)
+        });
     let implied = match (obs.limit, obs.estimate) {
         (Some(limit), Some(estimate)) if estimate.0 > 0 => {
             let need = limit.max(obs.measured_peak.unwrap_or(Bytes::ZERO));
@@ -144,7 +157,9 @@ pub fn recovery(obs: &Observation, previous: Option<&Recovery>, floors: &Floors)
     let oom = obs.oom.as_deref().unwrap_or("ran out of memory");
     let what = describe(died);
     let (rungs, config, action) = match step {
-        Some((next, explanation)) => (1, knobs_of(&next), format!("start with {explanation}")),
+        Some((rungs, next, explanation)) => {
+            (rungs, knobs_of(&next), format!("start with {explanation}"))
+        }
         None => (
             0,
             knobs_of(died),

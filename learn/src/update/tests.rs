@@ -415,4 +415,17 @@ fn an_fsdp_oom_kill_recovers_by_syncing_each_batch_and_the_next_pod_starts_so() 
     let start = crate::adjust::recovery_start(&obs.ran, &r, &Floors::default());
     assert_eq!(start.grad_sync, memguard_estimator::GradSync::EachBatch);
     assert!(describe_knobs(&r.config).contains("gradients synced each batch"));
+
+    // Without accumulation, syncing alone would change nothing: the batch is halved with it.
+    let mut single = obs.clone();
+    single.ran.batch_size = 8;
+    single.ran.grad_accumulation = 1;
+    let r = recovery(&single, None, &Floors::default());
+    assert_eq!(r.rungs, 2);
+    assert_eq!(r.config.grad_sync.as_deref(), Some("each-batch"));
+    assert_eq!(
+        (r.config.batch_size, r.config.grad_accumulation),
+        (Some(4), Some(2))
+    );
+    assert!(r.reason.contains("then batch 8 → 4"), "{}", r.reason);
 }
