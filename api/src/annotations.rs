@@ -90,6 +90,10 @@ pub const GRAD_SYNC: &str = "memguard.io/grad-sync";
 /// `BitsandbytesPrecision`, as LitGPT runs QLoRA); default `false` (transformers' bitsandbytes
 /// integration keeps `lm_head` in 16 bits).
 pub const QUANTIZED_HEAD: &str = "memguard.io/quantized-head";
+/// `true|false`: a 4-bit base was quantized from fp16 (Fabric's `BitsandbytesPrecision`,
+/// bitsandbytes up to 0.42), so each dequantized matrix is also copied to the compute dtype;
+/// default `false` (bitsandbytes 0.43+).
+pub const QUANT_FROM_FP16: &str = "memguard.io/quant-from-fp16";
 /// `fp32|bf16-mixed|fp16-mixed|bf16|fp16`.
 pub const PRECISION: &str = "memguard.io/precision";
 /// `cuda|cpu|metal|rocm`; default: `rocm` for AMD GPUs, `cuda` for NVIDIA GPUs, else `cpu`.
@@ -146,6 +150,7 @@ pub const INPUT_KEYS: &[&str] = &[
     LORA_DROPOUT,
     GRAD_SYNC,
     QUANTIZED_HEAD,
+    QUANT_FROM_FP16,
     PRECISION,
     DEVICE,
     PARALLELISM,
@@ -414,6 +419,9 @@ impl TrainingAnnotations {
         }
         if let Some(v) = p.boolean(QUANTIZED_HEAD) {
             config.quantized_head = v;
+        }
+        if let Some(v) = p.boolean(QUANT_FROM_FP16) {
+            config.quant_from_fp16 = v;
         }
         let device = p.enum_value::<Device>(DEVICE);
         if let Some(v) = device {
@@ -812,6 +820,7 @@ mod tests {
             (LORA_DROPOUT, "true"),
             (GRAD_SYNC, "each-batch"),
             (QUANTIZED_HEAD, "true"),
+            (QUANT_FROM_FP16, "true"),
             (ACTIVATION_OFFLOAD, "true"),
             (OPTIMIZER_OFFLOAD, "true"),
             (OPTIMIZER_IN_BACKWARD, "true"),
@@ -822,7 +831,7 @@ mod tests {
         assert!(a.config.optimizer_offload && a.config.optimizer_in_backward);
         assert!(a.config.lora_dropout);
         assert_eq!(a.config.grad_sync, GradSync::EachBatch);
-        assert!(a.config.quantized_head);
+        assert!(a.config.quantized_head && a.config.quant_from_fp16);
         // GPT-2's config trains with attention dropout; the annotation can say otherwise.
         assert!(a.config.model.attention_dropout);
         let off = parse(&annotations(&[

@@ -200,9 +200,12 @@ def legacy_bnb(on: bool):
         bitsandbytes.matmul_4bit = original
 
 
-def quantize_linears(root: nn.Module, skip=("lora_",)) -> int:
+def quantize_linears(root: nn.Module, skip=("lora_",), source=DT) -> int:
     """Replaces every nn.Linear under `root` (LoRA's own matrices excepted) with an NF4
-    `Linear4bit` holding the same weight, as `BitsandbytesPrecision` / `load_in_4bit` do."""
+    `Linear4bit` holding the same weight, as `BitsandbytesPrecision` / `load_in_4bit` do.
+    `source` is the dtype quantized from, which becomes the quant state's dtype and so the
+    dtype `dequantize_4bit` returns: Fabric's `_Linear4bit.quantize` and bitsandbytes <= 0.42's
+    `Params4bit.cuda` quantize from fp16 (`.half()`), bitsandbytes >= 0.43 from the weight's own."""
     import bitsandbytes as bnb
 
     n = 0
@@ -215,14 +218,14 @@ def quantize_linears(root: nn.Module, skip=("lora_",)) -> int:
                 compute_dtype=DT,
                 quant_type="nf4",
             )
-            q.weight = bnb.nn.Params4bit(child.weight.data.to(DT), requires_grad=False, quant_type="nf4")
+            q.weight = bnb.nn.Params4bit(child.weight.data.to(source), requires_grad=False, quant_type="nf4")
             if child.bias is not None:
                 q.bias = nn.Parameter(child.bias.data.to(DT), requires_grad=False)
             q = q.to("cpu")
             setattr(root, name, q)
             n += 1
         else:
-            n += quantize_linears(child, skip)
+            n += quantize_linears(child, skip, source)
     return n
 
 
@@ -404,7 +407,8 @@ class _PeakTracker(_Allocations):
         return out
 
 
-def head_step_peak(quantize_head: bool, layers: int = 2, vocab: int = 32768, seq: int = 256) -> dict:
+def head_step_peak(quantize_head: bool, layers: int = 2, vocab: int = 32768, seq: int = 256,
+                   source: torch.dtype = DT) -> dict:
     """Peak live bytes (parameters and packed weights excluded) of one forward + backward of
     LitGPT's `lora.GPT` as `litgpt/finetune/lora.py` runs it (LoRA on every linear and the
     head, `lm_head_chunk_size=128`, `chunked_cross_entropy`), with the blocks' linears in NF4
@@ -421,9 +425,9 @@ def head_step_peak(quantize_head: bool, layers: int = 2, vocab: int = 32768, seq
     model = GPT(Config(**kw, **LORA_ALL, lora_head=True, lora_dropout=0.0)).to(DT)
     mark_only_lora_as_trainable(model)
     for block in model.transformer.h:
-        quantize_linears(block)
+        quantize_linears(block, source=source)
     if quantize_head:
-        quantize_linears(model.lm_head)
+        quantize_linears(model.lm_head, source=source)
     model.train()
     torch.manual_seed(1)
     ids = torch.randint(0, vocab, (1, seq))
@@ -499,12 +503,17 @@ def main() -> int:
     if not args.only or "head" in args.only:
         for vocab in (32768, 65536):
             bf16, nf4 = (head_step_peak(q, vocab=vocab, seq=64) for q in (False, True))
+            # Quantized from fp16, as Fabric's `_Linear4bit.quantize` does.
+            nf4_fp16 = head_step_peak(True, vocab=vocab, seq=64, source=torch.float16)
             rise = (nf4["peak"] - bf16["peak"]) / bf16["head_bf16_bytes"]
-            results["head_step"].append({"bf16_head": bf16, "nf4_head": nf4, "rise_over_Vhp": rise})
+            rise16 = (nf4_fp16["peak"] - bf16["peak"]) / bf16["head_bf16_bytes"]
+            results["head_step"].append({"bf16_head": bf16, "nf4_head": nf4, "nf4_head_from_fp16": nf4_fp16,
+                                         "rise_over_Vhp": rise, "rise_over_Vhp_from_fp16": rise16})
             if not args.json:
                 print(f"step peak, LM head bf16 vs NF4 (V {vocab}, h {H}, S 64): {bf16['peak']} B -> "
-                      f"{nf4['peak']} B, +{rise:.2f}·V·h·p; largest alive at the NF4 peak: "
-                      f"{nf4['largest_at_peak']}", flush=True)
+                      f"{nf4['peak']} B, +{rise:.2f}·V·h·p (quantized from fp16: {nf4_fp16['peak']} B, "
+                      f"+{rise16:.2f}·V·h·p); largest alive at the NF4 peaks: {nf4['largest_at_peak']}, "
+                      f"from fp16 {nf4_fp16['largest_at_peak']}", flush=True)
     if args.json:
         json.dump(results, sys.stdout, indent=1)
     else:

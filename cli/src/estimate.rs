@@ -173,6 +173,8 @@ annotation_flags! {
     grad_sync => "grad-sync",
     /// true|false: a 4- or 8-bit base quantizes the LM head too (Fabric/LitGPT; default false).
     quantized_head => "quantized-head",
+    /// true|false: a 4-bit base was quantized from fp16 (Fabric, bitsandbytes <= 0.42; default false).
+    quant_from_fp16 => "quant-from-fp16",
     /// fp32|bf16-mixed|fp16-mixed|bf16|fp16.
     precision => "precision",
     /// cuda|cpu|metal|rocm.

@@ -538,6 +538,13 @@ pub struct TrainingConfig {
     /// dequantized whole for its matmuls.
     #[cfg_attr(feature = "serde", serde(default))]
     pub quantized_head: bool,
+    /// A 4-bit base was quantized from fp16 (Lightning Fabric's `BitsandbytesPrecision`
+    /// always, `weight.to(torch.half)`; bitsandbytes up to 0.42 too, `Params4bit.cuda`'s
+    /// `.half()`), so its quant state is fp16 and `dequantize_4bit` returns fp16, which
+    /// `MatMul4Bit` copies to the compute dtype: each dequantized matrix is held twice for a
+    /// moment. Default `false` (bitsandbytes 0.43+ quantizes from the loaded dtype).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub quant_from_fp16: bool,
 }
 
 impl TrainingConfig {
@@ -571,6 +578,7 @@ impl TrainingConfig {
             lora_dropout: false,
             grad_sync: GradSync::Accumulate,
             quantized_head: false,
+            quant_from_fp16: false,
         }
     }
 

@@ -679,7 +679,8 @@ fn logits(x: &Ctx) -> Bytes {
 /// * DoRA: `W + B·A` of the largest adapted matrix, materialised for its norm, `in·out·p`;
 /// * a 4- or 8-bit base: each matrix is dequantized to `p` bytes for its matmul, forward
 ///   and backward (bitsandbytes `MatMul4Bit`, and LLM.int8's `CB·SCB/127`), one at a time,
-///   `in·out·p` of the largest;
+///   `in·out·p` of the largest (`in·out·(2 + p)` quantized from fp16, see
+///   [`dequantized_bytes`]; a quantized head, see [`quantized_head_dequant_excess`]);
 /// * the optimizer in backward: its per-tensor temporary, see [`optimizer_workspace`].
 fn forward_backward_workspace(x: &Ctx) -> Bytes {
     let p = x.regime.compute;
@@ -710,7 +711,7 @@ fn forward_backward_workspace(x: &Ctx) -> Bytes {
     if x.cfg.is_adapter() && base_bits(x.cfg) <= 8.0 {
         let m = x.m;
         let widest = m.q_dim().max(m.intermediate_size) as f64;
-        let block = m.hidden_size as f64 * widest * p;
+        let block = m.hidden_size as f64 * widest * dequantized_bytes(x);
         bytes += block.max(quantized_head_dequant_excess(x, block));
     }
     if x.cfg.optimizer_in_backward {
@@ -742,7 +743,23 @@ fn quantized_head_dequant_excess(x: &Ctx, block: f64) -> f64 {
         Loss::Fused => 0.0,
         Loss::Standard | Loss::Chunked => 2.0 * p * x.tokens * x.m.vocab_size as f64,
     };
-    (head * p + kept_logits - logits(x).as_f64()).max(block)
+    (head * dequantized_bytes(x) + kept_logits - logits(x).as_f64()).max(block)
+}
+
+/// Bytes per weight of a matrix being dequantized: `p`, or `2 + p` when a 4-bit base was
+/// quantized from fp16 ([`TrainingConfig::quant_from_fp16`]) and computes in another dtype:
+/// `dequantize_4bit(B).to(A.dtype)` (bitsandbytes 0.42.0 `MatMul4Bit`, forward and backward)
+/// holds the fp16 result and its copy at once.
+///
+/// Measured (bench/accuracy/saved_tensors.py `head_step_peak`, V 32768, h 256, S 64, CPU):
+/// with the head and blocks quantized from fp16 instead of bf16 the step's peak rises by
+/// another 0.97·`V·h·p` (1.55 against 0.58), two `V·h` tensors alive at the peak.
+fn dequantized_bytes(x: &Ctx) -> f64 {
+    let p = x.regime.compute;
+    let copy = x.cfg.quant_from_fp16
+        && base_bits(x.cfg) <= 4.0
+        && !matches!(x.cfg.precision, Precision::Fp16 | Precision::Fp16Mixed);
+    if copy { 2.0 + p } else { p }
 }
 
 /// Optimizer workspace at the step. Adam/AdamW as HF Trainer and torchtune run it (fused,

@@ -45,6 +45,8 @@ pub struct Choices {
     pub lora_dropout: String,
     #[serde(default)]
     pub quantized_head: String,
+    #[serde(default)]
+    pub quant_from_fp16: String,
 }
 
 impl Choices {
@@ -74,6 +76,7 @@ impl Choices {
         cfg.model.attention_dropout |= flag(&self.attention_dropout);
         cfg.lora_dropout |= flag(&self.lora_dropout);
         cfg.quantized_head |= flag(&self.quantized_head);
+        cfg.quant_from_fp16 |= flag(&self.quant_from_fp16);
         Ok(())
     }
 
@@ -102,6 +105,7 @@ impl Choices {
             attention_dropout: yes(tag("attention-dropout")),
             lora_dropout: yes(tag("lora-dropout")),
             quantized_head: yes(tag("quantized-head")),
+            quant_from_fp16: yes(tag("quant-from-fp16")),
         }
     }
 }

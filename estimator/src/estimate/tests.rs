@@ -590,3 +590,31 @@ fn soft_capped_scores_keep_their_tanh_output_without_flash_attention() {
     cfg.model.attention_softcapping = true;
     assert_eq!(layer_activation_bytes_per_token(&cfg, 2.0), flash);
 }
+
+#[test]
+fn a_base_quantized_from_fp16_holds_each_dequantized_matrix_twice_under_bf16() {
+    let mut cfg = model("llama-3-8b");
+    cfg.method = Method::Qlora;
+    cfg.precision = Precision::Bf16;
+    cfg.loss = Loss::Chunked;
+    let transient = |cfg: &TrainingConfig| est(cfg).component(Component::Transient).as_f64();
+    let (h, i) = (
+        cfg.model.hidden_size as f64,
+        cfg.model.intermediate_size as f64,
+    );
+    let plain = transient(&cfg);
+    cfg.quant_from_fp16 = true;
+    // The blocks' largest matrix: fp16 from dequantize_4bit plus its bf16 copy.
+    assert!((transient(&cfg) - plain - h * i * 2.0).abs() < 1.0);
+    // A quantized head: the same for V·h.
+    cfg.quantized_head = true;
+    let both = transient(&cfg);
+    cfg.quant_from_fp16 = false;
+    let v = cfg.model.vocab_size as f64;
+    assert!((both - transient(&cfg) - v * h * 2.0).abs() < 1.0);
+    // Computing in fp16, `.to(fp16)` returns the dequantized tensor itself: no copy.
+    cfg.precision = Precision::Fp16;
+    let fp16 = transient(&cfg);
+    cfg.quant_from_fp16 = true;
+    assert_eq!(transient(&cfg), fp16);
+}
