@@ -94,6 +94,9 @@ pub const QUANTIZED_HEAD: &str = "memguard.io/quantized-head";
 /// bitsandbytes up to 0.42), so each dequantized matrix is also copied to the compute dtype;
 /// default `false` (bitsandbytes 0.43+).
 pub const QUANT_FROM_FP16: &str = "memguard.io/quant-from-fp16";
+/// `true|false`: the trainer keeps the LM head as its own parameter even when the checkpoint
+/// ties it to the embedding (LitGPT); default `false` (transformers keeps the tie).
+pub const UNTIED_HEAD: &str = "memguard.io/untied-head";
 /// `fp32|bf16-mixed|fp16-mixed|bf16|fp16`.
 pub const PRECISION: &str = "memguard.io/precision";
 /// `cuda|cpu|metal|rocm`; default: `rocm` for AMD GPUs, `cuda` for NVIDIA GPUs, else `cpu`.
@@ -151,6 +154,7 @@ pub const INPUT_KEYS: &[&str] = &[
     GRAD_SYNC,
     QUANTIZED_HEAD,
     QUANT_FROM_FP16,
+    UNTIED_HEAD,
     PRECISION,
     DEVICE,
     PARALLELISM,
@@ -422,6 +426,9 @@ impl TrainingAnnotations {
         }
         if let Some(v) = p.boolean(QUANT_FROM_FP16) {
             config.quant_from_fp16 = v;
+        }
+        if let Some(v) = p.boolean(UNTIED_HEAD) {
+            config.untied_head = v;
         }
         let device = p.enum_value::<Device>(DEVICE);
         if let Some(v) = device {
@@ -821,6 +828,7 @@ mod tests {
             (GRAD_SYNC, "each-batch"),
             (QUANTIZED_HEAD, "true"),
             (QUANT_FROM_FP16, "true"),
+            (UNTIED_HEAD, "true"),
             (ACTIVATION_OFFLOAD, "true"),
             (OPTIMIZER_OFFLOAD, "true"),
             (OPTIMIZER_IN_BACKWARD, "true"),
@@ -831,7 +839,7 @@ mod tests {
         assert!(a.config.optimizer_offload && a.config.optimizer_in_backward);
         assert!(a.config.lora_dropout);
         assert_eq!(a.config.grad_sync, GradSync::EachBatch);
-        assert!(a.config.quantized_head && a.config.quant_from_fp16);
+        assert!(a.config.quantized_head && a.config.quant_from_fp16 && a.config.untied_head);
         // GPT-2's config trains with attention dropout; the annotation can say otherwise.
         assert!(a.config.model.attention_dropout);
         let off = parse(&annotations(&[

@@ -175,6 +175,8 @@ annotation_flags! {
     quantized_head => "quantized-head",
     /// true|false: a 4-bit base was quantized from fp16 (Fabric, bitsandbytes <= 0.42; default false).
     quant_from_fp16 => "quant-from-fp16",
+    /// true|false: the trainer keeps its own LM head when the checkpoint ties it (LitGPT; default false).
+    untied_head => "untied-head",
     /// fp32|bf16-mixed|fp16-mixed|bf16|fp16.
     precision => "precision",
     /// cuda|cpu|metal|rocm.

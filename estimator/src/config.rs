@@ -545,6 +545,12 @@ pub struct TrainingConfig {
     /// moment. Default `false` (bitsandbytes 0.43+ quantizes from the loaded dtype).
     #[cfg_attr(feature = "serde", serde(default))]
     pub quant_from_fp16: bool,
+    /// The trainer keeps the LM head as its own parameter even when the checkpoint ties it to
+    /// the embedding (LitGPT: `GPT` has separate `transformer.wte` and `lm_head`, and
+    /// `convert_hf_checkpoint` copies the embedding into `lm_head.weight`): a tied model then
+    /// holds `V·h` more parameters. Default `false` (transformers keeps the tie).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub untied_head: bool,
 }
 
 impl TrainingConfig {
@@ -579,6 +585,7 @@ impl TrainingConfig {
             grad_sync: GradSync::Accumulate,
             quantized_head: false,
             quant_from_fp16: false,
+            untied_head: false,
         }
     }
 

@@ -832,6 +832,15 @@ fn allocator_cache(device: Device, per_step: Bytes) -> Bytes {
 /// Estimates the peak memory of one training step of `cfg` on one device.
 pub fn estimate(cfg: &TrainingConfig) -> Result<Estimate, Vec<ConfigError>> {
     cfg.validate()?;
+    if cfg.untied_head && cfg.model.tie_embeddings && cfg.model.lm_head {
+        // The trainer's model has its own head: the same model untied, with `V·h` more
+        // parameters (a published count is of the tied checkpoint).
+        let mut untied = cfg.clone();
+        untied.model.tie_embeddings = false;
+        let head = cfg.model.vocab_size.saturating_mul(cfg.model.hidden_size);
+        untied.model.params = cfg.model.params.map(|p| p.saturating_add(head));
+        return estimate(&untied);
+    }
     let x = Ctx::new(cfg);
     let grads = gradients(&x);
     let buckets = communication_buckets(&x);

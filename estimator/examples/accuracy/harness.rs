@@ -47,6 +47,8 @@ pub struct Choices {
     pub quantized_head: String,
     #[serde(default)]
     pub quant_from_fp16: String,
+    #[serde(default)]
+    pub untied_head: String,
 }
 
 impl Choices {
@@ -77,6 +79,7 @@ impl Choices {
         cfg.lora_dropout |= flag(&self.lora_dropout);
         cfg.quantized_head |= flag(&self.quantized_head);
         cfg.quant_from_fp16 |= flag(&self.quant_from_fp16);
+        cfg.untied_head |= flag(&self.untied_head);
         Ok(())
     }
 
@@ -106,6 +109,7 @@ impl Choices {
             lora_dropout: yes(tag("lora-dropout")),
             quantized_head: yes(tag("quantized-head")),
             quant_from_fp16: yes(tag("quant-from-fp16")),
+            untied_head: yes(tag("untied-head")),
         }
     }
 }

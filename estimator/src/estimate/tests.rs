@@ -618,3 +618,30 @@ fn a_base_quantized_from_fp16_holds_each_dequantized_matrix_twice_under_bf16() {
     cfg.quant_from_fp16 = true;
     assert_eq!(transient(&cfg), fp16);
 }
+
+#[test]
+fn an_untied_head_on_a_tied_model_adds_its_own_parameters() {
+    let mut cfg = model("gemma-2-2b");
+    assert!(cfg.model.tie_embeddings);
+    cfg.precision = Precision::Bf16;
+    cfg.method = Method::Lora;
+    let tied = est(&cfg).component(Component::Weights).as_f64();
+    cfg.untied_head = true;
+    let untied = est(&cfg).component(Component::Weights).as_f64();
+    let vh = (cfg.model.vocab_size * cfg.model.hidden_size) as f64;
+    // A 16-bit LoRA base holds the separate head in bf16.
+    assert!((untied - tied - vh * 2.0).abs() < 1.0);
+    // Full fine-tuning also trains it: weights, gradients and Adam states.
+    cfg.method = Method::Full;
+    let full = est(&cfg);
+    cfg.untied_head = false;
+    let full_tied = est(&cfg);
+    let d = |c| full.component(c).as_f64() - full_tied.component(c).as_f64();
+    assert!((d(Component::Gradients) - vh * 2.0).abs() < 1.0);
+    assert!((d(Component::OptimizerStates) - vh * 4.0).abs() < 1.0);
+    // An untied model is left as it is.
+    let mut llama = model("llama-3-8b");
+    let plain = est(&llama).tensor_peak;
+    llama.untied_head = true;
+    assert_eq!(est(&llama).tensor_peak, plain);
+}
