@@ -26,7 +26,8 @@ Quantized setups replace every `nn.Linear` of the blocks with bitsandbytes' `Lin
 
 `head_step_peak` measures one whole step's peak instead (forward and backward, live bytes
 summed after every op): LitGPT's `lora.GPT` with the LM head's linear in bf16 or NF4, as
-Fabric's `BitsandbytesPrecision` makes it (`--only head` runs just that).
+Fabric's `BitsandbytesPrecision` makes it (`--only head` runs just that). `softcap_tanh_bytes`
+measures what Gemma 2's soft-capped eager attention keeps for its tanh (`--only softcap`).
 
 Rerun: `python3 bench/accuracy/saved_tensors.py` (needs torch, transformers, peft,
 bitsandbytes, litgpt; CPU only, about a minute). `--json` prints the raw figures.
@@ -383,6 +384,41 @@ def frozen_linear_saves_input() -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Gemma 2's soft-capped attention scores
+# ---------------------------------------------------------------------------------------------
+
+
+def softcap_tanh_bytes() -> dict:
+    """What LitGPT's soft-capped eager attention keeps for its `tanh`, per token and layer:
+    a frozen bf16 LitGPT model with `attention_logit_softcapping=50` (the eager path Gemma 2
+    takes), against the same path with `do_softcapping` made the identity. Expected: the tanh
+    output, `p·heads·S`."""
+    import dataclasses
+
+    import litgpt.model as lm
+    from litgpt.model import GPT
+
+    def build(n_layer):
+        torch.manual_seed(0)
+        cfg = dataclasses.replace(litgpt_config(n_layer, None), attention_logit_softcapping=50.0)
+        model = GPT(cfg).to(DT)
+        model.requires_grad_(False)
+        model.transformer.wte.register_forward_hook(lambda _m, _i, out: out.requires_grad_(True))
+        model.train()
+        return model
+
+    capped = per_token_layer(build, litgpt_run)
+    original = lm.do_softcapping
+    lm.do_softcapping = lambda x, thresh: x
+    try:
+        plain = per_token_layer(build, litgpt_run)
+    finally:
+        lm.do_softcapping = original
+    return {"capped": capped["saved"], "identity": plain["saved"], "tanh": capped["saved"] - plain["saved"],
+            "expected": 2 * HEADS * S}
+
+
+# ---------------------------------------------------------------------------------------------
 # One full step's peak: the LM head under Fabric's bitsandbytes precision
 # ---------------------------------------------------------------------------------------------
 
@@ -499,6 +535,13 @@ def main() -> int:
             dt = ", ".join(f"{d} {v / H:.2f}h" for d, v in r["saved_by_dtype"].items() if abs(v) > 0.5)
             print(f"{family:7} {name:58} saved {r['saved']:8.0f} B = {r['saved'] / H:6.2f}h   "
                   f"live {r['live']:8.0f} B = {r['live'] / H:6.2f}h   [{dt}]", flush=True)
+    if not args.only or "softcap" in args.only:
+        results["softcap"] = softcap_tanh_bytes()
+        if not args.json:
+            sc = results["softcap"]
+            print(f"soft-capped scores (heads {HEADS}, S {S}): saved {sc['capped']:.0f} B against "
+                  f"{sc['identity']:.0f} B without the tanh: {sc['tanh']:.0f} B per token-layer "
+                  f"(p·heads·S = {sc['expected']})", flush=True)
     results["head_step"] = []
     if not args.only or "head" in args.only:
         for vocab in (32768, 65536):
