@@ -689,10 +689,11 @@ impl Parser<'_> {
             shape.intermediate_size = v;
         } else if !from_catalog {
             // A plain transformer's FFN is 4h wide; SwiGLU models keep ~8h/3 per branch.
+            // Saturating: the width is derived before the shape's sanity limits are checked.
             shape.intermediate_size = if gated.unwrap_or(true) {
-                (shape.hidden_size * 8 / 3).max(1)
+                (shape.hidden_size.saturating_mul(8) / 3).max(1)
             } else {
-                shape.hidden_size * 4
+                shape.hidden_size.saturating_mul(4)
             };
         }
         if let Some(v) = vocab {
@@ -781,6 +782,29 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    /// Found by the suite's mutation smoke run (fuzz-targets/tests/mutation_smoke.rs): the FFN
+    /// width derived from a huge hidden size overflowed (a panic with overflow checks, a wrapped,
+    /// tiny width in release) before the sanity limits could refuse the shape.
+    #[test]
+    fn a_huge_hidden_size_is_refused_not_overflowed() {
+        for gated in ["true", "false"] {
+            let errors = parse(&annotations(&[
+                (MODEL_PARAMS, "7B"),
+                (HIDDEN_SIZE, "9223372036854775807"),
+                (NUM_LAYERS, "32"),
+                (NUM_HEADS, "4294967296"),
+                (VOCAB_SIZE, "3"),
+                (FFN_GATED, gated),
+            ]))
+            .expect_err("an absurd shape is refused");
+            assert!(
+                errors.iter().any(|e| e.to_string().contains("hidden-size")
+                    && e.to_string().contains("sanity limit")),
+                "{errors:?}"
+            );
+        }
     }
 
     #[test]
