@@ -245,7 +245,7 @@ impl Reader {
                     "ffn_hidden_size",
                 ],
             )
-            .unwrap_or(4 * hidden);
+            .unwrap_or_else(|| hidden.saturating_mul(4));
         let experts = self
             .count(c, &["num_local_experts", "num_experts", "n_routed_experts"])
             .filter(|&e| e > 0)
@@ -324,15 +324,25 @@ impl Reader {
         let patch = self.required(v, &["patch_size"]);
         let image = self.required(v, &["image_size"]);
         let channels = self.count(v, &["num_channels"]).unwrap_or(3);
-        let per_layer = 4 * (d * d + d) + 2 * d * i + i + d + 4 * d;
+        // Saturating throughout: the sizes are whatever the file says, checked only later.
+        let sum = |terms: &[u64]| terms.iter().fold(0u64, |a, &t| a.saturating_add(t));
+        let mul = |factors: &[u64]| factors.iter().fold(1u64, |a, &f| a.saturating_mul(f));
+        let per_layer = sum(&[
+            mul(&[4, sum(&[mul(&[d, d]), d])]),
+            mul(&[2, d, i]),
+            i,
+            d,
+            mul(&[4, d]),
+        ]);
         let side = image.checked_div(patch).unwrap_or(0);
-        let positions = side * side;
-        let total = layers
-            .saturating_mul(per_layer)
-            .saturating_add(channels * patch * patch * d + d)
-            .saturating_add(positions.saturating_mul(d))
-            .saturating_add(2 * d)
-            .saturating_add(d.saturating_mul(text_hidden));
+        let total = sum(&[
+            mul(&[layers, per_layer]),
+            mul(&[channels, patch, patch, d]),
+            d,
+            mul(&[side, side, d]),
+            mul(&[2, d]),
+            mul(&[d, text_hidden]),
+        ]);
         // Vision towers are well under 2^40 parameters; anything beyond is a broken config.
         total.min(1 << 40)
     }
@@ -434,6 +444,31 @@ mod tests {
             let err = (derived - published) / published;
             assert!(err.abs() < 0.02, "{file}: {derived} vs {published}");
         }
+    }
+
+    /// Found by the suite's mutation smoke run on a policy's `spec.models[].config`: a huge
+    /// `hidden_size` overflowed `4·h` (computed even when `intermediate_size` was given) and the
+    /// vision tower's products (a panic with overflow checks, a wrapped count in release). The
+    /// sizes now saturate, and the estimator's sanity limits refuse such a shape.
+    #[test]
+    fn huge_sizes_saturate_instead_of_overflowing() {
+        let huge = u64::MAX / 2;
+        let m = parse(&format!(
+            r#"{{"model_type": "llama", "hidden_size": {huge}, "num_hidden_layers": 2,
+                "num_attention_heads": 2, "vocab_size": 10}}"#
+        ))
+        .expect("a shape, refused later by the estimator's limits");
+        assert_eq!(m.shape.hidden_size, huge);
+        assert_eq!(m.shape.intermediate_size, u64::MAX);
+        let m = parse(&format!(
+            r#"{{"model_type": "llava", "text_config": {{"model_type": "llama",
+                "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                "vocab_size": 10}},
+              "vision_config": {{"hidden_size": {huge}, "intermediate_size": {huge},
+                "num_hidden_layers": 3, "patch_size": 14, "image_size": 4294967296}}}}"#
+        ))
+        .expect("parses");
+        assert_eq!(m.shape.extra_params, 1 << 40, "capped, not wrapped");
     }
 
     #[test]
