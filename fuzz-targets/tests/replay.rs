@@ -1,8 +1,8 @@
 //! Replays every committed corpus file (`fuzz/corpus/<target>/*`, seeded from the fixtures and
 //! grown by `scripts/fuzz.sh`) through its target, on the stable toolchain: every input the
-//! fuzzer found interesting, and every crash it found (kept as a regression), must pass. This is
-//! the fuzzing smoke test of the suite; the libFuzzer run itself is `scripts/fuzz.sh smoke`
-//! (docs/reliability.md says why it is not in CI).
+//! fuzzer found interesting, and every crash it found (kept as a regression), must pass. Beside
+//! it, `mutation_smoke.rs` fuzzes around these inputs on every run; the libFuzzer run itself is
+//! `scripts/fuzz.sh smoke` (docs/reliability.md says why it is not in CI).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
