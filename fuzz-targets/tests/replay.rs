@@ -39,7 +39,12 @@ fn every_committed_corpus_file_passes_its_target() {
             files.len()
         );
         for file in &files {
-            let data = std::fs::read(file).expect("corpus file");
+            // Gone since the listing: reduced away by a fuzzer running on this corpus.
+            let data = match std::fs::read(file) {
+                Ok(data) => data,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => panic!("{}: {e}", file.display()),
+            };
             let run = std::panic::catch_unwind(|| target(&data));
             assert!(run.is_ok(), "{name}: {} fails", file.display());
         }
