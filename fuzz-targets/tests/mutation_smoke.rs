@@ -10,16 +10,15 @@
 //! breaks its target is saved under `target/fuzz-smoke/` and named in the failure, ready to be
 //! added to the corpus as `regression-*` once fixed.
 
+mod common;
+
+use common::fuzz_dir;
 use std::path::{Path, PathBuf};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 const DEFAULT_MUTATIONS: usize = 10_000;
 /// libFuzzer's default cap on a grown input is this order; larger inputs only slow the run.
 const MAX_LEN: usize = 8 * 1024;
-
-fn fuzz_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz")
-}
 
 /// SplitMix64: small, fast, and the same sequence for the same seed everywhere.
 struct Rng(u64);
@@ -50,21 +49,9 @@ fn env_number(name: &str) -> Option<u64> {
 }
 
 fn corpus(target: &str) -> Vec<Vec<u8>> {
-    let dir = fuzz_dir().join("corpus").join(target);
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("corpus {}: {e}", dir.display()))
-        .map(|e| e.expect("directory entry").path())
-        .collect();
-    files.sort();
-    // A file gone between listing and reading was reduced away by a fuzzer running on the same
-    // corpus (`scripts/fuzz.sh run`); anything else is an error.
-    files
-        .iter()
-        .filter_map(|f| match std::fs::read(f) {
-            Ok(data) => Some(data),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(e) => panic!("{}: {e}", f.display()),
-        })
+    common::corpus(target)
+        .into_iter()
+        .map(|(_, data)| data)
         .collect()
 }
 

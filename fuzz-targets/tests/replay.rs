@@ -4,12 +4,11 @@
 //! it, `mutation_smoke.rs` fuzzes around these inputs on every run; the libFuzzer run itself is
 //! `scripts/fuzz.sh smoke` (docs/reliability.md says why it is not in CI).
 
-use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+mod common;
 
-fn fuzz_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz")
-}
+use common::{corpus, fuzz_dir};
+use std::collections::BTreeSet;
+use std::path::Path;
 
 fn names_in(dir: &Path, strip: &str) -> BTreeSet<String> {
     std::fs::read_dir(dir)
@@ -27,25 +26,14 @@ fn names_in(dir: &Path, strip: &str) -> BTreeSet<String> {
 fn every_committed_corpus_file_passes_its_target() {
     let mut total = 0;
     for (name, target) in memguard_fuzz_targets::TARGETS {
-        let dir = fuzz_dir().join("corpus").join(name);
-        let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-            .unwrap_or_else(|e| panic!("corpus {}: {e}", dir.display()))
-            .map(|e| e.expect("directory entry").path())
-            .collect();
-        files.sort();
+        let files = corpus(name);
         assert!(
             files.len() >= 3,
             "corpus {name} has {} files; it is seeded from the fixtures",
             files.len()
         );
-        for file in &files {
-            // Gone since the listing: reduced away by a fuzzer running on this corpus.
-            let data = match std::fs::read(file) {
-                Ok(data) => data,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                Err(e) => panic!("{}: {e}", file.display()),
-            };
-            let run = std::panic::catch_unwind(|| target(&data));
+        for (file, data) in &files {
+            let run = std::panic::catch_unwind(|| target(data));
             assert!(run.is_ok(), "{name}: {} fails", file.display());
         }
         total += files.len();
