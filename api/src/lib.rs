@@ -20,6 +20,8 @@ pub mod wellknown;
 #[cfg(feature = "crd")]
 pub mod crd;
 #[cfg(feature = "crd")]
+pub mod dra;
+#[cfg(feature = "crd")]
 pub mod pod;
 #[cfg(feature = "crd")]
 pub use pod::{ResolveError, TrainingPod};

@@ -4,12 +4,14 @@
 //! same parser ([`TrainingAnnotations::parse_keys`]), so the CLI and the webhook cannot disagree.
 
 use memguard_api::annotations::TrainingAnnotations;
+use memguard_api::dra::DraCatalog;
 use memguard_api::policy::DEFAULT_SAFETY_RATIO;
-use memguard_api::{ModelCatalog, Policy};
+use memguard_api::{ModelCatalog, Policy, TrainingPod};
 use memguard_estimator::{
     Bytes, Calibration, DowngradePlan, Estimate, GradSync, ServingConfig, TrainingConfig, catalog,
-    estimate_serving, parse_bytes, plan_with_floors,
+    estimate_serving, parse_bytes,
 };
+use memguard_learn::decision;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -228,9 +230,36 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok(parsed) => parsed,
         Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
     };
-    let from_pod = match pod_budget(&args, &parsed, &policy) {
-        Ok(b) => b,
+    // The pod the flags describe goes through the webhook's own stages: resolved as at
+    // admission, then the budget stage every caller shares (memguard_learn::decision).
+    let flags_pod = match pod_of_flags(&args) {
+        Ok(p) => p,
         Err(message) => return Ok(bad_input([message])),
+    };
+    let training = match &flags_pod {
+        Some(p) => match TrainingPod::with_annotations(
+            &p.pod,
+            parsed.clone(),
+            keys.contains_key("world-size"),
+            &policy,
+            p.dra.as_deref().map(|c| c as &dyn DraCatalog),
+        ) {
+            Ok(t) => Some(t),
+            Err(e) => return Ok(bad_input([e.to_string()])),
+        },
+        None => None,
+    };
+    let from_pod = match &training {
+        Some(t) => match decision::budget(t, &policy) {
+            (Some(budget), warnings) => Some((budget, warnings)),
+            (None, warnings) => {
+                return Ok(bad_input([format!(
+                    "no budget: the resources name no GPU memguard knows ({}); give --budget",
+                    warnings.join("; ")
+                )]));
+            }
+        },
+        None => None,
     };
     let budget = match &from_pod {
         Some(_) if args.budget.is_some() => {
@@ -238,58 +267,71 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 "--budget and --gpu-resource/--gpu-product/--pod-annotation both give the budget; pick one".to_string(),
             ]));
         }
-        Some(b) => Some(b.budget.bytes),
+        Some((b, _)) => Some(b.bytes),
         None => match resolve_budget(&args, &parsed) {
             Ok(budget) => budget,
             Err(message) => return Ok(bad_input([message])),
         },
     };
-    let mut cfg = parsed.config.clone();
-    if let Some(b) = &from_pod {
-        for w in &b.warnings {
-            eprintln!("warning: {w}");
-        }
-        cfg.device = b.device;
-    }
-    let cfg = &cfg;
+    let cfg = training.as_ref().map_or(&parsed.config, |t| &t.config);
     if args.serve {
+        if let Some((_, warnings)) = &from_pod {
+            warn(warnings);
+        }
         return serve(&args, cfg, budget, &mut out);
     }
     let estimate = match memguard_estimator::estimate(cfg) {
         Ok(e) => e,
         Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
     };
-    let plan = match budget {
-        Some(budget) => {
-            match plan_with_floors(cfg, budget, &Calibration::none(), &Default::default()) {
-                Ok(plan) => Some(plan),
-                Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
+    // The plan under the policy's floors: the decision's own for a pod, else the same planning
+    // step into the given budget.
+    let decided = match &training {
+        Some(t) => match decision::decide(t, &policy, |_| None) {
+            Ok(d) => {
+                warn(&d.warnings);
+                Some(d)
             }
-        }
+            Err(message) => return Ok(bad_input([message])),
+        },
         None => None,
     };
+    let plan = match (&decided, budget) {
+        (Some(d), _) => Some(d.plan.clone()),
+        (None, Some(budget)) => {
+            match decision::plan_into(cfg, Some(budget), &Calibration::none(), &policy) {
+                Ok(plan) => Some(plan),
+                Err(message) => return Ok(bad_input([format!("--{message}")])),
+            }
+        }
+        (None, None) => None,
+    };
+    let pod_budget = decided.as_ref().and_then(|d| d.budget.as_ref());
     match args.output {
         Output::Json => {
             let mut value = to_json(cfg, &estimate, plan.as_ref());
-            if let Some(b) = &from_pod {
-                value["budget_source"] = json!(b.budget.source);
-                value["device_memory_bytes"] = json!(b.budget.device_memory.0);
+            if let Some(b) = pod_budget {
+                value["budget_source"] = json!(b.source);
+                value["device_memory_bytes"] = json!(b.device_memory.0);
+            }
+            if let Some(d) = &decided {
+                value["profile"] = json!({"name": d.key.name, "spec": d.key.spec});
             }
             serde_json::to_writer_pretty(&mut out, &value)?;
             writeln!(out)?;
         }
         Output::Table => {
             write_table(&mut out, cfg, &estimate, plan.as_ref())?;
-            if let Some(b) = &from_pod {
-                let source = serde_json::to_value(&b.budget.source)?;
+            if let Some(b) = pod_budget {
+                let source = serde_json::to_value(&b.source)?;
                 let detail = source["detail"].as_str().map(|d| format!(": {d}"));
                 writeln!(
                     out,
                     "budget from {}{} (one device {} × {})",
                     source["kind"].as_str().unwrap_or_default(),
                     detail.unwrap_or_default(),
-                    b.budget.device_memory,
-                    b.budget.safety_ratio
+                    b.device_memory,
+                    b.safety_ratio
                 )?;
             }
         }
@@ -297,22 +339,25 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The budget the webhook's budget stage gives the pod the flags describe.
-struct PodBudget {
-    budget: memguard_webhook::budget::Budget,
-    device: memguard_estimator::Device,
-    warnings: Vec<String>,
+/// Each warning of the budget stage on stderr.
+fn warn(warnings: &[String]) {
+    for w in warnings {
+        eprintln!("warning: {w}");
+    }
 }
 
-/// `--gpu-resource`, `--gpu-product`, `--pod-annotation`: a pod with one trainer asking for those
-/// resources, pinned to that product, carrying those annotations, run through
-/// [`memguard_webhook::budget::resolve`] exactly as at admission. `None` without those flags.
-fn pod_budget(
-    args: &Args,
-    parsed: &TrainingAnnotations,
-    policy: &Policy,
-) -> Result<Option<PodBudget>, String> {
-    use memguard_api::pod::{AMD_GPU_PRODUCT_LABEL, AMD_GPU_RESOURCE, default_device};
+/// The pod the `--gpu-resource`, `--gpu-product`, `--pod-annotation` and `--dra-claim` flags
+/// describe, and the `--dra` objects.
+struct FlagsPod {
+    pod: k8s_openapi::api::core::v1::Pod,
+    dra: Option<std::sync::Arc<memguard_webhook::dra::StaticCatalog>>,
+}
+
+/// A pod with one trainer asking for the `--gpu-resource`s, pinned to the `--gpu-product`,
+/// carrying the `--pod-annotation`s and the `--dra-claim`: what admission would see. `None`
+/// without those flags.
+fn pod_of_flags(args: &Args) -> Result<Option<FlagsPod>, String> {
+    use memguard_api::pod::{AMD_GPU_PRODUCT_LABEL, AMD_GPU_RESOURCE};
     if args.gpu_resource.is_empty()
         && args.gpu_product.is_none()
         && args.pod_annotation.is_empty()
@@ -379,58 +424,12 @@ fn pod_budget(
         }
         spec["resourceClaims"] = json!([{"name": "gpu", field: name}]);
     }
-    let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(json!({
+    let pod = serde_json::from_value(json!({
         "metadata": {"name": "estimate", "namespace": namespace, "annotations": annotations},
         "spec": spec,
     }))
     .map_err(|e| format!("the pod the flags describe: {e}"))?;
-    let trainer = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.containers.first())
-        .ok_or("the pod the flags describe has no trainer")?;
-    let device = if parsed.device_given {
-        parsed.config.device
-    } else {
-        default_device(&pod, trainer)
-    };
-    let safety_ratio = parsed.safety_ratio.unwrap_or(policy.safety_ratio);
-    let mut warnings = Vec::new();
-    // As at admission: the claim's driver names the device when nothing else does.
-    let reading = memguard_webhook::dra::read(
-        &pod,
-        trainer,
-        dra.as_deref()
-            .map(|c| c as &dyn memguard_webhook::dra::DraCatalog),
-        policy,
-    );
-    if parsed.gpu_memory.is_none() {
-        warnings.extend(reading.warnings.iter().map(|w| format!("memguard: {w}")));
-    }
-    let (device, dra_memory) = reading.on(device, parsed.device_given);
-    let budget = memguard_webhook::budget::resolve(
-        &pod,
-        trainer,
-        device,
-        memguard_webhook::budget::Known {
-            annotated: parsed.gpu_memory,
-            dra: dra_memory,
-        },
-        safety_ratio,
-        policy,
-        &mut warnings,
-    )
-    .ok_or_else(|| {
-        format!(
-            "no budget: the resources name no GPU memguard knows ({}); give --budget",
-            warnings.join("; ")
-        )
-    })?;
-    Ok(Some(PodBudget {
-        budget,
-        device,
-        warnings,
-    }))
+    Ok(Some(FlagsPod { pod, dra }))
 }
 
 /// `--policy-file`, checked as the webhook checks it; the built-in policy without one.

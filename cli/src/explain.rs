@@ -12,7 +12,8 @@
 
 use anyhow::Context;
 use k8s_openapi::api::core::v1::{ContainerStateTerminated, ContainerStatus, Pod};
-use memguard_api::Policy;
+use memguard_api::dra::{DraCatalog, StaticCatalog};
+use memguard_api::{Policy, TrainingPod};
 use memguard_api::crd::{MemoryProfile, MemoryProfileSpec, MemoryProfileStatus, TrainingKnobs};
 use memguard_api::{
     BudgetSource, EstimateAnnotation, OomRecord, Summary, annotations as keys, wellknown,
@@ -28,6 +29,7 @@ use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 /// Flags of `memguard explain`.
 #[derive(clap::Args)]
@@ -50,6 +52,12 @@ pub struct Args {
     /// the webhook: its budget rules, floors and `maxOomRecoveries` decide the next pod.
     #[arg(long, value_name = "FILE")]
     pub policy_file: Option<PathBuf>,
+
+    /// DRA objects (`resource.k8s.io/v1` ResourceClaimTemplate, ResourceClaim, DeviceClass,
+    /// ResourceSlice), as given to `memguard mutate --dra`: a pod known as a GPU pod only
+    /// through its claims is keyed and admitted as the cluster does. Repeat for several files.
+    #[arg(long = "dra", value_name = "FILE")]
+    pub dra: Vec<PathBuf>,
 }
 
 /// Output format.
@@ -176,6 +184,14 @@ pub struct NextContext {
     pub profile: Option<MemoryProfile>,
     /// The policy in force.
     pub policy: Policy,
+    /// The DRA objects the webhook reads, when given.
+    pub dra: Option<Arc<StaticCatalog>>,
+}
+
+impl NextContext {
+    fn dra(&self) -> Option<&dyn DraCatalog> {
+        self.dra.as_deref().map(|c| c as &dyn DraCatalog)
+    }
 }
 
 /// Bad input: reported, exit code 2.
@@ -215,14 +231,22 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok(p) => p,
         Err(errors) => return bad_input(format!("invalid policy: {}", errors.join("; "))),
     };
-    let profile = match &args.profile {
-        Some(path) => match read_profile(path, &pod, &policy.models) {
-            Ok(p) => Some(p),
-            Err(e) => return bad_input(e),
-        },
-        None => None,
+    let dra = match crate::mutate::read_dra(&args.dra) {
+        Ok(dra) => dra,
+        Err(e) => return bad_input(format!("--dra: {e}")),
     };
-    let explanation = explain_with(&pod, &NextContext { profile, policy });
+    let mut ctx = NextContext {
+        profile: None,
+        policy,
+        dra,
+    };
+    if let Some(path) = &args.profile {
+        match read_profile(path, &pod, &ctx) {
+            Ok(p) => ctx.profile = Some(p),
+            Err(e) => return bad_input(e),
+        }
+    }
+    let explanation = explain_with(&pod, &ctx);
     let mut out = std::io::stdout().lock();
     match args.output {
         Output::Json => {
@@ -238,7 +262,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 fn read_profile(
     path: &std::path::Path,
     pod: &Pod,
-    models: &memguard_api::ModelCatalog,
+    ctx: &NextContext,
 ) -> Result<MemoryProfile, String> {
     let shown = path.display();
     let text = std::fs::read_to_string(path).map_err(|e| format!("reading {shown}: {e}"))?;
@@ -246,7 +270,7 @@ fn read_profile(
         serde_saphyr::from_str(&text).map_err(|e| format!("{shown}: not valid YAML: {e}"))?;
     let profile: MemoryProfile =
         serde_json::from_value(value).map_err(|e| format!("{shown}: not a MemoryProfile: {e}"))?;
-    let key = memguard_learn::key::pod_key(pod, models)
+    let key = memguard_learn::key::pod_key(pod, &ctx.policy, ctx.dra())
         .map_err(|e| format!("{shown}: the pod has no profile key to match it with: {e}"))?;
     if profile.spec != key.spec {
         let json = |v: &MemoryProfileSpec| serde_json::to_string(v).unwrap_or_default();
@@ -265,14 +289,11 @@ fn read_profile(
 pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
     let empty = BTreeMap::new();
     let annotations = pod.metadata.annotations.as_ref().unwrap_or(&empty);
-    let key = memguard_learn::key::pod_key(pod, &ctx.policy.models).ok();
-    let trainer = key.as_ref().map(|k| k.trainer.clone());
-    let env = trainer
-        .as_deref()
-        .map(|t| trainer_env(pod, t))
-        .unwrap_or_default();
-    let knobs = knobs_from_env(&env);
-    let ran = key.as_ref().map(|k| with_knobs(&k.config, &knobs));
+    let training = TrainingPod::resolve(pod, &ctx.policy, ctx.dra()).ok();
+    let trainer = training.as_ref().map(|t| t.trainer.name.clone());
+    let ran = training
+        .as_ref()
+        .map(|t| with_knobs(&t.config, &knobs_from_env(&t.trainer_env)));
     let (annotation, estimate_error) = match annotations.get(keys::ESTIMATE) {
         None => (None, None),
         Some(text) => match EstimateAnnotation::parse(text) {
@@ -429,7 +450,7 @@ fn next_view(
     let mut pod = pod.clone();
     pod.metadata.uid.get_or_insert_with(|| "explain".into());
     pod.metadata.name.get_or_insert_with(|| "unnamed".into());
-    let obs = match try_observe(&pod, &ctx.policy.models) {
+    let obs = match try_observe(&pod, &ctx.policy, ctx.dra()) {
         Ok(obs) => obs,
         Err(why) => {
             return NextView {
@@ -461,6 +482,9 @@ fn next_view(
     let already_recorded = after == before && before.has_run(&obs.uid, &obs.finished_at);
     profile.status = Some(after.clone());
     let mut profiles = memguard_webhook::Profiles::default();
+    if let Some(dra) = &ctx.dra {
+        profiles = profiles.with_dra(dra.clone());
+    }
     profiles.insert(profile.clone());
     // The next pod of the Job: the same manifest (its annotations are memguard's input and are
     // never edited), admitted again under the profile that now knows this pod.
@@ -530,19 +554,6 @@ fn sidecar_summary(pod: &Pod) -> Option<Summary> {
         .message
         .as_deref()
         .and_then(parse_summary)
-}
-
-fn trainer_env(pod: &Pod, trainer: &str) -> BTreeMap<String, String> {
-    pod.spec
-        .as_ref()
-        .and_then(|s| s.containers.iter().find(|c| c.name == trainer))
-        .and_then(|c| c.env.as_ref())
-        .map(|vars| {
-            vars.iter()
-                .filter_map(|v| Some((v.name.clone(), v.value.clone()?)))
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 fn bytes(b: Option<u64>) -> String {

@@ -1,16 +1,17 @@
 //! What a finished pod taught: [`observe`] reads the trainer's terminated state, the sidecar's
 //! summary, the estimate and the knobs the pod ran with. Pure: a `&Pod` in, a value out.
 
-use crate::key::{PodKey, pod_key};
+use crate::key::{KeyError, PodKey};
 use k8s_openapi::api::core::v1::{ContainerStateTerminated, ContainerStatus, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use memguard_api::annotations as keys;
 use memguard_api::crd::{DeviceClass, TrainingKnobs};
+use memguard_api::dra::DraCatalog;
 use memguard_api::{
-    EstimateAnnotation, Level, ModelCatalog, OomKind, OomOutcome, OomRecord, Summary, env,
+    EstimateAnnotation, Level, OomKind, OomOutcome, OomRecord, Policy, Summary, TrainingPod, env,
     wellknown,
 };
-use memguard_estimator::{Bytes, GradSync, Parallelism, TrainingConfig, parse_bytes};
+use memguard_estimator::{Bytes, GradSync, Parallelism, TrainingConfig};
 use std::collections::BTreeMap;
 
 /// `reason` of a container the kernel OOM-killed.
@@ -80,8 +81,12 @@ pub enum NotObserved {
 }
 
 /// [`try_observe`], for callers that do not care why not.
-pub fn observe(pod: &Pod, models: &ModelCatalog) -> Option<Observation> {
-    try_observe(pod, models).ok()
+pub fn observe(
+    pod: &Pod,
+    policy: &Policy,
+    dra: Option<&dyn DraCatalog>,
+) -> Option<Observation> {
+    try_observe(pod, policy, dra).ok()
 }
 
 /// Reads a pod whose trainer has terminated (now, or before a restart in place) into an
@@ -93,22 +98,22 @@ pub fn observe(pod: &Pod, models: &ModelCatalog) -> Option<Observation> {
 /// trainer already restarted in place (its `lastState`; the sidecar keeps running and will
 /// summarize the whole pod later).
 ///
-/// The pod's model is looked up in `models` (the policy in force's, then the built-in catalog),
-/// as the webhook did at admission.
-pub fn try_observe(pod: &Pod, models: &ModelCatalog) -> Result<Observation, NotObserved> {
-    let opted_in = pod
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|l| l.get(wellknown::ENABLED_LABEL))
-        .is_some_and(|v| v == wellknown::ENABLED_VALUE);
-    if !opted_in {
+/// The pod is resolved as the webhook did at admission ([`TrainingPod::resolve`]): its model
+/// looked up in the `policy`'s models, then the built-in catalog; its DRA claims read from `dra`.
+pub fn try_observe(
+    pod: &Pod,
+    policy: &Policy,
+    dra: Option<&dyn DraCatalog>,
+) -> Result<Observation, NotObserved> {
+    if !memguard_api::pod::opted_in(pod) {
         return Err(NotObserved::NotOptedIn);
     }
     let (Some(name), Some(uid)) = (&pod.metadata.name, &pod.metadata.uid) else {
         return Err(NotObserved::NoIdentity);
     };
-    let key = pod_key(pod, models).map_err(|e| NotObserved::NoKey(e.to_string()))?;
+    let training = TrainingPod::resolve(pod, policy, dra)
+        .map_err(|e| NotObserved::NoKey(KeyError::from(e).to_string()))?;
+    let key = PodKey::of(&training);
     let status = pod.status.as_ref();
     let statuses = |init: bool| {
         status
@@ -176,7 +181,7 @@ pub fn try_observe(pod: &Pod, models: &ModelCatalog) -> Result<Observation, NotO
             Err(e) => (None, Some(e.to_string())),
         },
     };
-    let trainer_env = trainer_env(pod, &key.trainer);
+    let trainer_env = &training.trainer_env;
     // What the trainer ran with when it died: its OOM record says (a run-time downgrade or an
     // in-process recovery may have taken it below the env the webhook wrote); else the env.
     let record = OomRecord::from_termination_message(terminated.message.as_deref().unwrap_or(""))
@@ -186,7 +191,7 @@ pub fn try_observe(pod: &Pod, models: &ModelCatalog) -> Result<Observation, NotO
                 .and_then(|s| s.last_oom.clone())
                 .filter(|r| r.outcome == OomOutcome::Fatal)
         });
-    let mut knobs = knobs_from_env(&trainer_env);
+    let mut knobs = knobs_from_env(trainer_env);
     if let Some(r) = &record {
         knobs.batch_size = Some(r.batch_size).filter(|b| *b > 0).or(knobs.batch_size);
         knobs.grad_accumulation = Some(r.grad_accumulation)
@@ -216,7 +221,7 @@ pub fn try_observe(pod: &Pod, models: &ModelCatalog) -> Result<Observation, NotO
         summary
             .as_ref()
             .and_then(|s| s.limit_bytes)
-            .or_else(|| trainer_memory_limit(pod, &key.trainer))
+            .or(training.memory_limit.map(|b| b.0))
     }
     .filter(|b| *b > 0)
     .map(Bytes);
@@ -319,20 +324,6 @@ pub fn parse_summary(message: &str) -> Option<Summary> {
     serde_json::from_str(line).ok()
 }
 
-/// The trainer's literal env values (`valueFrom` entries carry no value here).
-fn trainer_env(pod: &Pod, trainer: &str) -> BTreeMap<String, String> {
-    pod.spec
-        .as_ref()
-        .and_then(|s| s.containers.iter().find(|c| c.name == trainer))
-        .and_then(|c| c.env.as_ref())
-        .map(|vars| {
-            vars.iter()
-                .filter_map(|v| Some((v.name.clone(), v.value.clone()?)))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 fn env_u64(vars: &BTreeMap<String, String>, name: &str) -> Option<u64> {
     vars.get(name).and_then(|v| v.trim().parse().ok())
 }
@@ -397,21 +388,6 @@ pub fn knobs_of(cfg: &TrainingConfig) -> TrainingKnobs {
         lora_layers: adapter.then(|| cfg.adapted_layers()),
         grad_sync: fsdp_ranks.then(|| cfg.grad_sync.name().to_string()),
     }
-}
-
-fn trainer_memory_limit(pod: &Pod, trainer: &str) -> Option<u64> {
-    pod.spec
-        .as_ref()?
-        .containers
-        .iter()
-        .find(|c| c.name == trainer)?
-        .resources
-        .as_ref()?
-        .limits
-        .as_ref()?
-        .get("memory")
-        .and_then(|q| parse_bytes(&q.0).ok())
-        .map(|b| b.0)
 }
 
 #[cfg(test)]

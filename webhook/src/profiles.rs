@@ -93,6 +93,7 @@ pub fn start(
     metrics: Metrics,
     options: ControllerOptions,
     policy: LivePolicy,
+    dra: Option<Arc<dyn memguard_api::dra::DraCatalog>>,
 ) -> (Profiles, KubeTasks) {
     let (reader, writer) = reflector::store::<MemoryProfile>();
     let stream = reflector::reflector(
@@ -130,7 +131,7 @@ pub fn start(
     // applies at once, and a pod's model resolves as it did at admission.
     let live: memguard_learn::controller::LivePolicy = Arc::new(move || policy.load_full());
     let controller_task = tokio::spawn(memguard_learn::controller::run(
-        client, metrics, leader_rx, live,
+        client, metrics, leader_rx, live, dra,
     ));
     (
         Profiles::from_source(Arc::new(StoreSource(reader))),

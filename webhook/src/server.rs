@@ -284,6 +284,10 @@ async fn connect(
         .unwrap_or_else(|| format!("memguard-webhook-{}", std::process::id()));
     tracing::info!(identity, lease_namespace, "profile controller enabled");
     let dra = (!args.no_dra).then(|| crate::dra_watch::start(client.clone()));
+    // The controller keys pods on the same DRA objects admission reads.
+    let catalog = dra
+        .as_ref()
+        .map(|(c, _)| c.clone() as Arc<dyn crate::dra::DraCatalog>);
     let (profiles, tasks) = crate::profiles::start(
         client,
         metrics,
@@ -293,6 +297,7 @@ async fn connect(
             lease_duration: Duration::from_secs(args.lease_seconds.max(3)),
         },
         policy,
+        catalog,
     );
     match dra {
         Some((catalog, task)) => (

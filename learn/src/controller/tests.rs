@@ -9,11 +9,11 @@ use http::{Method, StatusCode};
 use memguard_api::crd::{MemoryProfileSpec, MemoryProfileStatus};
 use memguard_api::env;
 
-/// Observes against the built-in catalog only.
+/// Observes under the default policy (the built-in catalog only), without DRA objects.
 fn try_observe(
     pod: &k8s_openapi::api::core::v1::Pod,
 ) -> Result<crate::observe::Observation, crate::observe::NotObserved> {
-    crate::observe::try_observe(pod, &memguard_api::ModelCatalog::default())
+    crate::observe::try_observe(pod, &memguard_api::Policy::default(), None)
 }
 
 const GIB: u64 = 1 << 30;
@@ -31,13 +31,13 @@ fn pod() -> PodBuilder {
 }
 
 fn profile_name() -> String {
-    crate::pod_key(&pod().build(), &memguard_api::ModelCatalog::default())
+    crate::pod_key(&pod().build(), &memguard_api::Policy::default(), None)
         .expect("key")
         .name
 }
 
 fn key() -> MemoryProfileSpec {
-    crate::pod_key(&pod().build(), &memguard_api::ModelCatalog::default())
+    crate::pod_key(&pod().build(), &memguard_api::Policy::default(), None)
         .expect("key")
         .spec
 }

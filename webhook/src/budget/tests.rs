@@ -1,4 +1,6 @@
 use super::*;
+use memguard_api::Policy;
+use memguard_estimator::Bytes;
 use crate::testutil::{PodBuilder, trainer_pod};
 use crate::{Outcome, Profiles, mutate};
 use memguard_api::annotations as keys;

@@ -1,4 +1,6 @@
 use super::*;
+use memguard_api::Policy;
+use memguard_estimator::{Bytes, Device};
 use crate::testutil::trainer_pod;
 use serde_json::json;
 
@@ -169,31 +171,6 @@ fn an_unavailable_or_absent_catalog_is_one_warning_naming_why() {
     );
     let r = reading("resourceClaimTemplateName", "single-h100", None);
     assert!(r.warnings[0].contains("no DRA catalog"), "{:?}", r.warnings);
-}
-
-#[test]
-fn selectors_read_equalities_only() {
-    assert_eq!(
-        driver_equality("device.driver == \"gpu.nvidia.com\""),
-        Some("gpu.nvidia.com".into())
-    );
-    assert_eq!(
-        terms("device.driver == 'a' && device.attributes['a'].type == 'gpu'"),
-        (
-            vec![
-                Term::Driver("a".into()),
-                Term::Attribute {
-                    domain: "a".into(),
-                    name: "type".into(),
-                    value: "gpu".into()
-                }
-            ],
-            false
-        )
-    );
-    assert!(terms("device.driver == 'a' || device.driver == 'b'").1);
-    assert!(terms("device.attributes['a'].count == 2").1, "not a string");
-    assert!(terms("!(device.driver == 'a')").1);
 }
 
 #[test]

@@ -1,4 +1,6 @@
 use super::*;
+use memguard_api::annotations as keys;
+use memguard_estimator::Bytes;
 use crate::testutil::{PodBuilder, bare_pod, trainer_pod};
 use memguard_api::PolicySpec;
 
@@ -408,7 +410,7 @@ fn lora_knobs_only_for_adapter_methods() {
 
 /// A profile for the key of `pod`, with `status`.
 fn profile_for(pod: &Pod, status: memguard_api::crd::MemoryProfileStatus) -> MemoryProfile {
-    let key = memguard_learn::pod_key(pod, &memguard_api::ModelCatalog::default()).expect("a key");
+    let key = memguard_learn::pod_key(pod, &Policy::default(), None).expect("a key");
     let mut p = MemoryProfile::new(&key.name, key.spec);
     p.status = Some(status);
     p

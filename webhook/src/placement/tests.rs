@@ -1,4 +1,7 @@
 use super::*;
+use k8s_openapi::api::core::v1::Pod;
+use memguard_api::Policy;
+use memguard_api::pod::NVIDIA_GPU_MEMORY_LABEL;
 use crate::budget::BudgetSource;
 use crate::testutil::{PodBuilder, trainer_pod};
 use crate::{Outcome, Profiles, mutate, patch};
