@@ -3,12 +3,12 @@
 //! products the pod is pinned to, the device) and Kubernetes resource quantities. The webhook (at admission) and the profile controller (after the run)
 //! both key on these answers, so they live here once.
 
+use crate::Policy;
 use crate::annotations::{self, AnnotationError, TrainingAnnotations};
+use crate::dra::{DraCatalog, DraMemory, DraReading};
 use crate::wellknown;
 use k8s_openapi::api::core::v1::{Container, Pod, PodResourceClaim};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use crate::Policy;
-use crate::dra::{DraCatalog, DraMemory, DraReading};
 use memguard_estimator::{Bytes, Device, Parallelism, TrainingConfig};
 use std::collections::BTreeMap;
 
@@ -117,8 +117,8 @@ impl<'a> TrainingPod<'a> {
         if !annotations::has_training_input(given) {
             return Err(ResolveError::NoTrainingInput);
         }
-        let parsed = TrainingAnnotations::parse(given, &policy.models)
-            .map_err(ResolveError::Annotations)?;
+        let parsed =
+            TrainingAnnotations::parse(given, &policy.models).map_err(ResolveError::Annotations)?;
         Self::with_annotations(
             pod,
             parsed,

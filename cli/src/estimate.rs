@@ -274,10 +274,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         },
     };
     let cfg = training.as_ref().map_or(&parsed.config, |t| &t.config);
+    if let Some((_, warnings)) = &from_pod {
+        warn(warnings);
+    }
     if args.serve {
-        if let Some((_, warnings)) = &from_pod {
-            warn(warnings);
-        }
         return serve(&args, cfg, budget, &mut out);
     }
     let estimate = match memguard_estimator::estimate(cfg) {
@@ -288,10 +288,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // step into the given budget.
     let decided = match &training {
         Some(t) => match decision::decide(t, &policy, |_| None) {
-            Ok(d) => {
-                warn(&d.warnings);
-                Some(d)
-            }
+            Ok(d) => Some(d),
             Err(message) => return Ok(bad_input([message])),
         },
         None => None,
@@ -339,7 +336,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Each warning of the budget stage on stderr.
+/// Each warning of the budget stage on stderr (the plan's own are in the output).
 fn warn(warnings: &[String]) {
     for w in warnings {
         eprintln!("warning: {w}");

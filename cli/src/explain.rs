@@ -12,12 +12,12 @@
 
 use anyhow::Context;
 use k8s_openapi::api::core::v1::{ContainerStateTerminated, ContainerStatus, Pod};
-use memguard_api::dra::{DraCatalog, StaticCatalog};
-use memguard_api::{Policy, TrainingPod};
 use memguard_api::crd::{MemoryProfile, MemoryProfileSpec, MemoryProfileStatus, TrainingKnobs};
+use memguard_api::dra::{DraCatalog, StaticCatalog};
 use memguard_api::{
     BudgetSource, EstimateAnnotation, OomRecord, Summary, annotations as keys, wellknown,
 };
+use memguard_api::{Policy, TrainingPod};
 use memguard_estimator::{Bytes, estimate};
 use memguard_learn::observe::{
     NotObserved, knobs_from_env, knobs_of, oom_reason, parse_summary, try_observe, with_knobs,

@@ -16,7 +16,6 @@
 use crate::warnings::truncate;
 use k8s_openapi::api::core::v1::Pod;
 use memguard_api::dra::DraMemory;
-use memguard_api::{Policy, TrainingPod};
 use memguard_api::pod::{
     AMD_GPU_PRODUCT_LABEL, AcceleratorKind, Accelerators, HAMI_GPUMEM_PERCENTAGE_RESOURCE,
     HAMI_GPUMEM_RESOURCE, KAI_GPU_FRACTION_ANNOTATION, KAI_GPU_MEMORY_ANNOTATION,
@@ -24,6 +23,7 @@ use memguard_api::pod::{
     SHARED_PRODUCT_SUFFIX, gpu_memory_floor_mib, gpu_products, pinned_values,
 };
 use memguard_api::policy::MAX_DRIVER_RESERVED_MIB;
+use memguard_api::{Policy, TrainingPod};
 use memguard_estimator::{Bytes, Device};
 use serde::Serialize;
 
@@ -286,4 +286,3 @@ fn mig_memory(
         BudgetSource::Mig(format!("{profile}: nominal")),
     )
 }
-

@@ -8,12 +8,12 @@
 //! ([`crate::placement`]) and the downgrade plan into the budget under the policy's floors
 //! ([`plan_into`]). Rendering the plan into a pod is the webhook's job.
 
+use crate::Adjustments;
 use crate::budget::{Budget, BudgetSource};
 use crate::key::PodKey;
 use crate::observe::knobs_of;
 use crate::update::describe_knobs;
 use crate::warnings::truncate;
-use crate::Adjustments;
 use k8s_openapi::api::core::v1::Affinity;
 use memguard_api::annotations as keys;
 use memguard_api::pod::{AcceleratorKind, constrains_gpu_memory, gpu_products};
@@ -166,7 +166,12 @@ fn plan(
             }
         )));
     }
-    let plan = plan_into(&start, budget.as_ref().map(|b| b.bytes), &calibration, policy)?;
+    let plan = plan_into(
+        &start,
+        budget.as_ref().map(|b| b.bytes),
+        &calibration,
+        policy,
+    )?;
 
     // Every knob at its floor and still over the budget: admitted anyway, at the smallest config
     // tried, saying so (the profile's verdict, when it has one, says more).

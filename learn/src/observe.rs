@@ -81,11 +81,7 @@ pub enum NotObserved {
 }
 
 /// [`try_observe`], for callers that do not care why not.
-pub fn observe(
-    pod: &Pod,
-    policy: &Policy,
-    dra: Option<&dyn DraCatalog>,
-) -> Option<Observation> {
+pub fn observe(pod: &Pod, policy: &Policy, dra: Option<&dyn DraCatalog>) -> Option<Observation> {
     try_observe(pod, policy, dra).ok()
 }
 

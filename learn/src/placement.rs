@@ -128,4 +128,3 @@ pub fn place(
         device_memory: usable(chosen),
     })
 }
-

@@ -1,8 +1,8 @@
 //! Where the DRA objects come from: a [`DraCatalog`] (the webhook's watch caches, or the
 //! objects of a file, [`StaticCatalog`]).
 
-use super::objects::{DeviceClass, Meta, ResourceClaim, ResourceClaimTemplate, ResourceSlice};
 use super::API_VERSION;
+use super::objects::{DeviceClass, Meta, ResourceClaim, ResourceClaimTemplate, ResourceSlice};
 
 /// A read-only view of the DRA objects: the webhook's watch caches
 /// (`dra_watch`, with the `server` feature) or objects read from files ([`StaticCatalog`]). Lookups never call

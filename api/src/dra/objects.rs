@@ -5,7 +5,6 @@
 use serde::Deserialize;
 use std::collections::BTreeMap;
 
-
 /// Object name and namespace.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase")]

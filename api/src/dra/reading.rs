@@ -414,7 +414,6 @@ fn usable(d: &SliceDevice, capacity: Bytes, policy: &Policy) -> (Bytes, String) 
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

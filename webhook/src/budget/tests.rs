@@ -1,10 +1,10 @@
 use super::*;
-use memguard_api::Policy;
-use memguard_estimator::Bytes;
 use crate::testutil::{PodBuilder, trainer_pod};
 use crate::{Outcome, Profiles, mutate};
+use memguard_api::Policy;
 use memguard_api::annotations as keys;
 use memguard_api::wellknown::NVIDIA_GPU_PRODUCT_LABEL;
+use memguard_estimator::Bytes;
 
 /// The budget, the device and the warnings memguard gives `pod` under the built-in table.
 fn decide(pod: PodBuilder) -> (Budget, String, Vec<String>) {

@@ -1,7 +1,7 @@
 use super::*;
+use crate::testutil::trainer_pod;
 use memguard_api::Policy;
 use memguard_estimator::{Bytes, Device};
-use crate::testutil::trainer_pod;
 use serde_json::json;
 
 const OBJECTS: &str = include_str!("../../tests/fixtures/dra/objects.yaml");
@@ -230,5 +230,61 @@ fn the_gpu_memory_annotation_silences_dra_warnings_and_wins() {
         !m.warnings.iter().any(|w| w.contains("DRA")),
         "{:?}",
         m.warnings
+    );
+}
+
+/// A pod known as a GPU pod only through its DRA claim: the profile controller keys its run as
+/// admission keyed it, so what the run taught (here the recovery after an OOM kill) reaches the
+/// next admission. (Before the learn key read DRA, the run was recorded under the `cpu` key and
+/// admission, reading the `gpu` one, never saw it.)
+#[test]
+fn a_dra_only_gpu_pods_run_is_learned_under_the_key_its_next_admission_reads() {
+    use crate::{Outcome, Profiles, mutate};
+    use memguard_api::crd::{DeviceClass as KeyDeviceClass, MemoryProfile};
+    let catalog = std::sync::Arc::new(catalog());
+    let policy = Policy::default();
+    let pod = trainer_pod()
+        .annotate(memguard_api::annotations::BATCH_SIZE, "8")
+        .spec(
+            "resourceClaims",
+            json!([{"name": "gpu", "resourceClaimTemplateName": "single-h100"}]),
+        )
+        .build();
+    let admit = |profiles: &Profiles| match mutate(&pod, &policy, profiles) {
+        Outcome::Mutated(m) => m,
+        other => panic!("not mutated: {other:?}"),
+    };
+    let first = admit(&Profiles::default().with_dra(catalog.clone()));
+    assert_eq!(first.estimate.device, "cuda");
+    assert_eq!(first.estimate.recovery, None);
+
+    // The pod as admitted, then OOM-killed.
+    let patch = crate::patch::build(&pod, &Outcome::Mutated(first.clone()));
+    let mut ran = serde_json::to_value(&pod).expect("json");
+    json_patch::patch(&mut ran, &patch).expect("the patch applies");
+    ran["metadata"]["uid"] = json!("u-1");
+    ran["status"] = json!({"phase": "Failed", "containerStatuses": [{
+        "name": "train", "image": "trainer:1", "imageID": "", "ready": false, "restartCount": 0,
+        "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled",
+                                 "finishedAt": "2026-01-01T00:00:00Z"}}}]});
+    let ran: k8s_openapi::api::core::v1::Pod = serde_json::from_value(ran).expect("a pod");
+    let obs = memguard_learn::try_observe(&ran, &policy, Some(catalog.as_ref())).expect("observed");
+    assert_eq!(obs.oom.as_deref(), Some("OOMKilled"));
+    assert_eq!(obs.key.spec.device_class, KeyDeviceClass::Gpu);
+    let admission_key =
+        memguard_learn::pod_key(&pod, &policy, Some(catalog.as_ref())).expect("a key");
+    assert_eq!(obs.key, admission_key);
+
+    let mut profile = MemoryProfile::new(&obs.key.name, obs.key.spec.clone());
+    profile.status = Some(memguard_learn::apply(&Default::default(), &obs));
+    let mut profiles = Profiles::default().with_dra(catalog.clone());
+    profiles.insert(profile);
+    let next = admit(&profiles);
+    assert!(next.estimate.recovery.is_some(), "{:?}", next.estimate);
+    assert!(
+        next.plan.config.batch_size < first.plan.config.batch_size,
+        "one step down: {} after {}",
+        next.plan.config.batch_size,
+        first.plan.config.batch_size
     );
 }

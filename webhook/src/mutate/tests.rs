@@ -1,8 +1,8 @@
 use super::*;
-use memguard_api::annotations as keys;
-use memguard_estimator::Bytes;
 use crate::testutil::{PodBuilder, bare_pod, trainer_pod};
 use memguard_api::PolicySpec;
+use memguard_api::annotations as keys;
+use memguard_estimator::Bytes;
 
 fn policy_with_products() -> Policy {
     let spec: PolicySpec = serde_json::from_value(serde_json::json!({

@@ -1,12 +1,12 @@
 use super::*;
-use k8s_openapi::api::core::v1::Pod;
-use memguard_api::Policy;
-use memguard_api::pod::NVIDIA_GPU_MEMORY_LABEL;
 use crate::budget::BudgetSource;
 use crate::testutil::{PodBuilder, trainer_pod};
 use crate::{Outcome, Profiles, mutate, patch};
+use k8s_openapi::api::core::v1::Pod;
+use memguard_api::Policy;
 use memguard_api::PolicySpec;
 use memguard_api::annotations as keys;
+use memguard_api::pod::NVIDIA_GPU_MEMORY_LABEL;
 use serde_json::{Value, json};
 
 fn policy(mode: &str) -> Policy {
