@@ -144,6 +144,25 @@ fn a_cpu_profile_learns_from_host_memory_and_the_memory_limit() {
     assert_eq!(obs.limit, Some(Bytes(32 * GIB)));
 }
 
+/// The memory limit is a Kubernetes quantity, read as admission reads it: `m` is milli (a
+/// quantity the API server normalized), not mega.
+#[test]
+fn the_memory_limit_is_read_as_a_kubernetes_quantity() {
+    for (quantity, bytes) in [
+        ("32Gi", 32 * GIB),
+        ("34359738368000m", 32 * GIB),
+        ("32G", 32_000_000_000),
+    ] {
+        let pod = PodBuilder::trainer()
+            .annotate("model", "llama-3-8b")
+            .memory_limit(quantity)
+            .trainer_terminated("Completed", 0, 100)
+            .build();
+        let obs = try_observe(&pod).expect("observed");
+        assert_eq!(obs.limit, Some(Bytes(bytes)), "{quantity}");
+    }
+}
+
 /// (name, estimate annotation, expected raw estimate, expected start of the problem)
 type EstimateCase<'a> = (&'a str, Option<&'a str>, Option<u64>, Option<&'a str>);
 
