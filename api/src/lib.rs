@@ -10,6 +10,7 @@ pub mod duration;
 pub mod env;
 pub mod estimate;
 pub mod hf_config;
+pub mod knobs;
 pub mod models;
 pub mod oom;
 pub mod policy;

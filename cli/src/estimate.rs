@@ -88,6 +88,10 @@ macro_rules! annotation_flags {
             kv_cache_bits: u32,
         }
 
+        /// The flags that are annotation keys (without the `memguard.io/` prefix).
+        #[cfg(test)]
+        const ANNOTATION_FLAGS: &[&str] = &[$($key),+];
+
         impl Args {
             /// The annotation-style key → value map of the flags that were given.
             fn keys(&self) -> BTreeMap<String, String> {
@@ -760,4 +764,33 @@ fn write_table(
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use memguard_api::Knob;
+    use memguard_api::annotations::{CONTAINER, ENV_MAP, INPUT_KEYS, PREFIX};
+    use std::collections::BTreeSet;
+
+    /// Every annotation a pod may carry is a flag, and every such flag an annotation, except
+    /// what only a pod has (which container trains, its own variables); so every knob is one.
+    #[test]
+    fn the_annotation_flags_are_the_apis_annotation_keys() {
+        let flags: BTreeSet<&str> = ANNOTATION_FLAGS.iter().copied().collect();
+        let keys: BTreeSet<&str> = INPUT_KEYS
+            .iter()
+            .filter(|k| ![CONTAINER, ENV_MAP].contains(k))
+            .filter_map(|k| k.strip_prefix(PREFIX))
+            .collect();
+        assert_eq!(flags, keys);
+        assert!(Knob::ALL.iter().all(|k| flags.contains(k.name())));
+        // And clap serves each under that very name.
+        let command = <Args as clap::Args>::augment_args(clap::Command::new("estimate"));
+        let longs: BTreeSet<&str> = command
+            .get_arguments()
+            .filter_map(|a| a.get_long())
+            .collect();
+        assert!(flags.is_subset(&longs), "{:?}", flags.difference(&longs));
+    }
 }

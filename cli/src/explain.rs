@@ -17,11 +17,9 @@ use memguard_api::dra::{DraCatalog, StaticCatalog};
 use memguard_api::{
     BudgetSource, EstimateAnnotation, OomRecord, Summary, annotations as keys, wellknown,
 };
-use memguard_api::{Policy, TrainingPod};
+use memguard_api::{Knob, Policy, TrainingPod};
 use memguard_estimator::{Bytes, estimate};
-use memguard_learn::observe::{
-    NotObserved, knobs_from_env, knobs_of, oom_reason, parse_summary, try_observe, with_knobs,
-};
+use memguard_learn::observe::{NotObserved, oom_reason, parse_summary, try_observe};
 use memguard_learn::update::{OomRules, apply_limited, describe_knobs};
 use memguard_webhook::config::{Overrides, policy_from_str};
 use serde::Serialize;
@@ -293,7 +291,7 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
     let trainer = training.as_ref().map(|t| t.trainer.name.clone());
     let ran = training
         .as_ref()
-        .map(|t| with_knobs(&t.config, &knobs_from_env(&t.trainer_env)));
+        .map(|t| TrainingKnobs::from_env(&t.trainer_env).apply_to(&t.config));
     let (annotation, estimate_error) = match annotations.get(keys::ESTIMATE) {
         None => (None, None),
         Some(text) => match EstimateAnnotation::parse(text) {
@@ -380,29 +378,14 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
         trainer,
         error: annotations.get(keys::ERROR).cloned(),
         estimate_error,
+        // The knobs the trainer was given, named as the annotations and env-map name them.
         config: ran
             .as_ref()
             .map(|c| {
-                let k = knobs_of(c);
-                let mut m = BTreeMap::new();
-                let mut put = |name: &'static str, v: Option<String>| {
-                    if let Some(v) = v {
-                        m.insert(name, v);
-                    }
-                };
-                put("batch-size", k.batch_size.map(|v| v.to_string()));
-                put(
-                    "grad-accumulation",
-                    k.grad_accumulation.map(|v| v.to_string()),
-                );
-                put(
-                    "grad-checkpointing",
-                    k.grad_checkpointing.map(|v| v.to_string()),
-                );
-                put("seq-length", k.seq_length.map(|v| v.to_string()));
-                put("lora-rank", k.lora_rank.map(|v| v.to_string()));
-                put("lora-layers", k.lora_layers.map(|v| v.to_string()));
-                m
+                Knob::of(c)
+                    .into_iter()
+                    .map(|k| (k.name(), k.value(c)))
+                    .collect()
             })
             .unwrap_or_default(),
         estimate: estimate_view,
@@ -467,7 +450,7 @@ fn next_view(
                         NotObserved::NoKey(e) => format!("no profile key: {e}"),
                     }
                 ),
-                config: ran.map(knobs_of),
+                config: ran.map(TrainingKnobs::of),
                 error: None,
                 profile: None,
             };
@@ -489,7 +472,7 @@ fn next_view(
     // The next pod of the Job: the same manifest (its annotations are memguard's input and are
     // never edited), admitted again under the profile that now knows this pod.
     let (config, error) = match memguard_webhook::mutate(&pod, &ctx.policy, &profiles) {
-        memguard_webhook::Outcome::Mutated(m) => (Some(knobs_of(&m.plan.config)), m.error),
+        memguard_webhook::Outcome::Mutated(m) => (Some(TrainingKnobs::of(&m.plan.config)), m.error),
         memguard_webhook::Outcome::Skipped { error, .. } => (None, Some(error)),
         memguard_webhook::Outcome::Unchanged => (None, None),
     };

@@ -11,11 +11,11 @@
 use crate::Adjustments;
 use crate::budget::{Budget, BudgetSource};
 use crate::key::PodKey;
-use crate::observe::knobs_of;
 use crate::update::describe_knobs;
 use crate::warnings::truncate;
 use k8s_openapi::api::core::v1::Affinity;
 use memguard_api::annotations as keys;
+use memguard_api::crd::TrainingKnobs;
 use memguard_api::pod::{AcceleratorKind, constrains_gpu_memory, gpu_products};
 use memguard_api::policy::PlacementMode;
 use memguard_api::{Policy, TrainingPod};
@@ -181,7 +181,7 @@ fn plan(
              config tried: {}",
             plan.total(),
             b.bytes,
-            describe_knobs(&knobs_of(&plan.config))
+            describe_knobs(&TrainingKnobs::of(&plan.config))
         )
     });
     let verdict = adjust.verdict.clone().or(floor_verdict);

@@ -8,11 +8,10 @@ use memguard_api::annotations as keys;
 use memguard_api::crd::{DeviceClass, TrainingKnobs};
 use memguard_api::dra::DraCatalog;
 use memguard_api::{
-    EstimateAnnotation, Level, OomKind, OomOutcome, OomRecord, Policy, Summary, TrainingPod, env,
+    EstimateAnnotation, Level, OomKind, OomOutcome, OomRecord, Policy, Summary, TrainingPod,
     wellknown,
 };
-use memguard_estimator::{Bytes, GradSync, Parallelism, TrainingConfig};
-use std::collections::BTreeMap;
+use memguard_estimator::{Bytes, TrainingConfig};
 
 /// `reason` of a container the kernel OOM-killed.
 pub const OOM_KILLED: &str = "OOMKilled";
@@ -187,7 +186,7 @@ pub fn try_observe(
                 .and_then(|s| s.last_oom.clone())
                 .filter(|r| r.outcome == OomOutcome::Fatal)
         });
-    let mut knobs = knobs_from_env(trainer_env);
+    let mut knobs = TrainingKnobs::from_env(trainer_env);
     if let Some(r) = &record {
         knobs.batch_size = Some(r.batch_size).filter(|b| *b > 0).or(knobs.batch_size);
         knobs.grad_accumulation = Some(r.grad_accumulation)
@@ -195,7 +194,7 @@ pub fn try_observe(
             .or(knobs.grad_accumulation);
         knobs.grad_checkpointing = Some(r.grad_checkpointing);
     }
-    let ran = with_knobs(&key.config, &knobs);
+    let ran = knobs.apply_to(&key.config);
 
     let estimate = annotation
         .as_ref()
@@ -318,72 +317,6 @@ pub fn parse_summary(message: &str) -> Option<Summary> {
         return None;
     }
     serde_json::from_str(line).ok()
-}
-
-fn env_u64(vars: &BTreeMap<String, String>, name: &str) -> Option<u64> {
-    vars.get(name).and_then(|v| v.trim().parse().ok())
-}
-
-/// The knobs the webhook wrote into the trainer (`MEMGUARD_BATCH_SIZE`, …); absent or garbled
-/// values are `None`.
-pub fn knobs_from_env(vars: &BTreeMap<String, String>) -> TrainingKnobs {
-    TrainingKnobs {
-        batch_size: env_u64(vars, env::BATCH_SIZE).filter(|v| *v > 0),
-        grad_accumulation: env_u64(vars, env::GRAD_ACCUMULATION).filter(|v| *v > 0),
-        grad_checkpointing: vars
-            .get(env::GRAD_CHECKPOINTING)
-            .and_then(|v| v.trim().parse().ok()),
-        seq_length: env_u64(vars, env::SEQ_LENGTH).filter(|v| *v > 0),
-        lora_rank: env_u64(vars, env::LORA_RANK).filter(|v| *v > 0),
-        lora_layers: env_u64(vars, env::LORA_LAYERS).filter(|v| *v > 0),
-        grad_sync: vars
-            .get(env::GRAD_SYNC)
-            .and_then(|v| v.parse::<GradSync>().ok())
-            .map(|g| g.name().to_string()),
-    }
-}
-
-/// `cfg` with every knob that is set in `knobs`.
-pub fn with_knobs(cfg: &TrainingConfig, knobs: &TrainingKnobs) -> TrainingConfig {
-    let mut out = cfg.clone();
-    if let Some(v) = knobs.batch_size {
-        out.batch_size = v;
-    }
-    if let Some(v) = knobs.grad_accumulation {
-        out.grad_accumulation = v;
-    }
-    if let Some(v) = knobs.grad_checkpointing {
-        out.grad_checkpointing = v;
-    }
-    if let Some(v) = knobs.seq_length {
-        out.seq_length = v;
-    }
-    if let Some(v) = knobs.lora_rank {
-        out.lora_rank = v;
-    }
-    if let Some(v) = knobs.lora_layers {
-        out.lora_layers = Some(v);
-    }
-    if let Some(v) = knobs.grad_sync.as_deref().and_then(|s| s.parse().ok()) {
-        out.grad_sync = v;
-    }
-    out
-}
-
-/// The knobs of `cfg` (LoRA knobs only for adapter methods, the gradient sync only for FSDP
-/// across ranks, as the webhook writes them).
-pub fn knobs_of(cfg: &TrainingConfig) -> TrainingKnobs {
-    let adapter = cfg.is_adapter();
-    let fsdp_ranks = cfg.parallelism == Parallelism::Fsdp && cfg.world_size > 1;
-    TrainingKnobs {
-        batch_size: Some(cfg.batch_size),
-        grad_accumulation: Some(cfg.grad_accumulation),
-        grad_checkpointing: Some(cfg.grad_checkpointing),
-        seq_length: Some(cfg.seq_length),
-        lora_rank: adapter.then_some(cfg.lora_rank),
-        lora_layers: adapter.then(|| cfg.adapted_layers()),
-        grad_sync: fsdp_ranks.then(|| cfg.grad_sync.name().to_string()),
-    }
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use memguard_api::estimate::{ESTIMATE_VERSION, EstimateAnnotation};
 use memguard_api::pod::TrainingPod;
 use memguard_api::policy::{SidecarMode, SidecarResources};
 use memguard_api::{Knob, Policy, env, wellknown};
-use memguard_estimator::{DowngradePlan, Parallelism, TrainingConfig};
+use memguard_estimator::{DowngradePlan, TrainingConfig};
 use memguard_learn::decision::{self, Decision};
 use memguard_learn::{Adjustments, PodKey, adjustments};
 use std::sync::Arc;
@@ -204,7 +204,7 @@ fn render(
     }: Decision,
 ) -> Mutation {
     let trainer = training.trainer;
-    let knobs = knobs_for(&plan.config);
+    let knobs = Knob::of(&plan.config);
     let mut trainer_env: Vec<(String, String)> = knobs
         .iter()
         .map(|k| (k.env().to_string(), k.value(&plan.config)))
@@ -267,17 +267,6 @@ fn render(
     }
 }
 
-/// The knobs that mean something for this config (LoRA knobs only for adapter methods, the
-/// gradient sync only for FSDP across ranks, where it decides whether gradients stay sharded).
-fn knobs_for(cfg: &TrainingConfig) -> Vec<Knob> {
-    let fsdp_ranks = cfg.parallelism == Parallelism::Fsdp && cfg.world_size > 1;
-    Knob::ALL
-        .into_iter()
-        .filter(|k| cfg.is_adapter() || !matches!(k, Knob::LoraRank | Knob::LoraLayers))
-        .filter(|k| fsdp_ranks || *k != Knob::GradSync)
-        .collect()
-}
-
 fn sidecar_plan(
     policy: &Policy,
     trainer: &str,
@@ -303,18 +292,13 @@ fn sidecar_plan(
             .into_iter()
             .map(|(name, value)| (name.to_string(), value)),
     );
-    env.extend([
-        (env::BATCH_SIZE.into(), cfg.batch_size.to_string()),
-        (
-            env::GRAD_ACCUMULATION.into(),
-            cfg.grad_accumulation.to_string(),
-        ),
-        (
-            env::GRAD_CHECKPOINTING.into(),
-            cfg.grad_checkpointing.to_string(),
-        ),
-        (env::ESTIMATE_BYTES.into(), plan.total().0.to_string()),
-    ]);
+    // The knobs the sidecar changes at run time, starting where the plan put them.
+    env.extend(
+        Knob::RUNTIME
+            .into_iter()
+            .map(|k| (k.env().to_string(), k.value(cfg))),
+    );
+    env.push((env::ESTIMATE_BYTES.into(), plan.total().0.to_string()));
     if let Some(b) = budget {
         env.push((env::BUDGET_BYTES.into(), b.bytes.0.to_string()));
     }
@@ -349,7 +333,7 @@ fn estimate_annotation(
             .filter(|b| b.source != BudgetSource::MemoryLimit)
             .map(|b| b.device_memory),
         budget_source: budget.map(|b| b.source.clone()),
-        config: knobs_for(cfg)
+        config: Knob::of(cfg)
             .into_iter()
             .map(|k| (k.name().to_string(), k.value(cfg)))
             .chain([("world-size".to_string(), config.world_size.to_string())])

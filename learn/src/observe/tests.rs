@@ -1,5 +1,6 @@
 use super::*;
 use crate::testutil::{PodBuilder, summary};
+use memguard_api::env;
 
 /// Observes under the default policy (the built-in catalog only), without DRA objects.
 fn try_observe(
