@@ -491,3 +491,41 @@ def enable_checkpointing(model: Any) -> bool:
     except Exception as err:
         log.warning("memguard: could not enable gradient checkpointing: %s", err)
         return False
+
+
+class RunnerCounters:
+    """The counters of a :class:`StepRunner`, read through the object that runs it (its
+    ``runner`` attribute): what :class:`~memguard_client.torch.MicroBatcher` and the HF
+    callback report."""
+
+    runner: StepRunner
+
+    @property
+    def downgrades(self) -> int:
+        """Steps whose agreed micro-batch size was smaller than the step before's."""
+        return self.runner.downgrades
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches run to completion."""
+        return self.runner.micro_batches
+
+    @property
+    def sync_each_batch(self) -> bool:
+        """Gradients are reduced at every micro-batch (FSDP with several ranks; agreed)."""
+        return self.runner.sync_each_batch
+
+    @property
+    def cache_releases(self) -> int:
+        """Times the CUDA cache was released (downgrades and OOM recoveries)."""
+        return self.runner.cache_releases
+
+    @property
+    def oom_recoveries(self) -> int:
+        """Out-of-memory errors recovered in-process (this rank's or a peer's)."""
+        return self.runner.oom_recoveries
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because an OOM hit after gradients had accumulated."""
+        return self.runner.skipped_steps
