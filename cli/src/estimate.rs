@@ -440,7 +440,7 @@ fn read_policy(path: Option<&std::path::Path>) -> Result<Policy, String> {
     };
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("--policy-file: reading {}: {e}", path.display()))?;
-    memguard_webhook::config::policy_from_str(Some(&text), &Default::default())
+    memguard_webhook::policy_sources::policy_from_str(Some(&text), &Default::default())
         .map_err(|errors| format!("--policy-file {}: {}", path.display(), errors.join("; ")))
 }
 

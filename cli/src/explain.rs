@@ -21,7 +21,7 @@ use memguard_api::{Knob, Policy, TrainingPod};
 use memguard_estimator::{Bytes, estimate};
 use memguard_learn::observe::{NotObserved, oom_reason, parse_summary, try_observe};
 use memguard_learn::update::{OomRules, apply_limited, describe_knobs};
-use memguard_webhook::config::{Overrides, policy_from_str};
+use memguard_webhook::policy_sources::{Overrides, policy_from_str};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -464,7 +464,7 @@ fn next_view(
     let after = apply_limited(&before, &obs, &OomRules::of(&ctx.policy));
     let already_recorded = after == before && before.has_run(&obs.uid, &obs.finished_at);
     profile.status = Some(after.clone());
-    let mut profiles = memguard_webhook::Profiles::default();
+    let mut profiles = memguard_webhook::ClusterView::default();
     if let Some(dra) = &ctx.dra {
         profiles = profiles.with_dra(dra.clone());
     }

@@ -6,8 +6,8 @@
 
 use anyhow::Context;
 use memguard_webhook::Outcome;
-use memguard_webhook::config::{Overrides, policy_from_str};
 use memguard_webhook::manifest::{Mutated, mutate_document};
+use memguard_webhook::policy_sources::{Overrides, policy_from_str};
 use serde_json::Value;
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -81,8 +81,8 @@ pub(crate) fn read_dra(
 }
 
 /// Reads every `MemoryProfile` in `paths`.
-fn read_profiles(paths: &[PathBuf]) -> Result<memguard_webhook::Profiles, String> {
-    let mut profiles = memguard_webhook::Profiles::default();
+fn read_profiles(paths: &[PathBuf]) -> Result<memguard_webhook::ClusterView, String> {
+    let mut profiles = memguard_webhook::ClusterView::default();
     for path in paths {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("reading {}: {e}", path.display()))?;

@@ -10,87 +10,17 @@
 //! the patch, computed as a difference against the pod, comes out empty.
 
 use k8s_openapi::api::core::v1::Pod;
-use memguard_api::crd::MemoryProfile;
 use memguard_api::estimate::{ESTIMATE_VERSION, EstimateAnnotation};
 use memguard_api::pod::TrainingPod;
 use memguard_api::policy::{SidecarMode, SidecarResources};
 use memguard_api::{Knob, Policy, env, wellknown};
 use memguard_estimator::{DowngradePlan, TrainingConfig};
+use memguard_learn::Adjustments;
 use memguard_learn::decision::{self, Decision};
-use memguard_learn::{Adjustments, PodKey, adjustments};
-use std::sync::Arc;
 
 pub use memguard_learn::warnings::{MAX_WARNING_CHARS, cannot_fit_warning, truncate};
 
-/// A read-only view of `MemoryProfile`s: the webhook's watch cache (a kube reflector store) or
-/// profiles read from files. Lookups never call the API.
-pub trait ProfileSource: Send + Sync {
-    /// The profile `name` in `namespace`, if cached.
-    fn get(&self, namespace: &str, name: &str) -> Option<MemoryProfile>;
-}
-
-/// What memguard learnt from past runs, as the mutation sees it. The webhook fills it from a
-/// watch cache ([`Profiles::from_source`]); `memguard mutate --profile` from files
-/// ([`Profiles::insert`]); tests and a webhook without a cluster pass [`Profiles::default`].
-#[derive(Clone, Default)]
-pub struct Profiles {
-    /// Profiles given directly, matched by key (spec), whatever their name or namespace.
-    listed: Vec<MemoryProfile>,
-    source: Option<Arc<dyn ProfileSource>>,
-    /// The DRA objects (claims, templates, classes, slices) the budget stage reads; carried
-    /// here because it is the one read-only cluster view every caller already passes.
-    dra: Option<Arc<dyn DraCatalog>>,
-}
-
-impl std::fmt::Debug for Profiles {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Profiles")
-            .field("listed", &self.listed.len())
-            .field("source", &self.source.is_some())
-            .field("dra", &self.dra.is_some())
-            .finish()
-    }
-}
-
-impl Profiles {
-    /// Profiles looked up in `source` by namespace and object name.
-    pub fn from_source(source: Arc<dyn ProfileSource>) -> Self {
-        Profiles {
-            listed: Vec::new(),
-            source: Some(source),
-            dra: None,
-        }
-    }
-
-    /// The same, reading DRA objects from `catalog` (the webhook's watch caches, or
-    /// `memguard mutate --dra`).
-    pub fn with_dra(mut self, catalog: Arc<dyn DraCatalog>) -> Self {
-        self.dra = Some(catalog);
-        self
-    }
-
-    /// The DRA catalog, when there is one.
-    pub fn dra(&self) -> Option<&dyn DraCatalog> {
-        self.dra.as_deref()
-    }
-
-    /// Adds a profile; it applies to every pod with its key (`spec`).
-    pub fn insert(&mut self, profile: MemoryProfile) {
-        self.listed.push(profile);
-    }
-
-    /// The adjustments for a pod with `key` in `namespace`: from the first listed profile with
-    /// that key, else from the source's profile named after the key (when its spec matches:
-    /// a profile edited into another key adjusts nothing).
-    pub fn adjustments(&self, namespace: Option<&str>, key: &PodKey) -> Option<Adjustments> {
-        let status = |p: &MemoryProfile| adjustments(&p.status.clone().unwrap_or_default());
-        if let Some(p) = self.listed.iter().find(|p| p.spec == key.spec) {
-            return Some(status(p));
-        }
-        let found = self.source.as_ref()?.get(namespace?, &key.name)?;
-        (found.spec == key.spec).then(|| status(&found))
-    }
-}
+pub use crate::cluster_view::{ClusterView, ProfileSource};
 
 /// What memguard does with a pod.
 #[derive(Debug, Clone, PartialEq)]
@@ -110,7 +40,6 @@ pub enum Outcome {
 }
 
 pub use crate::budget::{Budget, BudgetSource};
-use crate::dra::DraCatalog;
 
 /// The sidecar to inject, as decided (rendered into a container by [`crate::patch`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -161,7 +90,7 @@ impl Mutation {
 }
 
 /// Decides what to do with `pod` under `policy`. Never panics, never fails.
-pub fn mutate(pod: &Pod, policy: &Policy, profiles: &Profiles) -> Outcome {
+pub fn mutate(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Outcome {
     if !memguard_api::pod::opted_in(pod) {
         return Outcome::Unchanged;
     }
@@ -180,7 +109,7 @@ pub fn skipped(error: String) -> Outcome {
 /// The decision: [`resolve`](TrainingPod::resolve) the pod (its DRA claims read from the
 /// profiles' catalog), run the budget stage every caller shares ([`decision::decide`]: key,
 /// budget, what past runs taught, placement, plan), [`render`] the result.
-fn decide(pod: &Pod, policy: &Policy, profiles: &Profiles) -> Result<Mutation, String> {
+fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation, String> {
     let training = TrainingPod::resolve(pod, policy, profiles.dra()).map_err(|e| e.to_string())?;
     let decided = decision::decide(&training, policy, |key| {
         profiles.adjustments(pod.metadata.namespace.as_deref(), key)

@@ -212,7 +212,7 @@ fn the_claims_driver_names_the_device_only_when_nothing_else_does() {
 
 #[test]
 fn the_gpu_memory_annotation_silences_dra_warnings_and_wins() {
-    use crate::{Outcome, Profiles, mutate};
+    use crate::{ClusterView, Outcome, mutate};
     let pod = trainer_pod()
         .annotate(memguard_api::annotations::GPU_MEMORY, "40Gi")
         .annotate(memguard_api::annotations::DEVICE, "cuda")
@@ -221,7 +221,7 @@ fn the_gpu_memory_annotation_silences_dra_warnings_and_wins() {
             json!([{"name": "gpu", "resourceClaimTemplateName": "absent"}]),
         )
         .build();
-    let profiles = Profiles::default().with_dra(std::sync::Arc::new(catalog()));
+    let profiles = ClusterView::default().with_dra(std::sync::Arc::new(catalog()));
     let Outcome::Mutated(m) = mutate(&pod, &Policy::default(), &profiles) else {
         panic!("not mutated");
     };
@@ -239,7 +239,7 @@ fn the_gpu_memory_annotation_silences_dra_warnings_and_wins() {
 /// admission, reading the `gpu` one, never saw it.)
 #[test]
 fn a_dra_only_gpu_pods_run_is_learned_under_the_key_its_next_admission_reads() {
-    use crate::{Outcome, Profiles, mutate};
+    use crate::{ClusterView, Outcome, mutate};
     use memguard_api::crd::{DeviceClass as KeyDeviceClass, MemoryProfile};
     let catalog = std::sync::Arc::new(catalog());
     let policy = Policy::default();
@@ -250,11 +250,11 @@ fn a_dra_only_gpu_pods_run_is_learned_under_the_key_its_next_admission_reads() {
             json!([{"name": "gpu", "resourceClaimTemplateName": "single-h100"}]),
         )
         .build();
-    let admit = |profiles: &Profiles| match mutate(&pod, &policy, profiles) {
+    let admit = |profiles: &ClusterView| match mutate(&pod, &policy, profiles) {
         Outcome::Mutated(m) => m,
         other => panic!("not mutated: {other:?}"),
     };
-    let first = admit(&Profiles::default().with_dra(catalog.clone()));
+    let first = admit(&ClusterView::default().with_dra(catalog.clone()));
     assert_eq!(first.estimate.device, "cuda");
     assert_eq!(first.estimate.recovery, None);
 
@@ -277,7 +277,7 @@ fn a_dra_only_gpu_pods_run_is_learned_under_the_key_its_next_admission_reads() {
 
     let mut profile = MemoryProfile::new(&obs.key.name, obs.key.spec.clone());
     profile.status = Some(memguard_learn::apply(&Default::default(), &obs));
-    let mut profiles = Profiles::default().with_dra(catalog.clone());
+    let mut profiles = ClusterView::default().with_dra(catalog.clone());
     profiles.insert(profile);
     let next = admit(&profiles);
     assert!(next.estimate.recovery.is_some(), "{:?}", next.estimate);
