@@ -7,7 +7,7 @@
 //! API answer 409 and the update is recomputed from a fresh read (at most
 //! [`Recorder::max_attempts`] times).
 
-use crate::metrics::Metrics;
+use crate::metrics::{ErrorKind, Metrics, Outcome};
 use crate::observe::{NotObserved, try_observe};
 use crate::update::{OomRules, apply_limited};
 use futures::{StreamExt, TryStreamExt};
@@ -85,19 +85,18 @@ impl Error {
     }
 
     /// The `error` label of the `…_profile_errors_total` metric.
-    pub fn metric_label(&self) -> &'static str {
+    pub fn metric_label(&self) -> ErrorKind {
         match self {
             Error::Kube { action, .. } => match *action {
-                "get profile" => "get_profile",
-                "create profile" => "create_profile",
-                "patch status" => "patch_status",
-                "get lease" | "write lease" => "lease",
-                _ => "kube",
+                "get profile" => ErrorKind::GetProfile,
+                "create profile" => ErrorKind::CreateProfile,
+                "patch status" => ErrorKind::PatchStatus,
+                _ => ErrorKind::Kube,
             },
-            Error::KeyCollision { .. } => "key_collision",
-            Error::Conflicts { .. } => "conflicts",
-            Error::NoNamespace(_) => "no_namespace",
-            Error::Watch(_) => "watch",
+            Error::KeyCollision { .. } => ErrorKind::KeyCollision,
+            Error::Conflicts { .. } => ErrorKind::Conflicts,
+            Error::NoNamespace(_) => ErrorKind::NoNamespace,
+            Error::Watch(_) => ErrorKind::Watch,
         }
     }
 }
@@ -254,12 +253,13 @@ impl Recorder {
         let pod_name = pod.metadata.name.as_deref().unwrap_or_default();
         match self.record(pod).await {
             Ok(Recorded::Updated { profile, oom }) => {
-                self.metrics.observed(if oom { "oom" } else { "recorded" });
+                self.metrics
+                    .observed(if oom { Outcome::Oom } else { Outcome::Recorded });
                 tracing::info!(pod = pod_name, profile, oom, "run recorded");
             }
-            Ok(Recorded::Unchanged) => self.metrics.observed("unchanged"),
+            Ok(Recorded::Unchanged) => self.metrics.observed(Outcome::Unchanged),
             Ok(Recorded::Skipped(NotObserved::NoKey(why))) => {
-                self.metrics.observed("skipped");
+                self.metrics.observed(Outcome::Skipped);
                 tracing::debug!(pod = pod_name, why, "no profile key");
             }
             Ok(Recorded::Skipped(_)) => {}

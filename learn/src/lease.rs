@@ -2,7 +2,7 @@
 //! write profiles. Small on purpose: get, then create or replace with the resourceVersion read
 //! (optimistic concurrency: a 409 means another replica won this round).
 
-use crate::controller::Error;
+use crate::metrics::ErrorKind;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
@@ -10,6 +10,32 @@ use kube::Api;
 use kube::api::PostParams;
 use std::time::Duration;
 use tokio::sync::watch;
+
+/// A lease call that failed (a conflict is no error: another replica won the round).
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    /// Reading the lease failed.
+    #[error("get lease: {0}")]
+    Get(#[source] Box<kube::Error>),
+    /// Creating or replacing the lease failed.
+    #[error("write lease: {0}")]
+    Write(#[source] Box<kube::Error>),
+}
+
+impl LeaseError {
+    fn get(e: kube::Error) -> Self {
+        LeaseError::Get(Box::new(e))
+    }
+
+    fn write(e: kube::Error) -> Self {
+        LeaseError::Write(Box::new(e))
+    }
+
+    /// The `error` label of the `…_profile_errors_total` metric.
+    pub fn metric_label(&self) -> ErrorKind {
+        ErrorKind::Lease
+    }
+}
 
 /// What to do with the lease as read.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,12 +117,12 @@ impl LeaseLock {
     }
 
     /// Tries once to acquire or renew; `Ok(true)` while we lead.
-    pub async fn try_acquire_or_renew(&self, now: Timestamp) -> Result<bool, Error> {
+    pub async fn try_acquire_or_renew(&self, now: Timestamp) -> Result<bool, LeaseError> {
         let current = self
             .api
             .get_opt(&self.name)
             .await
-            .map_err(Error::kube("get lease"))?;
+            .map_err(LeaseError::get)?;
         let decision = decide(
             current.as_ref().and_then(|l| l.spec.as_ref()),
             &self.identity,
@@ -144,7 +170,7 @@ impl LeaseLock {
         match result {
             Ok(_) => Ok(true),
             Err(kube::Error::Api(s)) if s.is_conflict() || s.is_already_exists() => Ok(false),
-            Err(e) => Err(Error::kube("write lease")(e)),
+            Err(e) => Err(LeaseError::write(e)),
         }
     }
 
@@ -152,12 +178,12 @@ impl LeaseLock {
     /// a 1 s duration, renewed `now`, so another replica takes over at its next attempt instead
     /// of waiting for the lease to expire. `Ok(true)` when released; `Ok(false)` when there was
     /// nothing of ours to release (no lease, another holder, or a concurrent write).
-    pub async fn release(&self, now: Timestamp) -> Result<bool, Error> {
+    pub async fn release(&self, now: Timestamp) -> Result<bool, LeaseError> {
         let Some(mut lease) = self
             .api
             .get_opt(&self.name)
             .await
-            .map_err(Error::kube("get lease"))?
+            .map_err(LeaseError::get)?
         else {
             return Ok(false);
         };
@@ -180,7 +206,7 @@ impl LeaseLock {
         {
             Ok(_) => Ok(true),
             Err(kube::Error::Api(s)) if s.is_conflict() || s.is_not_found() => Ok(false),
-            Err(e) => Err(Error::kube("write lease")(e)),
+            Err(e) => Err(LeaseError::write(e)),
         }
     }
 
@@ -374,7 +400,7 @@ mod tests {
             )
         }
 
-        async fn acquire(steps: Vec<Step>) -> Result<bool, Error> {
+        async fn acquire(steps: Vec<Step>) -> Result<bool, LeaseError> {
             let (client, handle) = client();
             let verifier = tokio::spawn(verify(handle, steps));
             let out = lock(client).try_acquire_or_renew(at(100)).await;
@@ -382,7 +408,7 @@ mod tests {
             out
         }
 
-        async fn release(steps: Vec<Step>) -> Result<bool, Error> {
+        async fn release(steps: Vec<Step>) -> Result<bool, LeaseError> {
             let (client, handle) = client();
             let verifier = tokio::spawn(verify(handle, steps));
             let out = lock(client).release(at(100)).await;

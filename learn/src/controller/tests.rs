@@ -253,7 +253,7 @@ async fn endless_conflicts_give_up_with_an_error() {
         .await
         .expect_err("gives up");
     verifier.await.expect("scenario verified");
-    assert_eq!(err.metric_label(), "conflicts");
+    assert_eq!(err.metric_label().as_str(), "conflicts");
 }
 
 #[tokio::test]
@@ -278,7 +278,7 @@ async fn a_profile_with_another_key_is_an_error_not_an_overwrite() {
     other["spec"]["method"] = json!("full");
     let steps = vec![step(Method::GET, &item, StatusCode::OK, other)];
     let err = record(finished_pod(), steps).await.expect_err("collision");
-    assert_eq!(err.metric_label(), "key_collision");
+    assert_eq!(err.metric_label().as_str(), "key_collision");
 }
 
 #[tokio::test]
