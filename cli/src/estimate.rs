@@ -222,17 +222,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         list_models(&mut out, &policy.models)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let mut keys = args.keys();
-    let given = match &args.model_config {
-        Some(path) => match read_model_config(path, &mut keys) {
-            Ok(shape) => Some(shape),
-            Err(messages) => return Ok(bad_input(messages)),
-        },
-        None => None,
-    };
-    let parsed = match TrainingAnnotations::parse_keys_with_model(&keys, &policy.models, given) {
+    let (parsed, world_size_given) = match parse_flags(&args, &policy) {
         Ok(parsed) => parsed,
-        Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
+        Err(messages) => return Ok(bad_input(messages)),
     };
     // The pod the flags describe goes through the webhook's own stages: resolved as at
     // admission, then the budget stage every caller shares (memguard_learn::decision).
@@ -244,7 +236,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Some(p) => match TrainingPod::with_annotations(
             &p.pod,
             parsed.clone(),
-            keys.contains_key("world-size"),
+            world_size_given,
             &policy,
             p.dra.as_deref().map(|c| c as &dyn DraCatalog),
         ) {
@@ -253,34 +245,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         },
         None => None,
     };
-    let from_pod = match &training {
-        Some(t) => match decision::budget(t, &policy) {
-            (Some(budget), warnings) => Some((budget, warnings)),
-            (None, warnings) => {
-                return Ok(bad_input([format!(
-                    "no budget: the resources name no GPU memguard knows ({}); give --budget",
-                    warnings.join("; ")
-                )]));
-            }
-        },
-        None => None,
-    };
-    let budget = match &from_pod {
-        Some(_) if args.budget.is_some() => {
-            return Ok(bad_input([
-                "--budget and --gpu-resource/--gpu-product/--pod-annotation both give the budget; pick one".to_string(),
-            ]));
-        }
-        Some((b, _)) => Some(b.bytes),
-        None => match resolve_budget(&args, &parsed) {
-            Ok(budget) => budget,
-            Err(message) => return Ok(bad_input([message])),
-        },
+    let budget = match budget(&args, &parsed, training.as_ref(), &policy) {
+        Ok(budget) => budget,
+        Err(message) => return Ok(bad_input([message])),
     };
     let cfg = training.as_ref().map_or(&parsed.config, |t| &t.config);
-    if let Some((_, warnings)) = &from_pod {
-        warn(warnings);
-    }
     if args.serve {
         return serve(&args, cfg, budget, &mut out);
     }
@@ -302,27 +271,86 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         (None, Some(budget)) => {
             match decision::plan_into(cfg, Some(budget), &Calibration::none(), &policy) {
                 Ok(plan) => Some(plan),
-                Err(message) => return Ok(bad_input([format!("--{message}")])),
+                Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
             }
         }
         (None, None) => None,
     };
-    let pod_budget = decided.as_ref().and_then(|d| d.budget.as_ref());
-    match args.output {
+    write_output(
+        &mut out,
+        args.output,
+        cfg,
+        &estimate,
+        plan.as_ref(),
+        decided.as_ref(),
+    )?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The flags as annotations (`--model-config` read for the shape), and whether they name the
+/// world size.
+fn parse_flags(args: &Args, policy: &Policy) -> Result<(TrainingAnnotations, bool), Vec<String>> {
+    let mut keys = args.keys();
+    let given = match &args.model_config {
+        Some(path) => Some(read_model_config(path, &mut keys)?),
+        None => None,
+    };
+    let parsed = TrainingAnnotations::parse_keys_with_model(&keys, &policy.models, given)
+        .map_err(|errors| errors.iter().map(|e| format!("--{e}")).collect::<Vec<_>>())?;
+    Ok((parsed, keys.contains_key("world-size")))
+}
+
+/// The budget: the budget stage's for the pod the flags describe (its warnings on stderr), else
+/// `--budget`, else gpu-memory × safety-ratio, else none.
+fn budget(
+    args: &Args,
+    parsed: &TrainingAnnotations,
+    training: Option<&TrainingPod>,
+    policy: &Policy,
+) -> Result<Option<Bytes>, String> {
+    let Some(training) = training else {
+        return resolve_budget(args, parsed);
+    };
+    let (budget, warnings) = decision::budget(training, policy);
+    let Some(budget) = budget else {
+        return Err(format!(
+            "no budget: the resources name no GPU memguard knows ({}); give --budget",
+            warnings.join("; ")
+        ));
+    };
+    if args.budget.is_some() {
+        return Err("--budget and --gpu-resource/--gpu-product/--pod-annotation both give the budget; pick one".to_string());
+    }
+    warn(&warnings);
+    Ok(Some(budget.bytes))
+}
+
+/// The estimate and the plan, as a table or JSON; with the pod's budget stage, where the budget
+/// came from and the profile key.
+fn write_output(
+    out: &mut impl Write,
+    output: Output,
+    cfg: &TrainingConfig,
+    estimate: &Estimate,
+    plan: Option<&DowngradePlan>,
+    decided: Option<&decision::Decision>,
+) -> anyhow::Result<()> {
+    let pod_budget = decided.and_then(|d| d.budget.as_ref());
+    match output {
         Output::Json => {
-            let mut value = to_json(cfg, &estimate, plan.as_ref());
+            let mut value = to_json(cfg, estimate, plan);
             if let Some(b) = pod_budget {
                 value["budget_source"] = json!(b.source);
                 value["device_memory_bytes"] = json!(b.device_memory.0);
             }
-            if let Some(d) = &decided {
+            if let Some(d) = decided {
                 value["profile"] = json!({"name": d.key.name, "spec": d.key.spec});
             }
-            serde_json::to_writer_pretty(&mut out, &value)?;
+            serde_json::to_writer_pretty(&mut *out, &value)?;
             writeln!(out)?;
         }
         Output::Table => {
-            write_table(&mut out, cfg, &estimate, plan.as_ref())?;
+            write_table(out, cfg, estimate, plan)?;
             if let Some(b) = pod_budget {
                 let source = serde_json::to_value(&b.source)?;
                 let detail = source["detail"].as_str().map(|d| format!(": {d}"));
@@ -337,7 +365,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             }
         }
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
 /// Each warning of the budget stage on stderr (the plan's own are in the output).

@@ -299,23 +299,7 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
             Err(e) => (None, Some(e.to_string())),
         },
     };
-    let estimated = ran.as_ref().and_then(|c| estimate(c).ok());
-    let estimate_view = (annotation.is_some() || estimated.is_some()).then(|| EstimateView {
-        total_bytes: annotation.as_ref().map(|a| a.total.0),
-        uncalibrated_bytes: annotation.as_ref().map(|a| a.uncalibrated.0),
-        calibration_factor: annotation
-            .as_ref()
-            .and_then(|a| a.calibration)
-            .map(|c| c.factor),
-        components: estimated
-            .as_ref()
-            .map(|e| e.components.iter().map(|(c, b)| (c.name(), b.0)).collect())
-            .unwrap_or_default(),
-        tensor_peak_bytes: annotation
-            .as_ref()
-            .map(|a| a.tensor_peak.0)
-            .or(estimated.as_ref().map(|e| e.tensor_peak.0)),
-    });
+    let estimate_view = estimate_view(annotation.as_ref(), ran.as_ref());
     let budget = annotation.as_ref().map(|a| BudgetView {
         bytes: a.budget.map(|b| b.0),
         source: a.budget_source.as_ref().map(describe_source),
@@ -328,49 +312,16 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
         .unwrap_or_default();
 
     let summary = sidecar_summary(pod);
-    let run = summary.as_ref().map(|s| RunView {
-        peak_bytes: s.peak_bytes,
-        gpu_peak_bytes: s.gpu_peak_bytes,
-        limit_bytes: s.limit_bytes,
-        downgrades: s.downgrades,
-        max_level: s.max_level.to_string(),
-        final_batch_size: s.batch_size,
-        final_grad_accumulation: s.grad_accumulation,
-        sticky_batch_size: s.sticky_batch_size,
-        oom_kills: s.oom_events,
-        oom_records: s.oom_reports,
-        exit_reason: s.exit_reason.clone(),
-    });
+    let run = summary.as_ref().map(run_view);
 
     let status = trainer
         .as_deref()
         .and_then(|t| trainer_status(pod, t))
         .cloned();
-    let mut ooms = Vec::new();
-    let states = status.as_ref().map(|s| {
-        [
-            (
-                "current",
-                s.state.as_ref().and_then(|x| x.terminated.as_ref()),
-            ),
-            (
-                "last",
-                s.last_state.as_ref().and_then(|x| x.terminated.as_ref()),
-            ),
-        ]
-    });
-    for (state, terminated) in states.into_iter().flatten() {
-        let Some(t) = terminated else { continue };
-        // The summary describes the pod's whole run: it explains the current state only.
-        let s = if state == "current" {
-            summary.as_ref()
-        } else {
-            None
-        };
-        if let Some(reason) = oom_reason(pod, t, s) {
-            ooms.push(oom_view(state, t, reason));
-        }
-    }
+    let ooms = status
+        .as_ref()
+        .map(|s| ooms(pod, s, summary.as_ref()))
+        .unwrap_or_default();
 
     let next = next_view(pod, ran.as_ref(), ctx);
     Explanation {
@@ -397,6 +348,72 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
         restarts: status.as_ref().map_or(0, |s| s.restart_count),
         next,
     }
+}
+
+/// The estimate as admitted (`memguard.io/estimate`), with the estimator's breakdown of the
+/// config that ran.
+fn estimate_view(
+    annotation: Option<&EstimateAnnotation>,
+    ran: Option<&memguard_estimator::TrainingConfig>,
+) -> Option<EstimateView> {
+    let estimated = ran.and_then(|c| estimate(c).ok());
+    (annotation.is_some() || estimated.is_some()).then(|| EstimateView {
+        total_bytes: annotation.map(|a| a.total.0),
+        uncalibrated_bytes: annotation.map(|a| a.uncalibrated.0),
+        calibration_factor: annotation.and_then(|a| a.calibration).map(|c| c.factor),
+        components: estimated
+            .as_ref()
+            .map(|e| e.components.iter().map(|(c, b)| (c.name(), b.0)).collect())
+            .unwrap_or_default(),
+        tensor_peak_bytes: annotation
+            .map(|a| a.tensor_peak.0)
+            .or(estimated.as_ref().map(|e| e.tensor_peak.0)),
+    })
+}
+
+/// What the sidecar's summary says of the run.
+fn run_view(s: &Summary) -> RunView {
+    RunView {
+        peak_bytes: s.peak_bytes,
+        gpu_peak_bytes: s.gpu_peak_bytes,
+        limit_bytes: s.limit_bytes,
+        downgrades: s.downgrades,
+        max_level: s.max_level.to_string(),
+        final_batch_size: s.batch_size,
+        final_grad_accumulation: s.grad_accumulation,
+        sticky_batch_size: s.sticky_batch_size,
+        oom_kills: s.oom_events,
+        oom_records: s.oom_reports,
+        exit_reason: s.exit_reason.clone(),
+    }
+}
+
+/// The trainer's OOMs: its current and last terminated states, as the profile controller
+/// classifies them.
+fn ooms(pod: &Pod, status: &ContainerStatus, summary: Option<&Summary>) -> Vec<OomView> {
+    let states = [
+        (
+            "current",
+            status.state.as_ref().and_then(|x| x.terminated.as_ref()),
+        ),
+        (
+            "last",
+            status
+                .last_state
+                .as_ref()
+                .and_then(|x| x.terminated.as_ref()),
+        ),
+    ];
+    let mut ooms = Vec::new();
+    for (state, terminated) in states {
+        let Some(t) = terminated else { continue };
+        // The summary describes the pod's whole run: it explains the current state only.
+        let s = if state == "current" { summary } else { None };
+        if let Some(reason) = oom_reason(pod, t, s) {
+            ooms.push(oom_view(state, t, reason));
+        }
+    }
+    ooms
 }
 
 /// `kind (detail)`, or `kind` alone: the annotation's `budgetSource` for a person.

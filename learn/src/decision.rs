@@ -92,25 +92,20 @@ pub fn safety_ratio(training: &TrainingPod, policy: &Policy) -> f64 {
 }
 
 /// The downgrade plan of `start` into `budget` (none: no limit) under the policy's floors: the
-/// one place the floors are read.
+/// one place the floors are read. An error is each problem the estimator found in `start`.
 pub fn plan_into(
     start: &TrainingConfig,
     budget: Option<Bytes>,
     calibration: &Calibration,
     policy: &Policy,
-) -> Result<DowngradePlan, String> {
+) -> Result<DowngradePlan, Vec<String>> {
     plan_with_floors(
         start,
         budget.unwrap_or(Bytes(u64::MAX)),
         calibration,
         &policy.floors,
     )
-    .map_err(|errs| {
-        errs.iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join("; ")
-    })
+    .map_err(|errs| errs.iter().map(ToString::to_string).collect())
 }
 
 /// What past runs teach (a calibration, a recovery after an OOM kill), where the pod may be
@@ -171,7 +166,8 @@ fn plan(
         budget.as_ref().map(|b| b.bytes),
         &calibration,
         policy,
-    )?;
+    )
+    .map_err(|errs| errs.join("; "))?;
 
     // Every knob at its floor and still over the budget: admitted anyway, at the smallest config
     // tried, saying so (the profile's verdict, when it has one, says more).

@@ -109,93 +109,16 @@ pub fn try_observe(
     let training = TrainingPod::resolve(pod, policy, dra)
         .map_err(|e| NotObserved::NoKey(KeyError::from(e).to_string()))?;
     let key = PodKey::of(&training);
-    let status = pod.status.as_ref();
-    let statuses = |init: bool| {
-        status
-            .and_then(|s| {
-                if init {
-                    s.init_container_statuses.as_ref()
-                } else {
-                    s.container_statuses.as_ref()
-                }
-            })
-            .map(Vec::as_slice)
-            .unwrap_or_default()
-    };
-    let trainer = statuses(false).iter().find(|s| s.name == key.trainer);
-    let (terminated, restarted) = match trainer {
-        Some(ContainerStatus {
-            state: Some(state), ..
-        }) if state.terminated.is_some() => (state.terminated.as_ref(), false),
-        Some(s) => (
-            s.last_state.as_ref().and_then(|l| l.terminated.as_ref()),
-            true,
-        ),
-        None => (None, false),
-    };
-    let Some(terminated) = terminated else {
-        return Err(NotObserved::Running);
-    };
+    let (terminated, restarted) = terminated_trainer(pod, &key.trainer)?;
     let finished_at = terminated
         .finished_at
         .clone()
         .or_else(|| terminated.started_at.clone())
         .ok_or(NotObserved::NoFinishTime)?;
-
-    let sidecar = statuses(true)
-        .iter()
-        .chain(statuses(false))
-        .find(|s| s.name == wellknown::SIDECAR_CONTAINER);
-    let sidecar_done = sidecar
-        .and_then(|s| s.state.as_ref())
-        .and_then(|s| s.terminated.as_ref());
-    let final_phase = matches!(
-        status.and_then(|s| s.phase.as_deref()),
-        Some("Succeeded" | "Failed")
-    );
-    if !restarted && sidecar.is_some() && sidecar_done.is_none() && !final_phase {
-        return Err(NotObserved::AwaitingSummary);
-    }
-    let summary = if restarted {
-        None
-    } else {
-        sidecar_done
-            .and_then(|t| t.message.as_deref())
-            .and_then(parse_summary)
-    };
-
-    let (annotation, estimate_problem) = match pod
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(keys::ESTIMATE))
-    {
-        None => (None, Some(format!("no {} annotation", keys::ESTIMATE))),
-        Some(text) => match EstimateAnnotation::parse(text) {
-            Ok(a) => (Some(a), None),
-            Err(e) => (None, Some(e.to_string())),
-        },
-    };
-    let trainer_env = &training.trainer_env;
-    // What the trainer ran with when it died: its OOM record says (a run-time downgrade or an
-    // in-process recovery may have taken it below the env the webhook wrote); else the env.
-    let record = OomRecord::from_termination_message(terminated.message.as_deref().unwrap_or(""))
-        .or_else(|| {
-            summary
-                .as_ref()
-                .and_then(|s| s.last_oom.clone())
-                .filter(|r| r.outcome == OomOutcome::Fatal)
-        });
-    let mut knobs = TrainingKnobs::from_env(trainer_env);
-    if let Some(r) = &record {
-        knobs.batch_size = Some(r.batch_size).filter(|b| *b > 0).or(knobs.batch_size);
-        knobs.grad_accumulation = Some(r.grad_accumulation)
-            .filter(|a| *a > 0)
-            .or(knobs.grad_accumulation);
-        knobs.grad_checkpointing = Some(r.grad_checkpointing);
-    }
+    let summary = sidecar_summary(pod, restarted)?;
+    let (annotation, estimate_problem) = estimate_annotation(pod);
+    let knobs = knobs_ran(&training, terminated, summary.as_ref());
     let ran = knobs.apply_to(&key.config);
-
     let estimate = annotation
         .as_ref()
         .map(|a| a.uncalibrated)
@@ -206,20 +129,7 @@ pub fn try_observe(
         .and_then(|s| if gpu { s.gpu_peak_bytes } else { s.peak_bytes })
         .filter(|b| *b > 0)
         .map(Bytes);
-    let limit = if gpu {
-        annotation
-            .as_ref()
-            .and_then(|a| a.gpu_memory)
-            .map(|b| b.0)
-            .or_else(|| summary.as_ref().and_then(|s| s.limit_bytes))
-    } else {
-        summary
-            .as_ref()
-            .and_then(|s| s.limit_bytes)
-            .or(training.memory_limit.map(|b| b.0))
-    }
-    .filter(|b| *b > 0)
-    .map(Bytes);
+    let limit = memory_limit(gpu, annotation.as_ref(), summary.as_ref(), &training);
 
     Ok(Observation {
         pod: name.clone(),
@@ -236,6 +146,130 @@ pub fn try_observe(
         summary,
         key,
     })
+}
+
+/// The container statuses of `pod`: its init containers' or its containers'.
+fn statuses(pod: &Pod, init: bool) -> &[ContainerStatus] {
+    pod.status
+        .as_ref()
+        .and_then(|s| {
+            if init {
+                s.init_container_statuses.as_ref()
+            } else {
+                s.container_statuses.as_ref()
+            }
+        })
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+}
+
+/// The trainer's terminated state: its current one, else the last before an in-place restart
+/// (then `true`).
+fn terminated_trainer<'a>(
+    pod: &'a Pod,
+    trainer: &str,
+) -> Result<(&'a ContainerStateTerminated, bool), NotObserved> {
+    let (terminated, restarted) = match statuses(pod, false).iter().find(|s| s.name == trainer) {
+        Some(ContainerStatus {
+            state: Some(state), ..
+        }) if state.terminated.is_some() => (state.terminated.as_ref(), false),
+        Some(s) => (
+            s.last_state.as_ref().and_then(|l| l.terminated.as_ref()),
+            true,
+        ),
+        None => (None, false),
+    };
+    terminated
+        .map(|t| (t, restarted))
+        .ok_or(NotObserved::Running)
+}
+
+/// The sidecar's summary of the run, once it has written it; none for a trainer restarted in
+/// place (the sidecar summarizes the whole pod later), a pod without a sidecar or in a final
+/// phase.
+fn sidecar_summary(pod: &Pod, restarted: bool) -> Result<Option<Summary>, NotObserved> {
+    let sidecar = statuses(pod, true)
+        .iter()
+        .chain(statuses(pod, false))
+        .find(|s| s.name == wellknown::SIDECAR_CONTAINER);
+    let sidecar_done = sidecar
+        .and_then(|s| s.state.as_ref())
+        .and_then(|s| s.terminated.as_ref());
+    let final_phase = matches!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Succeeded" | "Failed")
+    );
+    if !restarted && sidecar.is_some() && sidecar_done.is_none() && !final_phase {
+        return Err(NotObserved::AwaitingSummary);
+    }
+    if restarted {
+        return Ok(None);
+    }
+    Ok(sidecar_done
+        .and_then(|t| t.message.as_deref())
+        .and_then(parse_summary))
+}
+
+/// `memguard.io/estimate`, or why there is none to read.
+fn estimate_annotation(pod: &Pod) -> (Option<EstimateAnnotation>, Option<String>) {
+    match pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(keys::ESTIMATE))
+    {
+        None => (None, Some(format!("no {} annotation", keys::ESTIMATE))),
+        Some(text) => match EstimateAnnotation::parse(text) {
+            Ok(a) => (Some(a), None),
+            Err(e) => (None, Some(e.to_string())),
+        },
+    }
+}
+
+/// What the trainer ran with when it ended: its OOM record says (a run-time downgrade or an
+/// in-process recovery may have taken it below the env the webhook wrote); else the env.
+fn knobs_ran(
+    training: &TrainingPod,
+    terminated: &ContainerStateTerminated,
+    summary: Option<&Summary>,
+) -> TrainingKnobs {
+    let record = OomRecord::from_termination_message(terminated.message.as_deref().unwrap_or(""))
+        .or_else(|| {
+            summary
+                .and_then(|s| s.last_oom.clone())
+                .filter(|r| r.outcome == OomOutcome::Fatal)
+        });
+    let mut knobs = TrainingKnobs::from_env(&training.trainer_env);
+    if let Some(r) = &record {
+        knobs.batch_size = Some(r.batch_size).filter(|b| *b > 0).or(knobs.batch_size);
+        knobs.grad_accumulation = Some(r.grad_accumulation)
+            .filter(|a| *a > 0)
+            .or(knobs.grad_accumulation);
+        knobs.grad_checkpointing = Some(r.grad_checkpointing);
+    }
+    knobs
+}
+
+/// The memory the trainer had: for a GPU profile the device's (the budget stage's figure, else
+/// the sidecar's), else the sidecar's limit or the trainer's memory limit.
+fn memory_limit(
+    gpu: bool,
+    annotation: Option<&EstimateAnnotation>,
+    summary: Option<&Summary>,
+    training: &TrainingPod,
+) -> Option<Bytes> {
+    if gpu {
+        annotation
+            .and_then(|a| a.gpu_memory)
+            .map(|b| b.0)
+            .or_else(|| summary.and_then(|s| s.limit_bytes))
+    } else {
+        summary
+            .and_then(|s| s.limit_bytes)
+            .or(training.memory_limit.map(|b| b.0))
+    }
+    .filter(|b| *b > 0)
+    .map(Bytes)
 }
 
 /// Whether, and how, the trainer ran out of memory:
