@@ -116,43 +116,32 @@ impl Case {
     }
 }
 
-fn memguard(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_memguard"))
+/// The real binary's JSON output for `args`, run in `dir`; `what` names the call in a failure.
+fn memguard_json(dir: &Path, args: &[&str], what: &str) -> Value {
+    let mut memguard = Command::new(env!("CARGO_BIN_EXE_memguard"));
+    let out: Output = memguard
         .current_dir(dir)
         .args(args)
         .output()
-        .expect("the memguard binary runs")
-}
-
-fn json_of(out: Output, what: &str) -> Value {
+        .expect("it runs");
     // `mutate` exits 2 for a skipped pod; none of these is skipped.
-    assert!(
-        out.status.success(),
-        "{what}: exit {:?}: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{what}: {:?}: {stderr}", out.status);
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{what}: {e}"))
 }
 
 /// `memguard mutate` of `pod` under the case's policy (and `profile`), as JSON.
 fn mutate(dir: &Path, case: &Case, pod: &Value, profile: Option<&Value>) -> Value {
     std::fs::write(dir.join("pod.json"), pod.to_string()).expect("write");
-    let mut args = vec![
-        "mutate",
-        "-o",
-        "json",
-        "-f",
-        "pod.json",
-        "--policy-file",
-        "policy.yaml",
-    ];
+    let mut args: Vec<&str> = "mutate -o json -f pod.json --policy-file policy.yaml"
+        .split(' ')
+        .collect();
     args.extend(case.dra_flags());
     if let Some(p) = profile {
         std::fs::write(dir.join("profile.json"), p.to_string()).expect("write");
         args.extend(["--profile", "profile.json"]);
     }
-    json_of(memguard(dir, &args), "mutate")
+    memguard_json(dir, &args, "mutate")
 }
 
 /// The decision as `memguard.io/estimate` carries it: budget, fits, the planned knobs.
@@ -164,34 +153,50 @@ fn admitted(pod: &Value) -> (Value, Value, Value) {
     (a["budget"].clone(), a["fits"].clone(), a["config"].clone())
 }
 
-/// `memguard estimate`'s planned config, as `memguard.io/estimate` names its knobs.
-fn knobs_of_estimate(config: &Value) -> Value {
-    let s = |k: &str| match &config[k] {
+/// The knobs a plan sets, as `memguard.io/estimate` names them.
+const KNOBS: [&str; 6] = [
+    "batch-size",
+    "grad-accumulation",
+    "grad-checkpointing",
+    "seq-length",
+    "lora-rank",
+    "lora-layers",
+];
+
+/// The planned knobs of `config`, each read under `field(name)` (the annotation's own names,
+/// `memguard estimate`'s snake_case, `memguard explain`'s camelCase), values as strings.
+fn knobs(config: &Value, field: impl Fn(&str) -> String) -> Value {
+    let value = |name: &str| match &config[field(name).as_str()] {
         Value::Null => Value::Null,
+        Value::String(s) => json!(s),
         v => json!(v.to_string()),
     };
-    json!({"batch-size": s("batch_size"), "grad-accumulation": s("grad_accumulation"),
-        "grad-checkpointing": s("grad_checkpointing"), "seq-length": s("seq_length"),
-        "lora-rank": s("lora_rank"), "lora-layers": s("lora_layers")})
+    KNOBS
+        .iter()
+        .map(|name| (name.to_string(), value(name)))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
 }
 
-/// The annotation's knobs, without the ones `estimate` does not plan.
 fn planned(config: &Value) -> Value {
-    let k = |n: &str| config.get(n).cloned().unwrap_or(Value::Null);
-    json!({"batch-size": k("batch-size"), "grad-accumulation": k("grad-accumulation"),
-        "grad-checkpointing": k("grad-checkpointing"), "seq-length": k("seq-length"),
-        "lora-rank": k("lora-rank"), "lora-layers": k("lora-layers")})
+    knobs(config, str::to_string)
 }
 
-/// `explain`'s knobs (`TrainingKnobs`, camelCase), as `memguard.io/estimate` names them.
-fn knobs_of_explain(k: &Value) -> Value {
-    let s = |n: &str| match &k[n] {
-        Value::Null => Value::Null,
-        v => json!(v.to_string()),
-    };
-    json!({"batch-size": s("batchSize"), "grad-accumulation": s("gradAccumulation"),
-        "grad-checkpointing": s("gradCheckpointing"), "seq-length": s("seqLength"),
-        "lora-rank": s("loraRank"), "lora-layers": s("loraLayers")})
+fn knobs_of_estimate(config: &Value) -> Value {
+    knobs(config, |name| name.replace('-', "_"))
+}
+
+fn knobs_of_explain(config: &Value) -> Value {
+    knobs(config, |name| {
+        let mut parts = name.split('-');
+        let mut out = parts.next().unwrap_or_default().to_string();
+        for part in parts {
+            let mut chars = part.chars();
+            out.extend(chars.next().map(|c| c.to_ascii_uppercase()));
+            out.push_str(chars.as_str());
+        }
+        out
+    })
 }
 
 #[test]
@@ -210,7 +215,7 @@ fn mutate_estimate_and_explain_give_the_same_budget_plan_and_key() {
         args.extend(case.pod_flags.iter().map(|s| s.to_string()));
         args.extend(["--policy-file", "policy.yaml", "--output", "json"].map(String::from));
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let estimate = json_of(memguard(d, &args), name);
+        let estimate = memguard_json(d, &args, name);
         let key = &estimate["profile"];
         assert!(
             key["name"].is_string(),
@@ -238,17 +243,11 @@ fn mutate_estimate_and_explain_give_the_same_budget_plan_and_key() {
             "terminated": {"exitCode": 137, "reason": "OOMKilled",
             "finishedAt": "2026-11-26T10:00:00Z"}}}]});
         std::fs::write(d.join("dead.json"), dead.to_string()).expect("write");
-        let mut args = vec![
-            "explain",
-            "-f",
-            "dead.json",
-            "-o",
-            "json",
-            "--policy-file",
-            "policy.yaml",
-        ];
+        let mut args: Vec<&str> = "explain -f dead.json -o json --policy-file policy.yaml"
+            .split(' ')
+            .collect();
         args.extend(case.dra_flags());
-        let explained = json_of(memguard(d, &args), name);
+        let explained = memguard_json(d, &args, name);
         assert_eq!(
             explained["budget"]["bytes"], estimate["budget_bytes"],
             "{name}"

@@ -400,20 +400,28 @@ mod tests {
             )
         }
 
-        async fn acquire(steps: Vec<Step>) -> Result<bool, LeaseError> {
+        /// `call` on a lock whose API answers `steps` (each checked), at time 100.
+        async fn scenario<F>(steps: Vec<Step>, call: impl FnOnce(LeaseLock) -> F) -> F::Output
+        where
+            F: Future,
+        {
             let (client, handle) = client();
             let verifier = tokio::spawn(verify(handle, steps));
-            let out = lock(client).try_acquire_or_renew(at(100)).await;
+            let out = call(lock(client)).await;
             verifier.await.expect("scenario verified");
             out
         }
 
+        async fn acquire(steps: Vec<Step>) -> Result<bool, LeaseError> {
+            scenario(
+                steps,
+                |l| async move { l.try_acquire_or_renew(at(100)).await },
+            )
+            .await
+        }
+
         async fn release(steps: Vec<Step>) -> Result<bool, LeaseError> {
-            let (client, handle) = client();
-            let verifier = tokio::spawn(verify(handle, steps));
-            let out = lock(client).release(at(100)).await;
-            verifier.await.expect("scenario verified");
-            out
+            scenario(steps, |l| async move { l.release(at(100)).await }).await
         }
 
         /// The GET that reads the lease, answered with `lease`.
@@ -430,17 +438,17 @@ mod tests {
             )
         }
 
+        /// The POST that creates the lease, held by us.
+        fn created() -> Step {
+            let ours = lease("1", ME, 100, 0);
+            step(Method::POST, LEASES, StatusCode::CREATED, ours)
+        }
+
         #[tokio::test]
         async fn no_lease_creates_it_held_by_us() {
             let steps = vec![
                 not_found(),
-                step(
-                    Method::POST,
-                    LEASES,
-                    StatusCode::CREATED,
-                    lease("1", ME, 100, 0),
-                )
-                .body(|body| {
+                created().body(|body| {
                     assert_eq!(body["metadata"]["name"], NAME);
                     let spec = &body["spec"];
                     assert_eq!(spec["holderIdentity"], ME);
@@ -453,56 +461,56 @@ mod tests {
             assert!(acquire(steps).await.expect("created"));
         }
 
-        #[tokio::test]
-        async fn our_lease_is_renewed_with_the_resource_version_read() {
-            let steps = vec![
-                read(lease("7", ME, 95, 2)),
-                step(Method::PUT, &item(), StatusCode::OK, lease("8", ME, 100, 2)).body(|body| {
-                    assert_eq!(body["metadata"]["resourceVersion"], "7");
-                    let spec = &body["spec"];
-                    assert_eq!(spec["holderIdentity"], ME);
-                    assert_eq!(spec["renewTime"], time(100));
-                    assert_eq!(spec["acquireTime"], time(0), "not re-acquired");
-                    assert_eq!(spec["leaseTransitions"], 2);
-                }),
-            ];
-            assert!(acquire(steps).await.expect("renewed"));
+        /// The PUT that holds the lease for us, keeping the resourceVersion `rv` read: renewed at
+        /// 100, acquired at `acquired`, after `transitions` transitions.
+        fn held_put(rv: &'static str, acquired: i64, transitions: i32) -> Step {
+            let answer = lease("8", ME, 100, transitions);
+            step(Method::PUT, &item(), StatusCode::OK, answer).body(move |body| {
+                assert_eq!(body["metadata"]["resourceVersion"], rv);
+                let spec = &body["spec"];
+                assert_eq!(spec["holderIdentity"], ME);
+                assert_eq!(spec["renewTime"], time(100));
+                assert_eq!(spec["acquireTime"], time(acquired));
+                assert_eq!(spec["leaseTransitions"], transitions);
+            })
         }
 
+        /// (what, the calls `try_acquire_or_renew` makes, whether it leads after them)
         #[tokio::test]
-        async fn another_replicas_fresh_lease_is_only_read() {
-            let steps = vec![read(lease("7", "b", 95, 2))];
-            assert!(!acquire(steps).await.expect("followed"));
-        }
-
-        #[tokio::test]
-        async fn another_replicas_expired_lease_is_taken_over() {
-            let steps = vec![
-                read(lease("3", "b", 50, 2)),
-                step(Method::PUT, &item(), StatusCode::OK, lease("4", ME, 100, 3)).body(|body| {
-                    assert_eq!(body["metadata"]["resourceVersion"], "3");
-                    let spec = &body["spec"];
-                    assert_eq!(spec["holderIdentity"], ME);
-                    assert_eq!(spec["acquireTime"], time(100));
-                    assert_eq!(spec["renewTime"], time(100));
-                    assert_eq!(spec["leaseTransitions"], 3);
-                }),
-            ];
-            assert!(acquire(steps).await.expect("taken over"));
-        }
-
-        #[tokio::test]
-        async fn a_conflict_on_the_take_over_means_another_replica_won() {
-            let steps = vec![
-                read(lease("3", "b", 50, 2)),
+        async fn an_existing_lease_is_renewed_taken_over_or_followed() {
+            let conflict = || {
                 step(
                     Method::PUT,
                     &item(),
                     StatusCode::CONFLICT,
                     status_error(409, "Conflict"),
+                )
+            };
+            let cases: Vec<(&str, Vec<Step>, bool)> = vec![
+                (
+                    "ours: renewed with the resourceVersion read, not re-acquired",
+                    vec![read(lease("7", ME, 95, 2)), held_put("7", 0, 2)],
+                    true,
+                ),
+                (
+                    "another replica's fresh lease: only read",
+                    vec![read(lease("7", "b", 95, 2))],
+                    false,
+                ),
+                (
+                    "another replica's expired lease: taken over",
+                    vec![read(lease("3", "b", 50, 2)), held_put("3", 100, 3)],
+                    true,
+                ),
+                (
+                    "a conflict on the take-over: another replica won",
+                    vec![read(lease("3", "b", 50, 2)), conflict()],
+                    false,
                 ),
             ];
-            assert!(!acquire(steps).await.expect("lost the race"));
+            for (what, steps, leads) in cases {
+                assert_eq!(acquire(steps).await.expect(what), leads, "{what}");
+            }
         }
 
         /// The PUT that gives the lease up, keeping the resourceVersion `rv` read.
@@ -517,33 +525,36 @@ mod tests {
             })
         }
 
+        /// (what, the calls `release` makes, whether it released)
         #[tokio::test]
-        async fn our_lease_is_released() {
-            let steps = vec![
-                read(lease("7", ME, 95, 2)),
-                release_put("7", StatusCode::OK, lease("8", "", 100, 2)),
+        async fn only_our_lease_is_released() {
+            let cases: Vec<(&str, Vec<Step>, bool)> = vec![
+                (
+                    "ours: released",
+                    vec![
+                        read(lease("7", ME, 95, 2)),
+                        release_put("7", StatusCode::OK, lease("8", "", 100, 2)),
+                    ],
+                    true,
+                ),
+                (
+                    "another replica's: left alone",
+                    vec![read(lease("7", "b", 95, 2))],
+                    false,
+                ),
+                ("none: nothing to release", vec![not_found()], false),
+                (
+                    "a conflict on the release: someone else wrote it, left alone",
+                    vec![
+                        read(lease("7", ME, 95, 2)),
+                        release_put("7", StatusCode::CONFLICT, status_error(409, "Conflict")),
+                    ],
+                    false,
+                ),
             ];
-            assert!(release(steps).await.expect("released"));
-        }
-
-        #[tokio::test]
-        async fn another_replicas_lease_is_not_released() {
-            let steps = vec![read(lease("7", "b", 95, 2))];
-            assert!(!release(steps).await.expect("left alone"));
-        }
-
-        #[tokio::test]
-        async fn no_lease_has_nothing_to_release() {
-            assert!(!release(vec![not_found()]).await.expect("nothing"));
-        }
-
-        #[tokio::test]
-        async fn a_conflict_on_the_release_leaves_the_lease_alone() {
-            let steps = vec![
-                read(lease("7", ME, 95, 2)),
-                release_put("7", StatusCode::CONFLICT, status_error(409, "Conflict")),
-            ];
-            assert!(!release(steps).await.expect("someone else wrote it"));
+            for (what, steps, released) in cases {
+                assert_eq!(release(steps).await.expect(what), released, "{what}");
+            }
         }
 
         // Paused time: the renew period's sleep only ends if the test lets the runtime idle,
@@ -555,12 +566,7 @@ mod tests {
             let during_release = leader_rx.clone();
             let steps = vec![
                 not_found(),
-                step(
-                    Method::POST,
-                    LEASES,
-                    StatusCode::CREATED,
-                    lease("1", ME, 100, 0),
-                ),
+                created(),
                 read(lease("1", ME, 100, 0)),
                 step(Method::PUT, &item(), StatusCode::OK, lease("2", "", 100, 0)).body(
                     move |body| {

@@ -85,13 +85,12 @@ import logging
 import threading
 from typing import Any, Callable, Optional
 
-from .distributed import Agreement
 from .guard import Guard
 from .recovery import (
     DEFAULT_MAX_OOM_RETRIES,
     RunnerCounters,
-    StepRunner,
     enable_checkpointing,
+    follow,
     force_sync_of,
     grads_fresh,
     is_fsdp,
@@ -143,10 +142,9 @@ class MemguardCallback(RunnerCounters, _callback_base()):  # type: ignore[misc]
         max_oom_retries: int = DEFAULT_MAX_OOM_RETRIES,
         sync_each_batch: Optional[bool] = None,
     ) -> None:
-        self.guard = guard if guard is not None else Guard()
-        self.runner = StepRunner(
-            self.guard,
-            Agreement(agree),
+        self.guard, self.runner = follow(
+            guard,
+            agree,
             recover_oom=recover_oom,
             max_oom_retries=max_oom_retries,
             sync_each_batch=sync_each_batch,

@@ -493,6 +493,17 @@ def enable_checkpointing(model: Any) -> bool:
         return False
 
 
+def follow(guard: Optional[Guard], agree: bool = True, **options: Any) -> "tuple[Guard, StepRunner]":
+    """``guard`` (default: ``Guard()`` from the env) and a :class:`StepRunner` following it,
+    agreeing with the other ranks when ``agree``; ``options`` are the runner's."""
+    guard = guard if guard is not None else Guard()
+    return guard, StepRunner(guard, Agreement(agree), **options)
+
+
+def _runner_counter(name: str, doc: str) -> Any:
+    return property(lambda self: getattr(self.runner, name), doc=doc)
+
+
 class RunnerCounters:
     """The counters of a :class:`StepRunner`, read through the object that runs it (its
     ``runner`` attribute): what :class:`~memguard_client.torch.MicroBatcher` and the HF
@@ -500,32 +511,19 @@ class RunnerCounters:
 
     runner: StepRunner
 
-    @property
-    def downgrades(self) -> int:
-        """Steps whose agreed micro-batch size was smaller than the step before's."""
-        return self.runner.downgrades
-
-    @property
-    def micro_batches(self) -> int:
-        """Micro-batches run to completion."""
-        return self.runner.micro_batches
-
-    @property
-    def sync_each_batch(self) -> bool:
-        """Gradients are reduced at every micro-batch (FSDP with several ranks; agreed)."""
-        return self.runner.sync_each_batch
-
-    @property
-    def cache_releases(self) -> int:
-        """Times the CUDA cache was released (downgrades and OOM recoveries)."""
-        return self.runner.cache_releases
-
-    @property
-    def oom_recoveries(self) -> int:
-        """Out-of-memory errors recovered in-process (this rank's or a peer's)."""
-        return self.runner.oom_recoveries
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped because an OOM hit after gradients had accumulated."""
-        return self.runner.skipped_steps
+    downgrades = _runner_counter(
+        "downgrades", "Steps whose agreed micro-batch size was smaller than the step before's."
+    )
+    micro_batches = _runner_counter("micro_batches", "Micro-batches run to completion.")
+    sync_each_batch = _runner_counter(
+        "sync_each_batch", "Gradients are reduced at every micro-batch (FSDP with several ranks; agreed)."
+    )
+    cache_releases = _runner_counter(
+        "cache_releases", "Times the CUDA cache was released (downgrades and OOM recoveries)."
+    )
+    oom_recoveries = _runner_counter(
+        "oom_recoveries", "Out-of-memory errors recovered in-process (this rank's or a peer's)."
+    )
+    skipped_steps = _runner_counter(
+        "skipped_steps", "Optimizer steps skipped because an OOM hit after gradients had accumulated."
+    )

@@ -35,14 +35,13 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional
 
 from .batching import MicroBatch, split_batch
-from .distributed import Agreement
 from .guard import Guard
 from .recovery import (
     DEFAULT_MAX_OOM_RETRIES,
     RunnerCounters,
-    StepRunner,
     empty_cache,
     enable_checkpointing,
+    follow,
     grads_fresh,
     is_fsdp,
     force_sync_of,
@@ -73,22 +72,21 @@ class MicroBatcher(RunnerCounters):
         self,
         guard: Optional[Guard] = None,
         *,
+        sync_each_batch: Optional[bool] = None,
         release_cache: bool = True,
         agree: bool = True,
         recover_oom: bool = True,
         max_oom_retries: int = DEFAULT_MAX_OOM_RETRIES,
-        sync_each_batch: Optional[bool] = None,
         accelerator: Any = None,
     ) -> None:
-        self.guard = guard if guard is not None else Guard()
         self.release_cache = release_cache
         self.accelerator = accelerator
-        self.runner = StepRunner(
-            self.guard,
-            Agreement(agree),
+        self.guard, self.runner = follow(
+            guard,
+            release_cache=release_cache,
+            agree=agree,
             recover_oom=recover_oom,
             max_oom_retries=max_oom_retries,
-            release_cache=release_cache,
             sync_each_batch=sync_each_batch,
         )
         #: The last :meth:`backward` ran out of memory after gradients had accumulated: its
