@@ -1,7 +1,9 @@
 //! Reading a pod spec the way every part of memguard must agree on: [`TrainingPod::resolve`]
 //! (the annotations, which container is the trainer, how many GPUs it asks for, which GPU
-//! products the pod is pinned to, the device) and Kubernetes resource quantities. The webhook (at admission) and the profile controller (after the run)
-//! both key on these answers, so they live here once.
+//! products the pod is pinned to, the device and its DRA claims, the accelerators, the memory
+//! limit, the trainer's env), the opt-in check and Kubernetes resource quantities. The webhook
+//! (at admission), `memguard estimate` and `memguard explain`, and the profile controller (after
+//! the run) all decide from these answers, read once, so they live here once.
 
 use crate::Policy;
 use crate::annotations::{self, AnnotationError, TrainingAnnotations};

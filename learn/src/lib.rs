@@ -1,7 +1,8 @@
 //! Learning from runs: what finished training pods teach memguard, kept in `MemoryProfile`.
 //!
-//! - [`decision`]: the budget stage every caller shares: the key, the budget ([`budget`]), the
-//!   placement ([`placement`]) and the plan under the policy's floors (pure).
+//! - [`decision`]: the budget stage every caller shares (admission, `memguard estimate`,
+//!   `memguard explain`): the key, the budget ([`budget`]), the placement ([`placement`]) and
+//!   the plan under the policy's floors, its warnings cut to size ([`warnings`]) (pure).
 //! - [`key`]: the profile key of a pod and the object name it maps to (pure).
 //! - [`observe`]: a finished pod → an [`Observation`] (pure).
 //! - [`update`]: an observation folded into a profile status, idempotently (pure).
