@@ -239,6 +239,34 @@ mod tests {
         }
     }
 
+    /// A GPU known only through a DRA claim keys the pod as admission keys it: the device the
+    /// claim's driver runs, read from the same DRA objects. Without them it is a CPU pod.
+    #[test]
+    fn a_dra_only_gpu_pod_is_keyed_by_its_claims_device() {
+        use k8s_openapi::api::core::v1::PodResourceClaim;
+        use memguard_api::dra::{DraCatalog, StaticCatalog};
+        let catalog = StaticCatalog::from_yaml(include_str!(
+            "../../webhook/tests/fixtures/dra/objects.yaml"
+        ))
+        .expect("fixture objects");
+        let mut pod = PodBuilder::trainer()
+            .annotate("model", "llama-3-8b")
+            .build();
+        if let Some(spec) = pod.spec.as_mut() {
+            spec.resource_claims = Some(vec![PodResourceClaim {
+                name: "gpu".into(),
+                resource_claim_template_name: Some("single-h100".into()),
+                ..PodResourceClaim::default()
+            }]);
+        }
+        let policy = Policy::default();
+        let with = pod_key(&pod, &policy, Some(&catalog as &dyn DraCatalog)).expect("a key");
+        assert_eq!(with.spec, spec("llama-3-8b", "full", "bf16-mixed", ANY_GPU));
+        assert_eq!(with.config.device, Device::Cuda);
+        let without = pod_key(&pod, &policy, None).expect("a key");
+        assert_eq!(without.spec, spec("llama-3-8b", "full", "bf16-mixed", CPU));
+    }
+
     #[test]
     fn a_pod_with_bad_annotations_or_no_container_has_no_key() {
         let bad = PodBuilder::trainer()
