@@ -148,9 +148,10 @@ impl<'a> TrainingPod<'a> {
         let (trainer_index, trainer) =
             pick_trainer(containers, parsed.container.as_deref()).map_err(ResolveError::Trainer)?;
         let gpus = gpu_count(trainer);
+        let accelerators = Accelerators::of(pod, trainer);
         let mut config = parsed.config.clone();
         if !parsed.device_given {
-            config.device = default_device(pod, trainer);
+            config.device = accelerators.default_device(pod);
         }
         // Data parallelism over the pod's own GPUs unless the user says how many devices take
         // part (a multi-node job must: the pod cannot see its peers).
@@ -178,7 +179,7 @@ impl<'a> TrainingPod<'a> {
             gpu_products: products,
             config,
             pod,
-            accelerators: Accelerators::of(pod, trainer),
+            accelerators,
             dra: reading,
             dra_memory,
             memory_limit: memory_limit(trainer),
@@ -226,24 +227,7 @@ pub fn gpu_count(c: &Container) -> u64 {
 /// which the pod asks for by annotation and not as a resource), else `cpu`. The webhook and
 /// the profile controller both resolve the device with this.
 pub fn default_device(pod: &Pod, c: &Container) -> Device {
-    let annotations = pod.metadata.annotations.as_ref();
-    let kai_share = [KAI_GPU_FRACTION_ANNOTATION, KAI_GPU_MEMORY_ANNOTATION]
-        .iter()
-        .any(|k| annotations.is_some_and(|a| a.contains_key(*k)));
-    if kai_share {
-        return Device::Cuda;
-    }
-    let kinds: Vec<AcceleratorKind> = resources(c)
-        .filter(|(_, q)| parse_quantity(&q.0).is_some_and(|n| n > 0))
-        .filter_map(|(name, _)| device_kind(name))
-        .collect();
-    if kinds.iter().any(|k| !matches!(k, AcceleratorKind::AmdGpu)) {
-        Device::Cuda
-    } else if kinds.is_empty() {
-        Device::Cpu
-    } else {
-        Device::Rocm
-    }
+    Accelerators::of(pod, c).default_device(pod)
 }
 
 /// The container's resources, `limits` first: a name given in both counts once, as its limit
@@ -348,6 +332,23 @@ pub struct Accelerators {
 }
 
 impl Accelerators {
+    /// The device these accelerators make ([`default_device`]): `cuda` for a KAI / Run:ai GPU
+    /// share (asked for by `pod`'s annotations) or any NVIDIA GPU, `rocm` for AMD GPUs only,
+    /// else `cpu`.
+    pub fn default_device(&self, pod: &Pod) -> Device {
+        let annotations = pod.metadata.annotations.as_ref();
+        let kai_share = [KAI_GPU_FRACTION_ANNOTATION, KAI_GPU_MEMORY_ANNOTATION]
+            .iter()
+            .any(|k| annotations.is_some_and(|a| a.contains_key(*k)));
+        if kai_share || self.kinds.iter().any(|k| *k != AcceleratorKind::AmdGpu) {
+            Device::Cuda
+        } else if self.kinds.is_empty() {
+            Device::Cpu
+        } else {
+            Device::Rocm
+        }
+    }
+
     /// Reads the trainer's resources and env, and the pod's annotations, claims and placement.
     pub fn of(pod: &Pod, trainer: &Container) -> Accelerators {
         let mut a = Accelerators::default();
