@@ -107,7 +107,8 @@ pub const SIDECAR_VARS: &[&str] = &[
     SIDECAR_EVENTS,
 ];
 
-/// Every variable the webhook may write into the trainer, for docs and checks.
+/// Every variable the webhook may write into the trainer, for docs and checks (the knobs first:
+/// a test ties them to [`Knob::ALL`](crate::Knob::ALL)).
 pub const TRAINER_VARS: &[&str] = &[
     BATCH_SIZE,
     GRAD_ACCUMULATION,
@@ -120,4 +121,46 @@ pub const TRAINER_VARS: &[&str] = &[
     BUDGET_BYTES,
     SIGNAL_FILE,
     SIDECAR_URL,
+    CANNOT_FIT,
 ];
+
+/// Variables the Python client reads that a person sets, not the webhook.
+pub const CLIENT_VARS: &[&str] = &[TERMINATION_LOG];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Knob;
+    use std::collections::BTreeSet;
+
+    #[test]
+    fn the_knobs_come_first_in_the_trainer_vars() {
+        let knobs: Vec<&str> = Knob::ALL.iter().map(|k| k.env()).collect();
+        assert_eq!(&TRAINER_VARS[..knobs.len()], &knobs[..]);
+    }
+
+    /// `memguard_client.env` names exactly the variables the webhook writes into the trainer
+    /// and the ones a person sets for the client, each under its own name.
+    #[test]
+    fn the_python_clients_names_are_the_apis() {
+        let python = include_str!("../../clients/python/src/memguard_client/env.py");
+        let mut named = BTreeSet::new();
+        for line in python.lines() {
+            let Some((name, value)) = line.split_once(" = ") else {
+                continue;
+            };
+            let Some(var) = value.trim().strip_prefix("\"MEMGUARD_") else {
+                continue;
+            };
+            let var = var.trim_end_matches('"');
+            assert_eq!(name, var, "{line}");
+            named.insert(format!("MEMGUARD_{var}"));
+        }
+        let api: BTreeSet<String> = TRAINER_VARS
+            .iter()
+            .chain(CLIENT_VARS)
+            .map(|v| v.to_string())
+            .collect();
+        assert_eq!(named, api);
+    }
+}

@@ -10,6 +10,7 @@ pub mod duration;
 pub mod env;
 pub mod estimate;
 pub mod hf_config;
+pub mod knobs;
 pub mod models;
 pub mod oom;
 pub mod policy;
@@ -19,6 +20,8 @@ pub mod wellknown;
 
 #[cfg(feature = "crd")]
 pub mod crd;
+#[cfg(feature = "crd")]
+pub mod dra;
 #[cfg(feature = "crd")]
 pub mod pod;
 #[cfg(feature = "crd")]

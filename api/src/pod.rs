@@ -1,14 +1,17 @@
 //! Reading a pod spec the way every part of memguard must agree on: [`TrainingPod::resolve`]
 //! (the annotations, which container is the trainer, how many GPUs it asks for, which GPU
-//! products the pod is pinned to, the device) and Kubernetes resource quantities. The webhook (at admission) and the profile controller (after the run)
-//! both key on these answers, so they live here once.
+//! products the pod is pinned to, the device and its DRA claims, the accelerators, the memory
+//! limit, the trainer's env), the opt-in check and Kubernetes resource quantities. The webhook
+//! (at admission), `memguard estimate` and `memguard explain`, and the profile controller (after
+//! the run) all decide from these answers, read once, so they live here once.
 
+use crate::Policy;
 use crate::annotations::{self, AnnotationError, TrainingAnnotations};
-use crate::models::ModelCatalog;
+use crate::dra::{DraCatalog, DraMemory, DraReading};
 use crate::wellknown;
-use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::api::core::v1::{Container, Pod, PodResourceClaim};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use memguard_estimator::{Device, Parallelism, TrainingConfig};
+use memguard_estimator::{Bytes, Device, Parallelism, TrainingConfig};
 use std::collections::BTreeMap;
 
 /// NVIDIA MIG, mixed strategy: one resource per profile, `nvidia.com/mig-<g>g.<m>gb`.
@@ -85,21 +88,58 @@ pub struct TrainingPod<'a> {
     pub gpu_products: Vec<String>,
     /// The training config with the device resolved (`memguard.io/device`, else
     /// [`default_device`]) and, for data parallelism on GPUs without `memguard.io/world-size`,
-    /// the world size set to the pod's GPUs.
+    /// the world size set to the pod's GPUs; a `cpu` device not given becomes the device of
+    /// the trainer's DRA claims ([`DraReading::on`]).
     pub config: TrainingConfig,
+    /// The pod.
+    pub pod: &'a Pod,
+    /// What the trainer asks of accelerators ([`Accelerators::of`], read once).
+    pub accelerators: Accelerators,
+    /// The trainer's DRA claims as the catalog sizes them, with the warnings on the way.
+    pub dra: DraReading,
+    /// The DRA memory that counts for [`config`](Self::config)'s device.
+    pub dra_memory: Option<DraMemory>,
+    /// The trainer's memory limit ([`memory_limit`]).
+    pub memory_limit: Option<Bytes>,
+    /// The trainer's literal env ([`literal_env`]).
+    pub trainer_env: BTreeMap<String, String>,
 }
 
 impl<'a> TrainingPod<'a> {
-    /// Reads `pod`: its training annotations (`memguard.io/model` looked up in `models`: the
-    /// policy's, then the built-in catalog), its trainer, its device.
-    pub fn resolve(pod: &'a Pod, models: &ModelCatalog) -> Result<Self, ResolveError> {
+    /// Reads `pod`: its training annotations (`memguard.io/model` looked up in the policy's
+    /// models, then the built-in catalog), its trainer, its device (its DRA claims' driver read
+    /// from `dra` when nothing else names one), its accelerators, memory limit and env.
+    pub fn resolve(
+        pod: &'a Pod,
+        policy: &Policy,
+        dra: Option<&dyn DraCatalog>,
+    ) -> Result<Self, ResolveError> {
         let empty = BTreeMap::new();
         let given = pod.metadata.annotations.as_ref().unwrap_or(&empty);
         if !annotations::has_training_input(given) {
             return Err(ResolveError::NoTrainingInput);
         }
         let parsed =
-            TrainingAnnotations::parse(given, models).map_err(ResolveError::Annotations)?;
+            TrainingAnnotations::parse(given, &policy.models).map_err(ResolveError::Annotations)?;
+        Self::with_annotations(
+            pod,
+            parsed,
+            given.contains_key(annotations::WORLD_SIZE),
+            policy,
+            dra,
+        )
+    }
+
+    /// [`resolve`](Self::resolve) with the annotations already parsed (`memguard estimate`
+    /// parses its flags as annotations); `world_size_given` says whether they named the world
+    /// size.
+    pub fn with_annotations(
+        pod: &'a Pod,
+        parsed: TrainingAnnotations,
+        world_size_given: bool,
+        policy: &Policy,
+        dra: Option<&dyn DraCatalog>,
+    ) -> Result<Self, ResolveError> {
         let containers = pod
             .spec
             .as_ref()
@@ -108,13 +148,14 @@ impl<'a> TrainingPod<'a> {
         let (trainer_index, trainer) =
             pick_trainer(containers, parsed.container.as_deref()).map_err(ResolveError::Trainer)?;
         let gpus = gpu_count(trainer);
+        let accelerators = Accelerators::of(pod, trainer);
         let mut config = parsed.config.clone();
         if !parsed.device_given {
-            config.device = default_device(pod, trainer);
+            config.device = accelerators.default_device(pod);
         }
         // Data parallelism over the pod's own GPUs unless the user says how many devices take
         // part (a multi-node job must: the pod cannot see its peers).
-        if !given.contains_key(annotations::WORLD_SIZE)
+        if !world_size_given
             && config.parallelism != Parallelism::None
             && matches!(config.device, Device::Cuda | Device::Rocm)
         {
@@ -125,6 +166,11 @@ impl<'a> TrainingPod<'a> {
             Device::Rocm => pinned_values(pod, AMD_GPU_PRODUCT_LABEL),
             Device::Cpu | Device::Metal => Vec::new(),
         };
+        // Last, as admission always did: the claims' driver names a device nothing else named.
+        let reading = crate::dra::read(pod, trainer, dra, policy);
+        let (device, dra_memory) = reading.on(config.device, parsed.device_given);
+        config.device = device;
+        let dra_memory = dra_memory.cloned();
         Ok(TrainingPod {
             annotations: parsed,
             trainer_index,
@@ -132,6 +178,12 @@ impl<'a> TrainingPod<'a> {
             gpus,
             gpu_products: products,
             config,
+            pod,
+            accelerators,
+            dra: reading,
+            dra_memory,
+            memory_limit: memory_limit(trainer),
+            trainer_env: literal_env(trainer),
         })
     }
 }
@@ -175,24 +227,7 @@ pub fn gpu_count(c: &Container) -> u64 {
 /// which the pod asks for by annotation and not as a resource), else `cpu`. The webhook and
 /// the profile controller both resolve the device with this.
 pub fn default_device(pod: &Pod, c: &Container) -> Device {
-    let annotations = pod.metadata.annotations.as_ref();
-    let kai_share = [KAI_GPU_FRACTION_ANNOTATION, KAI_GPU_MEMORY_ANNOTATION]
-        .iter()
-        .any(|k| annotations.is_some_and(|a| a.contains_key(*k)));
-    if kai_share {
-        return Device::Cuda;
-    }
-    let kinds: Vec<AcceleratorKind> = resources(c)
-        .filter(|(_, q)| parse_quantity(&q.0).is_some_and(|n| n > 0))
-        .filter_map(|(name, _)| device_kind(name))
-        .collect();
-    if kinds.iter().any(|k| !matches!(k, AcceleratorKind::AmdGpu)) {
-        Device::Cuda
-    } else if kinds.is_empty() {
-        Device::Cpu
-    } else {
-        Device::Rocm
-    }
+    Accelerators::of(pod, c).default_device(pod)
 }
 
 /// The container's resources, `limits` first: a name given in both counts once, as its limit
@@ -297,6 +332,23 @@ pub struct Accelerators {
 }
 
 impl Accelerators {
+    /// The device these accelerators make ([`default_device`]): `cuda` for a KAI / Run:ai GPU
+    /// share (asked for by `pod`'s annotations) or any NVIDIA GPU, `rocm` for AMD GPUs only,
+    /// else `cpu`.
+    pub fn default_device(&self, pod: &Pod) -> Device {
+        let annotations = pod.metadata.annotations.as_ref();
+        let kai_share = [KAI_GPU_FRACTION_ANNOTATION, KAI_GPU_MEMORY_ANNOTATION]
+            .iter()
+            .any(|k| annotations.is_some_and(|a| a.contains_key(*k)));
+        if kai_share || self.kinds.iter().any(|k| *k != AcceleratorKind::AmdGpu) {
+            Device::Cuda
+        } else if self.kinds.is_empty() {
+            Device::Cpu
+        } else {
+            Device::Rocm
+        }
+    }
+
     /// Reads the trainer's resources and env, and the pod's annotations, claims and placement.
     pub fn of(pod: &Pod, trainer: &Container) -> Accelerators {
         let mut a = Accelerators::default();
@@ -369,22 +421,7 @@ impl Accelerators {
             .any(|p| p.ends_with(SHARED_PRODUCT_SUFFIX));
         a.time_sliced |= shared_strategy || shared_product;
 
-        // DRA: the pod's claims the trainer names in `resources.claims` (all of them when it
-        // names none: a claim is for some container, and the trainer is the one that counts).
-        let used: Vec<&str> = trainer
-            .resources
-            .as_ref()
-            .and_then(|r| r.claims.as_ref())
-            .map(|c| c.iter().map(|c| c.name.as_str()).collect())
-            .unwrap_or_default();
-        for claim in spec
-            .and_then(|s| s.resource_claims.as_ref())
-            .into_iter()
-            .flatten()
-        {
-            if !used.is_empty() && !used.contains(&claim.name.as_str()) {
-                continue;
-            }
+        for claim in trainer_claims(pod, trainer) {
             let source = match (
                 &claim.resource_claim_template_name,
                 &claim.resource_claim_name,
@@ -397,6 +434,60 @@ impl Accelerators {
         }
         a
     }
+}
+
+/// The pod's DRA claims the trainer uses: those it names in `resources.claims`, all of them when
+/// it names none (a claim is for some container, and the trainer is the one that counts).
+pub fn trainer_claims<'a>(
+    pod: &'a Pod,
+    trainer: &'a Container,
+) -> impl Iterator<Item = &'a PodResourceClaim> {
+    let used: Vec<&str> = trainer
+        .resources
+        .as_ref()
+        .and_then(|r| r.claims.as_ref())
+        .map(|c| c.iter().map(|c| c.name.as_str()).collect())
+        .unwrap_or_default();
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.resource_claims.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(move |c| used.is_empty() || used.contains(&c.name.as_str()))
+}
+
+/// Whether `pod` opted in (`memguard.io/enabled=true`): the one check the webhook and the
+/// profile controller both make.
+pub fn opted_in(pod: &Pod) -> bool {
+    pod.metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(wellknown::ENABLED_LABEL))
+        .is_some_and(|v| v == wellknown::ENABLED_VALUE)
+}
+
+/// The literal env of `container` (`value`, not `valueFrom`): what the webhook wrote for the
+/// trainer, as the profile controller and `memguard explain` read it back.
+pub fn literal_env(container: &Container) -> BTreeMap<String, String> {
+    container
+        .env
+        .iter()
+        .flatten()
+        .filter_map(|v| Some((v.name.clone(), v.value.clone()?)))
+        .collect()
+}
+
+/// The container's `limits.memory` (LimitRange defaults are applied before webhooks run), read
+/// as the Kubernetes quantity it is (`m` is milli); `None` without one, or for zero.
+pub fn memory_limit(c: &Container) -> Option<Bytes> {
+    c.resources
+        .as_ref()?
+        .limits
+        .as_ref()?
+        .get("memory")
+        .and_then(|q| parse_quantity(&q.0))
+        .filter(|b| *b > 0)
+        .map(Bytes)
 }
 
 /// An extended resource: a domain-prefixed name outside `kubernetes.io` (`example.com/npu`);
@@ -593,7 +684,7 @@ mod tests {
 
     /// Resolves against the built-in catalog only.
     fn resolve(pod: &Pod) -> Result<TrainingPod<'_>, ResolveError> {
-        TrainingPod::resolve(pod, &ModelCatalog::default())
+        TrainingPod::resolve(pod, &Policy::default(), None)
     }
 
     fn pod(annotations: &[(&str, &str)], containers: Vec<Container>) -> Pod {

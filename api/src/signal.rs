@@ -99,16 +99,9 @@ pub struct Signal {
     pub sticky: Option<StickyKnobs>,
 }
 
-/// Batch, accumulation and checkpointing of a sticky downgrade ([`Signal::sticky`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StickyKnobs {
-    /// Largest per-device batch allowed.
-    pub batch_size: u64,
-    /// Gradient accumulation that goes with it.
-    pub grad_accumulation: u64,
-    /// Checkpointing stays on when set.
-    pub grad_checkpointing: bool,
-}
+/// Batch, accumulation and checkpointing of a sticky downgrade ([`Signal::sticky`]): the
+/// [`RuntimeKnobs`](crate::knobs::RuntimeKnobs).
+pub type StickyKnobs = crate::knobs::RuntimeKnobs;
 
 impl Signal {
     /// The first signal of a run: level ok, the starting config.

@@ -4,12 +4,14 @@
 //! same parser ([`TrainingAnnotations::parse_keys`]), so the CLI and the webhook cannot disagree.
 
 use memguard_api::annotations::TrainingAnnotations;
+use memguard_api::dra::DraCatalog;
 use memguard_api::policy::DEFAULT_SAFETY_RATIO;
-use memguard_api::{ModelCatalog, Policy};
+use memguard_api::{ModelCatalog, Policy, TrainingPod};
 use memguard_estimator::{
     Bytes, Calibration, DowngradePlan, Estimate, GradSync, ServingConfig, TrainingConfig, catalog,
-    estimate_serving, parse_bytes, plan_with_floors,
+    estimate_serving, parse_bytes,
 };
+use memguard_learn::decision;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -85,6 +87,10 @@ macro_rules! annotation_flags {
             #[arg(long, value_name = "BITS", default_value_t = 16, help_heading = "Serving")]
             kv_cache_bits: u32,
         }
+
+        /// The flags that are annotation keys (without the `memguard.io/` prefix).
+        #[cfg(test)]
+        const ANNOTATION_FLAGS: &[&str] = &[$($key),+];
 
         impl Args {
             /// The annotation-style key → value map of the flags that were given.
@@ -216,42 +222,34 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         list_models(&mut out, &policy.models)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let mut keys = args.keys();
-    let given = match &args.model_config {
-        Some(path) => match read_model_config(path, &mut keys) {
-            Ok(shape) => Some(shape),
-            Err(messages) => return Ok(bad_input(messages)),
+    let (parsed, world_size_given) = match parse_flags(&args, &policy) {
+        Ok(parsed) => parsed,
+        Err(messages) => return Ok(bad_input(messages)),
+    };
+    // The pod the flags describe goes through the webhook's own stages: resolved as at
+    // admission, then the budget stage every caller shares (memguard_learn::decision).
+    let flags_pod = match pod_of_flags(&args) {
+        Ok(p) => p,
+        Err(message) => return Ok(bad_input([message])),
+    };
+    let training = match &flags_pod {
+        Some(p) => match TrainingPod::with_annotations(
+            &p.pod,
+            parsed.clone(),
+            world_size_given,
+            &policy,
+            p.dra.as_deref().map(|c| c as &dyn DraCatalog),
+        ) {
+            Ok(t) => Some(t),
+            Err(e) => return Ok(bad_input([e.to_string()])),
         },
         None => None,
     };
-    let parsed = match TrainingAnnotations::parse_keys_with_model(&keys, &policy.models, given) {
-        Ok(parsed) => parsed,
-        Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
-    };
-    let from_pod = match pod_budget(&args, &parsed, &policy) {
-        Ok(b) => b,
+    let budget = match budget(&args, &parsed, training.as_ref(), &policy) {
+        Ok(budget) => budget,
         Err(message) => return Ok(bad_input([message])),
     };
-    let budget = match &from_pod {
-        Some(_) if args.budget.is_some() => {
-            return Ok(bad_input([
-                "--budget and --gpu-resource/--gpu-product/--pod-annotation both give the budget; pick one".to_string(),
-            ]));
-        }
-        Some(b) => Some(b.budget.bytes),
-        None => match resolve_budget(&args, &parsed) {
-            Ok(budget) => budget,
-            Err(message) => return Ok(bad_input([message])),
-        },
-    };
-    let mut cfg = parsed.config.clone();
-    if let Some(b) = &from_pod {
-        for w in &b.warnings {
-            eprintln!("warning: {w}");
-        }
-        cfg.device = b.device;
-    }
-    let cfg = &cfg;
+    let cfg = training.as_ref().map_or(&parsed.config, |t| &t.config);
     if args.serve {
         return serve(&args, cfg, budget, &mut out);
     }
@@ -259,60 +257,136 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok(e) => e,
         Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
     };
-    let plan = match budget {
-        Some(budget) => {
-            match plan_with_floors(cfg, budget, &Calibration::none(), &Default::default()) {
+    // The plan under the policy's floors: the decision's own for a pod, else the same planning
+    // step into the given budget.
+    let decided = match &training {
+        Some(t) => match decision::decide(t, &policy, |_| None) {
+            Ok(d) => Some(d),
+            Err(message) => return Ok(bad_input([message])),
+        },
+        None => None,
+    };
+    let plan = match (&decided, budget) {
+        (Some(d), _) => Some(d.plan.clone()),
+        (None, Some(budget)) => {
+            match decision::plan_into(cfg, Some(budget), &Calibration::none(), &policy) {
                 Ok(plan) => Some(plan),
                 Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
             }
         }
+        (None, None) => None,
+    };
+    write_output(
+        &mut out,
+        args.output,
+        cfg,
+        &estimate,
+        plan.as_ref(),
+        decided.as_ref(),
+    )?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The flags as annotations (`--model-config` read for the shape), and whether they name the
+/// world size.
+fn parse_flags(args: &Args, policy: &Policy) -> Result<(TrainingAnnotations, bool), Vec<String>> {
+    let mut keys = args.keys();
+    let given = match &args.model_config {
+        Some(path) => Some(read_model_config(path, &mut keys)?),
         None => None,
     };
-    match args.output {
+    let parsed = TrainingAnnotations::parse_keys_with_model(&keys, &policy.models, given)
+        .map_err(|errors| errors.iter().map(|e| format!("--{e}")).collect::<Vec<_>>())?;
+    Ok((parsed, keys.contains_key("world-size")))
+}
+
+/// The budget: the budget stage's for the pod the flags describe (its warnings on stderr), else
+/// `--budget`, else gpu-memory × safety-ratio, else none.
+fn budget(
+    args: &Args,
+    parsed: &TrainingAnnotations,
+    training: Option<&TrainingPod>,
+    policy: &Policy,
+) -> Result<Option<Bytes>, String> {
+    let Some(training) = training else {
+        return resolve_budget(args, parsed);
+    };
+    let (budget, warnings) = decision::budget(training, policy);
+    let Some(budget) = budget else {
+        return Err(format!(
+            "no budget: the resources name no GPU memguard knows ({}); give --budget",
+            warnings.join("; ")
+        ));
+    };
+    if args.budget.is_some() {
+        return Err("--budget and --gpu-resource/--gpu-product/--pod-annotation both give the budget; pick one".to_string());
+    }
+    warn(&warnings);
+    Ok(Some(budget.bytes))
+}
+
+/// The estimate and the plan, as a table or JSON; with the pod's budget stage, where the budget
+/// came from and the profile key.
+fn write_output(
+    out: &mut impl Write,
+    output: Output,
+    cfg: &TrainingConfig,
+    estimate: &Estimate,
+    plan: Option<&DowngradePlan>,
+    decided: Option<&decision::Decision>,
+) -> anyhow::Result<()> {
+    let pod_budget = decided.and_then(|d| d.budget.as_ref());
+    match output {
         Output::Json => {
-            let mut value = to_json(cfg, &estimate, plan.as_ref());
-            if let Some(b) = &from_pod {
-                value["budget_source"] = json!(b.budget.source);
-                value["device_memory_bytes"] = json!(b.budget.device_memory.0);
+            let mut value = to_json(cfg, estimate, plan);
+            if let Some(b) = pod_budget {
+                value["budget_source"] = json!(b.source);
+                value["device_memory_bytes"] = json!(b.device_memory.0);
             }
-            serde_json::to_writer_pretty(&mut out, &value)?;
+            if let Some(d) = decided {
+                value["profile"] = json!({"name": d.key.name, "spec": d.key.spec});
+            }
+            serde_json::to_writer_pretty(&mut *out, &value)?;
             writeln!(out)?;
         }
         Output::Table => {
-            write_table(&mut out, cfg, &estimate, plan.as_ref())?;
-            if let Some(b) = &from_pod {
-                let source = serde_json::to_value(&b.budget.source)?;
+            write_table(out, cfg, estimate, plan)?;
+            if let Some(b) = pod_budget {
+                let source = serde_json::to_value(&b.source)?;
                 let detail = source["detail"].as_str().map(|d| format!(": {d}"));
                 writeln!(
                     out,
                     "budget from {}{} (one device {} × {})",
                     source["kind"].as_str().unwrap_or_default(),
                     detail.unwrap_or_default(),
-                    b.budget.device_memory,
-                    b.budget.safety_ratio
+                    b.device_memory,
+                    b.safety_ratio
                 )?;
             }
         }
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
-/// The budget the webhook's budget stage gives the pod the flags describe.
-struct PodBudget {
-    budget: memguard_webhook::budget::Budget,
-    device: memguard_estimator::Device,
-    warnings: Vec<String>,
+/// Each warning of the budget stage on stderr (the plan's own are in the output).
+fn warn(warnings: &[String]) {
+    for w in warnings {
+        eprintln!("warning: {w}");
+    }
 }
 
-/// `--gpu-resource`, `--gpu-product`, `--pod-annotation`: a pod with one trainer asking for those
-/// resources, pinned to that product, carrying those annotations, run through
-/// [`memguard_webhook::budget::resolve`] exactly as at admission. `None` without those flags.
-fn pod_budget(
-    args: &Args,
-    parsed: &TrainingAnnotations,
-    policy: &Policy,
-) -> Result<Option<PodBudget>, String> {
-    use memguard_api::pod::{AMD_GPU_PRODUCT_LABEL, AMD_GPU_RESOURCE, default_device};
+/// The pod the `--gpu-resource`, `--gpu-product`, `--pod-annotation` and `--dra-claim` flags
+/// describe, and the `--dra` objects.
+struct FlagsPod {
+    pod: k8s_openapi::api::core::v1::Pod,
+    dra: Option<std::sync::Arc<memguard_webhook::dra::StaticCatalog>>,
+}
+
+/// A pod with one trainer asking for the `--gpu-resource`s, pinned to the `--gpu-product`,
+/// carrying the `--pod-annotation`s and the `--dra-claim`: what admission would see. `None`
+/// without those flags.
+fn pod_of_flags(args: &Args) -> Result<Option<FlagsPod>, String> {
+    use memguard_api::pod::{AMD_GPU_PRODUCT_LABEL, AMD_GPU_RESOURCE};
     if args.gpu_resource.is_empty()
         && args.gpu_product.is_none()
         && args.pod_annotation.is_empty()
@@ -379,58 +453,12 @@ fn pod_budget(
         }
         spec["resourceClaims"] = json!([{"name": "gpu", field: name}]);
     }
-    let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(json!({
+    let pod = serde_json::from_value(json!({
         "metadata": {"name": "estimate", "namespace": namespace, "annotations": annotations},
         "spec": spec,
     }))
     .map_err(|e| format!("the pod the flags describe: {e}"))?;
-    let trainer = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.containers.first())
-        .ok_or("the pod the flags describe has no trainer")?;
-    let device = if parsed.device_given {
-        parsed.config.device
-    } else {
-        default_device(&pod, trainer)
-    };
-    let safety_ratio = parsed.safety_ratio.unwrap_or(policy.safety_ratio);
-    let mut warnings = Vec::new();
-    // As at admission: the claim's driver names the device when nothing else does.
-    let reading = memguard_webhook::dra::read(
-        &pod,
-        trainer,
-        dra.as_deref()
-            .map(|c| c as &dyn memguard_webhook::dra::DraCatalog),
-        policy,
-    );
-    if parsed.gpu_memory.is_none() {
-        warnings.extend(reading.warnings.iter().map(|w| format!("memguard: {w}")));
-    }
-    let (device, dra_memory) = reading.on(device, parsed.device_given);
-    let budget = memguard_webhook::budget::resolve(
-        &pod,
-        trainer,
-        device,
-        memguard_webhook::budget::Known {
-            annotated: parsed.gpu_memory,
-            dra: dra_memory,
-        },
-        safety_ratio,
-        policy,
-        &mut warnings,
-    )
-    .ok_or_else(|| {
-        format!(
-            "no budget: the resources name no GPU memguard knows ({}); give --budget",
-            warnings.join("; ")
-        )
-    })?;
-    Ok(Some(PodBudget {
-        budget,
-        device,
-        warnings,
-    }))
+    Ok(Some(FlagsPod { pod, dra }))
 }
 
 /// `--policy-file`, checked as the webhook checks it; the built-in policy without one.
@@ -440,7 +468,7 @@ fn read_policy(path: Option<&std::path::Path>) -> Result<Policy, String> {
     };
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("--policy-file: reading {}: {e}", path.display()))?;
-    memguard_webhook::config::policy_from_str(Some(&text), &Default::default())
+    memguard_webhook::policy_sources::policy_from_str(Some(&text), &Default::default())
         .map_err(|errors| format!("--policy-file {}: {}", path.display(), errors.join("; ")))
 }
 
@@ -764,4 +792,33 @@ fn write_table(
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use memguard_api::Knob;
+    use memguard_api::annotations::{CONTAINER, ENV_MAP, INPUT_KEYS, PREFIX};
+    use std::collections::BTreeSet;
+
+    /// Every annotation a pod may carry is a flag, and every such flag an annotation, except
+    /// what only a pod has (which container trains, its own variables); so every knob is one.
+    #[test]
+    fn the_annotation_flags_are_the_apis_annotation_keys() {
+        let flags: BTreeSet<&str> = ANNOTATION_FLAGS.iter().copied().collect();
+        let keys: BTreeSet<&str> = INPUT_KEYS
+            .iter()
+            .filter(|k| ![CONTAINER, ENV_MAP].contains(k))
+            .filter_map(|k| k.strip_prefix(PREFIX))
+            .collect();
+        assert_eq!(flags, keys);
+        assert!(Knob::ALL.iter().all(|k| flags.contains(k.name())));
+        // And clap serves each under that very name.
+        let command = <Args as clap::Args>::augment_args(clap::Command::new("estimate"));
+        let longs: BTreeSet<&str> = command
+            .get_arguments()
+            .filter_map(|a| a.get_long())
+            .collect();
+        assert!(flags.is_subset(&longs), "{:?}", flags.difference(&longs));
+    }
 }

@@ -12,22 +12,22 @@
 
 use anyhow::Context;
 use k8s_openapi::api::core::v1::{ContainerStateTerminated, ContainerStatus, Pod};
-use memguard_api::Policy;
 use memguard_api::crd::{MemoryProfile, MemoryProfileSpec, MemoryProfileStatus, TrainingKnobs};
+use memguard_api::dra::{DraCatalog, StaticCatalog};
 use memguard_api::{
     BudgetSource, EstimateAnnotation, OomRecord, Summary, annotations as keys, wellknown,
 };
+use memguard_api::{Knob, Policy, TrainingPod};
 use memguard_estimator::{Bytes, estimate};
-use memguard_learn::observe::{
-    NotObserved, knobs_from_env, knobs_of, oom_reason, parse_summary, try_observe, with_knobs,
-};
+use memguard_learn::observe::{NotObserved, oom_reason, parse_summary, try_observe};
 use memguard_learn::update::{OomRules, apply_limited, describe_knobs};
-use memguard_webhook::config::{Overrides, policy_from_str};
+use memguard_webhook::policy_sources::{Overrides, policy_from_str};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 /// Flags of `memguard explain`.
 #[derive(clap::Args)]
@@ -50,6 +50,12 @@ pub struct Args {
     /// the webhook: its budget rules, floors and `maxOomRecoveries` decide the next pod.
     #[arg(long, value_name = "FILE")]
     pub policy_file: Option<PathBuf>,
+
+    /// DRA objects (`resource.k8s.io/v1` ResourceClaimTemplate, ResourceClaim, DeviceClass,
+    /// ResourceSlice), as given to `memguard mutate --dra`: a pod known as a GPU pod only
+    /// through its claims is keyed and admitted as the cluster does. Repeat for several files.
+    #[arg(long = "dra", value_name = "FILE")]
+    pub dra: Vec<PathBuf>,
 }
 
 /// Output format.
@@ -176,6 +182,14 @@ pub struct NextContext {
     pub profile: Option<MemoryProfile>,
     /// The policy in force.
     pub policy: Policy,
+    /// The DRA objects the webhook reads, when given.
+    pub dra: Option<Arc<StaticCatalog>>,
+}
+
+impl NextContext {
+    fn dra(&self) -> Option<&dyn DraCatalog> {
+        self.dra.as_deref().map(|c| c as &dyn DraCatalog)
+    }
 }
 
 /// Bad input: reported, exit code 2.
@@ -215,14 +229,22 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok(p) => p,
         Err(errors) => return bad_input(format!("invalid policy: {}", errors.join("; "))),
     };
-    let profile = match &args.profile {
-        Some(path) => match read_profile(path, &pod, &policy.models) {
-            Ok(p) => Some(p),
-            Err(e) => return bad_input(e),
-        },
-        None => None,
+    let dra = match crate::mutate::read_dra(&args.dra) {
+        Ok(dra) => dra,
+        Err(e) => return bad_input(format!("--dra: {e}")),
     };
-    let explanation = explain_with(&pod, &NextContext { profile, policy });
+    let mut ctx = NextContext {
+        profile: None,
+        policy,
+        dra,
+    };
+    if let Some(path) = &args.profile {
+        match read_profile(path, &pod, &ctx) {
+            Ok(p) => ctx.profile = Some(p),
+            Err(e) => return bad_input(e),
+        }
+    }
+    let explanation = explain_with(&pod, &ctx);
     let mut out = std::io::stdout().lock();
     match args.output {
         Output::Json => {
@@ -238,7 +260,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 fn read_profile(
     path: &std::path::Path,
     pod: &Pod,
-    models: &memguard_api::ModelCatalog,
+    ctx: &NextContext,
 ) -> Result<MemoryProfile, String> {
     let shown = path.display();
     let text = std::fs::read_to_string(path).map_err(|e| format!("reading {shown}: {e}"))?;
@@ -246,7 +268,7 @@ fn read_profile(
         serde_saphyr::from_str(&text).map_err(|e| format!("{shown}: not valid YAML: {e}"))?;
     let profile: MemoryProfile =
         serde_json::from_value(value).map_err(|e| format!("{shown}: not a MemoryProfile: {e}"))?;
-    let key = memguard_learn::key::pod_key(pod, models)
+    let key = memguard_learn::key::pod_key(pod, &ctx.policy, ctx.dra())
         .map_err(|e| format!("{shown}: the pod has no profile key to match it with: {e}"))?;
     if profile.spec != key.spec {
         let json = |v: &MemoryProfileSpec| serde_json::to_string(v).unwrap_or_default();
@@ -265,14 +287,11 @@ fn read_profile(
 pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
     let empty = BTreeMap::new();
     let annotations = pod.metadata.annotations.as_ref().unwrap_or(&empty);
-    let key = memguard_learn::key::pod_key(pod, &ctx.policy.models).ok();
-    let trainer = key.as_ref().map(|k| k.trainer.clone());
-    let env = trainer
-        .as_deref()
-        .map(|t| trainer_env(pod, t))
-        .unwrap_or_default();
-    let knobs = knobs_from_env(&env);
-    let ran = key.as_ref().map(|k| with_knobs(&k.config, &knobs));
+    let training = TrainingPod::resolve(pod, &ctx.policy, ctx.dra()).ok();
+    let trainer = training.as_ref().map(|t| t.trainer.name.clone());
+    let ran = training
+        .as_ref()
+        .map(|t| TrainingKnobs::from_env(&t.trainer_env).apply_to(&t.config));
     let (annotation, estimate_error) = match annotations.get(keys::ESTIMATE) {
         None => (None, None),
         Some(text) => match EstimateAnnotation::parse(text) {
@@ -280,23 +299,7 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
             Err(e) => (None, Some(e.to_string())),
         },
     };
-    let estimated = ran.as_ref().and_then(|c| estimate(c).ok());
-    let estimate_view = (annotation.is_some() || estimated.is_some()).then(|| EstimateView {
-        total_bytes: annotation.as_ref().map(|a| a.total.0),
-        uncalibrated_bytes: annotation.as_ref().map(|a| a.uncalibrated.0),
-        calibration_factor: annotation
-            .as_ref()
-            .and_then(|a| a.calibration)
-            .map(|c| c.factor),
-        components: estimated
-            .as_ref()
-            .map(|e| e.components.iter().map(|(c, b)| (c.name(), b.0)).collect())
-            .unwrap_or_default(),
-        tensor_peak_bytes: annotation
-            .as_ref()
-            .map(|a| a.tensor_peak.0)
-            .or(estimated.as_ref().map(|e| e.tensor_peak.0)),
-    });
+    let estimate_view = estimate_view(annotation.as_ref(), ran.as_ref());
     let budget = annotation.as_ref().map(|a| BudgetView {
         bytes: a.budget.map(|b| b.0),
         source: a.budget_source.as_ref().map(describe_source),
@@ -309,49 +312,16 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
         .unwrap_or_default();
 
     let summary = sidecar_summary(pod);
-    let run = summary.as_ref().map(|s| RunView {
-        peak_bytes: s.peak_bytes,
-        gpu_peak_bytes: s.gpu_peak_bytes,
-        limit_bytes: s.limit_bytes,
-        downgrades: s.downgrades,
-        max_level: s.max_level.to_string(),
-        final_batch_size: s.batch_size,
-        final_grad_accumulation: s.grad_accumulation,
-        sticky_batch_size: s.sticky_batch_size,
-        oom_kills: s.oom_events,
-        oom_records: s.oom_reports,
-        exit_reason: s.exit_reason.clone(),
-    });
+    let run = summary.as_ref().map(run_view);
 
     let status = trainer
         .as_deref()
         .and_then(|t| trainer_status(pod, t))
         .cloned();
-    let mut ooms = Vec::new();
-    let states = status.as_ref().map(|s| {
-        [
-            (
-                "current",
-                s.state.as_ref().and_then(|x| x.terminated.as_ref()),
-            ),
-            (
-                "last",
-                s.last_state.as_ref().and_then(|x| x.terminated.as_ref()),
-            ),
-        ]
-    });
-    for (state, terminated) in states.into_iter().flatten() {
-        let Some(t) = terminated else { continue };
-        // The summary describes the pod's whole run: it explains the current state only.
-        let s = if state == "current" {
-            summary.as_ref()
-        } else {
-            None
-        };
-        if let Some(reason) = oom_reason(pod, t, s) {
-            ooms.push(oom_view(state, t, reason));
-        }
-    }
+    let ooms = status
+        .as_ref()
+        .map(|s| ooms(pod, s, summary.as_ref()))
+        .unwrap_or_default();
 
     let next = next_view(pod, ran.as_ref(), ctx);
     Explanation {
@@ -359,29 +329,14 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
         trainer,
         error: annotations.get(keys::ERROR).cloned(),
         estimate_error,
+        // The knobs the trainer was given, named as the annotations and env-map name them.
         config: ran
             .as_ref()
             .map(|c| {
-                let k = knobs_of(c);
-                let mut m = BTreeMap::new();
-                let mut put = |name: &'static str, v: Option<String>| {
-                    if let Some(v) = v {
-                        m.insert(name, v);
-                    }
-                };
-                put("batch-size", k.batch_size.map(|v| v.to_string()));
-                put(
-                    "grad-accumulation",
-                    k.grad_accumulation.map(|v| v.to_string()),
-                );
-                put(
-                    "grad-checkpointing",
-                    k.grad_checkpointing.map(|v| v.to_string()),
-                );
-                put("seq-length", k.seq_length.map(|v| v.to_string()));
-                put("lora-rank", k.lora_rank.map(|v| v.to_string()));
-                put("lora-layers", k.lora_layers.map(|v| v.to_string()));
-                m
+                Knob::of(c)
+                    .into_iter()
+                    .map(|k| (k.name(), k.value(c)))
+                    .collect()
             })
             .unwrap_or_default(),
         estimate: estimate_view,
@@ -393,6 +348,72 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
         restarts: status.as_ref().map_or(0, |s| s.restart_count),
         next,
     }
+}
+
+/// The estimate as admitted (`memguard.io/estimate`), with the estimator's breakdown of the
+/// config that ran.
+fn estimate_view(
+    annotation: Option<&EstimateAnnotation>,
+    ran: Option<&memguard_estimator::TrainingConfig>,
+) -> Option<EstimateView> {
+    let estimated = ran.and_then(|c| estimate(c).ok());
+    (annotation.is_some() || estimated.is_some()).then(|| EstimateView {
+        total_bytes: annotation.map(|a| a.total.0),
+        uncalibrated_bytes: annotation.map(|a| a.uncalibrated.0),
+        calibration_factor: annotation.and_then(|a| a.calibration).map(|c| c.factor),
+        components: estimated
+            .as_ref()
+            .map(|e| e.components.iter().map(|(c, b)| (c.name(), b.0)).collect())
+            .unwrap_or_default(),
+        tensor_peak_bytes: annotation
+            .map(|a| a.tensor_peak.0)
+            .or(estimated.as_ref().map(|e| e.tensor_peak.0)),
+    })
+}
+
+/// What the sidecar's summary says of the run.
+fn run_view(s: &Summary) -> RunView {
+    RunView {
+        peak_bytes: s.peak_bytes,
+        gpu_peak_bytes: s.gpu_peak_bytes,
+        limit_bytes: s.limit_bytes,
+        downgrades: s.downgrades,
+        max_level: s.max_level.to_string(),
+        final_batch_size: s.batch_size,
+        final_grad_accumulation: s.grad_accumulation,
+        sticky_batch_size: s.sticky_batch_size,
+        oom_kills: s.oom_events,
+        oom_records: s.oom_reports,
+        exit_reason: s.exit_reason.clone(),
+    }
+}
+
+/// The trainer's OOMs: its current and last terminated states, as the profile controller
+/// classifies them.
+fn ooms(pod: &Pod, status: &ContainerStatus, summary: Option<&Summary>) -> Vec<OomView> {
+    let states = [
+        (
+            "current",
+            status.state.as_ref().and_then(|x| x.terminated.as_ref()),
+        ),
+        (
+            "last",
+            status
+                .last_state
+                .as_ref()
+                .and_then(|x| x.terminated.as_ref()),
+        ),
+    ];
+    let mut ooms = Vec::new();
+    for (state, terminated) in states {
+        let Some(t) = terminated else { continue };
+        // The summary describes the pod's whole run: it explains the current state only.
+        let s = if state == "current" { summary } else { None };
+        if let Some(reason) = oom_reason(pod, t, s) {
+            ooms.push(oom_view(state, t, reason));
+        }
+    }
+    ooms
 }
 
 /// `kind (detail)`, or `kind` alone: the annotation's `budgetSource` for a person.
@@ -429,7 +450,7 @@ fn next_view(
     let mut pod = pod.clone();
     pod.metadata.uid.get_or_insert_with(|| "explain".into());
     pod.metadata.name.get_or_insert_with(|| "unnamed".into());
-    let obs = match try_observe(&pod, &ctx.policy.models) {
+    let obs = match try_observe(&pod, &ctx.policy, ctx.dra()) {
         Ok(obs) => obs,
         Err(why) => {
             return NextView {
@@ -446,7 +467,7 @@ fn next_view(
                         NotObserved::NoKey(e) => format!("no profile key: {e}"),
                     }
                 ),
-                config: ran.map(knobs_of),
+                config: ran.map(TrainingKnobs::of),
                 error: None,
                 profile: None,
             };
@@ -460,12 +481,15 @@ fn next_view(
     let after = apply_limited(&before, &obs, &OomRules::of(&ctx.policy));
     let already_recorded = after == before && before.has_run(&obs.uid, &obs.finished_at);
     profile.status = Some(after.clone());
-    let mut profiles = memguard_webhook::Profiles::default();
+    let mut profiles = memguard_webhook::ClusterView::default();
+    if let Some(dra) = &ctx.dra {
+        profiles = profiles.with_dra(dra.clone());
+    }
     profiles.insert(profile.clone());
     // The next pod of the Job: the same manifest (its annotations are memguard's input and are
     // never edited), admitted again under the profile that now knows this pod.
     let (config, error) = match memguard_webhook::mutate(&pod, &ctx.policy, &profiles) {
-        memguard_webhook::Outcome::Mutated(m) => (Some(knobs_of(&m.plan.config)), m.error),
+        memguard_webhook::Outcome::Mutated(m) => (Some(TrainingKnobs::of(&m.plan.config)), m.error),
         memguard_webhook::Outcome::Skipped { error, .. } => (None, Some(error)),
         memguard_webhook::Outcome::Unchanged => (None, None),
     };
@@ -530,19 +554,6 @@ fn sidecar_summary(pod: &Pod) -> Option<Summary> {
         .message
         .as_deref()
         .and_then(parse_summary)
-}
-
-fn trainer_env(pod: &Pod, trainer: &str) -> BTreeMap<String, String> {
-    pod.spec
-        .as_ref()
-        .and_then(|s| s.containers.iter().find(|c| c.name == trainer))
-        .and_then(|c| c.env.as_ref())
-        .map(|vars| {
-            vars.iter()
-                .filter_map(|v| Some((v.name.clone(), v.value.clone()?)))
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 fn bytes(b: Option<u64>) -> String {

@@ -6,8 +6,8 @@
 
 use anyhow::Context;
 use memguard_webhook::Outcome;
-use memguard_webhook::config::{Overrides, policy_from_str};
 use memguard_webhook::manifest::{Mutated, mutate_document};
+use memguard_webhook::policy_sources::{Overrides, policy_from_str};
 use serde_json::Value;
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -81,8 +81,8 @@ pub(crate) fn read_dra(
 }
 
 /// Reads every `MemoryProfile` in `paths`.
-fn read_profiles(paths: &[PathBuf]) -> Result<memguard_webhook::Profiles, String> {
-    let mut profiles = memguard_webhook::Profiles::default();
+fn read_profiles(paths: &[PathBuf]) -> Result<memguard_webhook::ClusterView, String> {
+    let mut profiles = memguard_webhook::ClusterView::default();
     for path in paths {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("reading {}: {e}", path.display()))?;
@@ -177,6 +177,21 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
     }
 
+    let skipped = report(&results);
+    let mut out = std::io::stdout().lock();
+    write_output(&mut out, args.output, &results)?;
+    out.flush()?;
+    // Like the webhook, a pod with bad annotations is still written out (with memguard.io/error);
+    // the exit code tells scripts the input needs fixing.
+    Ok(if skipped {
+        ExitCode::from(super::EXIT_BAD_INPUT)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// Each pod's warnings, and why a pod was skipped, on stderr; whether any was skipped.
+fn report(results: &[Mutated]) -> bool {
     let mut skipped = false;
     for (i, m) in results.iter().enumerate() {
         for pod in &m.pods {
@@ -200,8 +215,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
     }
 
-    let mut out = std::io::stdout().lock();
-    match args.output {
+    skipped
+}
+
+/// The mutated documents, or their patches, on `out`.
+fn write_output(out: &mut impl Write, output: Output, results: &[Mutated]) -> anyhow::Result<()> {
+    match output {
         Output::Yaml => {
             let docs: Vec<&Value> = results.iter().map(|m| &m.document).collect();
             let yaml = if docs.len() == 1 {
@@ -213,7 +232,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             out.write_all(yaml.as_bytes())?;
         }
         Output::Json => {
-            for m in &results {
+            for m in results {
                 let line = if results.len() == 1 {
                     serde_json::to_string_pretty(&m.document)?
                 } else {
@@ -223,17 +242,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             }
         }
         Output::Patch => {
-            for m in &results {
+            for m in results {
                 writeln!(out, "{}", serde_json::to_string(&m.patch)?)?;
             }
         }
     }
-    out.flush()?;
-    // Like the webhook, a pod with bad annotations is still written out (with memguard.io/error);
-    // the exit code tells scripts the input needs fixing.
-    Ok(if skipped {
-        ExitCode::from(super::EXIT_BAD_INPUT)
-    } else {
-        ExitCode::SUCCESS
-    })
+    Ok(())
 }

@@ -673,3 +673,38 @@ fn a_dra_claim_gives_its_device_and_memory_offline() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--dra-claim needs --dra"));
 }
+
+/// `--policy-file`'s floors bound the plan, as at admission: without them the sequence is
+/// halved to fit, with a 2048 floor it stays and the config cannot fit.
+#[test]
+fn the_policy_files_floors_bound_the_plan() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let policy = dir.path().join("floors.yaml");
+    std::fs::write(&policy, "floors: {seqLength: 2048}\n").expect("write");
+    let policy = policy.to_str().expect("utf-8");
+    let base = [
+        "estimate",
+        "--model",
+        "llama-3-8b",
+        "--method",
+        "lora",
+        "--batch-size",
+        "4",
+        "--seq-length",
+        "4096",
+    ];
+    for budget in [
+        &["--budget", "20GiB"][..],
+        &["--gpu-memory", "22GiB", "--gpu-resource", "nvidia.com/gpu"][..],
+    ] {
+        let free = json(&[&base[..], budget].concat());
+        assert_eq!(free["fits"], true, "{budget:?}: {free}");
+        assert_eq!(free["config"]["seq_length"], 1024, "{budget:?}: {free}");
+        let floored = json(&[&base[..], budget, &["--policy-file", policy]].concat());
+        assert_eq!(floored["fits"], false, "{budget:?}: {floored}");
+        assert_eq!(
+            floored["config"]["seq_length"], 2048,
+            "{budget:?}: {floored}"
+        );
+    }
+}

@@ -16,7 +16,7 @@ use memguard_api::{Report, Signal, TrainingAnnotations};
 use memguard_sidecar::sample::cgroup::{self, Layout};
 use memguard_sidecar::sample::{Limit, procfs, psi};
 use memguard_webhook::review::{self, Disposition};
-use memguard_webhook::{Profiles, config};
+use memguard_webhook::{ClusterView, policy_sources};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -71,7 +71,7 @@ fn fixture_models() -> &'static memguard_api::Policy {
     static POLICY: OnceLock<memguard_api::Policy> = OnceLock::new();
     POLICY.get_or_init(|| {
         let text = include_str!("../../webhook/tests/fixtures/policy-models.yaml");
-        config::policy_from_str(Some(text), &config::Overrides::default())
+        policy_sources::policy_from_str(Some(text), &policy_sources::Overrides::default())
             .expect("the fixture policy is valid")
     })
 }
@@ -82,7 +82,7 @@ fn fixture_policy() -> &'static memguard_api::Policy {
     static POLICY: OnceLock<memguard_api::Policy> = OnceLock::new();
     POLICY.get_or_init(|| {
         let text = include_str!("../../webhook/tests/fixtures/policy.yaml");
-        config::policy_from_str(Some(text), &config::Overrides::default())
+        policy_sources::policy_from_str(Some(text), &policy_sources::Overrides::default())
             .expect("the fixture policy is valid")
     })
 }
@@ -93,7 +93,7 @@ fn fixture_policy() -> &'static memguard_api::Policy {
 /// a second review of the patched pod returns no patch.
 pub fn admission_review(data: &[u8]) {
     let policy = fixture_policy();
-    let profiles = Profiles::default();
+    let profiles = ClusterView::default();
     let Ok(reviewed) = review::review(data, policy, &profiles) else {
         return;
     };
@@ -205,7 +205,7 @@ pub fn policy(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
-    match config::policy_from_str(Some(text), &config::Overrides::default()) {
+    match policy_sources::policy_from_str(Some(text), &policy_sources::Overrides::default()) {
         Ok(policy) => {
             policy
                 .thresholds

@@ -7,7 +7,7 @@
 //! API answer 409 and the update is recomputed from a fresh read (at most
 //! [`Recorder::max_attempts`] times).
 
-use crate::metrics::Metrics;
+use crate::metrics::{ErrorKind, Metrics, Outcome};
 use crate::observe::{NotObserved, try_observe};
 use crate::update::{OomRules, apply_limited};
 use futures::{StreamExt, TryStreamExt};
@@ -15,9 +15,10 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
+use memguard_api::Policy;
 use memguard_api::crd::MemoryProfile;
+use memguard_api::dra::DraCatalog;
 use memguard_api::wellknown;
-use memguard_api::{ModelCatalog, Policy};
 use serde_json::{Map, Value, json};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -84,19 +85,18 @@ impl Error {
     }
 
     /// The `error` label of the `…_profile_errors_total` metric.
-    pub fn metric_label(&self) -> &'static str {
+    pub fn metric_label(&self) -> ErrorKind {
         match self {
             Error::Kube { action, .. } => match *action {
-                "get profile" => "get_profile",
-                "create profile" => "create_profile",
-                "patch status" => "patch_status",
-                "get lease" | "write lease" => "lease",
-                _ => "kube",
+                "get profile" => ErrorKind::GetProfile,
+                "create profile" => ErrorKind::CreateProfile,
+                "patch status" => ErrorKind::PatchStatus,
+                _ => ErrorKind::Kube,
             },
-            Error::KeyCollision { .. } => "key_collision",
-            Error::Conflicts { .. } => "conflicts",
-            Error::NoNamespace(_) => "no_namespace",
-            Error::Watch(_) => "watch",
+            Error::KeyCollision { .. } => ErrorKind::KeyCollision,
+            Error::Conflicts { .. } => ErrorKind::Conflicts,
+            Error::NoNamespace(_) => ErrorKind::NoNamespace,
+            Error::Watch(_) => ErrorKind::Watch,
         }
     }
 }
@@ -126,6 +126,9 @@ pub struct Recorder {
     pub max_attempts: u32,
     /// The policy in force: models, and OOM recoveries in a row before "cannot fit".
     policy: LivePolicy,
+    /// The DRA objects admission read: a pod known as a GPU pod only through its claims is
+    /// keyed as admission keyed it.
+    dra: Option<Arc<dyn DraCatalog>>,
 }
 
 impl Recorder {
@@ -138,7 +141,15 @@ impl Recorder {
             metrics,
             max_attempts: 5,
             policy: Arc::new(move || default.clone()),
+            dra: None,
         }
+    }
+
+    /// The recorder reading DRA claims from `catalog` (the webhook's watch caches), as admission
+    /// does.
+    pub fn with_dra(mut self, catalog: Option<Arc<dyn DraCatalog>>) -> Self {
+        self.dra = catalog;
+        self
     }
 
     /// The recorder with `policy` read at each pod instead of the default policy.
@@ -151,7 +162,7 @@ impl Recorder {
     /// observation into the status, patch the status (retrying on conflicts).
     pub async fn record(&self, pod: &Pod) -> Result<Recorded, Error> {
         let policy = (self.policy)();
-        let obs = match try_observe(pod, &policy.models) {
+        let obs = match try_observe(pod, &policy, self.dra.as_deref()) {
             Ok(obs) => obs,
             Err(why) => return Ok(Recorded::Skipped(why)),
         };
@@ -242,12 +253,13 @@ impl Recorder {
         let pod_name = pod.metadata.name.as_deref().unwrap_or_default();
         match self.record(pod).await {
             Ok(Recorded::Updated { profile, oom }) => {
-                self.metrics.observed(if oom { "oom" } else { "recorded" });
+                self.metrics
+                    .observed(if oom { Outcome::Oom } else { Outcome::Recorded });
                 tracing::info!(pod = pod_name, profile, oom, "run recorded");
             }
-            Ok(Recorded::Unchanged) => self.metrics.observed("unchanged"),
+            Ok(Recorded::Unchanged) => self.metrics.observed(Outcome::Unchanged),
             Ok(Recorded::Skipped(NotObserved::NoKey(why))) => {
-                self.metrics.observed("skipped");
+                self.metrics.observed(Outcome::Skipped);
                 tracing::debug!(pod = pod_name, why, "no profile key");
             }
             Ok(Recorded::Skipped(_)) => {}
@@ -285,8 +297,11 @@ pub async fn run(
     metrics: Metrics,
     mut leader: watch::Receiver<bool>,
     policy: LivePolicy,
+    dra: Option<Arc<dyn DraCatalog>>,
 ) {
-    let recorder = Recorder::new(client.clone(), metrics.clone()).with_policy(policy.clone());
+    let recorder = Recorder::new(client.clone(), metrics.clone())
+        .with_policy(policy.clone())
+        .with_dra(dra.clone());
     let pods: Api<Pod> = Api::all(client);
     let selector = format!("{}={}", wellknown::ENABLED_LABEL, wellknown::ENABLED_VALUE);
     let mut seen: HashSet<(String, String)> = HashSet::new();
@@ -315,7 +330,7 @@ pub async fn run(
                 }
                 item = stream.next() => match item {
                     Some(Ok(pod)) => {
-                        let id = finished_id(&pod, &policy().models);
+                        let id = finished_id(&pod, &policy(), dra.as_deref());
                         if id.as_ref().is_some_and(|id| seen.contains(id)) {
                             continue;
                         }
@@ -340,8 +355,12 @@ pub async fn run(
 
 /// `(uid, finishedAt)` of a pod whose run is fully recorded once handled (trainer and sidecar
 /// terminated, or the pod in a final phase); `None` for pods that may still change.
-fn finished_id(pod: &Pod, models: &ModelCatalog) -> Option<(String, String)> {
-    let obs = try_observe(pod, models).ok()?;
+fn finished_id(
+    pod: &Pod,
+    policy: &Policy,
+    dra: Option<&dyn DraCatalog>,
+) -> Option<(String, String)> {
+    let obs = try_observe(pod, policy, dra).ok()?;
     let final_phase = matches!(
         pod.status.as_ref().and_then(|s| s.phase.as_deref()),
         Some("Succeeded" | "Failed")

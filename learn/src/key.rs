@@ -5,8 +5,9 @@
 //! before the pod has a node, that the controller wrote after it finished.
 
 use k8s_openapi::api::core::v1::Pod;
-use memguard_api::ModelCatalog;
+use memguard_api::Policy;
 use memguard_api::crd::{DeviceClass, MemoryProfileSpec};
+use memguard_api::dra::DraCatalog;
 use memguard_api::pod::{ResolveError, TrainingPod};
 use memguard_estimator::params::total_params;
 use memguard_estimator::{Device, TrainingConfig};
@@ -51,10 +52,15 @@ pub struct PodKey {
     pub trainer: String,
 }
 
-/// The profile key of `pod` ([`PodKey::of`] its [`TrainingPod`]), its model looked up in
-/// `models` (the policy's, then the built-in catalog) as the webhook did at admission.
-pub fn pod_key(pod: &Pod, models: &ModelCatalog) -> Result<PodKey, KeyError> {
-    Ok(PodKey::of(&TrainingPod::resolve(pod, models)?))
+/// The profile key of `pod` ([`PodKey::of`] its [`TrainingPod`]), resolved as the webhook did at
+/// admission: its model looked up in the `policy`'s models, then the built-in catalog; its DRA
+/// claims read from `dra` (the device their driver runs keys a pod that names no other).
+pub fn pod_key(
+    pod: &Pod,
+    policy: &Policy,
+    dra: Option<&dyn DraCatalog>,
+) -> Result<PodKey, KeyError> {
+    Ok(PodKey::of(&TrainingPod::resolve(pod, policy, dra)?))
 }
 
 impl PodKey {
@@ -226,11 +232,39 @@ mod tests {
             ),
         ];
         for (name, pod, want) in table {
-            let key = pod_key(&pod.build(), &ModelCatalog::default())
+            let key = pod_key(&pod.build(), &Policy::default(), None)
                 .unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!(key.spec, want, "{name}");
             assert_eq!(key.name, object_name(&want), "{name}");
         }
+    }
+
+    /// A GPU known only through a DRA claim keys the pod as admission keys it: the device the
+    /// claim's driver runs, read from the same DRA objects. Without them it is a CPU pod.
+    #[test]
+    fn a_dra_only_gpu_pod_is_keyed_by_its_claims_device() {
+        use k8s_openapi::api::core::v1::PodResourceClaim;
+        use memguard_api::dra::{DraCatalog, StaticCatalog};
+        let catalog = StaticCatalog::from_yaml(include_str!(
+            "../../webhook/tests/fixtures/dra/objects.yaml"
+        ))
+        .expect("fixture objects");
+        let mut pod = PodBuilder::trainer()
+            .annotate("model", "llama-3-8b")
+            .build();
+        if let Some(spec) = pod.spec.as_mut() {
+            spec.resource_claims = Some(vec![PodResourceClaim {
+                name: "gpu".into(),
+                resource_claim_template_name: Some("single-h100".into()),
+                ..PodResourceClaim::default()
+            }]);
+        }
+        let policy = Policy::default();
+        let with = pod_key(&pod, &policy, Some(&catalog as &dyn DraCatalog)).expect("a key");
+        assert_eq!(with.spec, spec("llama-3-8b", "full", "bf16-mixed", ANY_GPU));
+        assert_eq!(with.config.device, Device::Cuda);
+        let without = pod_key(&pod, &policy, None).expect("a key");
+        assert_eq!(without.spec, spec("llama-3-8b", "full", "bf16-mixed", CPU));
     }
 
     #[test]
@@ -239,7 +273,7 @@ mod tests {
             .annotate("model", "no-such-model")
             .build();
         assert!(matches!(
-            pod_key(&bad, &ModelCatalog::default()),
+            pod_key(&bad, &Policy::default(), None),
             Err(KeyError::Annotations(_))
         ));
         let wrong = PodBuilder::trainer()
@@ -247,7 +281,7 @@ mod tests {
             .annotate("container", "nope")
             .build();
         assert!(matches!(
-            pod_key(&wrong, &ModelCatalog::default()),
+            pod_key(&wrong, &Policy::default(), None),
             Err(KeyError::Trainer(_))
         ));
     }
@@ -272,11 +306,11 @@ mod tests {
                 .annotate("method", "lora")
                 .gpus(1)
                 .build();
-            let key = pod_key(&pod, &policy.models).expect("a key");
+            let key = pod_key(&pod, &policy, None).expect("a key");
             assert_eq!(key.spec.model, "acme-coder-7b", "{spelling}");
             assert!(
                 matches!(
-                    pod_key(&pod, &ModelCatalog::default()),
+                    pod_key(&pod, &Policy::default(), None),
                     Err(KeyError::Annotations(_))
                 ),
                 "{spelling}"

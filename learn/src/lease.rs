@@ -2,7 +2,7 @@
 //! write profiles. Small on purpose: get, then create or replace with the resourceVersion read
 //! (optimistic concurrency: a 409 means another replica won this round).
 
-use crate::controller::Error;
+use crate::metrics::ErrorKind;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
@@ -10,6 +10,32 @@ use kube::Api;
 use kube::api::PostParams;
 use std::time::Duration;
 use tokio::sync::watch;
+
+/// A lease call that failed (a conflict is no error: another replica won the round).
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    /// Reading the lease failed.
+    #[error("get lease: {0}")]
+    Get(#[source] Box<kube::Error>),
+    /// Creating or replacing the lease failed.
+    #[error("write lease: {0}")]
+    Write(#[source] Box<kube::Error>),
+}
+
+impl LeaseError {
+    fn get(e: kube::Error) -> Self {
+        LeaseError::Get(Box::new(e))
+    }
+
+    fn write(e: kube::Error) -> Self {
+        LeaseError::Write(Box::new(e))
+    }
+
+    /// The `error` label of the `…_profile_errors_total` metric.
+    pub fn metric_label(&self) -> ErrorKind {
+        ErrorKind::Lease
+    }
+}
 
 /// What to do with the lease as read.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,12 +117,12 @@ impl LeaseLock {
     }
 
     /// Tries once to acquire or renew; `Ok(true)` while we lead.
-    pub async fn try_acquire_or_renew(&self, now: Timestamp) -> Result<bool, Error> {
+    pub async fn try_acquire_or_renew(&self, now: Timestamp) -> Result<bool, LeaseError> {
         let current = self
             .api
             .get_opt(&self.name)
             .await
-            .map_err(Error::kube("get lease"))?;
+            .map_err(LeaseError::get)?;
         let decision = decide(
             current.as_ref().and_then(|l| l.spec.as_ref()),
             &self.identity,
@@ -144,7 +170,7 @@ impl LeaseLock {
         match result {
             Ok(_) => Ok(true),
             Err(kube::Error::Api(s)) if s.is_conflict() || s.is_already_exists() => Ok(false),
-            Err(e) => Err(Error::kube("write lease")(e)),
+            Err(e) => Err(LeaseError::write(e)),
         }
     }
 
@@ -152,12 +178,12 @@ impl LeaseLock {
     /// a 1 s duration, renewed `now`, so another replica takes over at its next attempt instead
     /// of waiting for the lease to expire. `Ok(true)` when released; `Ok(false)` when there was
     /// nothing of ours to release (no lease, another holder, or a concurrent write).
-    pub async fn release(&self, now: Timestamp) -> Result<bool, Error> {
+    pub async fn release(&self, now: Timestamp) -> Result<bool, LeaseError> {
         let Some(mut lease) = self
             .api
             .get_opt(&self.name)
             .await
-            .map_err(Error::kube("get lease"))?
+            .map_err(LeaseError::get)?
         else {
             return Ok(false);
         };
@@ -180,7 +206,7 @@ impl LeaseLock {
         {
             Ok(_) => Ok(true),
             Err(kube::Error::Api(s)) if s.is_conflict() || s.is_not_found() => Ok(false),
-            Err(e) => Err(Error::kube("write lease")(e)),
+            Err(e) => Err(LeaseError::write(e)),
         }
     }
 
@@ -374,20 +400,28 @@ mod tests {
             )
         }
 
-        async fn acquire(steps: Vec<Step>) -> Result<bool, Error> {
+        /// `call` on a lock whose API answers `steps` (each checked), at time 100.
+        async fn scenario<F>(steps: Vec<Step>, call: impl FnOnce(LeaseLock) -> F) -> F::Output
+        where
+            F: Future,
+        {
             let (client, handle) = client();
             let verifier = tokio::spawn(verify(handle, steps));
-            let out = lock(client).try_acquire_or_renew(at(100)).await;
+            let out = call(lock(client)).await;
             verifier.await.expect("scenario verified");
             out
         }
 
-        async fn release(steps: Vec<Step>) -> Result<bool, Error> {
-            let (client, handle) = client();
-            let verifier = tokio::spawn(verify(handle, steps));
-            let out = lock(client).release(at(100)).await;
-            verifier.await.expect("scenario verified");
-            out
+        async fn acquire(steps: Vec<Step>) -> Result<bool, LeaseError> {
+            scenario(
+                steps,
+                |l| async move { l.try_acquire_or_renew(at(100)).await },
+            )
+            .await
+        }
+
+        async fn release(steps: Vec<Step>) -> Result<bool, LeaseError> {
+            scenario(steps, |l| async move { l.release(at(100)).await }).await
         }
 
         /// The GET that reads the lease, answered with `lease`.
@@ -404,17 +438,17 @@ mod tests {
             )
         }
 
+        /// The POST that creates the lease, held by us.
+        fn created() -> Step {
+            let ours = lease("1", ME, 100, 0);
+            step(Method::POST, LEASES, StatusCode::CREATED, ours)
+        }
+
         #[tokio::test]
         async fn no_lease_creates_it_held_by_us() {
             let steps = vec![
                 not_found(),
-                step(
-                    Method::POST,
-                    LEASES,
-                    StatusCode::CREATED,
-                    lease("1", ME, 100, 0),
-                )
-                .body(|body| {
+                created().body(|body| {
                     assert_eq!(body["metadata"]["name"], NAME);
                     let spec = &body["spec"];
                     assert_eq!(spec["holderIdentity"], ME);
@@ -427,56 +461,56 @@ mod tests {
             assert!(acquire(steps).await.expect("created"));
         }
 
-        #[tokio::test]
-        async fn our_lease_is_renewed_with_the_resource_version_read() {
-            let steps = vec![
-                read(lease("7", ME, 95, 2)),
-                step(Method::PUT, &item(), StatusCode::OK, lease("8", ME, 100, 2)).body(|body| {
-                    assert_eq!(body["metadata"]["resourceVersion"], "7");
-                    let spec = &body["spec"];
-                    assert_eq!(spec["holderIdentity"], ME);
-                    assert_eq!(spec["renewTime"], time(100));
-                    assert_eq!(spec["acquireTime"], time(0), "not re-acquired");
-                    assert_eq!(spec["leaseTransitions"], 2);
-                }),
-            ];
-            assert!(acquire(steps).await.expect("renewed"));
+        /// The PUT that holds the lease for us, keeping the resourceVersion `rv` read: renewed at
+        /// 100, acquired at `acquired`, after `transitions` transitions.
+        fn held_put(rv: &'static str, acquired: i64, transitions: i32) -> Step {
+            let answer = lease("8", ME, 100, transitions);
+            step(Method::PUT, &item(), StatusCode::OK, answer).body(move |body| {
+                assert_eq!(body["metadata"]["resourceVersion"], rv);
+                let spec = &body["spec"];
+                assert_eq!(spec["holderIdentity"], ME);
+                assert_eq!(spec["renewTime"], time(100));
+                assert_eq!(spec["acquireTime"], time(acquired));
+                assert_eq!(spec["leaseTransitions"], transitions);
+            })
         }
 
+        /// (what, the calls `try_acquire_or_renew` makes, whether it leads after them)
         #[tokio::test]
-        async fn another_replicas_fresh_lease_is_only_read() {
-            let steps = vec![read(lease("7", "b", 95, 2))];
-            assert!(!acquire(steps).await.expect("followed"));
-        }
-
-        #[tokio::test]
-        async fn another_replicas_expired_lease_is_taken_over() {
-            let steps = vec![
-                read(lease("3", "b", 50, 2)),
-                step(Method::PUT, &item(), StatusCode::OK, lease("4", ME, 100, 3)).body(|body| {
-                    assert_eq!(body["metadata"]["resourceVersion"], "3");
-                    let spec = &body["spec"];
-                    assert_eq!(spec["holderIdentity"], ME);
-                    assert_eq!(spec["acquireTime"], time(100));
-                    assert_eq!(spec["renewTime"], time(100));
-                    assert_eq!(spec["leaseTransitions"], 3);
-                }),
-            ];
-            assert!(acquire(steps).await.expect("taken over"));
-        }
-
-        #[tokio::test]
-        async fn a_conflict_on_the_take_over_means_another_replica_won() {
-            let steps = vec![
-                read(lease("3", "b", 50, 2)),
+        async fn an_existing_lease_is_renewed_taken_over_or_followed() {
+            let conflict = || {
                 step(
                     Method::PUT,
                     &item(),
                     StatusCode::CONFLICT,
                     status_error(409, "Conflict"),
+                )
+            };
+            let cases: Vec<(&str, Vec<Step>, bool)> = vec![
+                (
+                    "ours: renewed with the resourceVersion read, not re-acquired",
+                    vec![read(lease("7", ME, 95, 2)), held_put("7", 0, 2)],
+                    true,
+                ),
+                (
+                    "another replica's fresh lease: only read",
+                    vec![read(lease("7", "b", 95, 2))],
+                    false,
+                ),
+                (
+                    "another replica's expired lease: taken over",
+                    vec![read(lease("3", "b", 50, 2)), held_put("3", 100, 3)],
+                    true,
+                ),
+                (
+                    "a conflict on the take-over: another replica won",
+                    vec![read(lease("3", "b", 50, 2)), conflict()],
+                    false,
                 ),
             ];
-            assert!(!acquire(steps).await.expect("lost the race"));
+            for (what, steps, leads) in cases {
+                assert_eq!(acquire(steps).await.expect(what), leads, "{what}");
+            }
         }
 
         /// The PUT that gives the lease up, keeping the resourceVersion `rv` read.
@@ -491,33 +525,36 @@ mod tests {
             })
         }
 
+        /// (what, the calls `release` makes, whether it released)
         #[tokio::test]
-        async fn our_lease_is_released() {
-            let steps = vec![
-                read(lease("7", ME, 95, 2)),
-                release_put("7", StatusCode::OK, lease("8", "", 100, 2)),
+        async fn only_our_lease_is_released() {
+            let cases: Vec<(&str, Vec<Step>, bool)> = vec![
+                (
+                    "ours: released",
+                    vec![
+                        read(lease("7", ME, 95, 2)),
+                        release_put("7", StatusCode::OK, lease("8", "", 100, 2)),
+                    ],
+                    true,
+                ),
+                (
+                    "another replica's: left alone",
+                    vec![read(lease("7", "b", 95, 2))],
+                    false,
+                ),
+                ("none: nothing to release", vec![not_found()], false),
+                (
+                    "a conflict on the release: someone else wrote it, left alone",
+                    vec![
+                        read(lease("7", ME, 95, 2)),
+                        release_put("7", StatusCode::CONFLICT, status_error(409, "Conflict")),
+                    ],
+                    false,
+                ),
             ];
-            assert!(release(steps).await.expect("released"));
-        }
-
-        #[tokio::test]
-        async fn another_replicas_lease_is_not_released() {
-            let steps = vec![read(lease("7", "b", 95, 2))];
-            assert!(!release(steps).await.expect("left alone"));
-        }
-
-        #[tokio::test]
-        async fn no_lease_has_nothing_to_release() {
-            assert!(!release(vec![not_found()]).await.expect("nothing"));
-        }
-
-        #[tokio::test]
-        async fn a_conflict_on_the_release_leaves_the_lease_alone() {
-            let steps = vec![
-                read(lease("7", ME, 95, 2)),
-                release_put("7", StatusCode::CONFLICT, status_error(409, "Conflict")),
-            ];
-            assert!(!release(steps).await.expect("someone else wrote it"));
+            for (what, steps, released) in cases {
+                assert_eq!(release(steps).await.expect(what), released, "{what}");
+            }
         }
 
         // Paused time: the renew period's sleep only ends if the test lets the runtime idle,
@@ -529,12 +566,7 @@ mod tests {
             let during_release = leader_rx.clone();
             let steps = vec![
                 not_found(),
-                step(
-                    Method::POST,
-                    LEASES,
-                    StatusCode::CREATED,
-                    lease("1", ME, 100, 0),
-                ),
+                created(),
                 read(lease("1", ME, 100, 0)),
                 step(Method::PUT, &item(), StatusCode::OK, lease("2", "", 100, 0)).body(
                     move |body| {

@@ -1,17 +1,17 @@
 //! What a finished pod taught: [`observe`] reads the trainer's terminated state, the sidecar's
 //! summary, the estimate and the knobs the pod ran with. Pure: a `&Pod` in, a value out.
 
-use crate::key::{PodKey, pod_key};
+use crate::key::{KeyError, PodKey};
 use k8s_openapi::api::core::v1::{ContainerStateTerminated, ContainerStatus, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use memguard_api::annotations as keys;
 use memguard_api::crd::{DeviceClass, TrainingKnobs};
+use memguard_api::dra::DraCatalog;
 use memguard_api::{
-    EstimateAnnotation, Level, ModelCatalog, OomKind, OomOutcome, OomRecord, Summary, env,
+    EstimateAnnotation, Level, OomKind, OomOutcome, OomRecord, Policy, Summary, TrainingPod,
     wellknown,
 };
-use memguard_estimator::{Bytes, GradSync, Parallelism, TrainingConfig, parse_bytes};
-use std::collections::BTreeMap;
+use memguard_estimator::{Bytes, TrainingConfig};
 
 /// `reason` of a container the kernel OOM-killed.
 pub const OOM_KILLED: &str = "OOMKilled";
@@ -80,8 +80,8 @@ pub enum NotObserved {
 }
 
 /// [`try_observe`], for callers that do not care why not.
-pub fn observe(pod: &Pod, models: &ModelCatalog) -> Option<Observation> {
-    try_observe(pod, models).ok()
+pub fn observe(pod: &Pod, policy: &Policy, dra: Option<&dyn DraCatalog>) -> Option<Observation> {
+    try_observe(pod, policy, dra).ok()
 }
 
 /// Reads a pod whose trainer has terminated (now, or before a restart in place) into an
@@ -93,109 +93,32 @@ pub fn observe(pod: &Pod, models: &ModelCatalog) -> Option<Observation> {
 /// trainer already restarted in place (its `lastState`; the sidecar keeps running and will
 /// summarize the whole pod later).
 ///
-/// The pod's model is looked up in `models` (the policy in force's, then the built-in catalog),
-/// as the webhook did at admission.
-pub fn try_observe(pod: &Pod, models: &ModelCatalog) -> Result<Observation, NotObserved> {
-    let opted_in = pod
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|l| l.get(wellknown::ENABLED_LABEL))
-        .is_some_and(|v| v == wellknown::ENABLED_VALUE);
-    if !opted_in {
+/// The pod is resolved as the webhook did at admission ([`TrainingPod::resolve`]): its model
+/// looked up in the `policy`'s models, then the built-in catalog; its DRA claims read from `dra`.
+pub fn try_observe(
+    pod: &Pod,
+    policy: &Policy,
+    dra: Option<&dyn DraCatalog>,
+) -> Result<Observation, NotObserved> {
+    if !memguard_api::pod::opted_in(pod) {
         return Err(NotObserved::NotOptedIn);
     }
     let (Some(name), Some(uid)) = (&pod.metadata.name, &pod.metadata.uid) else {
         return Err(NotObserved::NoIdentity);
     };
-    let key = pod_key(pod, models).map_err(|e| NotObserved::NoKey(e.to_string()))?;
-    let status = pod.status.as_ref();
-    let statuses = |init: bool| {
-        status
-            .and_then(|s| {
-                if init {
-                    s.init_container_statuses.as_ref()
-                } else {
-                    s.container_statuses.as_ref()
-                }
-            })
-            .map(Vec::as_slice)
-            .unwrap_or_default()
-    };
-    let trainer = statuses(false).iter().find(|s| s.name == key.trainer);
-    let (terminated, restarted) = match trainer {
-        Some(ContainerStatus {
-            state: Some(state), ..
-        }) if state.terminated.is_some() => (state.terminated.as_ref(), false),
-        Some(s) => (
-            s.last_state.as_ref().and_then(|l| l.terminated.as_ref()),
-            true,
-        ),
-        None => (None, false),
-    };
-    let Some(terminated) = terminated else {
-        return Err(NotObserved::Running);
-    };
+    let training = TrainingPod::resolve(pod, policy, dra)
+        .map_err(|e| NotObserved::NoKey(KeyError::from(e).to_string()))?;
+    let key = PodKey::of(&training);
+    let (terminated, restarted) = terminated_trainer(pod, &key.trainer)?;
     let finished_at = terminated
         .finished_at
         .clone()
         .or_else(|| terminated.started_at.clone())
         .ok_or(NotObserved::NoFinishTime)?;
-
-    let sidecar = statuses(true)
-        .iter()
-        .chain(statuses(false))
-        .find(|s| s.name == wellknown::SIDECAR_CONTAINER);
-    let sidecar_done = sidecar
-        .and_then(|s| s.state.as_ref())
-        .and_then(|s| s.terminated.as_ref());
-    let final_phase = matches!(
-        status.and_then(|s| s.phase.as_deref()),
-        Some("Succeeded" | "Failed")
-    );
-    if !restarted && sidecar.is_some() && sidecar_done.is_none() && !final_phase {
-        return Err(NotObserved::AwaitingSummary);
-    }
-    let summary = if restarted {
-        None
-    } else {
-        sidecar_done
-            .and_then(|t| t.message.as_deref())
-            .and_then(parse_summary)
-    };
-
-    let (annotation, estimate_problem) = match pod
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(keys::ESTIMATE))
-    {
-        None => (None, Some(format!("no {} annotation", keys::ESTIMATE))),
-        Some(text) => match EstimateAnnotation::parse(text) {
-            Ok(a) => (Some(a), None),
-            Err(e) => (None, Some(e.to_string())),
-        },
-    };
-    let trainer_env = trainer_env(pod, &key.trainer);
-    // What the trainer ran with when it died: its OOM record says (a run-time downgrade or an
-    // in-process recovery may have taken it below the env the webhook wrote); else the env.
-    let record = OomRecord::from_termination_message(terminated.message.as_deref().unwrap_or(""))
-        .or_else(|| {
-            summary
-                .as_ref()
-                .and_then(|s| s.last_oom.clone())
-                .filter(|r| r.outcome == OomOutcome::Fatal)
-        });
-    let mut knobs = knobs_from_env(&trainer_env);
-    if let Some(r) = &record {
-        knobs.batch_size = Some(r.batch_size).filter(|b| *b > 0).or(knobs.batch_size);
-        knobs.grad_accumulation = Some(r.grad_accumulation)
-            .filter(|a| *a > 0)
-            .or(knobs.grad_accumulation);
-        knobs.grad_checkpointing = Some(r.grad_checkpointing);
-    }
-    let ran = with_knobs(&key.config, &knobs);
-
+    let summary = sidecar_summary(pod, restarted)?;
+    let (annotation, estimate_problem) = estimate_annotation(pod);
+    let knobs = knobs_ran(&training, terminated, summary.as_ref());
+    let ran = knobs.apply_to(&key.config);
     let estimate = annotation
         .as_ref()
         .map(|a| a.uncalibrated)
@@ -206,20 +129,7 @@ pub fn try_observe(pod: &Pod, models: &ModelCatalog) -> Result<Observation, NotO
         .and_then(|s| if gpu { s.gpu_peak_bytes } else { s.peak_bytes })
         .filter(|b| *b > 0)
         .map(Bytes);
-    let limit = if gpu {
-        annotation
-            .as_ref()
-            .and_then(|a| a.gpu_memory)
-            .map(|b| b.0)
-            .or_else(|| summary.as_ref().and_then(|s| s.limit_bytes))
-    } else {
-        summary
-            .as_ref()
-            .and_then(|s| s.limit_bytes)
-            .or_else(|| trainer_memory_limit(pod, &key.trainer))
-    }
-    .filter(|b| *b > 0)
-    .map(Bytes);
+    let limit = memory_limit(gpu, annotation.as_ref(), summary.as_ref(), &training);
 
     Ok(Observation {
         pod: name.clone(),
@@ -236,6 +146,130 @@ pub fn try_observe(pod: &Pod, models: &ModelCatalog) -> Result<Observation, NotO
         summary,
         key,
     })
+}
+
+/// The container statuses of `pod`: its init containers' or its containers'.
+fn statuses(pod: &Pod, init: bool) -> &[ContainerStatus] {
+    pod.status
+        .as_ref()
+        .and_then(|s| {
+            if init {
+                s.init_container_statuses.as_ref()
+            } else {
+                s.container_statuses.as_ref()
+            }
+        })
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+}
+
+/// The trainer's terminated state: its current one, else the last before an in-place restart
+/// (then `true`).
+fn terminated_trainer<'a>(
+    pod: &'a Pod,
+    trainer: &str,
+) -> Result<(&'a ContainerStateTerminated, bool), NotObserved> {
+    let (terminated, restarted) = match statuses(pod, false).iter().find(|s| s.name == trainer) {
+        Some(ContainerStatus {
+            state: Some(state), ..
+        }) if state.terminated.is_some() => (state.terminated.as_ref(), false),
+        Some(s) => (
+            s.last_state.as_ref().and_then(|l| l.terminated.as_ref()),
+            true,
+        ),
+        None => (None, false),
+    };
+    terminated
+        .map(|t| (t, restarted))
+        .ok_or(NotObserved::Running)
+}
+
+/// The sidecar's summary of the run, once it has written it; none for a trainer restarted in
+/// place (the sidecar summarizes the whole pod later), a pod without a sidecar or in a final
+/// phase.
+fn sidecar_summary(pod: &Pod, restarted: bool) -> Result<Option<Summary>, NotObserved> {
+    let sidecar = statuses(pod, true)
+        .iter()
+        .chain(statuses(pod, false))
+        .find(|s| s.name == wellknown::SIDECAR_CONTAINER);
+    let sidecar_done = sidecar
+        .and_then(|s| s.state.as_ref())
+        .and_then(|s| s.terminated.as_ref());
+    let final_phase = matches!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Succeeded" | "Failed")
+    );
+    if !restarted && sidecar.is_some() && sidecar_done.is_none() && !final_phase {
+        return Err(NotObserved::AwaitingSummary);
+    }
+    if restarted {
+        return Ok(None);
+    }
+    Ok(sidecar_done
+        .and_then(|t| t.message.as_deref())
+        .and_then(parse_summary))
+}
+
+/// `memguard.io/estimate`, or why there is none to read.
+fn estimate_annotation(pod: &Pod) -> (Option<EstimateAnnotation>, Option<String>) {
+    match pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(keys::ESTIMATE))
+    {
+        None => (None, Some(format!("no {} annotation", keys::ESTIMATE))),
+        Some(text) => match EstimateAnnotation::parse(text) {
+            Ok(a) => (Some(a), None),
+            Err(e) => (None, Some(e.to_string())),
+        },
+    }
+}
+
+/// What the trainer ran with when it ended: its OOM record says (a run-time downgrade or an
+/// in-process recovery may have taken it below the env the webhook wrote); else the env.
+fn knobs_ran(
+    training: &TrainingPod,
+    terminated: &ContainerStateTerminated,
+    summary: Option<&Summary>,
+) -> TrainingKnobs {
+    let record = OomRecord::from_termination_message(terminated.message.as_deref().unwrap_or(""))
+        .or_else(|| {
+            summary
+                .and_then(|s| s.last_oom.clone())
+                .filter(|r| r.outcome == OomOutcome::Fatal)
+        });
+    let mut knobs = TrainingKnobs::from_env(&training.trainer_env);
+    if let Some(r) = &record {
+        knobs.batch_size = Some(r.batch_size).filter(|b| *b > 0).or(knobs.batch_size);
+        knobs.grad_accumulation = Some(r.grad_accumulation)
+            .filter(|a| *a > 0)
+            .or(knobs.grad_accumulation);
+        knobs.grad_checkpointing = Some(r.grad_checkpointing);
+    }
+    knobs
+}
+
+/// The memory the trainer had: for a GPU profile the device's (the budget stage's figure, else
+/// the sidecar's), else the sidecar's limit or the trainer's memory limit.
+fn memory_limit(
+    gpu: bool,
+    annotation: Option<&EstimateAnnotation>,
+    summary: Option<&Summary>,
+    training: &TrainingPod,
+) -> Option<Bytes> {
+    if gpu {
+        annotation
+            .and_then(|a| a.gpu_memory)
+            .map(|b| b.0)
+            .or_else(|| summary.and_then(|s| s.limit_bytes))
+    } else {
+        summary
+            .and_then(|s| s.limit_bytes)
+            .or(training.memory_limit.map(|b| b.0))
+    }
+    .filter(|b| *b > 0)
+    .map(Bytes)
 }
 
 /// Whether, and how, the trainer ran out of memory:
@@ -317,101 +351,6 @@ pub fn parse_summary(message: &str) -> Option<Summary> {
         return None;
     }
     serde_json::from_str(line).ok()
-}
-
-/// The trainer's literal env values (`valueFrom` entries carry no value here).
-fn trainer_env(pod: &Pod, trainer: &str) -> BTreeMap<String, String> {
-    pod.spec
-        .as_ref()
-        .and_then(|s| s.containers.iter().find(|c| c.name == trainer))
-        .and_then(|c| c.env.as_ref())
-        .map(|vars| {
-            vars.iter()
-                .filter_map(|v| Some((v.name.clone(), v.value.clone()?)))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-fn env_u64(vars: &BTreeMap<String, String>, name: &str) -> Option<u64> {
-    vars.get(name).and_then(|v| v.trim().parse().ok())
-}
-
-/// The knobs the webhook wrote into the trainer (`MEMGUARD_BATCH_SIZE`, …); absent or garbled
-/// values are `None`.
-pub fn knobs_from_env(vars: &BTreeMap<String, String>) -> TrainingKnobs {
-    TrainingKnobs {
-        batch_size: env_u64(vars, env::BATCH_SIZE).filter(|v| *v > 0),
-        grad_accumulation: env_u64(vars, env::GRAD_ACCUMULATION).filter(|v| *v > 0),
-        grad_checkpointing: vars
-            .get(env::GRAD_CHECKPOINTING)
-            .and_then(|v| v.trim().parse().ok()),
-        seq_length: env_u64(vars, env::SEQ_LENGTH).filter(|v| *v > 0),
-        lora_rank: env_u64(vars, env::LORA_RANK).filter(|v| *v > 0),
-        lora_layers: env_u64(vars, env::LORA_LAYERS).filter(|v| *v > 0),
-        grad_sync: vars
-            .get(env::GRAD_SYNC)
-            .and_then(|v| v.parse::<GradSync>().ok())
-            .map(|g| g.name().to_string()),
-    }
-}
-
-/// `cfg` with every knob that is set in `knobs`.
-pub fn with_knobs(cfg: &TrainingConfig, knobs: &TrainingKnobs) -> TrainingConfig {
-    let mut out = cfg.clone();
-    if let Some(v) = knobs.batch_size {
-        out.batch_size = v;
-    }
-    if let Some(v) = knobs.grad_accumulation {
-        out.grad_accumulation = v;
-    }
-    if let Some(v) = knobs.grad_checkpointing {
-        out.grad_checkpointing = v;
-    }
-    if let Some(v) = knobs.seq_length {
-        out.seq_length = v;
-    }
-    if let Some(v) = knobs.lora_rank {
-        out.lora_rank = v;
-    }
-    if let Some(v) = knobs.lora_layers {
-        out.lora_layers = Some(v);
-    }
-    if let Some(v) = knobs.grad_sync.as_deref().and_then(|s| s.parse().ok()) {
-        out.grad_sync = v;
-    }
-    out
-}
-
-/// The knobs of `cfg` (LoRA knobs only for adapter methods, the gradient sync only for FSDP
-/// across ranks, as the webhook writes them).
-pub fn knobs_of(cfg: &TrainingConfig) -> TrainingKnobs {
-    let adapter = cfg.is_adapter();
-    let fsdp_ranks = cfg.parallelism == Parallelism::Fsdp && cfg.world_size > 1;
-    TrainingKnobs {
-        batch_size: Some(cfg.batch_size),
-        grad_accumulation: Some(cfg.grad_accumulation),
-        grad_checkpointing: Some(cfg.grad_checkpointing),
-        seq_length: Some(cfg.seq_length),
-        lora_rank: adapter.then_some(cfg.lora_rank),
-        lora_layers: adapter.then(|| cfg.adapted_layers()),
-        grad_sync: fsdp_ranks.then(|| cfg.grad_sync.name().to_string()),
-    }
-}
-
-fn trainer_memory_limit(pod: &Pod, trainer: &str) -> Option<u64> {
-    pod.spec
-        .as_ref()?
-        .containers
-        .iter()
-        .find(|c| c.name == trainer)?
-        .resources
-        .as_ref()?
-        .limits
-        .as_ref()?
-        .get("memory")
-        .and_then(|q| parse_bytes(&q.0).ok())
-        .map(|b| b.0)
 }
 
 #[cfg(test)]

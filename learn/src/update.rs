@@ -1,6 +1,6 @@
 //! Folding an [`Observation`] into a `MemoryProfile` status. Pure and idempotent.
 
-use crate::observe::{Observation, knobs_of};
+use crate::observe::Observation;
 use memguard_api::crd::{MemoryProfileStatus, OomEvent, ProfileRun, Recovery, TrainingKnobs};
 use memguard_api::policy::DEFAULT_MAX_OOM_RECOVERIES;
 use memguard_estimator::calibration::FACTOR_RANGE;
@@ -85,7 +85,7 @@ pub fn apply_limited(
         next.oom_recoveries = status.oom_recoveries.saturating_add(1);
         // The config that died is the smallest tried so far: every recovery starts below the
         // one before.
-        let tried = describe_knobs(&knobs_of(&obs.ran));
+        let tried = describe_knobs(&TrainingKnobs::of(&obs.ran));
         if status.oom_recoveries >= max_oom_recoveries {
             // The limit: keep the recovery in force instead of shrinking forever.
             let n = next.oom_recoveries;
@@ -157,12 +157,14 @@ pub fn recovery(obs: &Observation, previous: Option<&Recovery>, floors: &Floors)
     let oom = obs.oom.as_deref().unwrap_or("ran out of memory");
     let what = describe(died);
     let (rungs, config, action) = match step {
-        Some((rungs, next, explanation)) => {
-            (rungs, knobs_of(&next), format!("start with {explanation}"))
-        }
+        Some((rungs, next, explanation)) => (
+            rungs,
+            TrainingKnobs::of(&next),
+            format!("start with {explanation}"),
+        ),
         None => (
             0,
-            knobs_of(died),
+            TrainingKnobs::of(died),
             "every knob is at its floor: start from the same config".to_string(),
         ),
     };

@@ -88,11 +88,7 @@ impl Engine {
             psi_host: psi.host,
             pressure,
             state: pressure::State::new(s.batch_size, s.grad_accumulation, s.grad_checkpointing)
-                .with_sticky(s.sticky.map(|k| pressure::Knobs {
-                    batch_size: k.batch_size,
-                    grad_accumulation: k.grad_accumulation,
-                    grad_checkpointing: k.grad_checkpointing,
-                })),
+                .with_sticky(s.sticky),
             history: History::default(),
             writer,
             shared,
@@ -362,11 +358,7 @@ impl Engine {
         next.batch_size = self.state.batch_size;
         next.grad_accumulation = self.state.grad_accumulation;
         next.grad_checkpointing = self.state.grad_checkpointing;
-        next.sticky = self.state.sticky.map(|k| memguard_api::StickyKnobs {
-            batch_size: k.batch_size,
-            grad_accumulation: k.grad_accumulation,
-            grad_checkpointing: k.grad_checkpointing,
-        });
+        next.sticky = self.state.sticky;
         next.reason = reason;
         next.pressure = Pressure {
             memory_ratio: r.inputs.memory_ratio,

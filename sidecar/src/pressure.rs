@@ -99,16 +99,9 @@ pub struct State {
     pub sticky: Option<Knobs>,
 }
 
-/// Batch, accumulation, checkpointing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Knobs {
-    /// Per-device batch.
-    pub batch_size: u64,
-    /// Accumulation steps.
-    pub grad_accumulation: u64,
-    /// Gradient checkpointing.
-    pub grad_checkpointing: bool,
-}
+/// Batch, accumulation, checkpointing: the knobs the sidecar changes at run time
+/// ([`memguard_api::knobs::RuntimeKnobs`]).
+pub type Knobs = memguard_api::knobs::RuntimeKnobs;
 
 impl State {
     /// The starting state.

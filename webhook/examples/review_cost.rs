@@ -1,6 +1,6 @@
 //! Where one admission's CPU goes: `cargo run --release -p memguard-webhook --example review_cost`.
 use memguard_api::Policy;
-use memguard_webhook::{Profiles, patch, review};
+use memguard_webhook::{ClusterView, patch, review};
 use std::time::Instant;
 
 fn main() {
@@ -10,7 +10,7 @@ fn main() {
     ))
     .expect("bench body");
     let policy = Policy::default();
-    let profiles = Profiles::default();
+    let profiles = ClusterView::default();
     let n = 2000;
     let time = |name: &str, f: &mut dyn FnMut()| {
         let start = Instant::now();

@@ -1,6 +1,6 @@
 //! Flags of `memguard-webhook`; each is also settable through a `MEMGUARD_WEBHOOK_*` variable.
 
-use crate::config::Overrides;
+use crate::policy_sources::Overrides;
 use memguard_api::policy::SidecarMode;
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -10,7 +10,7 @@
 #[cfg(feature = "server")]
 pub mod args;
 pub mod budget;
-pub mod config;
+pub mod cluster_view;
 pub mod dra;
 #[cfg(feature = "server")]
 pub mod dra_watch;
@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod mutate;
 pub mod patch;
 pub mod placement;
+pub mod policy_sources;
 #[cfg(feature = "server")]
 pub mod policy_watch;
 #[cfg(feature = "server")]
@@ -28,9 +29,12 @@ pub mod review;
 #[cfg(feature = "server")]
 pub mod server;
 #[cfg(feature = "server")]
+pub mod tasks;
+#[cfg(feature = "server")]
 pub mod tls;
 
 #[cfg(test)]
 mod testutil;
 
-pub use mutate::{Mutation, Outcome, Profiles, mutate};
+pub use cluster_view::ClusterView;
+pub use mutate::{Mutation, Outcome, mutate};

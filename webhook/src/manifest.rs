@@ -5,7 +5,7 @@
 //! Each pod (template) goes through exactly the server's [`mutate`](crate::mutate::mutate) and
 //! [`patch::build`](crate::patch::build); the patch paths are then rebased onto the document.
 
-use crate::mutate::{self, Outcome, Profiles};
+use crate::mutate::{self, ClusterView, Outcome};
 use crate::patch;
 use json_patch::jsonptr::PointerBuf;
 use json_patch::{Patch, PatchOperation};
@@ -62,7 +62,7 @@ pub struct Mutated {
 pub fn mutate_document(
     document: &Value,
     policy: &Policy,
-    profiles: &Profiles,
+    profiles: &ClusterView,
 ) -> Result<Mutated, ManifestError> {
     if !document.is_object() {
         return Err(ManifestError::NotAnObject);
@@ -187,7 +187,7 @@ mod tests {
     fn mutates_a_job_template_and_rebases_the_patch() {
         let job = json!({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j"},
             "spec": {"template": template(true)}});
-        let m = mutate_document(&job, &Policy::default(), &Profiles::default()).expect("valid");
+        let m = mutate_document(&job, &Policy::default(), &ClusterView::default()).expect("valid");
         assert_eq!(m.pods.len(), 1);
         assert_eq!(m.pods[0].path, "/spec/template");
         assert!(!m.patch.0.is_empty());
@@ -210,7 +210,7 @@ mod tests {
             "spec": {"pytorchReplicaSpecs": {
                 "Master": {"replicas": 1, "template": template(true)},
                 "Worker": {"replicas": 3, "template": template(true)}}}});
-        let m = mutate_document(&job, &Policy::default(), &Profiles::default()).expect("valid");
+        let m = mutate_document(&job, &Policy::default(), &ClusterView::default()).expect("valid");
         let paths: Vec<&str> = m.pods.iter().map(|p| p.path.as_str()).collect();
         assert_eq!(
             paths,
@@ -229,11 +229,11 @@ mod tests {
     #[test]
     fn leaves_unlabelled_templates_and_other_objects_alone() {
         let deploy = json!({"kind": "Deployment", "spec": {"template": template(false)}});
-        let m = mutate_document(&deploy, &Policy::default(), &Profiles::default()).expect("ok");
+        let m = mutate_document(&deploy, &Policy::default(), &ClusterView::default()).expect("ok");
         assert_eq!(m.pods[0].outcome, Outcome::Unchanged);
         assert!(m.patch.0.is_empty());
         let svc = json!({"kind": "Service", "spec": {"ports": [{"port": 80}]}});
-        let m = mutate_document(&svc, &Policy::default(), &Profiles::default()).expect("ok");
+        let m = mutate_document(&svc, &Policy::default(), &ClusterView::default()).expect("ok");
         assert!(m.pods.is_empty());
         assert_eq!(m.document, svc);
     }
@@ -241,11 +241,11 @@ mod tests {
     #[test]
     fn rejects_what_is_not_an_object_or_not_a_pod() {
         assert!(matches!(
-            mutate_document(&json!([1, 2]), &Policy::default(), &Profiles::default()),
+            mutate_document(&json!([1, 2]), &Policy::default(), &ClusterView::default()),
             Err(ManifestError::NotAnObject)
         ));
         let bad = json!({"kind": "Pod", "spec": {"containers": "nope"}});
-        let err = mutate_document(&bad, &Policy::default(), &Profiles::default())
+        let err = mutate_document(&bad, &Policy::default(), &ClusterView::default())
             .expect_err("containers must be a list");
         assert!(matches!(err, ManifestError::InvalidPod { .. }), "{err}");
     }

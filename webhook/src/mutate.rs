@@ -10,93 +10,17 @@
 //! the patch, computed as a difference against the pod, comes out empty.
 
 use k8s_openapi::api::core::v1::Pod;
-use memguard_api::annotations as keys;
-use memguard_api::crd::MemoryProfile;
 use memguard_api::estimate::{ESTIMATE_VERSION, EstimateAnnotation};
 use memguard_api::pod::TrainingPod;
-use memguard_api::policy::{PlacementMode, SidecarMode, SidecarResources};
+use memguard_api::policy::{SidecarMode, SidecarResources};
 use memguard_api::{Knob, Policy, env, wellknown};
-use memguard_estimator::{
-    Bytes, Device, DowngradePlan, Parallelism, TrainingConfig, plan_with_floors,
-};
-use memguard_learn::observe::knobs_of;
-use memguard_learn::update::describe_knobs;
-use memguard_learn::{Adjustments, PodKey, adjustments};
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use memguard_estimator::{DowngradePlan, TrainingConfig};
+use memguard_learn::Adjustments;
+use memguard_learn::decision::{self, Decision};
 
-/// Kubernetes advises keeping admission warnings under 120 characters.
-pub const MAX_WARNING_CHARS: usize = 120;
+pub use memguard_learn::warnings::{MAX_WARNING_CHARS, cannot_fit_warning, truncate};
 
-/// A read-only view of `MemoryProfile`s: the webhook's watch cache (a kube reflector store) or
-/// profiles read from files. Lookups never call the API.
-pub trait ProfileSource: Send + Sync {
-    /// The profile `name` in `namespace`, if cached.
-    fn get(&self, namespace: &str, name: &str) -> Option<MemoryProfile>;
-}
-
-/// What memguard learnt from past runs, as the mutation sees it. The webhook fills it from a
-/// watch cache ([`Profiles::from_source`]); `memguard mutate --profile` from files
-/// ([`Profiles::insert`]); tests and a webhook without a cluster pass [`Profiles::default`].
-#[derive(Clone, Default)]
-pub struct Profiles {
-    /// Profiles given directly, matched by key (spec), whatever their name or namespace.
-    listed: Vec<MemoryProfile>,
-    source: Option<Arc<dyn ProfileSource>>,
-    /// The DRA objects (claims, templates, classes, slices) the budget stage reads; carried
-    /// here because it is the one read-only cluster view every caller already passes.
-    dra: Option<Arc<dyn DraCatalog>>,
-}
-
-impl std::fmt::Debug for Profiles {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Profiles")
-            .field("listed", &self.listed.len())
-            .field("source", &self.source.is_some())
-            .field("dra", &self.dra.is_some())
-            .finish()
-    }
-}
-
-impl Profiles {
-    /// Profiles looked up in `source` by namespace and object name.
-    pub fn from_source(source: Arc<dyn ProfileSource>) -> Self {
-        Profiles {
-            listed: Vec::new(),
-            source: Some(source),
-            dra: None,
-        }
-    }
-
-    /// The same, reading DRA objects from `catalog` (the webhook's watch caches, or
-    /// `memguard mutate --dra`).
-    pub fn with_dra(mut self, catalog: Arc<dyn DraCatalog>) -> Self {
-        self.dra = Some(catalog);
-        self
-    }
-
-    /// The DRA catalog, when there is one.
-    pub fn dra(&self) -> Option<&dyn DraCatalog> {
-        self.dra.as_deref()
-    }
-
-    /// Adds a profile; it applies to every pod with its key (`spec`).
-    pub fn insert(&mut self, profile: MemoryProfile) {
-        self.listed.push(profile);
-    }
-
-    /// The adjustments for a pod with `key` in `namespace`: from the first listed profile with
-    /// that key, else from the source's profile named after the key (when its spec matches:
-    /// a profile edited into another key adjusts nothing).
-    pub fn adjustments(&self, namespace: Option<&str>, key: &PodKey) -> Option<Adjustments> {
-        let status = |p: &MemoryProfile| adjustments(&p.status.clone().unwrap_or_default());
-        if let Some(p) = self.listed.iter().find(|p| p.spec == key.spec) {
-            return Some(status(p));
-        }
-        let found = self.source.as_ref()?.get(namespace?, &key.name)?;
-        (found.spec == key.spec).then(|| status(&found))
-    }
-}
+pub use crate::cluster_view::{ClusterView, ProfileSource};
 
 /// What memguard does with a pod.
 #[derive(Debug, Clone, PartialEq)]
@@ -116,7 +40,6 @@ pub enum Outcome {
 }
 
 pub use crate::budget::{Budget, BudgetSource};
-use crate::dra::{DraCatalog, DraMemory};
 
 /// The sidecar to inject, as decided (rendered into a container by [`crate::patch`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -167,12 +90,8 @@ impl Mutation {
 }
 
 /// Decides what to do with `pod` under `policy`. Never panics, never fails.
-pub fn mutate(pod: &Pod, policy: &Policy, profiles: &Profiles) -> Outcome {
-    let empty = BTreeMap::new();
-    let labels_map = pod.metadata.labels.as_ref().unwrap_or(&empty);
-    if labels_map.get(wellknown::ENABLED_LABEL).map(String::as_str)
-        != Some(wellknown::ENABLED_VALUE)
-    {
+pub fn mutate(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Outcome {
+    if !memguard_api::pod::opted_in(pod) {
         return Outcome::Unchanged;
     }
     match decide(pod, policy, profiles) {
@@ -187,180 +106,15 @@ pub fn skipped(error: String) -> Outcome {
     Outcome::Skipped { error, warning }
 }
 
-/// The decision, in four named stages: [`resolve`](TrainingPod::resolve) the pod, find its
-/// [`budget`], [`plan`] the config into it, [`render`] the result.
-fn decide(pod: &Pod, policy: &Policy, profiles: &Profiles) -> Result<Mutation, String> {
-    let mut training = TrainingPod::resolve(pod, &policy.models).map_err(|e| e.to_string())?;
-    let mut warnings = Vec::new();
-    let dra = dra_devices(pod, &mut training, policy, profiles, &mut warnings);
-    let budget = budget(pod, &training, dra.as_ref(), policy, &mut warnings);
-    let planned = plan(pod, &training, budget, policy, profiles, &mut warnings)?;
-    Ok(render(&training, policy, planned, warnings))
-}
-
-/// The memory of the trainer's DRA devices ([`crate::dra`]), and its device when the pod
-/// names none and asks for no other accelerator ([`DraReading::on`](crate::dra::DraReading::on)):
-/// a claim on NVIDIA's driver makes a `cuda` pod, AMD's a `rocm` one. What cannot be read is a warning, unless `memguard.io/gpu-memory`
-/// already says how much memory there is.
-fn dra_devices(
-    pod: &Pod,
-    training: &mut TrainingPod,
-    policy: &Policy,
-    profiles: &Profiles,
-    warnings: &mut Vec<String>,
-) -> Option<DraMemory> {
-    let reading = crate::dra::read(pod, training.trainer, profiles.dra(), policy);
-    if training.annotations.gpu_memory.is_none() {
-        for w in &reading.warnings {
-            warnings.push(truncate(&format!("memguard: {w}")));
-        }
-    }
-    let (device, memory) = reading.on(training.config.device, training.annotations.device_given);
-    training.config.device = device;
-    memory.cloned()
-}
-
-/// The pod's safety ratio (`memguard.io/safety-ratio`), else the policy's.
-fn safety_ratio(training: &TrainingPod, policy: &Policy) -> f64 {
-    training
-        .annotations
-        .safety_ratio
-        .unwrap_or(policy.safety_ratio)
-}
-
-/// The memory the plan aims at ([`crate::budget`]), with the pod's safety ratio or the
-/// policy's.
-fn budget(
-    pod: &Pod,
-    training: &TrainingPod,
-    dra: Option<&DraMemory>,
-    policy: &Policy,
-    warnings: &mut Vec<String>,
-) -> Option<Budget> {
-    crate::budget::resolve(
-        pod,
-        training.trainer,
-        training.config.device,
-        crate::budget::Known {
-            annotated: training.annotations.gpu_memory,
-            dra,
-        },
-        safety_ratio(training, policy),
-        policy,
-        warnings,
-    )
-}
-
-/// A downgrade plan, what past runs taught it, the budget it was made for (placement may have
-/// raised it), the placement's node affinity, and the "cannot fit" verdict when there is one.
-struct Planned {
-    plan: DowngradePlan,
-    adjust: Adjustments,
-    budget: Option<Budget>,
-    affinity: Option<k8s_openapi::api::core::v1::Affinity>,
-    verdict: Option<String>,
-}
-
-/// What past runs of this profile teach (a calibration, a recovery after an OOM kill), where
-/// the pod may be placed, then the downgrade plan from there into the budget. A pod without a
-/// profile plans as before.
-fn plan(
-    pod: &Pod,
-    training: &TrainingPod,
-    mut budget: Option<Budget>,
-    policy: &Policy,
-    profiles: &Profiles,
-    warnings: &mut Vec<String>,
-) -> Result<Planned, String> {
-    let key = PodKey::of(training);
-    let adjust = profiles
-        .adjustments(pod.metadata.namespace.as_deref(), &key)
-        .unwrap_or_default();
-    let calibration = adjust.effective_calibration();
-    let start = adjust.start(&training.config, &policy.floors);
-    if let Some(recovery) = &adjust.recovery {
-        warnings.push(truncate(&format!(
-            "memguard: recovery: {}",
-            recovery.reason
-        )));
-    }
-    let placement = match &budget {
-        Some(b)
-            if b.source == BudgetSource::PolicyDefault
-                && placeable(pod, training.trainer, &training.config) =>
-        {
-            crate::placement::place(
-                pod,
-                &start,
-                &calibration,
-                &policy.floors,
-                safety_ratio(training, policy),
-                policy,
-            )
-        }
-        _ => None,
-    };
-    if let Some(p) = &placement {
-        let bound = format!(
-            "{}>{}",
-            memguard_api::pod::NVIDIA_GPU_MEMORY_LABEL,
-            p.min_label_mib - 1
-        );
-        if policy.placement == PlacementMode::Required {
-            // Every node the affinity allows has at least this much: plan for it.
-            budget = Some(Budget::new(
-                p.device_memory,
-                safety_ratio(training, policy),
-                BudgetSource::Placement(bound.clone()),
-            ));
-        }
-        warnings.push(truncate(&format!(
-            "memguard: placement {}: node affinity {bound} (MiB)",
-            match policy.placement {
-                PlacementMode::Required => "required",
-                _ => "preferred",
-            }
-        )));
-    }
-    let target = budget.as_ref().map_or(Bytes(u64::MAX), |b| b.bytes);
-    let plan = plan_with_floors(&start, target, &calibration, &policy.floors).map_err(|errs| {
-        errs.iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join("; ")
+/// The decision: [`resolve`](TrainingPod::resolve) the pod (its DRA claims read from the
+/// profiles' catalog), run the budget stage every caller shares ([`decision::decide`]: key,
+/// budget, what past runs taught, placement, plan), [`render`] the result.
+fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation, String> {
+    let training = TrainingPod::resolve(pod, policy, profiles.dra()).map_err(|e| e.to_string())?;
+    let decided = decision::decide(&training, policy, |key| {
+        profiles.adjustments(pod.metadata.namespace.as_deref(), key)
     })?;
-
-    // Every knob at its floor and still over the budget: admitted anyway, at the smallest config
-    // tried, saying so (the profile's verdict, when it has one, says more).
-    let floor_verdict = budget.as_ref().filter(|_| !plan.fits).map(|b| {
-        format!(
-            "cannot fit: estimate {} exceeds budget {} with every knob at its floor; smallest \
-             config tried: {}",
-            plan.total(),
-            b.bytes,
-            describe_knobs(&knobs_of(&plan.config))
-        )
-    });
-    let verdict = adjust.verdict.clone().or(floor_verdict);
-    if let Some(b) = &budget
-        && plan.fits
-        && !plan.steps.is_empty()
-    {
-        let names: Vec<&str> = plan.steps.iter().map(|s| s.rung.name()).collect();
-        warnings.push(truncate(&format!(
-            "memguard: downgraded to fit {} ({}); see {}",
-            b.bytes,
-            names.join(", "),
-            keys::ESTIMATE
-        )));
-    }
-    Ok(Planned {
-        plan,
-        adjust,
-        budget,
-        affinity: placement.map(|p| p.affinity),
-        verdict,
-    })
+    Ok(render(&training, policy, decided))
 }
 
 /// The plan as the pod will carry it: the trainer's `MEMGUARD_*` env, its own variables
@@ -368,17 +122,18 @@ fn plan(
 fn render(
     training: &TrainingPod,
     policy: &Policy,
-    Planned {
+    Decision {
         plan,
         adjust,
         budget,
         affinity,
         verdict,
-    }: Planned,
-    mut warnings: Vec<String>,
+        mut warnings,
+        ..
+    }: Decision,
 ) -> Mutation {
     let trainer = training.trainer;
-    let knobs = knobs_for(&plan.config);
+    let knobs = Knob::of(&plan.config);
     let mut trainer_env: Vec<(String, String)> = knobs
         .iter()
         .map(|k| (k.env().to_string(), k.value(&plan.config)))
@@ -441,34 +196,6 @@ fn render(
     }
 }
 
-/// Placement applies to a pod on whole NVIDIA GPUs, not pinned to a product, not time-sliced,
-/// whose affinity says nothing of `nvidia.com/gpu.memory` yet (the user's, or memguard's from an
-/// earlier call: then the budget stage reads the bound).
-fn placeable(
-    pod: &Pod,
-    trainer: &k8s_openapi::api::core::v1::Container,
-    config: &TrainingConfig,
-) -> bool {
-    use memguard_api::pod::{AcceleratorKind, Accelerators, constrains_gpu_memory, gpu_products};
-    let acc = Accelerators::of(pod, trainer);
-    config.device == Device::Cuda
-        && acc.kinds == [AcceleratorKind::NvidiaGpu]
-        && !acc.time_sliced
-        && gpu_products(pod).is_empty()
-        && !constrains_gpu_memory(pod)
-}
-
-/// The knobs that mean something for this config (LoRA knobs only for adapter methods, the
-/// gradient sync only for FSDP across ranks, where it decides whether gradients stay sharded).
-fn knobs_for(cfg: &TrainingConfig) -> Vec<Knob> {
-    let fsdp_ranks = cfg.parallelism == Parallelism::Fsdp && cfg.world_size > 1;
-    Knob::ALL
-        .into_iter()
-        .filter(|k| cfg.is_adapter() || !matches!(k, Knob::LoraRank | Knob::LoraLayers))
-        .filter(|k| fsdp_ranks || *k != Knob::GradSync)
-        .collect()
-}
-
 fn sidecar_plan(
     policy: &Policy,
     trainer: &str,
@@ -494,18 +221,13 @@ fn sidecar_plan(
             .into_iter()
             .map(|(name, value)| (name.to_string(), value)),
     );
-    env.extend([
-        (env::BATCH_SIZE.into(), cfg.batch_size.to_string()),
-        (
-            env::GRAD_ACCUMULATION.into(),
-            cfg.grad_accumulation.to_string(),
-        ),
-        (
-            env::GRAD_CHECKPOINTING.into(),
-            cfg.grad_checkpointing.to_string(),
-        ),
-        (env::ESTIMATE_BYTES.into(), plan.total().0.to_string()),
-    ]);
+    // The knobs the sidecar changes at run time, starting where the plan put them.
+    env.extend(
+        Knob::RUNTIME
+            .into_iter()
+            .map(|k| (k.env().to_string(), k.value(cfg))),
+    );
+    env.push((env::ESTIMATE_BYTES.into(), plan.total().0.to_string()));
     if let Some(b) = budget {
         env.push((env::BUDGET_BYTES.into(), b.bytes.0.to_string()));
     }
@@ -540,7 +262,7 @@ fn estimate_annotation(
             .filter(|b| b.source != BudgetSource::MemoryLimit)
             .map(|b| b.device_memory),
         budget_source: budget.map(|b| b.source.clone()),
-        config: knobs_for(cfg)
+        config: Knob::of(cfg)
             .into_iter()
             .map(|k| (k.name().to_string(), k.value(cfg)))
             .chain([("world-size".to_string(), config.world_size.to_string())])
@@ -549,30 +271,6 @@ fn estimate_annotation(
         calibration: adjust.calibration.is_active().then_some(adjust.calibration),
         recovery: adjust.recovery.as_ref().map(|r| r.reason.clone()),
     }
-}
-
-/// The admission warning for a "cannot fit: <why>; smallest config tried: <config>" verdict:
-/// the config first, so that cutting it to [`MAX_WARNING_CHARS`] loses the figures, not the
-/// config (the full text is in `memguard.io/error`).
-pub fn cannot_fit_warning(verdict: &str) -> String {
-    const TRIED: &str = "; smallest config tried: ";
-    let body = verdict.strip_prefix("cannot fit: ").unwrap_or(verdict);
-    match body.split_once(TRIED) {
-        Some((why, config)) => truncate(&format!(
-            "memguard: cannot fit; smallest config tried: {config} ({why})"
-        )),
-        None => truncate(&format!("memguard: cannot fit: {body}")),
-    }
-}
-
-/// Cuts `s` to [`MAX_WARNING_CHARS`] characters, marking the cut with `…`.
-pub fn truncate(s: &str) -> String {
-    if s.chars().count() <= MAX_WARNING_CHARS {
-        return s.to_string();
-    }
-    let mut out: String = s.chars().take(MAX_WARNING_CHARS - 1).collect();
-    out.push('…');
-    out
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@
 use crate::mutate::{Mutation, Outcome};
 use json_patch::jsonptr::PointerBuf;
 use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation, ReplaceOperation};
-use k8s_openapi::api::core::v1::{Container, EnvVar, Pod};
+use k8s_openapi::api::core::v1::{Container, EnvVar, Pod, PodSpec};
 use memguard_api::annotations as keys;
 use memguard_api::policy::SidecarMode;
 use memguard_api::{env, wellknown};
@@ -237,6 +237,7 @@ impl Ops {
     }
 }
 
+/// The patch of a mutated pod: one named step per concern, in the order their operations go.
 fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
     let Some(spec) = pod.spec.as_ref() else {
         return;
@@ -246,15 +247,29 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
     };
     let trainer_index = m.trainer_index.to_string();
     let trainer_path = ["spec", "containers", trainer_index.as_str()];
+    trainer_env(trainer, &trainer_path, m, ops);
+    signal_mount(trainer, &trainer_path, ops);
+    termination_message(trainer, &trainer_path, ops);
+    signal_volume(spec, ops);
+    sidecar(pod, spec, trainer, m, ops);
+    placement(spec, m, ops);
+    shared_pid_namespace(spec, ops);
+    estimate_and_error(pod, m, ops);
+}
 
-    // Trainer: memguard's variables, then the user's own, rewritten in place.
+/// The trainer's env: memguard's variables, then the user's own, rewritten in place.
+fn trainer_env(trainer: &Container, trainer_path: &[&str], m: &Mutation, ops: &mut Ops) {
     let desired: Vec<(&str, &str)> = m
         .trainer_env
         .iter()
         .chain(&m.user_env)
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
-    set_env(trainer, &trainer_path, &desired, ops);
+    set_env(trainer, trainer_path, &desired, ops);
+}
+
+/// The signal volume mounted in the trainer (unless something is mounted there already).
+fn signal_mount(trainer: &Container, trainer_path: &[&str], ops: &mut Ops) {
     let mounted = trainer.volume_mounts.iter().flatten().any(|vm| {
         vm.name == wellknown::SIGNAL_VOLUME
             || vm.mount_path.trim_end_matches('/') == wellknown::SIGNAL_DIR
@@ -263,24 +278,28 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
         let mount = json!({"name": wellknown::SIGNAL_VOLUME, "mountPath": wellknown::SIGNAL_DIR});
         append(
             ops,
-            &trainer_path,
+            trainer_path,
             "volumeMounts",
             trainer.volume_mounts.is_some(),
             mount,
         );
     }
+}
 
-    // A trainer that dies of a CUDA OOM without writing a record still reaches the profile
-    // controller: on an error exit with an empty termination message the kubelet keeps the log
-    // tail, which ends in "CUDA out of memory". A policy the user chose is theirs.
+/// A trainer that dies of a CUDA OOM without writing a record still reaches the profile
+/// controller: on an error exit with an empty termination message the kubelet keeps the log
+/// tail, which ends in "CUDA out of memory". A policy the user chose is theirs.
+fn termination_message(trainer: &Container, trainer_path: &[&str], ops: &mut Ops) {
     if trainer.termination_message_policy.is_none() {
         ops.add(
-            &[&trainer_path[..], &["terminationMessagePolicy"]].concat(),
+            &[trainer_path, &["terminationMessagePolicy"]].concat(),
             json!(FALLBACK_TO_LOGS_ON_ERROR),
         );
     }
+}
 
-    // The shared volume.
+/// The volume the sidecar and the trainer share.
+fn signal_volume(spec: &PodSpec, ops: &mut Ops) {
     let has_volume = spec
         .volumes
         .iter()
@@ -290,9 +309,11 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
         let volume = json!({"name": wellknown::SIGNAL_VOLUME, "emptyDir": {}});
         append(ops, &["spec"], "volumes", spec.volumes.is_some(), volume);
     }
+}
 
-    // The sidecar, in the list its mode asks for. One already present in the other list is left
-    // alone: two containers with one name would make the pod invalid.
+/// The sidecar, in the list its mode asks for. One already present in the other list is left
+/// alone: two containers with one name would make the pod invalid.
+fn sidecar(pod: &Pod, spec: &PodSpec, trainer: &Container, m: &Mutation, ops: &mut Ops) {
     let desired = sidecar_container(m, &SidecarIdentity::of_trainer(pod, trainer));
     let init: &[Container] = spec.init_containers.as_deref().unwrap_or_default();
     let (list_key, list, list_exists, other) = match m.sidecar.mode {
@@ -318,9 +339,10 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
         None if in_other => {}
         None => append(ops, &["spec"], list_key, list_exists, desired),
     }
+}
 
-    // The sidecar finds the trainer's processes (and cgroup) through a shared PID namespace.
-    // hostPID pods already share the host's, and may not set both.
+/// The placement's node affinity, merged into the pod's.
+fn placement(spec: &PodSpec, m: &Mutation, ops: &mut Ops) {
     if let Some(affinity) = &m.affinity
         && spec.affinity.as_ref() != Some(affinity)
     {
@@ -328,10 +350,18 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
         // everything the user wrote.
         ops.add(&["spec", "affinity"], json!(affinity));
     }
+}
+
+/// The sidecar finds the trainer's processes (and cgroup) through a shared PID namespace.
+/// hostPID pods already share the host's, and may not set both.
+fn shared_pid_namespace(spec: &PodSpec, ops: &mut Ops) {
     if spec.share_process_namespace != Some(true) && spec.host_pid != Some(true) {
         ops.add(&["spec", "shareProcessNamespace"], json!(true));
     }
+}
 
+/// `memguard.io/estimate`, and `memguard.io/error` when there is a verdict (a stale one goes).
+fn estimate_and_error(pod: &Pod, m: &Mutation, ops: &mut Ops) {
     let estimate = m.estimate.to_json();
     match &m.error {
         Some(error) => {
@@ -355,7 +385,6 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
     }
 }
 
-/// Sets `key = value` annotations that differ, and removes `stale` keys that are present.
 fn annotate(pod: &Pod, ops: &mut Ops, set: &[(&str, &str)], stale: &[&str]) {
     let current = pod.metadata.annotations.as_ref();
     let mut missing = BTreeMap::new();

@@ -4,8 +4,8 @@
 //! review never sees two policies. [`PolicyWatch`] turns watch events into swaps; it takes any
 //! stream of events, so tests drive it without an API server. [`spawn`] is the kube glue.
 
-use crate::config::{Overrides, effective_policy};
 use crate::metrics::Metrics;
+use crate::policy_sources::{Overrides, effective_policy};
 use arc_swap::ArcSwap;
 use futures::{Stream, StreamExt};
 use kube::runtime::watcher::Event;

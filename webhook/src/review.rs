@@ -4,7 +4,7 @@
 //! The answer is `allowed: true`, always. What went wrong travels as warnings and, when the pod
 //! can still be annotated, as `memguard.io/error`.
 
-use crate::mutate::{self, Outcome, Profiles};
+use crate::mutate::{self, ClusterView, Outcome};
 use crate::patch;
 use base64::Engine;
 use k8s_openapi::api::core::v1::Pod;
@@ -107,7 +107,11 @@ pub enum ReviewError {
 /// The fast path parses the request with its object as a typed `Pod` in one pass. Only when
 /// that fails is the body parsed again generically, to tell "not an AdmissionReview" (an error,
 /// HTTP 400) from "an AdmissionReview whose object is not a valid Pod" (allowed, with a warning).
-pub fn review(body: &[u8], policy: &Policy, profiles: &Profiles) -> Result<Reviewed, ReviewError> {
+pub fn review(
+    body: &[u8],
+    policy: &Policy,
+    profiles: &ClusterView,
+) -> Result<Reviewed, ReviewError> {
     if let Ok(review) = serde_json::from_slice::<AdmissionReview<Pod>>(body) {
         let request: AdmissionRequest<Pod> =
             review.try_into().map_err(|_| ReviewError::NoRequest)?;
@@ -136,7 +140,7 @@ fn answer<T: kube::Resource>(
     request: &AdmissionRequest<T>,
     pod: Result<Option<&Pod>, String>,
     policy: &Policy,
-    profiles: &Profiles,
+    profiles: &ClusterView,
 ) -> Reviewed {
     let pod_name = match &request.namespace {
         Some(ns) => format!("{ns}/{}", request.name),

@@ -3,7 +3,7 @@
 
 use crate::args::{Args, LogFormat};
 use crate::metrics::Metrics;
-use crate::mutate::Profiles;
+use crate::mutate::ClusterView;
 use crate::policy_watch::{LivePolicy, PolicyWatch};
 use crate::review::{self, Disposition};
 use crate::tls::{self, CertFiles};
@@ -36,7 +36,7 @@ pub struct AppState {
     /// The policy in force; the `MemguardPolicy` watch swaps it, handlers only load it.
     pub policy: LivePolicy,
     /// Calibrations from `MemoryProfile`s.
-    pub profiles: Arc<Profiles>,
+    pub profiles: Arc<ClusterView>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
 }
@@ -137,10 +137,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     };
     // A bad file stops the start (nothing would be in force); a bad resource later never does.
     let invalid = |errors: Vec<String>| anyhow::anyhow!("invalid policy: {}", errors.join("; "));
-    let file = crate::config::spec_from_str(policy_text.as_deref()).map_err(invalid)?;
+    let file = crate::policy_sources::spec_from_str(policy_text.as_deref()).map_err(invalid)?;
     let overrides = args.overrides();
     let file_policy = Arc::new(
-        crate::config::effective_policy(file.as_ref(), None, &overrides).map_err(invalid)?,
+        crate::policy_sources::effective_policy(file.as_ref(), None, &overrides)
+            .map_err(invalid)?,
     );
     for note in file_policy.models.notes() {
         tracing::info!(note, "policy file");
@@ -250,13 +251,16 @@ async fn connect(
     metrics: memguard_learn::metrics::Metrics,
     policy_watch: PolicyWatch,
     policy: LivePolicy,
-) -> (Profiles, crate::profiles::KubeTasks) {
+) -> (ClusterView, crate::profiles::KubeTasks) {
     if args.no_kube {
         tracing::info!(
             "--no-kube: policy file only (no MemguardPolicy watch), no MemoryProfile cache, \
              no profile controller"
         );
-        return (Profiles::default(), crate::profiles::KubeTasks::default());
+        return (
+            ClusterView::default(),
+            crate::profiles::KubeTasks::default(),
+        );
     }
     let client = match kube::Client::try_default().await {
         Ok(client) => client,
@@ -265,7 +269,10 @@ async fn connect(
                 %error,
                 "no Kubernetes config: running with the policy file, without MemoryProfiles"
             );
-            return (Profiles::default(), crate::profiles::KubeTasks::default());
+            return (
+                ClusterView::default(),
+                crate::profiles::KubeTasks::default(),
+            );
         }
     };
     tracing::info!(policy = policy_watch.name(), "watching the MemguardPolicy");
@@ -284,6 +291,10 @@ async fn connect(
         .unwrap_or_else(|| format!("memguard-webhook-{}", std::process::id()));
     tracing::info!(identity, lease_namespace, "profile controller enabled");
     let dra = (!args.no_dra).then(|| crate::dra_watch::start(client.clone()));
+    // The controller keys pods on the same DRA objects admission reads.
+    let catalog = dra
+        .as_ref()
+        .map(|(c, _)| c.clone() as Arc<dyn crate::dra::DraCatalog>);
     let (profiles, tasks) = crate::profiles::start(
         client,
         metrics,
@@ -293,6 +304,7 @@ async fn connect(
             lease_duration: Duration::from_secs(args.lease_seconds.max(3)),
         },
         policy,
+        catalog,
     );
     match dra {
         Some((catalog, task)) => (

@@ -8,8 +8,8 @@ use json_patch::Patch;
 use k8s_openapi::api::core::v1::Pod;
 use memguard_api::annotations as keys;
 use memguard_api::{Policy, env, wellknown};
-use memguard_webhook::config::{Overrides, policy_from_str};
-use memguard_webhook::{Outcome, Profiles, mutate, patch};
+use memguard_webhook::policy_sources::{Overrides, policy_from_str};
+use memguard_webhook::{ClusterView, Outcome, mutate, patch};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 
@@ -86,7 +86,7 @@ fn fixture_pods_match_their_golden_patches() {
         let original: Value = serde_saphyr::from_str(&text).expect("fixture YAML");
         let pod: Pod = serde_json::from_value(original.clone()).expect("fixture is a Pod");
 
-        let outcome = mutate(&pod, &policy, &Profiles::default());
+        let outcome = mutate(&pod, &policy, &ClusterView::default());
         let patch = patch::build(&pod, &outcome);
 
         // The result is still a pod, and the sidecar keeps restartPolicy Always.
@@ -103,7 +103,10 @@ fn fixture_pods_match_their_golden_patches() {
             assert_eq!(sidecar.restart_policy.as_deref(), Some("Always"), "{name}");
         }
         // A second call changes nothing.
-        let again = patch::build(&mutated, &mutate(&mutated, &policy, &Profiles::default()));
+        let again = patch::build(
+            &mutated,
+            &mutate(&mutated, &policy, &ClusterView::default()),
+        );
         assert!(again.0.is_empty(), "{name}: second patch {again:?}");
 
         let summary = match &outcome {
@@ -140,7 +143,7 @@ fn accelerator_fixtures_get_their_device_budget_and_source() {
     for (file, want) in table {
         let text = std::fs::read_to_string(fixtures().join("pods").join(&file)).expect(&file);
         let pod: Pod = serde_saphyr::from_str(&text).expect("a Pod");
-        let Outcome::Mutated(m) = mutate(&pod, &policy, &Profiles::default()) else {
+        let Outcome::Mutated(m) = mutate(&pod, &policy, &ClusterView::default()) else {
             panic!("{file}: not mutated");
         };
         let b = m.budget.as_ref().expect("a budget");
@@ -187,7 +190,7 @@ fn placement_affinity_is_valid_kubernetes_and_keeps_the_users_terms() {
     for mode in ["preferred", "required"] {
         let policy = policy_from_str(Some(&format!("placement: {mode}")), &Overrides::default())
             .expect("valid policy");
-        let outcome = mutate(&pod, &policy, &Profiles::default());
+        let outcome = mutate(&pod, &policy, &ClusterView::default());
         let Outcome::Mutated(m) = &outcome else {
             panic!("{mode}: {outcome:?}");
         };
@@ -239,7 +242,7 @@ fn dra_fixtures_read_their_device_from_the_catalog() {
     let dir = fixtures().join("dra");
     let objects = std::fs::read_to_string(dir.join("objects.yaml")).expect("objects");
     let catalog = StaticCatalog::from_yaml(&objects).expect("DRA objects");
-    let profiles = Profiles::default().with_dra(std::sync::Arc::new(catalog));
+    let profiles = ClusterView::default().with_dra(std::sync::Arc::new(catalog));
     let text = std::fs::read_to_string(fixtures().join("dra.yaml")).expect("table");
     let table: serde_json::Map<String, Value> = serde_saphyr::from_str(&text).expect("YAML");
     assert_eq!(table.len(), 6, "{table:?}");

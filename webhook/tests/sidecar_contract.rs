@@ -10,8 +10,8 @@ use memguard_api::duration::parse_duration;
 use memguard_api::pod::parse_quantity;
 use memguard_api::{Policy, env, wellknown};
 use memguard_sidecar::{Args, Config};
-use memguard_webhook::config::{Overrides, policy_from_str};
-use memguard_webhook::{Outcome, Profiles, mutate, patch};
+use memguard_webhook::policy_sources::{Overrides, policy_from_str};
+use memguard_webhook::{ClusterView, Outcome, mutate, patch};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -98,7 +98,7 @@ fn the_sidecar_reads_back_what_the_webhook_writes_for_every_policy_fixture() {
         for pod_name in pods {
             let pod = pod(pod_name);
             let what = format!("{name} × {pod_name}");
-            let Outcome::Mutated(m) = mutate(&pod, policy, &Profiles::default()) else {
+            let Outcome::Mutated(m) = mutate(&pod, policy, &ClusterView::default()) else {
                 panic!("{what}: not mutated");
             };
             let patch = patch::build(&pod, &Outcome::Mutated(m.clone()));

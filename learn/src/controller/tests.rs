@@ -9,11 +9,11 @@ use http::{Method, StatusCode};
 use memguard_api::crd::{MemoryProfileSpec, MemoryProfileStatus};
 use memguard_api::env;
 
-/// Observes against the built-in catalog only.
+/// Observes under the default policy (the built-in catalog only), without DRA objects.
 fn try_observe(
     pod: &k8s_openapi::api::core::v1::Pod,
 ) -> Result<crate::observe::Observation, crate::observe::NotObserved> {
-    crate::observe::try_observe(pod, &memguard_api::ModelCatalog::default())
+    crate::observe::try_observe(pod, &memguard_api::Policy::default(), None)
 }
 
 const GIB: u64 = 1 << 30;
@@ -31,13 +31,13 @@ fn pod() -> PodBuilder {
 }
 
 fn profile_name() -> String {
-    crate::pod_key(&pod().build(), &memguard_api::ModelCatalog::default())
+    crate::pod_key(&pod().build(), &memguard_api::Policy::default(), None)
         .expect("key")
         .name
 }
 
 fn key() -> MemoryProfileSpec {
-    crate::pod_key(&pod().build(), &memguard_api::ModelCatalog::default())
+    crate::pod_key(&pod().build(), &memguard_api::Policy::default(), None)
         .expect("key")
         .spec
 }
@@ -253,7 +253,7 @@ async fn endless_conflicts_give_up_with_an_error() {
         .await
         .expect_err("gives up");
     verifier.await.expect("scenario verified");
-    assert_eq!(err.metric_label(), "conflicts");
+    assert_eq!(err.metric_label().as_str(), "conflicts");
 }
 
 #[tokio::test]
@@ -278,7 +278,7 @@ async fn a_profile_with_another_key_is_an_error_not_an_overwrite() {
     other["spec"]["method"] = json!("full");
     let steps = vec![step(Method::GET, &item, StatusCode::OK, other)];
     let err = record(finished_pod(), steps).await.expect_err("collision");
-    assert_eq!(err.metric_label(), "key_collision");
+    assert_eq!(err.metric_label().as_str(), "key_collision");
 }
 
 #[tokio::test]

@@ -1,11 +1,12 @@
 use super::*;
 use crate::testutil::{PodBuilder, summary};
+use memguard_api::env;
 
-/// Observes against the built-in catalog only.
+/// Observes under the default policy (the built-in catalog only), without DRA objects.
 fn try_observe(
     pod: &k8s_openapi::api::core::v1::Pod,
 ) -> Result<crate::observe::Observation, crate::observe::NotObserved> {
-    crate::observe::try_observe(pod, &memguard_api::ModelCatalog::default())
+    crate::observe::try_observe(pod, &memguard_api::Policy::default(), None)
 }
 
 const GIB: u64 = 1 << 30;
@@ -142,6 +143,25 @@ fn a_cpu_profile_learns_from_host_memory_and_the_memory_limit() {
     assert_eq!(obs.key.spec.device_class, DeviceClass::Cpu);
     assert_eq!(obs.measured_peak, Some(Bytes(20 * GIB)));
     assert_eq!(obs.limit, Some(Bytes(32 * GIB)));
+}
+
+/// The memory limit is a Kubernetes quantity, read as admission reads it: `m` is milli (a
+/// quantity the API server normalized), not mega.
+#[test]
+fn the_memory_limit_is_read_as_a_kubernetes_quantity() {
+    for (quantity, bytes) in [
+        ("32Gi", 32 * GIB),
+        ("34359738368000m", 32 * GIB),
+        ("32G", 32_000_000_000),
+    ] {
+        let pod = PodBuilder::trainer()
+            .annotate("model", "llama-3-8b")
+            .memory_limit(quantity)
+            .trainer_terminated("Completed", 0, 100)
+            .build();
+        let obs = try_observe(&pod).expect("observed");
+        assert_eq!(obs.limit, Some(Bytes(bytes)), "{quantity}");
+    }
 }
 
 /// (name, estimate annotation, expected raw estimate, expected start of the problem)

@@ -4,11 +4,11 @@ use memguard_api::crd::{MAX_RUNS, TrainingKnobs};
 use memguard_api::env;
 use memguard_api::policy::DEFAULT_MAX_OOM_RECOVERIES as MAX_OOM_RECOVERIES;
 
-/// Observes against the built-in catalog only.
+/// Observes under the default policy (the built-in catalog only), without DRA objects.
 fn try_observe(
     pod: &k8s_openapi::api::core::v1::Pod,
 ) -> Result<crate::observe::Observation, crate::observe::NotObserved> {
-    crate::observe::try_observe(pod, &memguard_api::ModelCatalog::default())
+    crate::observe::try_observe(pod, &memguard_api::Policy::default(), None)
 }
 
 const GIB: u64 = 1 << 30;

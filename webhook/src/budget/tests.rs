@@ -1,12 +1,14 @@
 use super::*;
 use crate::testutil::{PodBuilder, trainer_pod};
-use crate::{Outcome, Profiles, mutate};
+use crate::{ClusterView, Outcome, mutate};
+use memguard_api::Policy;
 use memguard_api::annotations as keys;
 use memguard_api::wellknown::NVIDIA_GPU_PRODUCT_LABEL;
+use memguard_estimator::Bytes;
 
 /// The budget, the device and the warnings memguard gives `pod` under the built-in table.
 fn decide(pod: PodBuilder) -> (Budget, String, Vec<String>) {
-    match mutate(&pod.build(), &Policy::default(), &Profiles::default()) {
+    match mutate(&pod.build(), &Policy::default(), &ClusterView::default()) {
         Outcome::Mutated(m) => {
             let annotation: serde_json::Value =
                 serde_json::from_str(&m.estimate.to_json()).expect("JSON");

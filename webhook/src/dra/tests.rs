@@ -1,5 +1,7 @@
 use super::*;
 use crate::testutil::trainer_pod;
+use memguard_api::Policy;
+use memguard_estimator::{Bytes, Device};
 use serde_json::json;
 
 const OBJECTS: &str = include_str!("../../tests/fixtures/dra/objects.yaml");
@@ -172,31 +174,6 @@ fn an_unavailable_or_absent_catalog_is_one_warning_naming_why() {
 }
 
 #[test]
-fn selectors_read_equalities_only() {
-    assert_eq!(
-        driver_equality("device.driver == \"gpu.nvidia.com\""),
-        Some("gpu.nvidia.com".into())
-    );
-    assert_eq!(
-        terms("device.driver == 'a' && device.attributes['a'].type == 'gpu'"),
-        (
-            vec![
-                Term::Driver("a".into()),
-                Term::Attribute {
-                    domain: "a".into(),
-                    name: "type".into(),
-                    value: "gpu".into()
-                }
-            ],
-            false
-        )
-    );
-    assert!(terms("device.driver == 'a' || device.driver == 'b'").1);
-    assert!(terms("device.attributes['a'].count == 2").1, "not a string");
-    assert!(terms("!(device.driver == 'a')").1);
-}
-
-#[test]
 fn objects_of_other_kinds_or_versions_are_refused_by_name() {
     let e = StaticCatalog::from_yaml("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n")
         .expect_err("a pod");
@@ -235,7 +212,7 @@ fn the_claims_driver_names_the_device_only_when_nothing_else_does() {
 
 #[test]
 fn the_gpu_memory_annotation_silences_dra_warnings_and_wins() {
-    use crate::{Outcome, Profiles, mutate};
+    use crate::{ClusterView, Outcome, mutate};
     let pod = trainer_pod()
         .annotate(memguard_api::annotations::GPU_MEMORY, "40Gi")
         .annotate(memguard_api::annotations::DEVICE, "cuda")
@@ -244,7 +221,7 @@ fn the_gpu_memory_annotation_silences_dra_warnings_and_wins() {
             json!([{"name": "gpu", "resourceClaimTemplateName": "absent"}]),
         )
         .build();
-    let profiles = Profiles::default().with_dra(std::sync::Arc::new(catalog()));
+    let profiles = ClusterView::default().with_dra(std::sync::Arc::new(catalog()));
     let Outcome::Mutated(m) = mutate(&pod, &Policy::default(), &profiles) else {
         panic!("not mutated");
     };
@@ -253,5 +230,61 @@ fn the_gpu_memory_annotation_silences_dra_warnings_and_wins() {
         !m.warnings.iter().any(|w| w.contains("DRA")),
         "{:?}",
         m.warnings
+    );
+}
+
+/// A pod known as a GPU pod only through its DRA claim: the profile controller keys its run as
+/// admission keyed it, so what the run taught (here the recovery after an OOM kill) reaches the
+/// next admission. (Before the learn key read DRA, the run was recorded under the `cpu` key and
+/// admission, reading the `gpu` one, never saw it.)
+#[test]
+fn a_dra_only_gpu_pods_run_is_learned_under_the_key_its_next_admission_reads() {
+    use crate::{ClusterView, Outcome, mutate};
+    use memguard_api::crd::{DeviceClass as KeyDeviceClass, MemoryProfile};
+    let catalog = std::sync::Arc::new(catalog());
+    let policy = Policy::default();
+    let pod = trainer_pod()
+        .annotate(memguard_api::annotations::BATCH_SIZE, "8")
+        .spec(
+            "resourceClaims",
+            json!([{"name": "gpu", "resourceClaimTemplateName": "single-h100"}]),
+        )
+        .build();
+    let admit = |profiles: &ClusterView| match mutate(&pod, &policy, profiles) {
+        Outcome::Mutated(m) => m,
+        other => panic!("not mutated: {other:?}"),
+    };
+    let first = admit(&ClusterView::default().with_dra(catalog.clone()));
+    assert_eq!(first.estimate.device, "cuda");
+    assert_eq!(first.estimate.recovery, None);
+
+    // The pod as admitted, then OOM-killed.
+    let patch = crate::patch::build(&pod, &Outcome::Mutated(first.clone()));
+    let mut ran = serde_json::to_value(&pod).expect("json");
+    json_patch::patch(&mut ran, &patch).expect("the patch applies");
+    ran["metadata"]["uid"] = json!("u-1");
+    ran["status"] = json!({"phase": "Failed", "containerStatuses": [{
+        "name": "train", "image": "trainer:1", "imageID": "", "ready": false, "restartCount": 0,
+        "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled",
+                                 "finishedAt": "2026-01-01T00:00:00Z"}}}]});
+    let ran: k8s_openapi::api::core::v1::Pod = serde_json::from_value(ran).expect("a pod");
+    let obs = memguard_learn::try_observe(&ran, &policy, Some(catalog.as_ref())).expect("observed");
+    assert_eq!(obs.oom.as_deref(), Some("OOMKilled"));
+    assert_eq!(obs.key.spec.device_class, KeyDeviceClass::Gpu);
+    let admission_key =
+        memguard_learn::pod_key(&pod, &policy, Some(catalog.as_ref())).expect("a key");
+    assert_eq!(obs.key, admission_key);
+
+    let mut profile = MemoryProfile::new(&obs.key.name, obs.key.spec.clone());
+    profile.status = Some(memguard_learn::apply(&Default::default(), &obs));
+    let mut profiles = ClusterView::default().with_dra(catalog.clone());
+    profiles.insert(profile);
+    let next = admit(&profiles);
+    assert!(next.estimate.recovery.is_some(), "{:?}", next.estimate);
+    assert!(
+        next.plan.config.batch_size < first.plan.config.batch_size,
+        "one step down: {} after {}",
+        next.plan.config.batch_size,
+        first.plan.config.batch_size
     );
 }

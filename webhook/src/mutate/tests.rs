@@ -1,6 +1,9 @@
 use super::*;
 use crate::testutil::{PodBuilder, bare_pod, trainer_pod};
 use memguard_api::PolicySpec;
+use memguard_api::annotations as keys;
+use memguard_api::crd::MemoryProfile;
+use memguard_estimator::Bytes;
 
 fn policy_with_products() -> Policy {
     let spec: PolicySpec = serde_json::from_value(serde_json::json!({
@@ -13,7 +16,7 @@ fn policy_with_products() -> Policy {
 }
 
 fn run(pod: PodBuilder, policy: &Policy) -> Outcome {
-    mutate(&pod.build(), policy, &Profiles::default())
+    mutate(&pod.build(), policy, &ClusterView::default())
 }
 
 fn mutated(pod: PodBuilder, policy: &Policy) -> Mutation {
@@ -408,7 +411,7 @@ fn lora_knobs_only_for_adapter_methods() {
 
 /// A profile for the key of `pod`, with `status`.
 fn profile_for(pod: &Pod, status: memguard_api::crd::MemoryProfileStatus) -> MemoryProfile {
-    let key = memguard_learn::pod_key(pod, &memguard_api::ModelCatalog::default()).expect("a key");
+    let key = memguard_learn::pod_key(pod, &Policy::default(), None).expect("a key");
     let mut p = MemoryProfile::new(&key.name, key.spec);
     p.status = Some(status);
     p
@@ -435,7 +438,7 @@ fn runs_at(factor: f64, n: usize) -> memguard_api::crd::MemoryProfileStatus {
 fn calibration_from_profiles_scales_the_estimate() {
     let pod = || trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "100Ti");
     let plain = mutated(pod(), &Policy::default());
-    let mut profiles = Profiles::default();
+    let mut profiles = ClusterView::default();
     profiles.insert(profile_for(&pod().build(), runs_at(2.0, 5)));
     let Outcome::Mutated(calibrated) = mutate(&pod().build(), &Policy::default(), &profiles) else {
         panic!("mutated")
@@ -454,7 +457,7 @@ fn a_profile_of_another_key_or_with_too_few_runs_changes_nothing() {
     let plain = mutated(pod(), &Policy::default());
     let mut other = profile_for(&pod().build(), runs_at(2.0, 5));
     other.spec.method = "qlora".into();
-    let mut profiles = Profiles::default();
+    let mut profiles = ClusterView::default();
     profiles.insert(other);
     profiles.insert(profile_for(&pod().build(), runs_at(2.0, 2)));
     let Outcome::Mutated(m) = mutate(&pod().build(), &Policy::default(), &profiles) else {
@@ -486,7 +489,7 @@ fn a_pending_recovery_starts_below_the_config_that_died_and_says_why() {
         }),
         ..Default::default()
     };
-    let mut profiles = Profiles::default();
+    let mut profiles = ClusterView::default();
     profiles.insert(profile_for(&pod().build(), status));
     let Outcome::Mutated(m) = mutate(&pod().build(), &Policy::default(), &profiles) else {
         panic!("mutated")
@@ -529,7 +532,7 @@ fn a_cannot_fit_verdict_admits_the_smallest_config_with_an_error_and_a_warning()
         verdict: Some(verdict.into()),
         ..Default::default()
     };
-    let mut profiles = Profiles::default();
+    let mut profiles = ClusterView::default();
     profiles.insert(profile_for(&pod().build(), status));
     let built = pod().build();
     let Outcome::Mutated(m) = mutate(&built, &Policy::default(), &profiles) else {
@@ -606,7 +609,7 @@ fn admission_looks_profiles_up_in_the_request_namespace_when_the_pod_has_none() 
         profile: profile_for(&pod().build(), runs_at(2.0, 5)),
         asked: std::sync::Mutex::new(Vec::new()),
     });
-    let profiles = Profiles::from_source(source.clone());
+    let profiles = ClusterView::from_source(source.clone());
     // At CREATE the pod usually has no namespace: only the request carries it.
     let mut object = pod().json();
     object["metadata"]

@@ -1,5 +1,5 @@
 use super::*;
-use crate::mutate::{Profiles, mutate};
+use crate::mutate::{ClusterView, mutate};
 use crate::testutil::{PodBuilder, bare_pod, trainer_pod};
 use memguard_api::{Policy, PolicySpec};
 
@@ -12,7 +12,7 @@ fn policy(mode: &str) -> Policy {
 /// Mutates, applies the patch, and checks the result is still a Pod. Returns (patch, result).
 fn apply(pod: &Value, policy: &Policy) -> (Patch, Value) {
     let typed: Pod = serde_json::from_value(pod.clone()).expect("input is a pod");
-    let outcome = mutate(&typed, policy, &Profiles::default());
+    let outcome = mutate(&typed, policy, &ClusterView::default());
     let patch = build(&typed, &outcome);
     let mut out = pod.clone();
     json_patch::patch(&mut out, &patch).expect("the patch applies");
@@ -402,7 +402,7 @@ fn hostile_annotations_never_panic_and_always_yield_a_valid_idempotent_patch() {
     let mut check = |pod: PodBuilder, what: &str| {
         let json = pod.json();
         let built: Pod = serde_json::from_value(json.clone()).expect("builder makes valid pods");
-        let outcome = mutate(&built, &policy, &Profiles::default());
+        let outcome = mutate(&built, &policy, &ClusterView::default());
         mutated += usize::from(matches!(outcome, Outcome::Mutated(_)));
         skipped += usize::from(matches!(outcome, Outcome::Skipped { .. }));
         let patch = build(&built, &outcome);
@@ -410,7 +410,7 @@ fn hostile_annotations_never_panic_and_always_yield_a_valid_idempotent_patch() {
         json_patch::patch(&mut out, &patch).unwrap_or_else(|e| panic!("{what}: {e}"));
         let again: Pod = serde_json::from_value(out.clone())
             .unwrap_or_else(|e| panic!("{what}: the patched pod is not a Pod: {e}"));
-        let second = build(&again, &mutate(&again, &policy, &Profiles::default()));
+        let second = build(&again, &mutate(&again, &policy, &ClusterView::default()));
         assert!(second.0.is_empty(), "{what}: not idempotent: {second:?}");
         checked += 1;
     };

@@ -1,9 +1,12 @@
 use super::*;
 use crate::budget::BudgetSource;
 use crate::testutil::{PodBuilder, trainer_pod};
-use crate::{Outcome, Profiles, mutate, patch};
+use crate::{ClusterView, Outcome, mutate, patch};
+use k8s_openapi::api::core::v1::Pod;
+use memguard_api::Policy;
 use memguard_api::PolicySpec;
 use memguard_api::annotations as keys;
+use memguard_api::pod::NVIDIA_GPU_MEMORY_LABEL;
 use serde_json::{Value, json};
 
 fn policy(mode: &str) -> Policy {
@@ -12,7 +15,7 @@ fn policy(mode: &str) -> Policy {
 }
 
 fn mutated(pod: &PodBuilder, policy: &Policy) -> crate::Mutation {
-    match mutate(&pod.clone().build(), policy, &Profiles::default()) {
+    match mutate(&pod.clone().build(), policy, &ClusterView::default()) {
         Outcome::Mutated(m) => *m,
         other => panic!("expected a mutation, got {other:?}"),
     }
@@ -218,7 +221,7 @@ fn merges_with_the_users_affinity_without_clobbering_it_and_is_idempotent() {
         let first = patch::build(&pod, &Outcome::Mutated(Box::new(m.clone())));
         json_patch::patch(&mut doc, &first).expect("applies");
         let again_pod: Pod = serde_json::from_value(doc).expect("pod");
-        let again = mutate(&again_pod, &p, &Profiles::default());
+        let again = mutate(&again_pod, &p, &ClusterView::default());
         let Outcome::Mutated(m2) = &again else {
             panic!("{again:?}")
         };

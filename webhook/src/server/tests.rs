@@ -10,7 +10,7 @@ use tower::ServiceExt;
 fn state() -> AppState {
     AppState {
         policy: Arc::new(ArcSwap::from_pointee(memguard_api::Policy::default())),
-        profiles: Arc::new(Profiles::default()),
+        profiles: Arc::new(ClusterView::default()),
         metrics: Arc::new(Metrics::new()),
     }
 }
@@ -193,7 +193,7 @@ async fn a_policy_swapped_in_by_the_watch_applies_to_the_next_review() {
     let mut watch = PolicyWatch::new(
         "default",
         None,
-        crate::config::Overrides::default(),
+        crate::policy_sources::Overrides::default(),
         file,
         s.policy.clone(),
         s.metrics.clone(),
@@ -244,7 +244,7 @@ impl crate::mutate::ProfileSource for PanickingProfiles {
 #[tokio::test]
 async fn a_panic_while_deciding_admits_the_pod_unchanged_and_the_server_goes_on() {
     let mut s = state();
-    s.profiles = Arc::new(Profiles::from_source(Arc::new(PanickingProfiles)));
+    s.profiles = Arc::new(ClusterView::from_source(Arc::new(PanickingProfiles)));
     let app = router(s.clone(), Duration::from_secs(4));
     for _ in 0..2 {
         let r = review(

@@ -17,7 +17,7 @@ samples. Values whose first dimension is not the batch dimension (scalars, 0-d t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generic, List, Mapping, Optional, TypeVar
+from typing import Any, Callable, Generic, Iterator, List, Mapping, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -100,18 +100,33 @@ def slice_batch(batch: Any, start: int, stop: int, rows: int) -> Any:
     return batch
 
 
+def micro_batches(batch: T, size: Callable[[], int]) -> Iterator[MicroBatch[T]]:
+    """The micro-batches of ``batch``, each of at most ``size()`` rows, weighted rows / B: the one
+    micro-batching core of the torch and MLX adapters.
+
+    ``size`` is read before the first micro-batch and again before each next one, so a
+    downgrade may apply within the batch (and only then is the next micro-batch sliced: one is
+    alive at a time). A batch with no batch dimension, or no larger than the first size, is one
+    micro-batch of weight 1 (the object itself, not a copy).
+    """
+    rows = batch_rows(batch)
+    step = max(1, int(size()))
+    if rows is None or rows <= step:
+        yield MicroBatch(batch, 0, rows or 0, 1.0)
+        return
+    start = 0
+    while start < rows:
+        stop = min(rows, start + step)
+        yield MicroBatch(slice_batch(batch, start, stop, rows), start, stop, (stop - start) / rows)
+        start = stop
+        if start < rows:
+            step = max(1, int(size()))
+
+
 def split_batch(batch: T, micro_size: int) -> List[MicroBatch[T]]:
     """Split ``batch`` into micro-batches of at most ``micro_size`` rows, weighted rows / B.
 
     A batch with no batch dimension, or no larger than ``micro_size``, is one micro-batch of
     weight 1 (the object itself, not a copy).
     """
-    micro_size = max(1, int(micro_size))
-    rows = batch_rows(batch)
-    if rows is None or rows <= micro_size:
-        return [MicroBatch(batch, 0, rows or 0, 1.0)]
-    out: List[MicroBatch[T]] = []
-    for start in range(0, rows, micro_size):
-        stop = min(rows, start + micro_size)
-        out.append(MicroBatch(slice_batch(batch, start, stop, rows), start, stop, (stop - start) / rows))
-    return out
+    return list(micro_batches(batch, lambda: micro_size))

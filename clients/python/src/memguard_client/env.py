@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping, Optional
 
 #: Recommended per-device batch size.
 BATCH_SIZE = "MEMGUARD_BATCH_SIZE"
@@ -37,11 +37,23 @@ TERMINATION_LOG = "MEMGUARD_TERMINATION_LOG"
 #: ``true`` when the webhook admitted the pod with "cannot fit": a fatal OOM exits 87, not 86.
 CANNOT_FIT = "MEMGUARD_CANNOT_FIT"
 
-#: Default signal file path (memguard_api::labels::SIGNAL_FILE).
+#: Default signal file path (memguard_api::wellknown::SIGNAL_FILE).
 DEFAULT_SIGNAL_FILE = "/var/run/memguard/signal.json"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+
+
+def non_negative_int(value: Any) -> Optional[int]:
+    """``value`` as an int >= 0 (a number, or a string of one); ``None`` for anything else, a
+    bool included. The one reader of counts in what the sidecar and the frameworks report."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return n if n >= 0 else None
 
 
 def env_int(environ: Mapping[str, str], name: str, default: int) -> int:

@@ -414,7 +414,7 @@ class Guard:
             ("batch_size", batch_size),
             ("leak_bytes_per_second", leak_bytes_per_second),
         ):
-            n = _non_negative_int(value)
+            n = _env.non_negative_int(value)
             if n is not None:
                 body[name] = n
         if "step" in body:
@@ -475,13 +475,3 @@ class Guard:
 
 class _PollError(Exception):
     pass
-
-
-def _non_negative_int(value: Any) -> Optional[int]:
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        n = int(value)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return n if n >= 0 else None

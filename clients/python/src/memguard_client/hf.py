@@ -85,12 +85,12 @@ import logging
 import threading
 from typing import Any, Callable, Optional
 
-from .distributed import Agreement
 from .guard import Guard
 from .recovery import (
     DEFAULT_MAX_OOM_RETRIES,
-    StepRunner,
+    RunnerCounters,
     enable_checkpointing,
+    follow,
     force_sync_of,
     grads_fresh,
     is_fsdp,
@@ -125,7 +125,7 @@ def _callback_base() -> type:
     return TrainerCallback  # type: ignore[no-any-return,unused-ignore]
 
 
-class MemguardCallback(_callback_base()):  # type: ignore[misc]
+class MemguardCallback(RunnerCounters, _callback_base()):  # type: ignore[misc]
     """The Trainer callback. Create it through :func:`attach` (which also wraps the trainer).
 
     Attributes:
@@ -142,10 +142,9 @@ class MemguardCallback(_callback_base()):  # type: ignore[misc]
         max_oom_retries: int = DEFAULT_MAX_OOM_RETRIES,
         sync_each_batch: Optional[bool] = None,
     ) -> None:
-        self.guard = guard if guard is not None else Guard()
-        self.runner = StepRunner(
-            self.guard,
-            Agreement(agree),
+        self.guard, self.runner = follow(
+            guard,
+            agree,
             recover_oom=recover_oom,
             max_oom_retries=max_oom_retries,
             sync_each_batch=sync_each_batch,
@@ -154,38 +153,6 @@ class MemguardCallback(_callback_base()):  # type: ignore[misc]
         self._local = threading.local()
         self._skip_pending = False
         self._wrapped_optimizer: Any = None
-
-    # --- counters -------------------------------------------------------------------------
-
-    @property
-    def downgrades(self) -> int:
-        """Batches whose agreed micro-batch size was smaller than the batch before's."""
-        return self.runner.downgrades
-
-    @property
-    def micro_batches(self) -> int:
-        """Micro-batches run to completion."""
-        return self.runner.micro_batches
-
-    @property
-    def sync_each_batch(self) -> bool:
-        """Gradients are reduced at every micro-batch (FSDP with several ranks; agreed)."""
-        return self.runner.sync_each_batch
-
-    @property
-    def cache_releases(self) -> int:
-        """Times the CUDA cache was released (downgrades and OOM recoveries)."""
-        return self.runner.cache_releases
-
-    @property
-    def oom_recoveries(self) -> int:
-        """Out-of-memory errors recovered in-process (this rank's or a peer's)."""
-        return self.runner.oom_recoveries
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped after an OOM in backward with accumulated gradients."""
-        return self.runner.skipped_steps
 
     # --- callback events ------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import allocator as _allocator
 from . import env as _env
+from .batching import micro_batches
 from .frameworks import _module, mlx_memory
 from .guard import Guard
 
@@ -317,14 +318,19 @@ class MicroBatcher:
         tokens = 0.0
         by_tokens: Optional[bool] = None
         self.last_micro = []
-        start = 0
-        while start < rows:
-            if follow and start > 0:
+        started = False
+
+        def next_size() -> int:
+            # With ``follow``, the signal is read again before every micro-batch but the first.
+            nonlocal started
+            if follow and started:
                 self.refresh()
-                size = max(1, self.guard.batch_size)
-            stop = min(rows, start + size)
-            self.last_micro.append(stop - start)
-            value, g = vg(model, *(a[start:stop] for a in parts))
+            started = True
+            return max(1, self.guard.batch_size)
+
+        for micro in micro_batches(parts, next_size):
+            self.last_micro.append(micro.rows)
+            value, g = vg(model, *micro.data)
             counted = isinstance(value, (tuple, list))
             if by_tokens is None:
                 by_tokens = counted
@@ -336,12 +342,11 @@ class MicroBatcher:
                 weight = float(count.item() if hasattr(count, "item") else count)
                 tokens += weight
             else:
-                loss, weight = value, (stop - start) / rows
+                loss, weight = value, micro.weight
             g = tree_map(lambda x, w=weight: x * w, g)
             grads = g if grads is None else tree_map(lambda a, b: a + b, grads, g)
             loss_sum = loss_sum + loss * weight
             mx.eval(grads, loss_sum)  # the boundary: this micro-batch's graph is freed here
-            start = stop
         if by_tokens:
             if tokens <= 0:
                 raise ValueError("loss_fn counted no tokens in the whole batch")

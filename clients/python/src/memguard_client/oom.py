@@ -206,17 +206,17 @@ def build_record(
     if step is None and guard is not None:
         step = guard.last_step
     rec: Dict[str, Any] = {"version": OOM_RECORD_VERSION, "kind": kind, "outcome": outcome}
-    if _count(step) is not None:
-        rec["step"] = _count(step)
-    rec["batch_size"] = max(1, _count(batch_size) or (guard.batch_size if guard else 1))
+    if _env.non_negative_int(step) is not None:
+        rec["step"] = _env.non_negative_int(step)
+    rec["batch_size"] = max(1, _env.non_negative_int(batch_size) or (guard.batch_size if guard else 1))
     rec["grad_accumulation"] = max(
-        1, _count(grad_accumulation) or (guard.grad_accumulation if guard else 1)
+        1, _env.non_negative_int(grad_accumulation) or (guard.grad_accumulation if guard else 1)
     )
     if grad_checkpointing is None:
         grad_checkpointing = guard.grad_checkpointing if guard else False
     rec["grad_checkpointing"] = bool(grad_checkpointing)
-    if _count(new_batch_size):
-        rec["new_batch_size"] = _count(new_batch_size)
+    if _env.non_negative_int(new_batch_size):
+        rec["new_batch_size"] = _env.non_negative_int(new_batch_size)
     message = _first_oom_message(exc)
     figures = message_figures(message)
     figures.update(_live_figures(kind))
@@ -410,7 +410,7 @@ def _live_figures(kind: str) -> Dict[str, int]:
         mem = torch_memory(import_missing=False)
         if mem is not None and mem.get("framework") == "torch":
             for key in ("allocated_bytes", "reserved_bytes", "peak_bytes", "total_bytes"):
-                n = _count(mem.get(key))
+                n = _env.non_negative_int(mem.get(key))
                 if n is not None:
                     out[key] = n
         return out
@@ -423,16 +423,6 @@ def _live_figures(kind: str) -> Dict[str, int]:
     except Exception:
         pass
     return out
-
-
-def _count(value: Any) -> Optional[int]:
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        n = int(value)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return n if n >= 0 else None
 
 
 def _now_rfc3339() -> str:

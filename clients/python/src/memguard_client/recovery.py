@@ -491,3 +491,39 @@ def enable_checkpointing(model: Any) -> bool:
     except Exception as err:
         log.warning("memguard: could not enable gradient checkpointing: %s", err)
         return False
+
+
+def follow(guard: Optional[Guard], agree: bool = True, **options: Any) -> "tuple[Guard, StepRunner]":
+    """``guard`` (default: ``Guard()`` from the env) and a :class:`StepRunner` following it,
+    agreeing with the other ranks when ``agree``; ``options`` are the runner's."""
+    guard = guard if guard is not None else Guard()
+    return guard, StepRunner(guard, Agreement(agree), **options)
+
+
+def _runner_counter(name: str, doc: str) -> Any:
+    return property(lambda self: getattr(self.runner, name), doc=doc)
+
+
+class RunnerCounters:
+    """The counters of a :class:`StepRunner`, read through the object that runs it (its
+    ``runner`` attribute): what :class:`~memguard_client.torch.MicroBatcher` and the HF
+    callback report."""
+
+    runner: StepRunner
+
+    downgrades = _runner_counter(
+        "downgrades", "Steps whose agreed micro-batch size was smaller than the step before's."
+    )
+    micro_batches = _runner_counter("micro_batches", "Micro-batches run to completion.")
+    sync_each_batch = _runner_counter(
+        "sync_each_batch", "Gradients are reduced at every micro-batch (FSDP with several ranks; agreed)."
+    )
+    cache_releases = _runner_counter(
+        "cache_releases", "Times the CUDA cache was released (downgrades and OOM recoveries)."
+    )
+    oom_recoveries = _runner_counter(
+        "oom_recoveries", "Out-of-memory errors recovered in-process (this rank's or a peer's)."
+    )
+    skipped_steps = _runner_counter(
+        "skipped_steps", "Optimizer steps skipped because an OOM hit after gradients had accumulated."
+    )

@@ -35,13 +35,13 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional
 
 from .batching import MicroBatch, split_batch
-from .distributed import Agreement
 from .guard import Guard
 from .recovery import (
     DEFAULT_MAX_OOM_RETRIES,
-    StepRunner,
+    RunnerCounters,
     empty_cache,
     enable_checkpointing,
+    follow,
     grads_fresh,
     is_fsdp,
     force_sync_of,
@@ -53,7 +53,7 @@ from .recovery import (
 __all__ = ["MicroBatcher", "empty_cache"]
 
 
-class MicroBatcher:
+class MicroBatcher(RunnerCounters):
     """Splits batches by the agreed micro-batch size, with loss scaling and OOM recovery.
 
     Args:
@@ -73,21 +73,20 @@ class MicroBatcher:
         guard: Optional[Guard] = None,
         *,
         release_cache: bool = True,
+        sync_each_batch: Optional[bool] = None,
         agree: bool = True,
         recover_oom: bool = True,
         max_oom_retries: int = DEFAULT_MAX_OOM_RETRIES,
-        sync_each_batch: Optional[bool] = None,
         accelerator: Any = None,
     ) -> None:
-        self.guard = guard if guard is not None else Guard()
         self.release_cache = release_cache
         self.accelerator = accelerator
-        self.runner = StepRunner(
-            self.guard,
-            Agreement(agree),
+        self.guard, self.runner = follow(
+            guard,
+            release_cache=release_cache,
+            agree=agree,
             recover_oom=recover_oom,
             max_oom_retries=max_oom_retries,
-            release_cache=release_cache,
             sync_each_batch=sync_each_batch,
         )
         #: The last :meth:`backward` ran out of memory after gradients had accumulated: its
@@ -105,36 +104,6 @@ class MicroBatcher:
     def grad_checkpointing(self) -> bool:
         """Gradient checkpointing as agreed across ranks."""
         return self.runner.checkpointing
-
-    @property
-    def sync_each_batch(self) -> bool:
-        """Gradients are reduced at every micro-batch (FSDP with several ranks; agreed)."""
-        return self.runner.sync_each_batch
-
-    @property
-    def cache_releases(self) -> int:
-        """Times the CUDA cache was released (downgrades and OOM recoveries)."""
-        return self.runner.cache_releases
-
-    @property
-    def downgrades(self) -> int:
-        """Steps whose agreed micro-batch size was smaller than the step before's."""
-        return self.runner.downgrades
-
-    @property
-    def oom_recoveries(self) -> int:
-        """Out-of-memory errors recovered in-process (this rank's or a peer's)."""
-        return self.runner.oom_recoveries
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped because an OOM hit after gradients had accumulated."""
-        return self.runner.skipped_steps
-
-    @property
-    def micro_batches(self) -> int:
-        """Micro-batches run to completion."""
-        return self.runner.micro_batches
 
     def refresh(self, model: Any = None) -> bool:
         """Step boundary: follow the guard and agree with the other ranks (a collective when

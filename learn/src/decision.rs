@@ -1,0 +1,217 @@
+//! The budget stage of the decision, once for every caller: the webhook's admission
+//! (`memguard mutate`), `memguard estimate`, `memguard explain` and the profile controller's key.
+//! Pure: no I/O.
+//!
+//! From a resolved pod ([`TrainingPod::resolve`]: its device, DRA claims, accelerators, memory
+//! limit), [`decide`] derives the profile key ([`PodKey::of`]), the memory budget
+//! ([`crate::budget`]), what past runs teach ([`Adjustments`]), the placement
+//! ([`crate::placement`]) and the downgrade plan into the budget under the policy's floors
+//! ([`plan_into`]). Rendering the plan into a pod is the webhook's job.
+
+use crate::Adjustments;
+use crate::budget::{Budget, BudgetSource};
+use crate::key::PodKey;
+use crate::update::describe_knobs;
+use crate::warnings::truncate;
+use k8s_openapi::api::core::v1::Affinity;
+use memguard_api::annotations as keys;
+use memguard_api::crd::TrainingKnobs;
+use memguard_api::pod::{AcceleratorKind, constrains_gpu_memory, gpu_products};
+use memguard_api::policy::PlacementMode;
+use memguard_api::{Policy, TrainingPod};
+use memguard_estimator::{
+    Bytes, Calibration, Device, DowngradePlan, TrainingConfig, plan_with_floors,
+};
+
+/// Everything decided for one pod, before it is rendered.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// The profile key: the one the controller learns under and admission reads.
+    pub key: PodKey,
+    /// The budget the plan was made for (placement may have raised it); `None` for a CPU pod
+    /// without a memory limit.
+    pub budget: Option<Budget>,
+    /// The downgrade plan, from the profile's start into the budget, under the policy's floors.
+    pub plan: DowngradePlan,
+    /// What past runs of this profile taught.
+    pub adjust: Adjustments,
+    /// The pod's affinity with the placement merged in, when placement added any.
+    pub affinity: Option<Affinity>,
+    /// "cannot fit: …": the profile's verdict, or every knob at its floor and still over.
+    pub verdict: Option<String>,
+    /// Warnings on the way, each cut to size.
+    pub warnings: Vec<String>,
+}
+
+/// Decides `training` under `policy`; `adjustments` finds what past runs of a key taught (the
+/// webhook's profiles; none offline). An error is a config the estimator refuses.
+pub fn decide(
+    training: &TrainingPod,
+    policy: &Policy,
+    adjustments: impl FnOnce(&PodKey) -> Option<Adjustments>,
+) -> Result<Decision, String> {
+    let (budget, warnings) = budget(training, policy);
+    let key = PodKey::of(training);
+    let adjust = adjustments(&key).unwrap_or_default();
+    plan(training, key, budget, adjust, policy, warnings)
+}
+
+/// The memory the plan aims at ([`crate::budget`]) with the pod's safety ratio or the policy's,
+/// and the warnings on the way (the DRA reading's first).
+pub fn budget(training: &TrainingPod, policy: &Policy) -> (Option<Budget>, Vec<String>) {
+    let mut warnings = dra_warnings(training);
+    let budget = crate::budget::resolve(
+        training,
+        safety_ratio(training, policy),
+        policy,
+        &mut warnings,
+    );
+    (budget, warnings)
+}
+
+/// The DRA reading's warnings, unless `memguard.io/gpu-memory` already says how much memory
+/// there is.
+fn dra_warnings(training: &TrainingPod) -> Vec<String> {
+    if training.annotations.gpu_memory.is_some() {
+        return Vec::new();
+    }
+    training
+        .dra
+        .warnings
+        .iter()
+        .map(|w| truncate(&format!("memguard: {w}")))
+        .collect()
+}
+
+/// The pod's safety ratio (`memguard.io/safety-ratio`), else the policy's.
+pub fn safety_ratio(training: &TrainingPod, policy: &Policy) -> f64 {
+    training
+        .annotations
+        .safety_ratio
+        .unwrap_or(policy.safety_ratio)
+}
+
+/// The downgrade plan of `start` into `budget` (none: no limit) under the policy's floors: the
+/// one place the floors are read. An error is each problem the estimator found in `start`.
+pub fn plan_into(
+    start: &TrainingConfig,
+    budget: Option<Bytes>,
+    calibration: &Calibration,
+    policy: &Policy,
+) -> Result<DowngradePlan, Vec<String>> {
+    plan_with_floors(
+        start,
+        budget.unwrap_or(Bytes(u64::MAX)),
+        calibration,
+        &policy.floors,
+    )
+    .map_err(|errs| errs.iter().map(ToString::to_string).collect())
+}
+
+/// What past runs teach (a calibration, a recovery after an OOM kill), where the pod may be
+/// placed, then the downgrade plan from there into the budget.
+fn plan(
+    training: &TrainingPod,
+    key: PodKey,
+    mut budget: Option<Budget>,
+    adjust: Adjustments,
+    policy: &Policy,
+    mut warnings: Vec<String>,
+) -> Result<Decision, String> {
+    let calibration = adjust.effective_calibration();
+    let start = adjust.start(&training.config, &policy.floors);
+    if let Some(recovery) = &adjust.recovery {
+        warnings.push(truncate(&format!(
+            "memguard: recovery: {}",
+            recovery.reason
+        )));
+    }
+    let placement = match &budget {
+        Some(b) if b.source == BudgetSource::PolicyDefault && placeable(training) => {
+            crate::placement::place(
+                training.pod,
+                &start,
+                &calibration,
+                &policy.floors,
+                safety_ratio(training, policy),
+                policy,
+            )
+        }
+        _ => None,
+    };
+    if let Some(p) = &placement {
+        let bound = format!(
+            "{}>{}",
+            memguard_api::pod::NVIDIA_GPU_MEMORY_LABEL,
+            p.min_label_mib - 1
+        );
+        if policy.placement == PlacementMode::Required {
+            // Every node the affinity allows has at least this much: plan for it.
+            budget = Some(Budget::new(
+                p.device_memory,
+                safety_ratio(training, policy),
+                BudgetSource::Placement(bound.clone()),
+            ));
+        }
+        warnings.push(truncate(&format!(
+            "memguard: placement {}: node affinity {bound} (MiB)",
+            match policy.placement {
+                PlacementMode::Required => "required",
+                _ => "preferred",
+            }
+        )));
+    }
+    let plan = plan_into(
+        &start,
+        budget.as_ref().map(|b| b.bytes),
+        &calibration,
+        policy,
+    )
+    .map_err(|errs| errs.join("; "))?;
+
+    // Every knob at its floor and still over the budget: admitted anyway, at the smallest config
+    // tried, saying so (the profile's verdict, when it has one, says more).
+    let floor_verdict = budget.as_ref().filter(|_| !plan.fits).map(|b| {
+        format!(
+            "cannot fit: estimate {} exceeds budget {} with every knob at its floor; smallest \
+             config tried: {}",
+            plan.total(),
+            b.bytes,
+            describe_knobs(&TrainingKnobs::of(&plan.config))
+        )
+    });
+    let verdict = adjust.verdict.clone().or(floor_verdict);
+    if let Some(b) = &budget
+        && plan.fits
+        && !plan.steps.is_empty()
+    {
+        let names: Vec<&str> = plan.steps.iter().map(|s| s.rung.name()).collect();
+        warnings.push(truncate(&format!(
+            "memguard: downgraded to fit {} ({}); see {}",
+            b.bytes,
+            names.join(", "),
+            keys::ESTIMATE
+        )));
+    }
+    Ok(Decision {
+        key,
+        budget,
+        plan,
+        adjust,
+        affinity: placement.map(|p| p.affinity),
+        verdict,
+        warnings,
+    })
+}
+
+/// Placement applies to a pod on whole NVIDIA GPUs, not pinned to a product, not time-sliced,
+/// whose affinity says nothing of `nvidia.com/gpu.memory` yet (the user's, or memguard's from an
+/// earlier call: then the budget stage reads the bound).
+fn placeable(training: &TrainingPod) -> bool {
+    let acc = &training.accelerators;
+    training.config.device == Device::Cuda
+        && acc.kinds == [AcceleratorKind::NvidiaGpu]
+        && !acc.time_sliced
+        && gpu_products(training.pod).is_empty()
+        && !constrains_gpu_memory(training.pod)
+}

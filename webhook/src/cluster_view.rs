@@ -1,0 +1,78 @@
+//! What the decision reads of the cluster, never calling the API: the `MemoryProfile`s and the
+//! DRA objects, from the webhook's watch caches or from files.
+
+use crate::dra::DraCatalog;
+use memguard_api::crd::MemoryProfile;
+use memguard_learn::{Adjustments, PodKey, adjustments};
+use std::sync::Arc;
+
+/// A read-only view of `MemoryProfile`s: the webhook's watch cache (a kube reflector store) or
+/// profiles read from files. Lookups never call the API.
+pub trait ProfileSource: Send + Sync {
+    /// The profile `name` in `namespace`, if cached.
+    fn get(&self, namespace: &str, name: &str) -> Option<MemoryProfile>;
+}
+
+/// What the decision reads of the cluster: the `MemoryProfile`s (what memguard learnt from past
+/// runs) and the DRA objects. The webhook fills it from its watch caches
+/// ([`ClusterView::from_source`], [`ClusterView::with_dra`]); `memguard mutate --profile --dra`
+/// from files ([`ClusterView::insert`]); tests and a webhook without a cluster pass
+/// [`ClusterView::default`].
+#[derive(Clone, Default)]
+pub struct ClusterView {
+    /// ClusterView given directly, matched by key (spec), whatever their name or namespace.
+    listed: Vec<MemoryProfile>,
+    source: Option<Arc<dyn ProfileSource>>,
+    /// The DRA objects (claims, templates, classes, slices) the pod's resolution reads.
+    dra: Option<Arc<dyn DraCatalog>>,
+}
+
+impl std::fmt::Debug for ClusterView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterView")
+            .field("listed", &self.listed.len())
+            .field("source", &self.source.is_some())
+            .field("dra", &self.dra.is_some())
+            .finish()
+    }
+}
+
+impl ClusterView {
+    /// ClusterView looked up in `source` by namespace and object name.
+    pub fn from_source(source: Arc<dyn ProfileSource>) -> Self {
+        ClusterView {
+            listed: Vec::new(),
+            source: Some(source),
+            dra: None,
+        }
+    }
+
+    /// The same, reading DRA objects from `catalog` (the webhook's watch caches, or
+    /// `memguard mutate --dra`).
+    pub fn with_dra(mut self, catalog: Arc<dyn DraCatalog>) -> Self {
+        self.dra = Some(catalog);
+        self
+    }
+
+    /// The DRA catalog, when there is one.
+    pub fn dra(&self) -> Option<&dyn DraCatalog> {
+        self.dra.as_deref()
+    }
+
+    /// Adds a profile; it applies to every pod with its key (`spec`).
+    pub fn insert(&mut self, profile: MemoryProfile) {
+        self.listed.push(profile);
+    }
+
+    /// The adjustments for a pod with `key` in `namespace`: from the first listed profile with
+    /// that key, else from the source's profile named after the key (when its spec matches:
+    /// a profile edited into another key adjusts nothing).
+    pub fn adjustments(&self, namespace: Option<&str>, key: &PodKey) -> Option<Adjustments> {
+        let status = |p: &MemoryProfile| adjustments(&p.status.clone().unwrap_or_default());
+        if let Some(p) = self.listed.iter().find(|p| p.spec == key.spec) {
+            return Some(status(p));
+        }
+        let found = self.source.as_ref()?.get(namespace?, &key.name)?;
+        (found.spec == key.spec).then(|| status(&found))
+    }
+}
