@@ -89,12 +89,23 @@ pub struct Args {
         default_value = "json"
     )]
     pub log_format: LogFormat,
-    /// Exit (writing the summary) when the watched cgroup empties after having held a process.
+    /// Exit (writing the summary) when the watched cgroup empties after having held a process;
+    /// after an OOM death, only once no restarted trainer appeared within `--restart-wait`.
     #[arg(long, env = env::SIDECAR_EXIT_WHEN_EMPTY, default_value = "true", value_parser = parse_bool, action = clap::ArgAction::Set)]
     pub exit_when_empty: bool,
     /// Register kernel events (cgroup v1 thresholds, PSI triggers, inotify); the poll always runs.
     #[arg(long, env = env::SIDECAR_EVENTS, default_value = "true", value_parser = parse_bool, action = clap::ArgAction::Set)]
     pub events: bool,
+    /// After the trainer died of an OOM (a kill counted, or a fatal OOM it reported), how long
+    /// to wait for its in-place restart (`restartPolicy: OnFailure`/`Always`) before exiting.
+    /// The kubelet's restart back-off is at most 5 minutes.
+    #[arg(long, env = env::SIDECAR_RESTART_WAIT, default_value = "330s", value_parser = parse_duration)]
+    pub restart_wait: Duration,
+    /// cgroup v1: reset `memory.max_usage_in_bytes` after each sample, for the exact peak
+    /// between samples. Off by default: the counter is global (cAdvisor exports it as
+    /// `container_memory_max_usage_bytes`), and resetting it rewrites everyone's peak.
+    #[arg(long, env = env::SIDECAR_RESET_V1_PEAK, default_value = "false", value_parser = parse_bool, action = clap::ArgAction::Set)]
+    pub reset_v1_peak: bool,
 }
 
 impl Args {

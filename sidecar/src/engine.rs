@@ -37,7 +37,12 @@ pub struct Engine {
     write_failing: bool,
     pending_write: bool,
     errors_logged: u64,
-    oom_kill_seen: Option<u64>,
+    /// The cgroup (its directory's inode, when known) and its `oom_kill` counter at the last
+    /// sample: a restarted trainer's new cgroup counts from 0.
+    oom_baseline: Option<(Option<u64>, u64)>,
+    /// The trainer now watched (or the one that just left) died of an OOM: a kill counted in
+    /// its cgroup, or a fatal OOM record it reported.
+    trainer_oom: bool,
     waiting_for_trainer: bool,
 }
 
@@ -101,7 +106,8 @@ impl Engine {
             write_failing: false,
             pending_write: true,
             errors_logged: 0,
-            oom_kill_seen: None,
+            oom_baseline: None,
+            trainer_oom: false,
             waiting_for_trainer: false,
         }
     }
@@ -116,15 +122,27 @@ impl Engine {
     ) -> Option<(pressure::State, String)> {
         let mut out: Option<(pressure::State, String)> = None;
         if let Some(k) = sample.and_then(|s| s.events.oom_kill) {
-            let before = self.oom_kill_seen.replace(k);
-            if let Some(b) = before.filter(|b| k > *b) {
+            let cgroup = self.cgroup_identity();
+            let before = match self.oom_baseline.replace((cgroup, k)) {
+                // The first cgroup seen: kills before the sidecar started are not this run's.
+                None => k,
+                Some((seen, b)) if seen == cgroup => b,
+                // A new cgroup (the trainer restarted in place): all of its kills are new.
+                Some(_) => 0,
+            };
+            if k > before {
+                self.shared.status().oom_kills += k - before;
+                self.trainer_oom = true;
                 let next = pressure::sticky_downgrade(state, self.state.knobs(), None, now_ms);
-                let why = format!("OOM kill in the trainer's cgroup (oom_kill {b} -> {k})");
+                let why = format!("OOM kill in the trainer's cgroup (oom_kill {before} -> {k})");
                 out = Some((next, why));
             }
         }
         let record = self.shared.status().pending_oom.take();
         if let Some(r) = record {
+            if r.outcome == memguard_api::oom::OomOutcome::Fatal {
+                self.trainer_oom = true;
+            }
             let base = out.as_ref().map_or(state, |(s, _)| s).clone();
             let in_force = pressure::Knobs {
                 batch_size: r.batch_size.max(1),
@@ -153,6 +171,39 @@ impl Engine {
             tracing::warn!(reason = %what, "out of memory");
             (next, what)
         })
+    }
+
+    /// The inode of the trainer's cgroup directory: a cgroup created again under the same
+    /// name (a container restarted in place) has a new one.
+    fn cgroup_identity(&self) -> Option<u64> {
+        use std::os::unix::fs::MetadataExt;
+        let dir = self.source.cgroup_dir()?;
+        std::fs::metadata(dir).ok().map(|m| m.ino())
+    }
+
+    /// The trainer left: look for it again (a restart in place brings a new process and cgroup).
+    /// Ask [`trainer_died_of_oom`](Self::trainer_died_of_oom) first: this forgets it.
+    pub fn trainer_left(&mut self) {
+        self.source.forget();
+        self.trainer_oom = false;
+        self.seen_sample = false;
+        self.seen_populated = false;
+    }
+
+    /// The trainer that just left (or the one watched) died of an OOM (a kill counted in its cgroup,
+    /// or a fatal OOM record it reported): a restart in place is to be expected.
+    pub fn trainer_died_of_oom(&self) -> bool {
+        self.trainer_oom
+    }
+
+    /// A trainer is being watched (a sample was read since it was found).
+    pub fn has_trainer(&self) -> bool {
+        self.seen_sample
+    }
+
+    /// The pidfd of a trainer just found, once (see [`MemorySource::take_exit_watch`]).
+    pub fn take_exit_watch(&mut self) -> Option<std::os::fd::OwnedFd> {
+        self.source.take_exit_watch()
     }
 
     /// The trainer's cgroup directory, once the source knows it.
@@ -335,10 +386,6 @@ impl Engine {
         }
         if let Some(g) = r.gpu_used {
             st.gpu_peak = Some(st.gpu_peak.map_or(g, |p| p.max(g)));
-        }
-        if let Some(k) = r.sample.as_ref().and_then(|s| s.events.oom_kill) {
-            st.oom_kill_start.get_or_insert(k);
-            st.oom_kill_now = Some(k);
         }
         st.downgrades = self.state.downgrades;
         st.sticky_batch_size = self.state.sticky.map(|k| k.batch_size);

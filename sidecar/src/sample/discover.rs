@@ -4,6 +4,7 @@
 use super::cgroup::CgroupSource;
 use super::procfs::{RssSource, View, find_trainer, trainer_cgroup};
 use super::{MemorySample, MemorySource, SampleError, SourceInfo};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 /// What the summed-RSS fallback cannot see, for the log.
@@ -15,13 +16,18 @@ between samples; the limit is the downward-API one";
 pub struct DirSource {
     dir: PathBuf,
     inner: Option<CgroupSource>,
+    reset_v1: bool,
 }
 
 impl DirSource {
-    /// Watches `dir`.
-    pub fn new(dir: PathBuf) -> Self {
-        let inner = CgroupSource::detect(dir.clone());
-        DirSource { dir, inner }
+    /// Watches `dir`; `reset_v1` allows the v1 peak reset (`--reset-v1-peak`).
+    pub fn new(dir: PathBuf, reset_v1: bool) -> Self {
+        let inner = CgroupSource::detect(dir.clone()).map(|s| s.with_v1_reset(reset_v1));
+        DirSource {
+            dir,
+            inner,
+            reset_v1,
+        }
     }
 
     /// The detected source, once there is one.
@@ -33,7 +39,8 @@ impl DirSource {
 impl MemorySource for DirSource {
     fn sample(&mut self) -> Result<Option<MemorySample>, SampleError> {
         if self.inner.is_none() {
-            self.inner = CgroupSource::detect(self.dir.clone());
+            self.inner =
+                CgroupSource::detect(self.dir.clone()).map(|s| s.with_v1_reset(self.reset_v1));
         }
         match &mut self.inner {
             Some(s) => s.sample(),
@@ -63,10 +70,41 @@ impl MemorySource for DirSource {
     }
 }
 
-/// A discovered cgroup with the view it was reached through.
+/// A discovered cgroup with the view it was reached through. Its directory is held open and
+/// read through `/proc/self/fd/<n>`: the path through `/proc/<pid>/root` dies with the trainer's
+/// last process, the open directory lives until the runtime removes the cgroup, so the counters
+/// of a trainer that was just OOM-killed can still be read.
 struct Discovered {
     inner: CgroupSource,
     view: View,
+    /// The directory as found (for the log); `inner` reads through the held descriptor.
+    found: PathBuf,
+    _held: Option<OwnedFd>,
+}
+
+impl Discovered {
+    fn new(found: CgroupSource, view: View, reset_v1: bool) -> Self {
+        let path = found.dir().to_path_buf();
+        let held = rustix::fs::open(
+            &path,
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .ok();
+        let through_fd = held.as_ref().and_then(|fd| {
+            CgroupSource::detect(PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd())))
+        });
+        let (inner, held) = match through_fd {
+            Some(src) => (src, held),
+            None => (found, None),
+        };
+        Discovered {
+            inner: inner.with_v1_reset(reset_v1),
+            view,
+            found: path,
+            _held: held,
+        }
+    }
 }
 
 impl MemorySource for Discovered {
@@ -75,7 +113,12 @@ impl MemorySource for Discovered {
     }
 
     fn describe(&self) -> String {
-        format!("{} (via {})", self.inner.describe(), self.view.name())
+        format!(
+            "cgroup-{} {} (via {})",
+            self.inner.mode().name(),
+            self.found.display(),
+            self.view.name()
+        )
     }
 
     fn info(&self) -> SourceInfo {
@@ -99,6 +142,8 @@ pub struct TrainerSource {
     retry_every: u32,
     calls: u32,
     inner: Option<Box<dyn MemorySource>>,
+    reset_v1: bool,
+    exit_watch: Option<OwnedFd>,
 }
 
 impl TrainerSource {
@@ -111,7 +156,15 @@ impl TrainerSource {
             retry_every: retry_every.max(1),
             calls: 0,
             inner: None,
+            reset_v1: false,
+            exit_watch: None,
         }
+    }
+
+    /// Allows the v1 peak reset on the cgroup found (`--reset-v1-peak`).
+    pub fn with_v1_reset(mut self, on: bool) -> Self {
+        self.reset_v1 = on;
+        self
     }
 
     fn discover(&mut self) {
@@ -122,7 +175,7 @@ impl TrainerSource {
         let src: Box<dyn MemorySource> = match trainer_cgroup(&self.proc_root, self.self_pid, first)
         {
             Ok((inner, view)) => {
-                let src = Discovered { inner, view };
+                let src = Discovered::new(inner, view, self.reset_v1);
                 tracing::info!(
                     pid = first,
                     source = %src.describe(),
@@ -147,6 +200,13 @@ impl TrainerSource {
             }
         };
         self.inner = Some(src);
+        // Only pids of the real procfs name real processes (tests pass a fake tree).
+        if self.proc_root == Path::new("/proc") {
+            self.exit_watch = rustix::process::Pid::from_raw(first as i32)
+                .and_then(|pid| {
+                    rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
+                });
+        }
     }
 }
 
@@ -178,6 +238,16 @@ impl MemorySource for TrainerSource {
     fn cgroup_dir(&self) -> Option<&Path> {
         self.inner.as_ref().and_then(|s| s.cgroup_dir())
     }
+
+    fn forget(&mut self) {
+        self.inner = None;
+        self.exit_watch = None;
+        self.calls = 0;
+    }
+
+    fn take_exit_watch(&mut self) -> Option<OwnedFd> {
+        self.exit_watch.take()
+    }
 }
 
 #[cfg(test)]
@@ -189,7 +259,7 @@ mod tests {
     fn a_directory_that_appears_later_is_picked_up() {
         let dir = tempfile::tempdir().expect("tempdir");
         let cg = dir.path().join("trainer");
-        let mut src = DirSource::new(cg.clone());
+        let mut src = DirSource::new(cg.clone(), false);
         assert!(src.sample().expect("ok").is_none());
         fs::create_dir(&cg).expect("mkdir");
         fs::write(cg.join("memory.current"), "4096\n").expect("w");
