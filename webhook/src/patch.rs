@@ -49,7 +49,8 @@ pub fn build(pod: &Pod, outcome: &Outcome) -> Patch {
 /// Pod Security level it did not already need.
 #[derive(Debug, Clone, PartialEq)]
 pub enum SidecarIdentity {
-    /// The trainer's non-root uid, and its gid when the pod says it: no capabilities.
+    /// The trainer's non-root uid, and its gid (the pod's, else 0, what the runtime gives a uid
+    /// its image does not list): no capabilities.
     TrainerUser {
         /// `runAsUser` of the trainer (container, else pod).
         uid: i64,
@@ -114,9 +115,10 @@ impl SidecarIdentity {
             SidecarIdentity::TrainerUser { uid, gid } => {
                 sc["runAsNonRoot"] = json!(true);
                 sc["runAsUser"] = json!(uid);
-                if let Some(gid) = gid {
-                    sc["runAsGroup"] = json!(gid);
-                }
+                // Always a group: left out, each container would take its own image's group for
+                // the uid (65532 in ours), and ptrace-read access needs the gids to match. A
+                // trainer with no runAsGroup whose image does not list its uid runs as gid 0.
+                sc["runAsGroup"] = json!(gid.unwrap_or(0));
                 sc["capabilities"] = json!({"drop": ["ALL"]});
             }
             SidecarIdentity::Root { gid, capabilities } => {
