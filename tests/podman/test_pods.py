@@ -158,6 +158,10 @@ def run_guarded(name: str, security: Optional[Dict[str, Any]], kills: int, tmp: 
             "trainer_state": pod.state("train"),
             "sidecar_state": pod.state("memguard-sidecar"),
             "restarts": pod.restarts("train"),
+            "sidecar_log": [
+                {k: v for k, v in e.items() if k in ("message", "pid", "reason", "why", "exit_reason")}
+                for e in pod.logs("memguard-sidecar")
+            ],
         }
     return seen
 
@@ -207,12 +211,15 @@ def test_an_oom_killed_trainer_is_counted_and_restarts_smaller_under_the_same_si
     summary = seen["summary"]
     assert summary["oom_events"] == seen["kernel_kills"], summary
     assert summary["limit_bytes"] == 512 * MIB, summary
-    assert summary["sticky_batch_size"] == 4, summary
     assert summary["exit_reason"] == "trainer-exited", summary
-    assert starts[0]["batch"] == 8 and starts[1]["batch"] == 4, starts
-    assert starts[1]["accumulation"] == 2, "the effective batch is kept"
+    # The restart began at the sticky batch (one rung below what was in force at the kill: the
+    # sidecar may have downgraded during the spike's climb already), the effective batch kept.
+    sticky = summary["sticky_batch_size"]
+    assert starts[0]["batch"] == 8 and sticky is not None and sticky < 8, (starts, summary)
+    assert starts[1]["batch"] == sticky, (starts, summary)
+    assert starts[1]["batch"] * starts[1]["accumulation"] == 8, "the effective batch is kept"
     done = [e for e in seen["trainer"] if e["event"] == "done"]
-    assert done and done[0]["batch"] == 4
+    assert done and done[0]["batch"] <= sticky
     assert seen["trainer_state"].get("ExitCode") == 0
 
 
@@ -226,6 +233,6 @@ def test_every_kill_of_a_trainer_killed_again_and_again_is_counted(runtime):
         seen = run_guarded("mgtest-kills", {"runAsUser": 1000, "runAsGroup": 1000}, kills=kills, tmp=tmp)
     starts = [e for e in seen["trainer"] if e["event"] == "start"]
     assert seen["kernel_kills"] == kills and len(starts) == kills + 1, (seen["kernel_kills"], starts)
-    assert seen["summary"]["oom_events"] == kills, seen["summary"]
-    # Each kill stepped one rung further down: 8 → 4 → 2 → 1 → checkpointing (→ stays there).
-    assert starts[-1]["batch"] == 1, starts[-1]
+    assert seen["summary"]["oom_events"] == kills, (seen["summary"], seen["sidecar_log"], starts)
+    # Each kill stepped at least one rung further down: 8 → 4 → 2 → 1 → checkpointing.
+    assert starts[-1]["batch"] == 1 and seen["summary"]["sticky_batch_size"] == 1, starts[-1]

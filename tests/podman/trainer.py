@@ -47,6 +47,8 @@ def main() -> int:
     grow = int(os.environ.get("GROW_MIB", "0")) * MIB
     pause = float(os.environ.get("STEP_SECONDS", "0.3"))
     shape = os.environ.get("SHAPE", "spike")
+    # What a real trainer spends importing torch and loading its model before the first step.
+    time.sleep(float(os.environ.get("STARTUP_SECONDS", "1")))
     log("start", batch=start_batch, accumulation=guard.grad_accumulation, seq=guard.seq,
         shape=shape, ignore=ignore, attempt=starts + 1)
     base = b""

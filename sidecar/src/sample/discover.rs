@@ -133,6 +133,9 @@ impl MemorySource for Discovered {
     }
 }
 
+/// Samples during which a trainer whose cgroup cannot be read is tried again (3 s at 100 ms).
+const CGROUP_RETRIES: u32 = 30;
+
 /// The trainer found through the shared process namespace: its cgroup when readable, else its
 /// summed RSS against the downward-API limit. Looks again every `retry_every` samples until found.
 pub struct TrainerSource {
@@ -144,6 +147,8 @@ pub struct TrainerSource {
     inner: Option<Box<dyn MemorySource>>,
     reset_v1: bool,
     exit_watch: Option<OwnedFd>,
+    /// The trainer's pid, the tries left and the last reason, while its cgroup is retried.
+    cgroup_retry: Option<(u32, u32, String)>,
 }
 
 impl TrainerSource {
@@ -158,6 +163,43 @@ impl TrainerSource {
             inner: None,
             reset_v1: false,
             exit_watch: None,
+            cgroup_retry: None,
+        }
+    }
+
+    fn reading_cgroup(&self, pid: u32, found: CgroupSource, view: View) -> Box<dyn MemorySource> {
+        let src = Discovered::new(found, view, self.reset_v1);
+        tracing::info!(
+            pid,
+            source = %src.describe(),
+            kind = src.info().kind,
+            view = src.info().view,
+            "found the trainer; reading its own cgroup"
+        );
+        Box::new(src)
+    }
+
+    /// One more try at the cgroup of a trainer read through RSS meanwhile; the fallback is
+    /// logged (warn) when the tries run out.
+    fn retry_cgroup(&mut self) {
+        let Some((pid, left, why)) = self.cgroup_retry.take() else {
+            return;
+        };
+        match trainer_cgroup(&self.proc_root, self.self_pid, pid) {
+            Ok((found, view)) => self.inner = Some(self.reading_cgroup(pid, found, view)),
+            Err(why) if left > 1 => self.cgroup_retry = Some((pid, left - 1, why)),
+            Err(_) => {
+                let source = self.inner.as_ref().map(|s| s.describe()).unwrap_or_default();
+                tracing::warn!(
+                    pid,
+                    %source,
+                    kind = "rss",
+                    %why,
+                    lost = RSS_LOSES,
+                    "found the trainer but not its cgroup; falling back to summed RSS \
+                     (give the sidecar the trainer's uid/gid, see docs/sidecar.md)"
+                );
+            }
         }
     }
 
@@ -174,28 +216,14 @@ impl TrainerSource {
         };
         let src: Box<dyn MemorySource> = match trainer_cgroup(&self.proc_root, self.self_pid, first)
         {
-            Ok((inner, view)) => {
-                let src = Discovered::new(inner, view, self.reset_v1);
-                tracing::info!(
-                    pid = first,
-                    source = %src.describe(),
-                    kind = src.info().kind,
-                    view = src.info().view,
-                    "found the trainer; reading its own cgroup"
-                );
-                Box::new(src)
-            }
+            Ok((inner, view)) => self.reading_cgroup(first, inner, view),
             Err(why) => {
                 let src = RssSource::new(self.proc_root.clone(), pids, self.limit);
-                tracing::warn!(
-                    pid = first,
-                    source = %src.describe(),
-                    kind = "rss",
-                    %why,
-                    lost = RSS_LOSES,
-                    "found the trainer but not its cgroup; falling back to summed RSS \
-                     (give the sidecar the trainer's uid/gid, see docs/sidecar.md)"
-                );
+                // A process caught while the runtime still sets it up (runc's init, as root and
+                // not dumpable, before it becomes the trainer's uid) cannot be read yet: try
+                // again for a while before settling for RSS.
+                tracing::info!(pid = first, %why, "found the trainer, not its cgroup yet; trying again");
+                self.cgroup_retry = Some((first, CGROUP_RETRIES, why));
                 Box::new(src)
             }
         };
@@ -217,6 +245,8 @@ impl MemorySource for TrainerSource {
                 self.discover();
             }
             self.calls = self.calls.wrapping_add(1);
+        } else {
+            self.retry_cgroup();
         }
         match &mut self.inner {
             Some(s) => s.sample(),
@@ -242,7 +272,11 @@ impl MemorySource for TrainerSource {
     fn forget(&mut self) {
         self.inner = None;
         self.exit_watch = None;
+        self.cgroup_retry = None;
         self.calls = 0;
+        // A restart in place follows at once: look at every sample, or a restarted trainer
+        // killed again within the retry period would be killed unseen.
+        self.retry_every = 1;
     }
 
     fn take_exit_watch(&mut self) -> Option<OwnedFd> {
