@@ -37,12 +37,17 @@ for kind in rust distroless; do
   bash "$root/scripts/image-bases.sh" "$kind" "$rust_version"
 done
 
+old=$(podman image inspect --format '{{.Id}}' "$tag" 2>/dev/null || true)
 start=$SECONDS
 # --network host: the build stage fetches crates (crates.io) with cargo. --pull-never: the bases
 # are local now. The cargo registry and target directory are cache mounts (Dockerfile), kept by
-# buildah between builds, so a rebuild compiles only what changed.
-buildah bud --quiet --pull-never --network host --layers \
+# buildah between builds, so a rebuild compiles only what changed; no intermediate layers are
+# kept (the build stage is 1 GB).
+buildah bud --quiet --pull-never --network host --force-rm \
   --build-arg RUST_VERSION="$rust_version" \
   -f "$root/Dockerfile" -t "$tag" "$root" >/dev/null
+# The image this tag named before, now untagged: removed (a rebuild leaves no 50 MB orphan).
+new=$(podman image inspect --format '{{.Id}}' "$tag")
+if [[ -n $old && $old != "$new" ]]; then podman rmi "$old" >/dev/null 2>&1 || true; fi
 size=$(podman image inspect --format '{{.Size}}' "$tag")
 echo "build-image: built $tag in $((SECONDS - start)) s: $((size / 1024 / 1024)) MiB ($size bytes)"

@@ -45,13 +45,15 @@ fn open_source(config: &Config) -> (Box<dyn MemorySource>, Option<PathBuf>) {
             (Box::new(src), Some(dir.clone()))
         }
         None => (
-            Box::new(TrainerSource::new(
-                a.proc_root.clone(),
-                std::process::id(),
-                config.trainer_memory_limit,
-                10,
-            )
-            .with_v1_reset(a.reset_v1_peak)),
+            Box::new(
+                TrainerSource::new(
+                    a.proc_root.clone(),
+                    std::process::id(),
+                    config.trainer_memory_limit,
+                    10,
+                )
+                .with_v1_reset(a.reset_v1_peak),
+            ),
             None,
         ),
     }

@@ -70,7 +70,8 @@ impl Status {
     /// OOM kills in the cgroup since the sidecar started watching.
     pub fn oom_events(&self) -> u64 {
         self.oom_kills
-    }}
+    }
+}
 
 impl Status {
     /// OOM records reported, all kinds and outcomes.

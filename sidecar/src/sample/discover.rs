@@ -87,7 +87,9 @@ impl Discovered {
         let path = found.dir().to_path_buf();
         let held = rustix::fs::open(
             &path,
-            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::OFlags::RDONLY
+                | rustix::fs::OFlags::DIRECTORY
+                | rustix::fs::OFlags::CLOEXEC,
             rustix::fs::Mode::empty(),
         )
         .ok();
@@ -189,7 +191,11 @@ impl TrainerSource {
             Ok((found, view)) => self.inner = Some(self.reading_cgroup(pid, found, view)),
             Err(why) if left > 1 => self.cgroup_retry = Some((pid, left - 1, why)),
             Err(_) => {
-                let source = self.inner.as_ref().map(|s| s.describe()).unwrap_or_default();
+                let source = self
+                    .inner
+                    .as_ref()
+                    .map(|s| s.describe())
+                    .unwrap_or_default();
                 tracing::warn!(
                     pid,
                     %source,
@@ -230,10 +236,9 @@ impl TrainerSource {
         self.inner = Some(src);
         // Only pids of the real procfs name real processes (tests pass a fake tree).
         if self.proc_root == Path::new("/proc") {
-            self.exit_watch = rustix::process::Pid::from_raw(first as i32)
-                .and_then(|pid| {
-                    rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
-                });
+            self.exit_watch = rustix::process::Pid::from_raw(first as i32).and_then(|pid| {
+                rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
+            });
         }
     }
 }

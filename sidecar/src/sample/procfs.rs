@@ -359,7 +359,10 @@ RssAnon:\t  500000 kB\nThreads:\t12\n";
         let root = dir.path();
         proc_entry(root, 1, "catatonit", "0::/pod/infra\n", 900);
         proc_entry(root, 7, "memguard-sidecar", "0::/pod/sidecar\n", 5000);
-        assert!(find_trainer(root, 7).is_empty(), "PID 1 is the infra process");
+        assert!(
+            find_trainer(root, 7).is_empty(),
+            "PID 1 is the infra process"
+        );
         proc_entry(root, 3, "pause", "0::/pod/infra2\n", 900);
         assert!(find_trainer(root, 7).is_empty(), "pause, wherever it runs");
         proc_entry(root, 40, "python3", "0::/pod/trainer\n", 100);
