@@ -42,8 +42,8 @@ start=$SECONDS
 # --network host: the build stage fetches crates (crates.io) with cargo. --pull-never: the bases
 # are local now. The cargo registry and target directory are cache mounts (Dockerfile), kept by
 # buildah between builds, so a rebuild compiles only what changed; no intermediate layers are
-# kept (the build stage is 1 GB).
-buildah bud --quiet --pull-never --network host --force-rm \
+# kept (`--no-cache`: the build stage is 1 GB), and a failed build leaves no container behind.
+buildah bud --quiet --pull-never --network host --no-cache --force-rm \
   --build-arg RUST_VERSION="$rust_version" \
   -f "$root/Dockerfile" -t "$tag" "$root" >/dev/null
 # The image this tag named before, now untagged: removed (a rebuild leaves no 50 MB orphan).

@@ -633,6 +633,93 @@ mod tests {
         assert_eq!(shared.status().sticky_batch_size, Some(4));
     }
 
+    /// Scripted memory read from a cgroup directory that is created anew at each restart
+    /// (`forget`), as a runtime recreates a restarted container's cgroup.
+    struct Restarting {
+        script: Script,
+        dirs: Vec<std::path::PathBuf>,
+        at: usize,
+    }
+
+    impl MemorySource for Restarting {
+        fn sample(&mut self) -> Result<Option<MemorySample>, SampleError> {
+            self.script.sample()
+        }
+        fn describe(&self) -> String {
+            "restarting".into()
+        }
+        fn cgroup_dir(&self) -> Option<&Path> {
+            self.dirs.get(self.at).map(|d| d.as_path())
+        }
+        fn forget(&mut self) {
+            self.at += 1;
+        }
+    }
+
+    #[test]
+    fn each_kill_of_a_trainer_restarted_in_new_cgroups_is_counted_once() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dirs: Vec<_> = (0..3).map(|i| tmp.path().join(format!("cg{i}"))).collect();
+        for d in &dirs {
+            std::fs::create_dir(d).expect("mkdir");
+        }
+        let shared = Arc::new(Shared::new(Signal::initial(8, 1, false)));
+        let script = Script(vec![
+            // The first cgroup, seen with 2 kills from before the sidecar: not this run's.
+            killed(100, 2, true),
+            killed(0, 3, false),
+            // The restart's new cgroup: its counter starts at 0; it was killed before it was
+            // first sampled, and once more later.
+            killed(100, 1, true),
+            killed(100, 1, true),
+            killed(0, 2, false),
+            // The third cgroup: no kill, it finishes.
+            killed(100, 0, true),
+            killed(0, 0, false),
+        ]);
+        let mut e = Engine::new(
+            Box::new(Restarting {
+                script,
+                dirs,
+                at: 0,
+            }),
+            Box::new(FakeGpu(Ok(vec![]))),
+            PsiPaths::default(),
+            PressureConfig::new(Thresholds::default()),
+            SignalWriter::new(tmp.path().join("signal.json")),
+            shared.clone(),
+        );
+        let mut t = 0;
+        let mut step = |e: &mut Engine| {
+            t += 100;
+            e.tick(t)
+        };
+        assert_eq!(step(&mut e), Tick::Running);
+        assert_eq!(step(&mut e), Tick::TrainerGone);
+        assert!(e.trainer_died_of_oom(), "3 -> 4 in its cgroup");
+        e.trainer_left();
+        assert!(!e.has_trainer() && !e.trainer_died_of_oom());
+        assert_eq!(step(&mut e), Tick::Running);
+        assert_eq!(
+            shared.status().oom_kills,
+            2,
+            "the new cgroup's first kill counts"
+        );
+        assert_eq!(step(&mut e), Tick::Running);
+        assert_eq!(step(&mut e), Tick::TrainerGone);
+        assert_eq!(shared.status().oom_kills, 3);
+        e.trainer_left();
+        assert_eq!(step(&mut e), Tick::Running);
+        assert_eq!(step(&mut e), Tick::TrainerGone);
+        assert!(!e.trainer_died_of_oom(), "the last start finished");
+        assert_eq!(shared.status().oom_events(), 3);
+        assert_eq!(
+            shared.status().sticky_batch_size,
+            Some(1),
+            "8 -> 4 -> 2 -> 1"
+        );
+    }
+
     #[test]
     fn a_reported_oom_record_writes_a_sticky_downgrade_below_the_trainers_config() {
         let dir = tempfile::tempdir().expect("tempdir");
