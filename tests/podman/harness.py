@@ -42,8 +42,8 @@ def run(*cmd: str, check: bool = True, timeout: float = 120, **kw: Any) -> subpr
     return p
 
 
-def podman(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-    return run("podman", *args, check=check, timeout=timeout)
+def podman(*args: str, check: bool = True, timeout: float = 120, **kw: Any) -> subprocess.CompletedProcess:
+    return run("podman", *args, check=check, timeout=timeout, **kw)
 
 
 def missing_runtime() -> Optional[str]:
@@ -148,7 +148,9 @@ class Pod:
         podman("pod", "rm", "-f", self.name, check=False)
         path = self.workdir / "pod.json"
         path.write_text(json.dumps(self.manifest))
-        podman("kube", "play", str(path))
+        # In the pod's own directory: conmon inherits it and drops an `oom` file there when the
+        # kernel OOM-kills a container.
+        podman("kube", "play", str(path), cwd=self.workdir)
         return self
 
     def __exit__(self, *exc: object) -> None:
