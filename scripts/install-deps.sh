@@ -14,7 +14,8 @@ command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
 # The container runtime of the image build and the pod tests (scripts/build-image.sh,
 # tests/podman): podman + runc (crun refuses hybrid cgroups), buildah, catatonit (podman's pod
 # infra process), debootstrap (the image's build base where the registries cannot be reached).
-for tool in podman buildah runc catatonit debootstrap; do
+# openssl: the webhook container's CA and serving certificate (tests/podman/test_prometheus.py).
+for tool in podman buildah runc catatonit debootstrap openssl; do
   command -v "$tool" >/dev/null 2>&1 || need_apt+=("$tool")
 done
 if ((${#need_apt[@]})); then
@@ -31,6 +32,8 @@ py_missing=()
 python3 -c 'import pytest' 2>/dev/null || py_missing+=(pytest)
 python3 -c 'import numpy' 2>/dev/null || py_missing+=(numpy)
 python3 -c 'import jsonschema' 2>/dev/null || py_missing+=(jsonschema)
+# The chart's rendered PrometheusRule, read by the Prometheus pod test (tests/podman).
+python3 -c 'import yaml' 2>/dev/null || py_missing+=(pyyaml)
 # Property-based fuzzing of the Python client's readers (clients/python/tests/test_readers_fuzz.py).
 python3 -c 'import hypothesis' 2>/dev/null || py_missing+=(hypothesis==6.170.15)
 command -v kubernetes-validate >/dev/null 2>&1 || py_missing+=(kubernetes-validate)

@@ -82,6 +82,10 @@ pub const SIDECAR_EXIT_WHEN_EMPTY: &str = "MEMGUARD_SIDECAR_EXIT_WHEN_EMPTY";
 pub const SIDECAR_EVENTS: &str = "MEMGUARD_SIDECAR_EVENTS";
 /// Sidecar: how long to wait for an OOM-killed trainer's in-place restart (`--restart-wait`).
 pub const SIDECAR_RESTART_WAIT: &str = "MEMGUARD_SIDECAR_RESTART_WAIT";
+/// Sidecar: the pod's `restartPolicy` (`--pod-restart-policy`), written by the webhook: after an
+/// OOM death the sidecar waits for an in-place restart only when one can come (`Always`,
+/// `OnFailure`), and exits at once under `Never`.
+pub const SIDECAR_POD_RESTART_POLICY: &str = "MEMGUARD_SIDECAR_POD_RESTART_POLICY";
 /// Sidecar: reset cgroup v1 `memory.max_usage_in_bytes` after each sample (`--reset-v1-peak`).
 pub const SIDECAR_RESET_V1_PEAK: &str = "MEMGUARD_SIDECAR_RESET_V1_PEAK";
 
@@ -110,6 +114,7 @@ pub const SIDECAR_VARS: &[&str] = &[
     SIDECAR_EXIT_WHEN_EMPTY,
     SIDECAR_EVENTS,
     SIDECAR_RESTART_WAIT,
+    SIDECAR_POD_RESTART_POLICY,
     SIDECAR_RESET_V1_PEAK,
 ];
 

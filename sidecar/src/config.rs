@@ -18,6 +18,27 @@ pub const MAX_BATCH: u64 = 1 << 20;
 /// Log output format (shared with the webhook).
 pub use memguard_runtime::LogFormat;
 
+/// A pod's `restartPolicy`, spelt as Kubernetes spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PodRestartPolicy {
+    /// Every container is restarted whenever it ends (Kubernetes' default).
+    #[value(name = "Always")]
+    Always,
+    /// A container is restarted when it fails (an OOM kill is a failure).
+    #[value(name = "OnFailure")]
+    OnFailure,
+    /// No container is ever restarted.
+    #[value(name = "Never")]
+    Never,
+}
+
+impl PodRestartPolicy {
+    /// Whether a container that died of an OOM kill (a failure) is restarted in place.
+    pub fn restarts_after_failure(self) -> bool {
+        self != PodRestartPolicy::Never
+    }
+}
+
 /// The flags of `memguard-sidecar`.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "memguard-sidecar", version, about = "memguard per-pod sidecar")]
@@ -101,6 +122,11 @@ pub struct Args {
     /// The kubelet's restart back-off is at most 5 minutes.
     #[arg(long, env = env::SIDECAR_RESTART_WAIT, default_value = "330s", value_parser = parse_duration)]
     pub restart_wait: Duration,
+    /// The pod's `restartPolicy`, which the webhook writes: under `Never` no in-place restart
+    /// can come, so the sidecar exits at once after an OOM death instead of waiting
+    /// `--restart-wait`. Left out: `Always`, Kubernetes' own default.
+    #[arg(long, env = env::SIDECAR_POD_RESTART_POLICY, value_enum, default_value = "Always")]
+    pub pod_restart_policy: PodRestartPolicy,
     /// cgroup v1: reset `memory.max_usage_in_bytes` after each sample, for the exact peak
     /// between samples. Off by default: the counter is global (cAdvisor exports it as
     /// `container_memory_max_usage_bytes`), and resetting it rewrites everyone's peak.
@@ -402,6 +428,23 @@ mod tests {
         let typo = env_of(&[(env::SIDECAR_INTERVAL, "10 parsecs")]);
         let e = Args::from_env(["memguard-sidecar"], &typo).expect_err("not a duration");
         assert!(e.to_string().contains("--interval"), "{e}");
+    }
+
+    #[test]
+    fn the_pod_restart_policy_decides_whether_a_restart_can_come() {
+        assert_eq!(args(&[]).pod_restart_policy, PodRestartPolicy::Always);
+        let of = |v: &str| {
+            Args::from_env(
+                ["memguard-sidecar"],
+                &env_of(&[(env::SIDECAR_POD_RESTART_POLICY, v)]),
+            )
+            .map(|a| a.pod_restart_policy.restarts_after_failure())
+        };
+        assert_eq!(of("Always").ok(), Some(true));
+        assert_eq!(of("OnFailure").ok(), Some(true));
+        assert_eq!(of("Never").ok(), Some(false));
+        let e = of("Sometimes").expect_err("not a restart policy");
+        assert!(e.to_string().contains("--pod-restart-policy"), "{e}");
     }
 
     #[test]

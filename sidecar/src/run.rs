@@ -293,7 +293,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         match engine.tick(now_ms) {
             Tick::TrainerGone => {
                 let oom = engine.trainer_died_of_oom();
-                if a.exit_when_empty && !oom {
+                let restart_can_come = oom && a.pod_restart_policy.restarts_after_failure();
+                if a.exit_when_empty && !restart_can_come {
+                    if oom {
+                        tracing::info!(pod_restart_policy = ?a.pod_restart_policy, "the trainer died of an OOM and will not be restarted");
+                    }
                     break "trainer-exited";
                 }
                 // A trainer killed by an OOM is restarted in place (`restartPolicy: OnFailure`

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
@@ -236,3 +237,31 @@ def test_every_kill_of_a_trainer_killed_again_and_again_is_counted(runtime):
     assert seen["summary"]["oom_events"] == kills, (seen["summary"], seen["sidecar_log"], starts)
     # Each kill stepped at least one rung further down: 8 → 4 → 2 → 1 → checkpointing.
     assert starts[-1]["batch"] == 1 and seen["summary"]["sticky_batch_size"] == 1, starts[-1]
+
+
+def test_under_restart_policy_never_the_sidecar_leaves_with_the_killed_trainer(runtime):
+    """`restartPolicy: Never`: no restart can come, so the sidecar (told the pod's policy by the
+    webhook) exits as soon as it has counted the kill, not after `--restart-wait` (330 s)."""
+    with tempfile.TemporaryDirectory(prefix="mg-pod-never-") as t:
+        tmp = Path(t)
+        tmp.chmod(0o755)
+        logdir = tmp / "log"
+        logdir.mkdir(mode=0o777)
+        logdir.chmod(0o777)
+        pod = trainer_pod("mgtest-never", {"runAsUser": 1000, "runAsGroup": 1000},
+                          {"SHAPE": "spike", "KILLS": "1", "STEPS": "6", "STEP_SECONDS": "0.2"}, logdir)
+        pod["spec"]["restartPolicy"] = "Never"
+        mutated = mutate(pod)
+        sidecar = next(c for c in mutated["spec"]["containers"] if c["name"] == "memguard-sidecar")
+        assert {"name": "MEMGUARD_SIDECAR_POD_RESTART_POLICY", "value": "Never"} in sidecar["env"]
+        with Pod(for_podman(mutated, tmp), tmp) as p:
+            wait_for("the trainer's death", lambda: p.state("train").get("Status") == "exited", timeout=60)
+            killed_at = time.monotonic()
+            wait_for("the sidecar to exit", lambda: p.state("memguard-sidecar").get("Status") == "exited", timeout=20)
+            left_after = time.monotonic() - killed_at
+            summary = sidecar_summary(p)
+            kernel = kernel_oom_kills(p.container_id("train"))
+            trainer = p.state("train")
+    assert trainer.get("ExitCode") == 137 and kernel == 1, (trainer, kernel)
+    assert summary["oom_events"] == 1 and summary["exit_reason"] == "trainer-exited", summary
+    assert left_after < 20, left_after

@@ -51,19 +51,20 @@ def main() -> int:
     time.sleep(float(os.environ.get("STARTUP_SECONDS", "1")))
     log("start", batch=start_batch, accumulation=guard.grad_accumulation, seq=guard.seq,
         shape=shape, ignore=ignore, attempt=starts + 1)
-    base = b""
+    # Chunks, not one growing bytes object: `base += …` would copy it, twice the memory at once.
+    held = []
     for step in range(steps):
         guard.refresh()
         batch = start_batch if ignore else guard.batch_size
         accumulation = 1 if ignore else guard.grad_accumulation
         if shape == "grow":
-            base += b"\x01" * grow
+            held.append(b"\x01" * grow)
         for _ in range(accumulation):
             activations = b"\x01" * (batch * per_sample)
             time.sleep(pause / accumulation)
             del activations
-        guard.report(step=step, batch_size=batch, allocated_bytes=len(base) + batch * per_sample)
-        log("step", step=step, batch=batch, accumulation=accumulation, held_mib=len(base) // MIB)
+        guard.report(step=step, batch_size=batch, allocated_bytes=len(held) * grow + batch * per_sample)
+        log("step", step=step, batch=batch, accumulation=accumulation, held_mib=len(held) * grow // MIB)
     log("done", batch=guard.batch_size, accumulation=guard.grad_accumulation)
     return 0
 

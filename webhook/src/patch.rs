@@ -147,8 +147,14 @@ fn capabilities(csc: Option<&k8s_openapi::api::core::v1::SecurityContext>) -> Op
         .filter(|v| v.as_object().is_some_and(|o| !o.is_empty()))
 }
 
-/// The sidecar container as injected (JSON, ready for the patch).
-pub fn sidecar_container(m: &Mutation, identity: &SidecarIdentity) -> Value {
+/// The sidecar container as injected (JSON, ready for the patch). `restart_policy` is the pod's
+/// (`None`: Kubernetes' default, `Always`): the sidecar waits for an OOM-killed trainer's
+/// in-place restart only when one can come.
+pub fn sidecar_container(
+    m: &Mutation,
+    identity: &SidecarIdentity,
+    restart_policy: Option<&str>,
+) -> Value {
     let r = &m.sidecar.resources;
     let mut requests = Map::new();
     if let Some(cpu) = &r.cpu_request {
@@ -167,6 +173,15 @@ pub fn sidecar_container(m: &Mutation, identity: &SidecarIdentity) -> Value {
         .iter()
         .map(|(name, value)| json!({"name": name, "value": value}))
         .collect();
+    env.push(json!({
+        "name": env::SIDECAR_POD_RESTART_POLICY,
+        // Only what the sidecar parses: an unknown value (the API server rejects it after
+        // admission anyway) must not stop the sidecar.
+        "value": match restart_policy {
+            Some(p @ ("OnFailure" | "Never")) => p,
+            _ => "Always",
+        },
+    }));
     env.push(json!({
         "name": env::TRAINER_MEMORY_LIMIT,
         "valueFrom": {"resourceFieldRef": {
@@ -295,7 +310,11 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
 
     // The sidecar, in the list its mode asks for. One already present in the other list is left
     // alone: two containers with one name would make the pod invalid.
-    let desired = sidecar_container(m, &SidecarIdentity::of_trainer(pod, trainer));
+    let desired = sidecar_container(
+        m,
+        &SidecarIdentity::of_trainer(pod, trainer),
+        spec.restart_policy.as_deref(),
+    );
     let init: &[Container] = spec.init_containers.as_deref().unwrap_or_default();
     let (list_key, list, list_exists, other) = match m.sidecar.mode {
         SidecarMode::Native => (
