@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -32,7 +33,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 
@@ -287,6 +288,20 @@ def dashboard_expressions() -> List[str]:
     return [t["expr"] for p in panels(dash) for t in p.get("targets", []) if t.get("expr")]
 
 
+def dashboard_variables() -> List[Tuple[str, str]]:
+    """The (series selector, label) of each `label_values(…)` variable of the dashboard."""
+    dash = json.loads((ROOT / "charts/memguard/files/dashboard.json").read_text())
+    out = []
+    for v in dash["templating"]["list"]:
+        q = v.get("query")
+        q = q.get("query") if isinstance(q, dict) else q
+        m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", q or "")
+        if m:
+            out.append((m.group(1), m.group(2)))
+    assert out, "the dashboard's namespace and pod variables"
+    return out
+
+
 def test_prometheus_fires_the_downgrade_alert_from_a_real_pod_and_the_dashboard_has_data(tmp):
     rules = rules_file(tmp)
     logdir = tmp / "log"
@@ -332,6 +347,11 @@ def test_prometheus_fires_the_downgrade_alert_from_a_real_pod_and_the_dashboard_
             trainer = read_jsonl(trainer_log)
             dashboard = {e: prom.get("/api/v1/query_range", query=_grafana(e), start=started, end=ended, step=1)
                          for e in dashboard_expressions()}
+            variables = {
+                f"label_values({sel}, {label})": prom.get(
+                    f"/api/v1/label/{label}/values", **{"match[]": _grafana(sel), "start": started, "end": ended})
+                for sel, label in dashboard_variables()
+            }
             webhook_down = prom.rule_state("MemguardWebhookDown")
             wait_for("the sidecar to exit", lambda: p.state("memguard-sidecar").get("Status") == "exited", timeout=30)
         resolved = wait_for("the downgrade alert to resolve",
@@ -345,6 +365,8 @@ def test_prometheus_fires_the_downgrade_alert_from_a_real_pod_and_the_dashboard_
     assert webhook_down == "inactive", "the webhook is scraped healthy"
     empty = [e for e, data in dashboard.items() if not _has_data(data) and not any(g in e for g in GPU_ONLY)]
     assert not empty, f"dashboard expressions with no data: {empty}"
+    no_values = {q: got for q, got in variables.items() if got not in ([NAMESPACE], [POD])}
+    assert not no_values, f"dashboard variables without the pod's namespace/pod: {no_values}"
 
 
 def _try(f, *a):

@@ -108,7 +108,9 @@ fn the_sidecar_is_told_the_pods_restart_policy() {
         match given {
             Some(p) => pod["spec"]["restartPolicy"] = json!(p),
             None => {
-                pod["spec"].as_object_mut().map(|s| s.remove("restartPolicy"));
+                pod["spec"]
+                    .as_object_mut()
+                    .map(|s| s.remove("restartPolicy"));
             }
         }
         let (_, out) = apply(&pod, &policy("classic"));
