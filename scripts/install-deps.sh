@@ -10,7 +10,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 
 need_apt=()
 # prometheus: promtool, and the server the pod tests scrape with (tests/podman).
-command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
+{ command -v promtool && command -v prometheus; } >/dev/null 2>&1 || need_apt+=(prometheus)
 # The container runtime of the image build and the pod tests (scripts/build-image.sh,
 # tests/podman): podman + runc (crun refuses hybrid cgroups), buildah, catatonit (podman's pod
 # infra process), debootstrap (the image's build base where the registries cannot be reached).

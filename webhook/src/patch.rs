@@ -177,10 +177,9 @@ pub fn sidecar_container(
         "name": env::SIDECAR_POD_RESTART_POLICY,
         // Only what the sidecar parses: an unknown value (the API server rejects it after
         // admission anyway) must not stop the sidecar.
-        "value": match restart_policy {
-            Some(p @ ("OnFailure" | "Never")) => p,
-            _ => "Always",
-        },
+        "value": restart_policy
+            .filter(|p| matches!(*p, "OnFailure" | "Never"))
+            .unwrap_or("Always"),
     }));
     env.push(json!({
         "name": env::TRAINER_MEMORY_LIMIT,
