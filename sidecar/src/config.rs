@@ -18,6 +18,27 @@ pub const MAX_BATCH: u64 = 1 << 20;
 /// Log output format (shared with the webhook).
 pub use memguard_runtime::LogFormat;
 
+/// A pod's `restartPolicy`, spelt as Kubernetes spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PodRestartPolicy {
+    /// Every container is restarted whenever it ends (Kubernetes' default).
+    #[value(name = "Always")]
+    Always,
+    /// A container is restarted when it fails (an OOM kill is a failure).
+    #[value(name = "OnFailure")]
+    OnFailure,
+    /// No container is ever restarted.
+    #[value(name = "Never")]
+    Never,
+}
+
+impl PodRestartPolicy {
+    /// Whether a container that died of an OOM kill (a failure) is restarted in place.
+    pub fn restarts_after_failure(self) -> bool {
+        self != PodRestartPolicy::Never
+    }
+}
+
 /// The flags of `memguard-sidecar`.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "memguard-sidecar", version, about = "memguard per-pod sidecar")]
@@ -89,12 +110,28 @@ pub struct Args {
         default_value = "json"
     )]
     pub log_format: LogFormat,
-    /// Exit (writing the summary) when the watched cgroup empties after having held a process.
+    /// Exit (writing the summary) when the watched cgroup empties after having held a process;
+    /// after an OOM death, only once no restarted trainer appeared within `--restart-wait`.
     #[arg(long, env = env::SIDECAR_EXIT_WHEN_EMPTY, default_value = "true", value_parser = parse_bool, action = clap::ArgAction::Set)]
     pub exit_when_empty: bool,
     /// Register kernel events (cgroup v1 thresholds, PSI triggers, inotify); the poll always runs.
     #[arg(long, env = env::SIDECAR_EVENTS, default_value = "true", value_parser = parse_bool, action = clap::ArgAction::Set)]
     pub events: bool,
+    /// After the trainer died of an OOM (a kill counted, or a fatal OOM it reported), how long
+    /// to wait for its in-place restart (`restartPolicy: OnFailure`/`Always`) before exiting.
+    /// The kubelet's restart back-off is at most 5 minutes.
+    #[arg(long, env = env::SIDECAR_RESTART_WAIT, default_value = "330s", value_parser = parse_duration)]
+    pub restart_wait: Duration,
+    /// The pod's `restartPolicy`, which the webhook writes: under `Never` no in-place restart
+    /// can come, so the sidecar exits at once after an OOM death instead of waiting
+    /// `--restart-wait`. Left out: `Always`, Kubernetes' own default.
+    #[arg(long, env = env::SIDECAR_POD_RESTART_POLICY, value_enum, default_value = "Always")]
+    pub pod_restart_policy: PodRestartPolicy,
+    /// cgroup v1: reset `memory.max_usage_in_bytes` after each sample, for the exact peak
+    /// between samples. Off by default: the counter is global (cAdvisor exports it as
+    /// `container_memory_max_usage_bytes`), and resetting it rewrites everyone's peak.
+    #[arg(long, env = env::SIDECAR_RESET_V1_PEAK, default_value = "false", value_parser = parse_bool, action = clap::ArgAction::Set)]
+    pub reset_v1_peak: bool,
 }
 
 impl Args {
@@ -391,6 +428,23 @@ mod tests {
         let typo = env_of(&[(env::SIDECAR_INTERVAL, "10 parsecs")]);
         let e = Args::from_env(["memguard-sidecar"], &typo).expect_err("not a duration");
         assert!(e.to_string().contains("--interval"), "{e}");
+    }
+
+    #[test]
+    fn the_pod_restart_policy_decides_whether_a_restart_can_come() {
+        assert_eq!(args(&[]).pod_restart_policy, PodRestartPolicy::Always);
+        let of = |v: &str| {
+            Args::from_env(
+                ["memguard-sidecar"],
+                &env_of(&[(env::SIDECAR_POD_RESTART_POLICY, v)]),
+            )
+            .map(|a| a.pod_restart_policy.restarts_after_failure())
+        };
+        assert_eq!(of("Always").ok(), Some(true));
+        assert_eq!(of("OnFailure").ok(), Some(true));
+        assert_eq!(of("Never").ok(), Some(false));
+        let e = of("Sometimes").expect_err("not a restart policy");
+        assert!(e.to_string().contains("--pod-restart-policy"), "{e}");
     }
 
     #[test]

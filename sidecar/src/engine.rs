@@ -37,7 +37,12 @@ pub struct Engine {
     write_failing: bool,
     pending_write: bool,
     errors_logged: u64,
-    oom_kill_seen: Option<u64>,
+    /// The cgroup (its directory's inode, when known) and its `oom_kill` counter at the last
+    /// sample: a restarted trainer's new cgroup counts from 0.
+    oom_baseline: Option<(Option<u64>, u64)>,
+    /// The trainer now watched (or the one that just left) died of an OOM: a kill counted in
+    /// its cgroup, or a fatal OOM record it reported.
+    trainer_oom: bool,
     waiting_for_trainer: bool,
 }
 
@@ -97,7 +102,8 @@ impl Engine {
             write_failing: false,
             pending_write: true,
             errors_logged: 0,
-            oom_kill_seen: None,
+            oom_baseline: None,
+            trainer_oom: false,
             waiting_for_trainer: false,
         }
     }
@@ -112,15 +118,27 @@ impl Engine {
     ) -> Option<(pressure::State, String)> {
         let mut out: Option<(pressure::State, String)> = None;
         if let Some(k) = sample.and_then(|s| s.events.oom_kill) {
-            let before = self.oom_kill_seen.replace(k);
-            if let Some(b) = before.filter(|b| k > *b) {
+            let cgroup = self.cgroup_identity();
+            let before = match self.oom_baseline.replace((cgroup, k)) {
+                // The first cgroup seen: kills before the sidecar started are not this run's.
+                None => k,
+                Some((seen, b)) if seen == cgroup => b,
+                // A new cgroup (the trainer restarted in place): all of its kills are new.
+                Some(_) => 0,
+            };
+            if k > before {
+                self.shared.status().oom_kills += k - before;
+                self.trainer_oom = true;
                 let next = pressure::sticky_downgrade(state, self.state.knobs(), None, now_ms);
-                let why = format!("OOM kill in the trainer's cgroup (oom_kill {b} -> {k})");
+                let why = format!("OOM kill in the trainer's cgroup (oom_kill {before} -> {k})");
                 out = Some((next, why));
             }
         }
         let record = self.shared.status().pending_oom.take();
         if let Some(r) = record {
+            if r.outcome == memguard_api::oom::OomOutcome::Fatal {
+                self.trainer_oom = true;
+            }
             let base = out.as_ref().map_or(state, |(s, _)| s).clone();
             let in_force = pressure::Knobs {
                 batch_size: r.batch_size.max(1),
@@ -149,6 +167,39 @@ impl Engine {
             tracing::warn!(reason = %what, "out of memory");
             (next, what)
         })
+    }
+
+    /// The inode of the trainer's cgroup directory: a cgroup created again under the same
+    /// name (a container restarted in place) has a new one.
+    fn cgroup_identity(&self) -> Option<u64> {
+        use std::os::unix::fs::MetadataExt;
+        let dir = self.source.cgroup_dir()?;
+        std::fs::metadata(dir).ok().map(|m| m.ino())
+    }
+
+    /// The trainer left: look for it again (a restart in place brings a new process and cgroup).
+    /// Ask [`trainer_died_of_oom`](Self::trainer_died_of_oom) first: this forgets it.
+    pub fn trainer_left(&mut self) {
+        self.source.forget();
+        self.trainer_oom = false;
+        self.seen_sample = false;
+        self.seen_populated = false;
+    }
+
+    /// The trainer that just left (or the one watched) died of an OOM (a kill counted in its cgroup,
+    /// or a fatal OOM record it reported): a restart in place is to be expected.
+    pub fn trainer_died_of_oom(&self) -> bool {
+        self.trainer_oom
+    }
+
+    /// A trainer is being watched (a sample was read since it was found).
+    pub fn has_trainer(&self) -> bool {
+        self.seen_sample
+    }
+
+    /// The pidfd of a trainer just found, once (see [`MemorySource::take_exit_watch`]).
+    pub fn take_exit_watch(&mut self) -> Option<std::os::fd::OwnedFd> {
+        self.source.take_exit_watch()
     }
 
     /// The trainer's cgroup directory, once the source knows it.
@@ -331,10 +382,6 @@ impl Engine {
         }
         if let Some(g) = r.gpu_used {
             st.gpu_peak = Some(st.gpu_peak.map_or(g, |p| p.max(g)));
-        }
-        if let Some(k) = r.sample.as_ref().and_then(|s| s.events.oom_kill) {
-            st.oom_kill_start.get_or_insert(k);
-            st.oom_kill_now = Some(k);
         }
         st.downgrades = self.state.downgrades;
         st.sticky_batch_size = self.state.sticky.map(|k| k.batch_size);
@@ -576,6 +623,93 @@ mod tests {
             s.reason
         );
         assert_eq!(shared.status().sticky_batch_size, Some(4));
+    }
+
+    /// Scripted memory read from a cgroup directory that is created anew at each restart
+    /// (`forget`), as a runtime recreates a restarted container's cgroup.
+    struct Restarting {
+        script: Script,
+        dirs: Vec<std::path::PathBuf>,
+        at: usize,
+    }
+
+    impl MemorySource for Restarting {
+        fn sample(&mut self) -> Result<Option<MemorySample>, SampleError> {
+            self.script.sample()
+        }
+        fn describe(&self) -> String {
+            "restarting".into()
+        }
+        fn cgroup_dir(&self) -> Option<&Path> {
+            self.dirs.get(self.at).map(|d| d.as_path())
+        }
+        fn forget(&mut self) {
+            self.at += 1;
+        }
+    }
+
+    #[test]
+    fn each_kill_of_a_trainer_restarted_in_new_cgroups_is_counted_once() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dirs: Vec<_> = (0..3).map(|i| tmp.path().join(format!("cg{i}"))).collect();
+        for d in &dirs {
+            std::fs::create_dir(d).expect("mkdir");
+        }
+        let shared = Arc::new(Shared::new(Signal::initial(8, 1, false)));
+        let script = Script(vec![
+            // The first cgroup, seen with 2 kills from before the sidecar: not this run's.
+            killed(100, 2, true),
+            killed(0, 3, false),
+            // The restart's new cgroup: its counter starts at 0; it was killed before it was
+            // first sampled, and once more later.
+            killed(100, 1, true),
+            killed(100, 1, true),
+            killed(0, 2, false),
+            // The third cgroup: no kill, it finishes.
+            killed(100, 0, true),
+            killed(0, 0, false),
+        ]);
+        let mut e = Engine::new(
+            Box::new(Restarting {
+                script,
+                dirs,
+                at: 0,
+            }),
+            Box::new(FakeGpu(Ok(vec![]))),
+            PsiPaths::default(),
+            PressureConfig::new(Thresholds::default()),
+            SignalWriter::new(tmp.path().join("signal.json")),
+            shared.clone(),
+        );
+        let mut t = 0;
+        let mut step = |e: &mut Engine| {
+            t += 100;
+            e.tick(t)
+        };
+        assert_eq!(step(&mut e), Tick::Running);
+        assert_eq!(step(&mut e), Tick::TrainerGone);
+        assert!(e.trainer_died_of_oom(), "3 -> 4 in its cgroup");
+        e.trainer_left();
+        assert!(!e.has_trainer() && !e.trainer_died_of_oom());
+        assert_eq!(step(&mut e), Tick::Running);
+        assert_eq!(
+            shared.status().oom_kills,
+            2,
+            "the new cgroup's first kill counts"
+        );
+        assert_eq!(step(&mut e), Tick::Running);
+        assert_eq!(step(&mut e), Tick::TrainerGone);
+        assert_eq!(shared.status().oom_kills, 3);
+        e.trainer_left();
+        assert_eq!(step(&mut e), Tick::Running);
+        assert_eq!(step(&mut e), Tick::TrainerGone);
+        assert!(!e.trainer_died_of_oom(), "the last start finished");
+        assert_eq!(shared.status().oom_events(), 3);
+        assert_eq!(
+            shared.status().sticky_batch_size,
+            Some(1),
+            "8 -> 4 -> 2 -> 1"
+        );
     }
 
     #[test]

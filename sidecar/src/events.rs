@@ -142,6 +142,19 @@ pub fn spawn_psi_trigger(
     ))
 }
 
+/// Wakes the loop once when the process behind `pidfd` exits. The kernel marks a pidfd readable
+/// as the process exits, after its OOM kill was counted and before the runtime (which learns of
+/// the exit later, through its own wait) removes the container's cgroup: the sample taken then
+/// still reads the cgroup's counters through the held directory.
+pub fn spawn_exit_watch(pidfd: OwnedFd, notify: Arc<Notify>) -> Result<JoinHandle<()>, String> {
+    let afd = async_fd(pidfd, Interest::READABLE).map_err(|e| format!("pidfd: {e}"))?;
+    Ok(tokio::spawn(async move {
+        if afd.readable().await.is_ok() {
+            notify.notify_one();
+        }
+    }))
+}
+
 /// Watches a file with inotify (`IN_MODIFY`): cgroup v2 `memory.events` changes on every
 /// `high`, `max`, `oom` and `oom_kill` event.
 pub fn spawn_inotify(path: &Path, notify: Arc<Notify>) -> Result<JoinHandle<()>, String> {

@@ -38,19 +38,22 @@ fn open_source(config: &Config) -> (Box<dyn MemorySource>, Option<PathBuf>) {
     let a = &config.args;
     match &a.cgroup {
         Some(dir) => {
-            let src = DirSource::new(dir.clone());
+            let src = DirSource::new(dir.clone(), a.reset_v1_peak);
             if src.detected().is_none() {
                 tracing::warn!(cgroup = %dir.display(), "not a memory cgroup (yet); watching for it");
             }
             (Box::new(src), Some(dir.clone()))
         }
         None => (
-            Box::new(TrainerSource::new(
-                a.proc_root.clone(),
-                std::process::id(),
-                config.trainer_memory_limit,
-                10,
-            )),
+            Box::new(
+                TrainerSource::new(
+                    a.proc_root.clone(),
+                    std::process::id(),
+                    config.trainer_memory_limit,
+                    10,
+                )
+                .with_v1_reset(a.reset_v1_peak),
+            ),
             None,
         ),
     }
@@ -113,9 +116,28 @@ struct Watchers {
     v1_failed: bool,
     v2_done: bool,
     tasks: Vec<JoinHandle<()>>,
+    /// The trainer's exit (a pidfd), while it lives.
+    exit: Option<JoinHandle<()>>,
+    /// Whether `dir` was discovered (and is forgotten when the trainer leaves).
+    discovered: bool,
 }
 
 impl Watchers {
+    /// The trainer left: a discovered cgroup's watchers go with it.
+    fn trainer_left(&mut self) {
+        if let Some(t) = self.exit.take() {
+            t.abort();
+        }
+        if self.discovered {
+            self.dir = None;
+            self.v2_done = false;
+            self.v1_failed = false;
+            if let Some((_, t)) = self.v1.take() {
+                t.abort();
+            }
+        }
+    }
+
     fn psi(&mut self, path: &Path) {
         match events::spawn_psi_trigger(path, PSI_STALL, PSI_WINDOW, self.notify.clone()) {
             Ok((window, task)) => {
@@ -173,6 +195,9 @@ impl Drop for Watchers {
             t.abort();
         }
         if let Some((_, t)) = self.v1.take() {
+            t.abort();
+        }
+        if let Some(t) = self.exit.take() {
             t.abort();
         }
     }
@@ -246,6 +271,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         v1_failed: false,
         v2_done: false,
         tasks: Vec::new(),
+        exit: None,
+        discovered: false,
     };
     if a.events && host.exists() {
         watchers.psi(&host);
@@ -253,6 +280,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut interval = tokio::time::interval(a.interval);
     interval.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let started = Instant::now();
+    let mut awaiting_restart: Option<Instant> = None;
     let shutdown = memguard_runtime::shutdown_signal();
     tokio::pin!(shutdown);
     let exit_reason = loop {
@@ -262,8 +290,43 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             reason = &mut shutdown => break reason,
         }
         let now_ms = started.elapsed().as_millis() as u64;
-        if engine.tick(now_ms) == Tick::TrainerGone && a.exit_when_empty {
+        match engine.tick(now_ms) {
+            Tick::TrainerGone => {
+                let oom = engine.trainer_died_of_oom();
+                let restart_can_come = oom && a.pod_restart_policy.restarts_after_failure();
+                if a.exit_when_empty && !restart_can_come {
+                    if oom {
+                        tracing::info!(pod_restart_policy = ?a.pod_restart_policy, "the trainer died of an OOM and will not be restarted");
+                    }
+                    break "trainer-exited";
+                }
+                // A trainer killed by an OOM is restarted in place (`restartPolicy: OnFailure`
+                // or `Always`), in a new cgroup: stay, and find it again. A classic sidecar that
+                // left here would leave the restarted trainer unguarded.
+                engine.trainer_left();
+                watchers.trainer_left();
+                if a.exit_when_empty {
+                    tracing::info!(restart_wait = ?a.restart_wait, "the trainer died of an OOM; waiting for its restart in place");
+                    awaiting_restart = Some(Instant::now());
+                } else {
+                    tracing::info!("the trainer left; looking for it again");
+                }
+            }
+            Tick::Running if engine.has_trainer() => {
+                if awaiting_restart.take().is_some() {
+                    tracing::info!(source = %shared.status().source, "found the restarted trainer");
+                }
+            }
+            Tick::Running => {}
+        }
+        if awaiting_restart.is_some_and(|t| t.elapsed() >= a.restart_wait) {
             break "trainer-exited";
+        }
+        if let Some(pidfd) = engine.take_exit_watch() {
+            match events::spawn_exit_watch(pidfd, notify.clone()) {
+                Ok(task) => watchers.exit = Some(task),
+                Err(why) => tracing::info!(%why, "no exit watch on the trainer; polling only"),
+            }
         }
         if watchers.dir.is_none()
             && a.events
@@ -274,6 +337,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 engine.set_cgroup_psi(found.join("memory.pressure"));
             }
             watchers.dir = Some(found);
+            watchers.discovered = true;
         }
         watchers.update(engine.limit());
     };

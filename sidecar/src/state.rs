@@ -47,10 +47,9 @@ pub struct Status {
     pub gpu_peak: Option<u64>,
     /// Highest level reached.
     pub max_level: Level,
-    /// `oom_kill` counter when first seen, to count the run's own OOM kills.
-    pub oom_kill_start: Option<u64>,
-    /// Latest `oom_kill` counter.
-    pub oom_kill_now: Option<u64>,
+    /// OOM kills counted in the trainer's cgroups since the sidecar started, across in-place
+    /// restarts (each restart brings a new cgroup whose counter starts at 0).
+    pub oom_kills: u64,
     /// Downgrades issued.
     pub downgrades: u64,
     /// OOM records the trainer reported, by kind and outcome.
@@ -70,10 +69,7 @@ pub struct Status {
 impl Status {
     /// OOM kills in the cgroup since the sidecar started watching.
     pub fn oom_events(&self) -> u64 {
-        match (self.oom_kill_start, self.oom_kill_now) {
-            (Some(a), Some(b)) => b.saturating_sub(a),
-            _ => 0,
-        }
+        self.oom_kills
     }
 }
 

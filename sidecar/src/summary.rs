@@ -68,8 +68,7 @@ mod tests {
                 ..Default::default()
             }),
             peak_working_set: Some(100),
-            oom_kill_start: Some(1),
-            oom_kill_now: Some(3),
+            oom_kills: 2,
             downgrades: 1,
             max_level: Level::Downgrade,
             ..Default::default()

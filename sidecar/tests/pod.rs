@@ -263,6 +263,14 @@ fn assert_reads_the_trainers_cgroup(sc: &Sidecar, kind: &str) {
 
 /// The summed-RSS fallback, said so in the log and on /metrics.
 fn assert_falls_back_to_rss(sc: &Sidecar) {
+    // The cgroup is tried again for 3 s (a trainer caught while its runtime sets it up cannot
+    // be read yet) before the fallback is logged.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(8);
+    while !sc.log_text().contains("falling back to summed RSS")
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
     let m = metrics(sc);
     let log = sc.log_text();
     assert_eq!(

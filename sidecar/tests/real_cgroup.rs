@@ -431,6 +431,9 @@ fn a_20_ms_spike_between_two_100_ms_polls_is_told_to_downgrade() {
         "100ms",
         "--events",
         "false",
+        // The exact peak between two samples (opt-in on v1: it rewrites everyone's peak).
+        "--reset-v1-peak",
+        "true",
         // No host PSI (the machine's other load must not decide this test).
         "--proc-root",
         &tmp.path().display().to_string(),

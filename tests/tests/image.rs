@@ -1,5 +1,5 @@
-//! The Dockerfile cannot be built here (no Docker engine); these checks keep it in step with the
-//! workspace and the chart.
+//! Static checks that keep the Dockerfile in step with the workspace and the chart; the image itself
+//! is built and run by scripts/build-image.sh and tests/podman/test_image.py.
 
 use memguard_e2e::{chart_dir, workspace_root};
 

@@ -49,7 +49,8 @@ pub fn build(pod: &Pod, outcome: &Outcome) -> Patch {
 /// Pod Security level it did not already need.
 #[derive(Debug, Clone, PartialEq)]
 pub enum SidecarIdentity {
-    /// The trainer's non-root uid, and its gid when the pod says it: no capabilities.
+    /// The trainer's non-root uid, and its gid (the pod's, else 0, what the runtime gives a uid
+    /// its image does not list): no capabilities.
     TrainerUser {
         /// `runAsUser` of the trainer (container, else pod).
         uid: i64,
@@ -114,9 +115,10 @@ impl SidecarIdentity {
             SidecarIdentity::TrainerUser { uid, gid } => {
                 sc["runAsNonRoot"] = json!(true);
                 sc["runAsUser"] = json!(uid);
-                if let Some(gid) = gid {
-                    sc["runAsGroup"] = json!(gid);
-                }
+                // Always a group: left out, each container would take its own image's group for
+                // the uid (65532 in ours), and ptrace-read access needs the gids to match. A
+                // trainer with no runAsGroup whose image does not list its uid runs as gid 0.
+                sc["runAsGroup"] = json!(gid.unwrap_or(0));
                 sc["capabilities"] = json!({"drop": ["ALL"]});
             }
             SidecarIdentity::Root { gid, capabilities } => {
@@ -145,8 +147,14 @@ fn capabilities(csc: Option<&k8s_openapi::api::core::v1::SecurityContext>) -> Op
         .filter(|v| v.as_object().is_some_and(|o| !o.is_empty()))
 }
 
-/// The sidecar container as injected (JSON, ready for the patch).
-pub fn sidecar_container(m: &Mutation, identity: &SidecarIdentity) -> Value {
+/// The sidecar container as injected (JSON, ready for the patch). `restart_policy` is the pod's
+/// (`None`: Kubernetes' default, `Always`): the sidecar waits for an OOM-killed trainer's
+/// in-place restart only when one can come.
+pub fn sidecar_container(
+    m: &Mutation,
+    identity: &SidecarIdentity,
+    restart_policy: Option<&str>,
+) -> Value {
     let r = &m.sidecar.resources;
     let mut requests = Map::new();
     if let Some(cpu) = &r.cpu_request {
@@ -165,6 +173,14 @@ pub fn sidecar_container(m: &Mutation, identity: &SidecarIdentity) -> Value {
         .iter()
         .map(|(name, value)| json!({"name": name, "value": value}))
         .collect();
+    env.push(json!({
+        "name": env::SIDECAR_POD_RESTART_POLICY,
+        // Only what the sidecar parses: an unknown value (the API server rejects it after
+        // admission anyway) must not stop the sidecar.
+        "value": restart_policy
+            .filter(|p| matches!(*p, "OnFailure" | "Never"))
+            .unwrap_or("Always"),
+    }));
     env.push(json!({
         "name": env::TRAINER_MEMORY_LIMIT,
         "valueFrom": {"resourceFieldRef": {
@@ -314,7 +330,11 @@ fn signal_volume(spec: &PodSpec, ops: &mut Ops) {
 /// The sidecar, in the list its mode asks for. One already present in the other list is left
 /// alone: two containers with one name would make the pod invalid.
 fn sidecar(pod: &Pod, spec: &PodSpec, trainer: &Container, m: &Mutation, ops: &mut Ops) {
-    let desired = sidecar_container(m, &SidecarIdentity::of_trainer(pod, trainer));
+    let desired = sidecar_container(
+        m,
+        &SidecarIdentity::of_trainer(pod, trainer),
+        spec.restart_policy.as_deref(),
+    );
     let init: &[Container] = spec.init_containers.as_deref().unwrap_or_default();
     let (list_key, list, list_exists, other) = match m.sidecar.mode {
         SidecarMode::Native => (

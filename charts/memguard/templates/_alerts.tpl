@@ -148,15 +148,19 @@ increase({{ .m }}[{{ .w }}]) > 0
       signalled (none: the growth was too fast for its interval; signalled: the trainer did
       not apply them), and the pod's `memguard.io/estimate` annotation the plan it was
       admitted with.
+{{- $within := ternary "an hour" $r.downgradesWindow (eq $r.downgradesWindow "1h") }}
 - alert: MemguardTrainerRepeatedDowngrades
-  expr: increase(memguard_sidecar_downgrades_total[1h]) >= {{ $r.downgradesPerHour }}
+  expr: increase(memguard_sidecar_downgrades_total[{{ $r.downgradesWindow }}]) >= {{ $r.downgradesPerHour }}
+  {{- with $r.downgradesFor }}
+  for: {{ . }}
+  {{- end }}
   labels:
     severity: info
   annotations:
-    summary: {{ printf "Trainer %s was downgraded %s times in an hour." $pod `{{ $value | humanize }}` }}
+    summary: {{ printf "Trainer %s was downgraded %s times in %s." $pod `{{ $value | humanize }}` $within }}
     description: >-
       The memguard sidecar of {{ $pod }} signalled {{`{{ $value | humanize }}`}} downgrades in
-      the last hour: the admission plan left too little headroom for this model. Check the
+      the last {{ trimPrefix "an " $within }}: the admission plan left too little headroom for this model. Check the
       pod's `memguard.io/estimate` against its peak (`memguard_sidecar_cgroup_peak_bytes`),
       set a smaller batch in its annotations, or let its MemoryProfile calibrate.
 - alert: MemguardTrainerMemoryLeak

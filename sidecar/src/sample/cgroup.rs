@@ -187,6 +187,8 @@ pub struct CgroupSource {
     highest: Option<u64>,
     /// Whether the last sample found a peak file.
     peak_seen: bool,
+    /// May reset v1 `memory.max_usage_in_bytes` (`--reset-v1-peak`): a global side effect.
+    reset_v1: bool,
 }
 
 impl CgroupSource {
@@ -199,7 +201,15 @@ impl CgroupSource {
             last_all_time: None,
             highest: None,
             peak_seen: false,
+            reset_v1: false,
         }
+    }
+
+    /// Allows the v1 peak reset (`--reset-v1-peak`). v2's reset is per file descriptor and
+    /// touches no one else's reading, so it needs no permission.
+    pub fn with_v1_reset(mut self, on: bool) -> Self {
+        self.reset_v1 = on;
+        self
     }
 
     /// Detects the mode of `dir`; `None` when it is not a memory cgroup.
@@ -223,6 +233,7 @@ impl CgroupSource {
         }
         self.peak = PeakReader::AllTime;
         match self.mode {
+            Mode::V1 if !self.reset_v1 => {}
             Mode::V1 => {
                 let file = self.dir.join("memory.max_usage_in_bytes");
                 if on_cgroupfs(&file) && std::fs::write(&file, "0").is_ok() {

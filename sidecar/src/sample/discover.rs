@@ -4,6 +4,7 @@
 use super::cgroup::CgroupSource;
 use super::procfs::{RssSource, View, find_trainer, trainer_cgroup};
 use super::{MemorySample, MemorySource, SampleError, SourceInfo};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 /// What the summed-RSS fallback cannot see, for the log.
@@ -15,13 +16,18 @@ between samples; the limit is the downward-API one";
 pub struct DirSource {
     dir: PathBuf,
     inner: Option<CgroupSource>,
+    reset_v1: bool,
 }
 
 impl DirSource {
-    /// Watches `dir`.
-    pub fn new(dir: PathBuf) -> Self {
-        let inner = CgroupSource::detect(dir.clone());
-        DirSource { dir, inner }
+    /// Watches `dir`; `reset_v1` allows the v1 peak reset (`--reset-v1-peak`).
+    pub fn new(dir: PathBuf, reset_v1: bool) -> Self {
+        let inner = CgroupSource::detect(dir.clone()).map(|s| s.with_v1_reset(reset_v1));
+        DirSource {
+            dir,
+            inner,
+            reset_v1,
+        }
     }
 
     /// The detected source, once there is one.
@@ -33,7 +39,8 @@ impl DirSource {
 impl MemorySource for DirSource {
     fn sample(&mut self) -> Result<Option<MemorySample>, SampleError> {
         if self.inner.is_none() {
-            self.inner = CgroupSource::detect(self.dir.clone());
+            self.inner =
+                CgroupSource::detect(self.dir.clone()).map(|s| s.with_v1_reset(self.reset_v1));
         }
         match &mut self.inner {
             Some(s) => s.sample(),
@@ -63,10 +70,43 @@ impl MemorySource for DirSource {
     }
 }
 
-/// A discovered cgroup with the view it was reached through.
+/// A discovered cgroup with the view it was reached through. Its directory is held open and
+/// read through `/proc/self/fd/<n>`: the path through `/proc/<pid>/root` dies with the trainer's
+/// last process, the open directory lives until the runtime removes the cgroup, so the counters
+/// of a trainer that was just OOM-killed can still be read.
 struct Discovered {
     inner: CgroupSource,
     view: View,
+    /// The directory as found (for the log); `inner` reads through the held descriptor.
+    found: PathBuf,
+    _held: Option<OwnedFd>,
+}
+
+impl Discovered {
+    fn new(found: CgroupSource, view: View, reset_v1: bool) -> Self {
+        let path = found.dir().to_path_buf();
+        let held = rustix::fs::open(
+            &path,
+            rustix::fs::OFlags::RDONLY
+                | rustix::fs::OFlags::DIRECTORY
+                | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .ok();
+        let through_fd = held.as_ref().and_then(|fd| {
+            CgroupSource::detect(PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd())))
+        });
+        let (inner, held) = match through_fd {
+            Some(src) => (src, held),
+            None => (found, None),
+        };
+        Discovered {
+            inner: inner.with_v1_reset(reset_v1),
+            view,
+            found: path,
+            _held: held,
+        }
+    }
 }
 
 impl MemorySource for Discovered {
@@ -75,7 +115,12 @@ impl MemorySource for Discovered {
     }
 
     fn describe(&self) -> String {
-        format!("{} (via {})", self.inner.describe(), self.view.name())
+        format!(
+            "cgroup-{} {} (via {})",
+            self.inner.mode().name(),
+            self.found.display(),
+            self.view.name()
+        )
     }
 
     fn info(&self) -> SourceInfo {
@@ -90,6 +135,9 @@ impl MemorySource for Discovered {
     }
 }
 
+/// Samples during which a trainer whose cgroup cannot be read is tried again (3 s at 100 ms).
+const CGROUP_RETRIES: u32 = 30;
+
 /// The trainer found through the shared process namespace: its cgroup when readable, else its
 /// summed RSS against the downward-API limit. Looks again every `retry_every` samples until found.
 pub struct TrainerSource {
@@ -99,6 +147,10 @@ pub struct TrainerSource {
     retry_every: u32,
     calls: u32,
     inner: Option<Box<dyn MemorySource>>,
+    reset_v1: bool,
+    exit_watch: Option<OwnedFd>,
+    /// The trainer's pid, the tries left and the last reason, while its cgroup is retried.
+    cgroup_retry: Option<(u32, u32, String)>,
 }
 
 impl TrainerSource {
@@ -111,7 +163,56 @@ impl TrainerSource {
             retry_every: retry_every.max(1),
             calls: 0,
             inner: None,
+            reset_v1: false,
+            exit_watch: None,
+            cgroup_retry: None,
         }
+    }
+
+    fn reading_cgroup(&self, pid: u32, found: CgroupSource, view: View) -> Box<dyn MemorySource> {
+        let src = Discovered::new(found, view, self.reset_v1);
+        tracing::info!(
+            pid,
+            source = %src.describe(),
+            kind = src.info().kind,
+            view = src.info().view,
+            "found the trainer; reading its own cgroup"
+        );
+        Box::new(src)
+    }
+
+    /// One more try at the cgroup of a trainer read through RSS meanwhile; the fallback is
+    /// logged (warn) when the tries run out.
+    fn retry_cgroup(&mut self) {
+        let Some((pid, left, why)) = self.cgroup_retry.take() else {
+            return;
+        };
+        match trainer_cgroup(&self.proc_root, self.self_pid, pid) {
+            Ok((found, view)) => self.inner = Some(self.reading_cgroup(pid, found, view)),
+            Err(why) if left > 1 => self.cgroup_retry = Some((pid, left - 1, why)),
+            Err(_) => {
+                let source = self
+                    .inner
+                    .as_ref()
+                    .map(|s| s.describe())
+                    .unwrap_or_default();
+                tracing::warn!(
+                    pid,
+                    %source,
+                    kind = "rss",
+                    %why,
+                    lost = RSS_LOSES,
+                    "found the trainer but not its cgroup; falling back to summed RSS \
+                     (give the sidecar the trainer's uid/gid, see docs/sidecar.md)"
+                );
+            }
+        }
+    }
+
+    /// Allows the v1 peak reset on the cgroup found (`--reset-v1-peak`).
+    pub fn with_v1_reset(mut self, on: bool) -> Self {
+        self.reset_v1 = on;
+        self
     }
 
     fn discover(&mut self) {
@@ -121,32 +222,24 @@ impl TrainerSource {
         };
         let src: Box<dyn MemorySource> = match trainer_cgroup(&self.proc_root, self.self_pid, first)
         {
-            Ok((inner, view)) => {
-                let src = Discovered { inner, view };
-                tracing::info!(
-                    pid = first,
-                    source = %src.describe(),
-                    kind = src.info().kind,
-                    view = src.info().view,
-                    "found the trainer; reading its own cgroup"
-                );
-                Box::new(src)
-            }
+            Ok((inner, view)) => self.reading_cgroup(first, inner, view),
             Err(why) => {
                 let src = RssSource::new(self.proc_root.clone(), pids, self.limit);
-                tracing::warn!(
-                    pid = first,
-                    source = %src.describe(),
-                    kind = "rss",
-                    %why,
-                    lost = RSS_LOSES,
-                    "found the trainer but not its cgroup; falling back to summed RSS \
-                     (give the sidecar the trainer's uid/gid, see docs/sidecar.md)"
-                );
+                // A process caught while the runtime still sets it up (runc's init, as root and
+                // not dumpable, before it becomes the trainer's uid) cannot be read yet: try
+                // again for a while before settling for RSS.
+                tracing::info!(pid = first, %why, "found the trainer, not its cgroup yet; trying again");
+                self.cgroup_retry = Some((first, CGROUP_RETRIES, why));
                 Box::new(src)
             }
         };
         self.inner = Some(src);
+        // Only pids of the real procfs name real processes (tests pass a fake tree).
+        if self.proc_root == Path::new("/proc") {
+            self.exit_watch = rustix::process::Pid::from_raw(first as i32).and_then(|pid| {
+                rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
+            });
+        }
     }
 }
 
@@ -157,6 +250,8 @@ impl MemorySource for TrainerSource {
                 self.discover();
             }
             self.calls = self.calls.wrapping_add(1);
+        } else {
+            self.retry_cgroup();
         }
         match &mut self.inner {
             Some(s) => s.sample(),
@@ -178,6 +273,20 @@ impl MemorySource for TrainerSource {
     fn cgroup_dir(&self) -> Option<&Path> {
         self.inner.as_ref().and_then(|s| s.cgroup_dir())
     }
+
+    fn forget(&mut self) {
+        self.inner = None;
+        self.exit_watch = None;
+        self.cgroup_retry = None;
+        self.calls = 0;
+        // A restart in place follows at once: look at every sample, or a restarted trainer
+        // killed again within the retry period would be killed unseen.
+        self.retry_every = 1;
+    }
+
+    fn take_exit_watch(&mut self) -> Option<OwnedFd> {
+        self.exit_watch.take()
+    }
 }
 
 #[cfg(test)]
@@ -189,7 +298,7 @@ mod tests {
     fn a_directory_that_appears_later_is_picked_up() {
         let dir = tempfile::tempdir().expect("tempdir");
         let cg = dir.path().join("trainer");
-        let mut src = DirSource::new(cg.clone());
+        let mut src = DirSource::new(cg.clone(), false);
         assert!(src.sample().expect("ok").is_none());
         fs::create_dir(&cg).expect("mkdir");
         fs::write(cg.join("memory.current"), "4096\n").expect("w");

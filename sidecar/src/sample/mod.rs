@@ -153,6 +153,14 @@ pub trait MemorySource: Send {
     fn cgroup_dir(&self) -> Option<&Path> {
         None
     }
+    /// The trainer left (its cgroup emptied or vanished): look for it again from now on, as a
+    /// restarted trainer (`restartPolicy: OnFailure`) gets a new process and a new cgroup.
+    fn forget(&mut self) {}
+    /// A pidfd of the trainer's main process, once, to wake the loop the moment it exits: its
+    /// cgroup's counters are read before the runtime removes the cgroup.
+    fn take_exit_watch(&mut self) -> Option<std::os::fd::OwnedFd> {
+        None
+    }
 }
 
 /// Reads a file; absent (or a vanished cgroup: ENODEV) is `Ok(None)`.

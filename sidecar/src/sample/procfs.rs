@@ -33,8 +33,13 @@ pub fn pids(proc_root: &Path) -> Vec<u32> {
         .collect()
 }
 
-/// The trainer's processes: those outside our cgroup, not the pause process, grouped by cgroup;
-/// the group with the largest RSS wins. Empty when nothing else is visible.
+/// What pod sandboxes run as their infra process: the kubelet's `pause`, podman's `catatonit`.
+const INFRA_COMMS: [&str; 2] = ["pause", "catatonit"];
+
+/// The trainer's processes: those outside our cgroup, grouped by cgroup; the group with the
+/// largest RSS wins. Empty when nothing else is visible. The pod's infra process is never the
+/// trainer: it is PID 1 of a shared process namespace, whatever its name, and it is also known by
+/// name (`pause`, `catatonit`) where a harness runs it elsewhere.
 pub fn find_trainer(proc_root: &Path, self_pid: u32) -> Vec<u32> {
     let read = |pid: u32, f: &str| std::fs::read_to_string(proc_root.join(pid.to_string()).join(f));
     let Ok(ours) = read(self_pid, "cgroup") else {
@@ -42,13 +47,13 @@ pub fn find_trainer(proc_root: &Path, self_pid: u32) -> Vec<u32> {
     };
     let mut groups: BTreeMap<String, (u64, Vec<u32>)> = BTreeMap::new();
     for pid in pids(proc_root) {
-        if pid == self_pid {
+        if pid == self_pid || pid == 1 {
             continue;
         }
         let (Ok(cg), Ok(comm)) = (read(pid, "cgroup"), read(pid, "comm")) else {
             continue;
         };
-        if cg == ours || comm.trim() == "pause" {
+        if cg == ours || INFRA_COMMS.contains(&comm.trim()) {
             continue;
         }
         let rss = read(pid, "status")
@@ -344,6 +349,24 @@ RssAnon:\t  500000 kB\nThreads:\t12\n";
             None,
             "kernel threads have none"
         );
+    }
+
+    #[test]
+    fn the_pods_infra_process_is_never_the_trainer_even_when_it_is_all_there_is() {
+        // Between two in-place restarts of the trainer, podman's infra process (PID 1,
+        // `catatonit`, with the most RSS left) was taken for the trainer.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path();
+        proc_entry(root, 1, "catatonit", "0::/pod/infra\n", 900);
+        proc_entry(root, 7, "memguard-sidecar", "0::/pod/sidecar\n", 5000);
+        assert!(
+            find_trainer(root, 7).is_empty(),
+            "PID 1 is the infra process"
+        );
+        proc_entry(root, 3, "pause", "0::/pod/infra2\n", 900);
+        assert!(find_trainer(root, 7).is_empty(), "pause, wherever it runs");
+        proc_entry(root, 40, "python3", "0::/pod/trainer\n", 100);
+        assert_eq!(find_trainer(root, 7), vec![40]);
     }
 
     #[test]

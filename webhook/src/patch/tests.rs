@@ -96,6 +96,34 @@ fn classic_mode_adds_a_regular_container_without_restart_policy() {
 }
 
 #[test]
+fn the_sidecar_is_told_the_pods_restart_policy() {
+    for (given, told) in [
+        (Some("Never"), "Never"),
+        (Some("OnFailure"), "OnFailure"),
+        (Some("Always"), "Always"),
+        (None, "Always"),
+        (Some("Sometimes"), "Always"),
+    ] {
+        let mut pod = gpu_pod().json();
+        match given {
+            Some(p) => pod["spec"]["restartPolicy"] = json!(p),
+            None => {
+                pod["spec"]
+                    .as_object_mut()
+                    .map(|s| s.remove("restartPolicy"));
+            }
+        }
+        let (_, out) = apply(&pod, &policy("classic"));
+        let s = sidecar(&out, "containers");
+        assert_eq!(
+            env_value(&s, env::SIDECAR_POD_RESTART_POLICY),
+            Some(&json!(told)),
+            "{given:?}"
+        );
+    }
+}
+
+#[test]
 fn a_second_call_on_the_mutated_pod_changes_nothing() {
     let pods = [
         ("gpu", gpu_pod().json(), Policy::default()),
@@ -482,9 +510,9 @@ fn the_sidecar_takes_a_non_root_trainers_uid_and_gid_and_no_capabilities() {
     );
     let sc = sidecar_sc(Value::Null, json!({"runAsUser": 1234}));
     assert_eq!(
-        sc["runAsGroup"],
-        Value::Null,
-        "gid unknown: left to the runtime"
+        sc["runAsGroup"], 0,
+        "gid unknown: 0, as the runtime gives a uid its image does not list; left out, the \
+         sidecar took its own image's group (65532) and lost the trainer's cgroup (issue #26)"
     );
 }
 
