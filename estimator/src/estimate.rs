@@ -77,6 +77,38 @@ pub mod constants {
 
 use constants::*;
 
+/// The constants fitted on measured runs rather than given by physics: the runtime's fixed
+/// cost and the allocator's reserve, per device family. [`Fitted::SHIPPED`] is what
+/// [`estimate`] uses; the accuracy tooling refits them without each source to score the
+/// model on sources it has never seen (leave-one-source-out, `docs/accuracy.md`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Fitted {
+    /// See [`constants::CUDA_CONTEXT`].
+    pub cuda_context: Bytes,
+    /// See [`constants::CUDA_CACHE_FRACTION`].
+    pub cuda_cache_fraction: f64,
+    /// See [`constants::CPU_PROCESS_BASELINE`].
+    pub cpu_process_baseline: Bytes,
+    /// See [`constants::CPU_HEAP_FRACTION`].
+    pub cpu_heap_fraction: f64,
+}
+
+impl Fitted {
+    /// The values the estimator ships with.
+    pub const SHIPPED: Fitted = Fitted {
+        cuda_context: CUDA_CONTEXT,
+        cuda_cache_fraction: CUDA_CACHE_FRACTION,
+        cpu_process_baseline: CPU_PROCESS_BASELINE,
+        cpu_heap_fraction: CPU_HEAP_FRACTION,
+    };
+}
+
+impl Default for Fitted {
+    fn default() -> Self {
+        Fitted::SHIPPED
+    }
+}
+
 /// A named part of the peak.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
@@ -808,9 +840,13 @@ fn communication_buckets(x: &Ctx) -> Bytes {
 /// Fixed runtime cost of the device kind: the CUDA context; the CPU process baseline
 /// (interpreter, torch, transformers, peft); the Metal runtime; the ROCm context.
 pub fn runtime_overhead(device: Device) -> Bytes {
+    runtime_overhead_with(device, &Fitted::SHIPPED)
+}
+
+fn runtime_overhead_with(device: Device, fitted: &Fitted) -> Bytes {
     match device {
-        Device::Cuda => CUDA_CONTEXT,
-        Device::Cpu => CPU_PROCESS_BASELINE,
+        Device::Cuda => fitted.cuda_context,
+        Device::Cpu => fitted.cpu_process_baseline,
         Device::Metal => METAL_RUNTIME,
         Device::Rocm => ROCM_CONTEXT,
     }
@@ -820,10 +856,10 @@ pub fn runtime_overhead(device: Device) -> Bytes {
 /// logits, gradients, workspaces), with the CUDA caching allocator's or the CPU heap's
 /// fraction (PyTorch's HIP build uses the same caching allocator as CUDA). Metal's unified
 /// memory is reported at the allocation level: none.
-fn allocator_cache(device: Device, per_step: Bytes) -> Bytes {
+fn allocator_cache(device: Device, per_step: Bytes, fitted: &Fitted) -> Bytes {
     let fraction = match device {
-        Device::Cuda | Device::Rocm => CUDA_CACHE_FRACTION,
-        Device::Cpu => CPU_HEAP_FRACTION,
+        Device::Cuda | Device::Rocm => fitted.cuda_cache_fraction,
+        Device::Cpu => fitted.cpu_heap_fraction,
         Device::Metal => 0.0,
     };
     Bytes::from_f64(per_step.as_f64() * fraction)
@@ -831,6 +867,11 @@ fn allocator_cache(device: Device, per_step: Bytes) -> Bytes {
 
 /// Estimates the peak memory of one training step of `cfg` on one device.
 pub fn estimate(cfg: &TrainingConfig) -> Result<Estimate, Vec<ConfigError>> {
+    estimate_with(cfg, &Fitted::SHIPPED)
+}
+
+/// [`estimate`] with other values of the fitted constants (cross-validation, refits).
+pub fn estimate_with(cfg: &TrainingConfig, fitted: &Fitted) -> Result<Estimate, Vec<ConfigError>> {
     cfg.validate()?;
     if cfg.untied_head && cfg.model.tie_embeddings && cfg.model.lm_head {
         // The trainer's model has its own head: the same model untied, with `V·h` more
@@ -839,7 +880,7 @@ pub fn estimate(cfg: &TrainingConfig) -> Result<Estimate, Vec<ConfigError>> {
         untied.model.tie_embeddings = false;
         let head = cfg.model.vocab_size.saturating_mul(cfg.model.hidden_size);
         untied.model.params = cfg.model.params.map(|p| p.saturating_add(head));
-        return estimate(&untied);
+        return estimate_with(&untied, fitted);
     }
     let x = Ctx::new(cfg);
     let grads = gradients(&x);
@@ -874,10 +915,13 @@ pub fn estimate(cfg: &TrainingConfig) -> Result<Estimate, Vec<ConfigError>> {
         (Component::OptimizerStates, optimizer_states(&x)),
     ]);
     components.extend_from_slice(per_step);
-    components.push((Component::RuntimeOverhead, runtime_overhead(cfg.device)));
+    components.push((
+        Component::RuntimeOverhead,
+        runtime_overhead_with(cfg.device, fitted),
+    ));
     components.push((
         Component::AllocatorCache,
-        allocator_cache(cfg.device, per_step_total),
+        allocator_cache(cfg.device, per_step_total, fitted),
     ));
     Ok(Estimate::from_components(components))
 }
