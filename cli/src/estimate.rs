@@ -7,8 +7,8 @@ use memguard_api::annotations::TrainingAnnotations;
 use memguard_api::policy::DEFAULT_SAFETY_RATIO;
 use memguard_api::{ModelCatalog, Policy};
 use memguard_estimator::{
-    Bytes, Calibration, DowngradePlan, Estimate, GradSync, ServingConfig, TrainingConfig, catalog,
-    estimate_serving, parse_bytes, plan_with_floors,
+    Bound, Bytes, Calibration, DowngradePlan, Estimate, GradSync, ServingConfig, TrainingConfig,
+    catalog, estimate_serving, parse_bytes, plan_against,
 };
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -259,9 +259,18 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok(e) => e,
         Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
     };
+    // As the webhook plans: against the upper bound at the policy's level.
+    let bound = Bound::at(policy.estimate_level, &[]);
+    let upper = bound.upper(cfg, estimate.total, estimate.total);
     let plan = match budget {
         Some(budget) => {
-            match plan_with_floors(cfg, budget, &Calibration::none(), &Default::default()) {
+            match plan_against(
+                cfg,
+                budget,
+                &Calibration::none(),
+                &Default::default(),
+                &bound,
+            ) {
                 Ok(plan) => Some(plan),
                 Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
             }
@@ -271,6 +280,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     match args.output {
         Output::Json => {
             let mut value = to_json(cfg, &estimate, plan.as_ref());
+            value["total_upper_bytes"] = json!(upper.0);
+            value["upper_level"] = json!(policy.estimate_level);
             if let Some(b) = &from_pod {
                 value["budget_source"] = json!(b.budget.source);
                 value["device_memory_bytes"] = json!(b.budget.device_memory.0);
@@ -280,6 +291,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         Output::Table => {
             write_table(&mut out, cfg, &estimate, plan.as_ref())?;
+            writeln!(
+                out,
+                "upper bound at {}: {upper} (what the plan is checked against)",
+                policy.estimate_level
+            )?;
             if let Some(b) = &from_pod {
                 let source = serde_json::to_value(&b.budget.source)?;
                 let detail = source["detail"].as_str().map(|d| format!(": {d}"));
@@ -688,6 +704,7 @@ fn to_json(cfg: &TrainingConfig, estimate: &Estimate, plan: Option<&DowngradePla
         value["steps"] = json!(steps);
         value["config"] = config_json(&plan.config);
         value["planned_total_bytes"] = json!(plan.total().0);
+        value["planned_upper_bytes"] = json!(plan.upper().0);
         value["planned_tensor_peak_bytes"] = json!(plan.estimate.tensor_peak.0);
     }
     value

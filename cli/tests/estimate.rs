@@ -37,6 +37,38 @@ fn json_output_has_totals_and_components_that_add_up() {
     let sum: u64 = components.values().filter_map(Value::as_u64).sum();
     assert_eq!(sum, total, "components add up to the total");
     assert!(v.get("fits").is_none(), "no plan without a budget");
+    // The upper bound at the default level, above the point estimate.
+    assert_eq!(v["upper_level"], 0.95);
+    assert!(u64_at(&v, "total_upper_bytes") > total);
+}
+
+#[test]
+fn the_upper_bound_follows_the_policys_estimate_level_and_the_plan_is_checked_against_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        "apiVersion: memguard.io/v1alpha1\nkind: MemguardPolicy\nmetadata:\n  name: default\nspec:\n  estimateLevel: 0.8\n",
+    )
+    .expect("policy written");
+    let base = ["estimate", "--model", "llama-3-8b", "--method", "lora"];
+    let default = json(&base);
+    let path = policy.to_string_lossy().to_string();
+    let lower = json(&[&base[..], &["--policy-file", &path]].concat());
+    assert_eq!(lower["upper_level"], 0.8);
+    assert!(u64_at(&lower, "total_upper_bytes") <= u64_at(&default, "total_upper_bytes"));
+    assert_eq!(lower["total_bytes"], default["total_bytes"]);
+
+    // A budget at the point estimate: the bound does not fit it, so the plan downgrades.
+    let budget = u64_at(&default, "total_bytes").to_string();
+    let v = json(&[&base[..], &["--budget", &budget]].concat());
+    assert!(!v["steps"].as_array().expect("steps").is_empty());
+    if v["fits"] == true {
+        assert!(u64_at(&v, "planned_upper_bytes") <= u64_at(&v, "budget_bytes"));
+    }
+    let out = memguard(&[&base[..], &["--policy-file", &path]].concat());
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("upper bound at 0.8: "), "{table}");
 }
 
 #[test]
@@ -102,13 +134,14 @@ fn grad_sync_flag_keeps_fsdp_gradients_sharded_and_the_plan_syncs_before_halving
         "accumulate is the default"
     );
 
-    // Planned into the synced total: checkpointing, then the sync rung, and it says so.
+    // Planned into the synced config's upper bound (what the plan is checked against):
+    // checkpointing, then the sync rung, and it says so.
     let checkpointed = [
         &fsdp[..],
         &["--grad-sync", "each-batch", "--grad-checkpointing", "true"],
     ]
     .concat();
-    let budget = u64_at(&json(&checkpointed), "total_bytes").to_string();
+    let budget = u64_at(&json(&checkpointed), "total_upper_bytes").to_string();
     let v = json(&[&fsdp[..], &["--budget", &budget]].concat());
     let rungs: Vec<&str> = v["steps"]
         .as_array()

@@ -16,9 +16,7 @@ use memguard_api::estimate::{ESTIMATE_VERSION, EstimateAnnotation};
 use memguard_api::pod::TrainingPod;
 use memguard_api::policy::{PlacementMode, SidecarMode, SidecarResources};
 use memguard_api::{Knob, Policy, env, wellknown};
-use memguard_estimator::{
-    Bytes, Device, DowngradePlan, Parallelism, TrainingConfig, plan_with_floors,
-};
+use memguard_estimator::{Bytes, Device, DowngradePlan, Parallelism, TrainingConfig, plan_against};
 use memguard_learn::observe::knobs_of;
 use memguard_learn::update::describe_knobs;
 use memguard_learn::{Adjustments, PodKey, adjustments};
@@ -277,6 +275,8 @@ fn plan(
         .adjustments(pod.metadata.namespace.as_deref(), &key)
         .unwrap_or_default();
     let calibration = adjust.effective_calibration();
+    // Planned against the upper bound at the policy's level, not the point estimate.
+    let bound = adjust.bound(policy.estimate_level);
     let start = adjust.start(&training.config, &policy.floors);
     if let Some(recovery) = &adjust.recovery {
         warnings.push(truncate(&format!(
@@ -293,6 +293,7 @@ fn plan(
                 pod,
                 &start,
                 &calibration,
+                &bound,
                 &policy.floors,
                 safety_ratio(training, policy),
                 policy,
@@ -323,20 +324,25 @@ fn plan(
         )));
     }
     let target = budget.as_ref().map_or(Bytes(u64::MAX), |b| b.bytes);
-    let plan = plan_with_floors(&start, target, &calibration, &policy.floors).map_err(|errs| {
-        errs.iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join("; ")
-    })?;
+    let plan =
+        plan_against(&start, target, &calibration, &policy.floors, &bound).map_err(|errs| {
+            errs.iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; ")
+        })?;
 
     // Every knob at its floor and still over the budget: admitted anyway, at the smallest config
     // tried, saying so (the profile's verdict, when it has one, says more).
     let floor_verdict = budget.as_ref().filter(|_| !plan.fits).map(|b| {
         format!(
-            "cannot fit: estimate {} exceeds budget {} with every knob at its floor; smallest \
+            "cannot fit: estimate {}{} exceeds budget {} with every knob at its floor; smallest \
              config tried: {}",
             plan.total(),
+            plan.bound
+                .level
+                .map(|level| format!(" (upper bound {} at {level})", plan.upper()))
+                .unwrap_or_default(),
             b.bytes,
             describe_knobs(&knobs_of(&plan.config))
         )
@@ -527,6 +533,8 @@ fn estimate_annotation(
     EstimateAnnotation {
         v: ESTIMATE_VERSION,
         total: plan.total(),
+        upper: plan.bound.level.map(|_| plan.upper()),
+        upper_level: plan.bound.level,
         tensor_peak: plan.calibration.apply(plan.estimate.tensor_peak),
         budget: budget.map(|b| b.bytes),
         fits: budget.map(|_| plan.fits),
