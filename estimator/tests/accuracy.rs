@@ -20,9 +20,10 @@ const SOURCE_MEDIAN_APE: f64 = 0.15;
 const SHARE_UNDER_TEN: f64 = 0.05;
 const REGRESSION_POINTS: f64 = 2.0;
 /// Sources whose cross-validated median is over [`SOURCE_MEDIAN_APE`], said so in
-/// `docs/accuracy.md` (torchtune's flag rows: over-estimates, the safe side). The regression
-/// guard still holds them to their committed figure.
-const KNOWN_OVER_TARGET: [&str; 1] = ["G-torchtune"];
+/// `docs/accuracy.md` (torchtune's flag rows: over-estimates, the safe side; torchtune's 2024
+/// README: FSDP rows over, its NF4 QLoRA row under). The regression guard still holds them to
+/// their committed figure.
+const KNOWN_OVER_TARGET: [&str; 2] = ["G-torchtune", "T-torchtune-readme-2024"];
 
 fn rows() -> &'static [harness::Scored] {
     static ROWS: OnceLock<Vec<harness::Scored>> = OnceLock::new();
@@ -39,9 +40,9 @@ fn cv() -> &'static [harness::Scored] {
 #[test]
 fn every_row_is_scored() {
     // Ground truth 68 GPU + 25 CPU; collected: 33 LitGPT config hub, 5 PEFT method comparison,
-    // 23 LitGPT resource tables.
-    assert_eq!(rows().len(), 68 + 25 + 33 + 5 + 23);
-    assert_eq!(harness::sources(rows()).len(), 8);
+    // 23 LitGPT resource tables, 5 torchtune README.
+    assert_eq!(rows().len(), 68 + 25 + 33 + 5 + 23 + 5);
+    assert_eq!(harness::sources(rows()).len(), 9);
 }
 
 #[test]

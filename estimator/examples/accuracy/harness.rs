@@ -18,10 +18,11 @@ pub const FILES: [&str; 2] = [
 /// Measurements collected for this repository (`bench/accuracy/collected/`), in the same
 /// columns plus `split` (`fit` or `heldout`, fixed before the model was changed), `head_dim`
 /// and `tie_embeddings`.
-pub const COLLECTED: [&str; 3] = [
+pub const COLLECTED: [&str; 4] = [
     "litgpt-confighub.csv",
     "peft-method-comparison.csv",
     "litgpt-resource-tables.csv",
+    "torchtune-readme-2024.csv",
 ];
 
 /// The trainer choices (loss, compile, offloading, attention and LoRA dropout) of ground-truth rows,
