@@ -62,6 +62,11 @@ macro_rules! annotation_flags {
             /// and safety ratio apply with --gpu-resource; default: the built-in policy.
             #[arg(long, value_name = "FILE", help_heading = "The pod memguard would see")]
             policy_file: Option<std::path::PathBuf>,
+            /// The trainer's own `PYTORCH_CUDA_ALLOC_CONF`. Unset (the default), the webhook sets
+            /// `expandable_segments:True` on CUDA trainers, and the estimate assumes it: a
+            /// --seq-length-spread then does not fragment the allocator.
+            #[arg(long, value_name = "VALUE", help_heading = "The pod memguard would see")]
+            pytorch_cuda_alloc_conf: Option<String>,
             /// Output format.
             #[arg(long, value_enum, default_value_t = Output::Table)]
             output: Output,
@@ -177,6 +182,11 @@ annotation_flags! {
     quant_from_fp16 => "quant-from-fp16",
     /// true|false: the trainer keeps its own LM head when the checkpoint ties it (LitGPT; default false).
     untied_head => "untied-head",
+    /// (longest − shortest) / longest of the batches' padded lengths, in [0, 1] (default 0):
+    /// varying shapes fragment the CUDA caching allocator.
+    seq_length_spread => "seq-length-spread",
+    /// true|false: sequences packed into fixed-length batches (default false: padded).
+    packing => "packing",
     /// fp32|bf16-mixed|fp16-mixed|bf16|fp16.
     precision => "precision",
     /// cuda|cpu|metal|rocm.
@@ -251,6 +261,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         cfg.device = b.device;
     }
+    cfg.expandable_segments = memguard_webhook::mutate::expandable_segments(
+        cfg.device,
+        args.pytorch_cuda_alloc_conf.as_deref().map(Some),
+    );
     let cfg = &cfg;
     if args.serve {
         return serve(&args, cfg, budget, &mut out);

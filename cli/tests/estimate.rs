@@ -43,6 +43,39 @@ fn json_output_has_totals_and_components_that_add_up() {
 }
 
 #[test]
+fn a_seq_length_spread_costs_reserve_only_without_expandable_segments() {
+    let base = [
+        "estimate",
+        "--model",
+        "llama-3-8b",
+        "--method",
+        "lora",
+        "--seq-length",
+        "4096",
+    ];
+    let total = |extra: &[&str]| u64_at(&json(&[&base[..], extra].concat()), "total_bytes");
+    let even = total(&[]);
+    // The webhook sets expandable_segments:True when the trainer does not: no fragmentation.
+    assert_eq!(total(&["--seq-length-spread", "0.8"]), even);
+    let own = ["--pytorch-cuda-alloc-conf", "max_split_size_mb:128"];
+    assert!(total(&[&own[..], &["--seq-length-spread", "0.8"]].concat()) > even);
+    assert_eq!(
+        total(
+            &[
+                &own[..],
+                &["--seq-length-spread", "0.8", "--packing", "true"]
+            ]
+            .concat()
+        ),
+        even,
+        "packed batches have one shape"
+    );
+    let out = memguard(&[&base[..], &["--seq-length-spread", "1.5"]].concat());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("seq-length-spread"));
+}
+
+#[test]
 fn the_upper_bound_follows_the_policys_estimate_level_and_the_plan_is_checked_against_it() {
     let dir = tempfile::tempdir().expect("tempdir");
     let policy = dir.path().join("policy.yaml");

@@ -73,6 +73,15 @@ pub mod constants {
     /// the chunk is upcast, as torchtune does; narrower in LitGPT's bf16), kept for every
     /// chunk until backward; the gradients exist for one chunk at a time.
     pub const CHUNKED_LOSS_BYTES_PER_LOGIT: f64 = 4.0;
+    /// The CUDA caching allocator's extra reserve when batch shapes vary, per unit of
+    /// `seq_length_spread`, as a fraction of the per-step tensors: at spread 1 (the shortest
+    /// batch a sliver of the longest) freed blocks cut for short batches cannot serve the long
+    /// one, and the reserve grows by half the per-step tensors. **Not fitted**: no source here
+    /// publishes both `max_memory_allocated` and `max_memory_reserved` on variable-length data
+    /// (`docs/accuracy.md`, "Reserved memory and fragmentation"); `bench/gpu/measure.py` measures
+    /// both, padded and packed, with and without expandable segments, and is how it gets fitted.
+    /// Packing and `expandable_segments:True` remove it.
+    pub const CUDA_FRAGMENTATION_PER_SPREAD: f64 = 0.5;
 }
 
 use constants::*;
@@ -855,10 +864,20 @@ fn runtime_overhead_with(device: Device, fitted: &Fitted) -> Bytes {
 /// Allocator reserve above live tensors: `fraction · per-step tensors` (activations,
 /// logits, gradients, workspaces), with the CUDA caching allocator's or the CPU heap's
 /// fraction (PyTorch's HIP build uses the same caching allocator as CUDA). Metal's unified
-/// memory is reported at the allocation level: none.
-fn allocator_cache(device: Device, per_step: Bytes, fitted: &Fitted) -> Bytes {
-    let fraction = match device {
-        Device::Cuda | Device::Rocm => fitted.cuda_cache_fraction,
+/// memory is reported at the allocation level: none. On the caching allocator, batches whose
+/// shapes vary add [`CUDA_FRAGMENTATION_PER_SPREAD`] per unit of spread, unless they are
+/// packed or the allocator's segments are expandable.
+fn allocator_cache(cfg: &TrainingConfig, per_step: Bytes, fitted: &Fitted) -> Bytes {
+    let fragmenting = !cfg.packing && !cfg.expandable_segments;
+    let spread = if fragmenting {
+        cfg.seq_length_spread
+    } else {
+        0.0
+    };
+    let fraction = match cfg.device {
+        Device::Cuda | Device::Rocm => {
+            fitted.cuda_cache_fraction + CUDA_FRAGMENTATION_PER_SPREAD * spread
+        }
         Device::Cpu => fitted.cpu_heap_fraction,
         Device::Metal => 0.0,
     };
@@ -921,7 +940,7 @@ pub fn estimate_with(cfg: &TrainingConfig, fitted: &Fitted) -> Result<Estimate, 
     ));
     components.push((
         Component::AllocatorCache,
-        allocator_cache(cfg.device, per_step_total, fitted),
+        allocator_cache(cfg, per_step_total, fitted),
     ));
     Ok(Estimate::from_components(components))
 }

@@ -277,7 +277,13 @@ fn plan(
     let calibration = adjust.effective_calibration();
     // Planned against the upper bound at the policy's level, not the point estimate.
     let bound = adjust.bound(policy.estimate_level);
-    let start = adjust.start(&training.config, &policy.floors);
+    let mut start = adjust.start(&training.config, &policy.floors);
+    start.expandable_segments = expandable_segments(
+        start.device,
+        user_alloc_conf(training.trainer)
+            .as_ref()
+            .map(Option::as_deref),
+    );
     if let Some(recovery) = &adjust.recovery {
         warnings.push(truncate(&format!(
             "memguard: recovery: {}",
@@ -399,6 +405,9 @@ fn render(
         warnings.push(cannot_fit_warning(verdict));
         trainer_env.push((env::CANNOT_FIT.into(), "true".into()));
     }
+    if plan.config.device == Device::Cuda && user_alloc_conf(trainer).is_none() {
+        trainer_env.push((ALLOC_CONF.into(), EXPANDABLE_SEGMENTS.into()));
+    }
     trainer_env.push((env::SIGNAL_FILE.into(), wellknown::SIGNAL_FILE.into()));
     trainer_env.push((
         env::SIDECAR_URL.into(),
@@ -445,6 +454,38 @@ fn render(
         error: verdict,
         affinity,
     }
+}
+
+/// PyTorch's CUDA caching-allocator settings. memguard sets `expandable_segments:True` on CUDA
+/// trainers that do not set the variable themselves: varying batch shapes then no longer
+/// fragment the allocator's reserve (docs/webhook.md, "Expandable segments", for the trade).
+pub const ALLOC_CONF: &str = "PYTORCH_CUDA_ALLOC_CONF";
+/// The value memguard sets.
+pub const EXPANDABLE_SEGMENTS: &str = "expandable_segments:True";
+
+/// The trainer's own `PYTORCH_CUDA_ALLOC_CONF`: `None` when unset, `Some(None)` when it comes
+/// from a reference (`valueFrom`: its value is not known here).
+pub fn user_alloc_conf(trainer: &k8s_openapi::api::core::v1::Container) -> Option<Option<String>> {
+    trainer
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == ALLOC_CONF)
+        .map(|e| e.value.clone().filter(|_| e.value_from.is_none()))
+}
+
+/// Whether a trainer on `device` with its own allocator setting `user` (as
+/// [`user_alloc_conf`] reads it) runs with expandable segments: on CUDA, when memguard sets the
+/// variable (unset) or the user's value turns them on; a value from a reference counts as off.
+pub fn expandable_segments(device: Device, user: Option<Option<&str>>) -> bool {
+    device == Device::Cuda
+        && match user {
+            None => true,
+            Some(Some(v)) => v
+                .split(',')
+                .any(|kv| kv.trim().eq_ignore_ascii_case(EXPANDABLE_SEGMENTS)),
+            Some(None) => false,
+        }
 }
 
 /// Placement applies to a pod on whole NVIDIA GPUs, not pinned to a product, not time-sliced,

@@ -494,6 +494,52 @@ fn the_plan_is_made_against_the_upper_bound_which_measured_runs_narrow() {
 }
 
 #[test]
+fn expandable_segments_are_set_unless_the_user_set_the_allocator_and_the_estimate_follows() {
+    let pod = || {
+        trainer_pod()
+            .gpus(1)
+            .annotate(keys::GPU_MEMORY, "100Ti")
+            .annotate(keys::SEQ_LENGTH_SPREAD, "0.8")
+    };
+    // Not set by the user: memguard sets it, and the spread does not fragment.
+    let set = mutated(pod(), &Policy::default());
+    assert_eq!(env_of(&set, ALLOC_CONF), Some(EXPANDABLE_SEGMENTS));
+    assert!(set.plan.config.expandable_segments);
+    let even = mutated(
+        trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "100Ti"),
+        &Policy::default(),
+    );
+    assert_eq!(set.plan.total(), even.plan.total());
+
+    // The user's own setting is kept, and without expandable segments the spread costs reserve.
+    let own = mutated(
+        pod().env(ALLOC_CONF, "max_split_size_mb:128"),
+        &Policy::default(),
+    );
+    assert_eq!(env_of(&own, ALLOC_CONF), None, "not patched");
+    assert!(!own.plan.config.expandable_segments);
+    assert!(own.plan.total() > set.plan.total());
+    let on = mutated(
+        pod().env(
+            ALLOC_CONF,
+            "max_split_size_mb:128, expandable_segments:True",
+        ),
+        &Policy::default(),
+    );
+    assert!(on.plan.config.expandable_segments);
+    assert_eq!(on.plan.total(), set.plan.total());
+
+    // CPU pods: PyTorch's CPU allocator has no such setting.
+    let cpu = mutated(trainer_pod().memory_limit("64Gi"), &Policy::default());
+    assert_eq!(env_of(&cpu, ALLOC_CONF), None);
+    assert!(!expandable_segments(Device::Cpu, None));
+    assert!(
+        !expandable_segments(Device::Cuda, Some(None)),
+        "valueFrom: unknown, off"
+    );
+}
+
+#[test]
 fn a_profile_of_another_key_or_with_too_few_runs_changes_nothing() {
     let pod = || trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "100Ti");
     let plain = mutated(pod(), &Policy::default());
