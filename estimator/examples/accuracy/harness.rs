@@ -342,6 +342,17 @@ pub fn config(row: &Row) -> Result<TrainingConfig, String> {
     cfg.lora_targets = targets(&row.lora_targets)?;
     cfg.lora_layers = opt_u64(&row.lora_layers)?;
     cfg.double_quant = row.notes.contains("[double-quant]");
+    // Batch shapes (bench/gpu/measure.py's rows): `[spread=0.75]`, `[packing]`,
+    // `[expandable-segments]`.
+    if let Some(rest) = row.notes.split("[spread=").nth(1) {
+        let value = rest.split(']').next().unwrap_or_default();
+        cfg.seq_length_spread = value
+            .trim()
+            .parse()
+            .map_err(|e| format!("[spread={value}]: {e}"))?;
+    }
+    cfg.packing = row.notes.contains("[packing]");
+    cfg.expandable_segments = row.notes.contains("[expandable-segments]");
     // A model fact with no column: Gemma 2's soft-capped attention scores.
     cfg.model.attention_softcapping = row.notes.contains("[attention-softcapping]");
     cfg.optimizer = row
