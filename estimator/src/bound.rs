@@ -245,7 +245,7 @@ mod tests {
         let f = upper_factor_from(&res, &full, 0.95);
         assert_eq!(f, 1.6, "never below what the class has shown");
         let l = upper_factor_from(&res, &lora, 0.95);
-        assert!(l < 1.6 && l >= 0.95, "{l}");
+        assert!((0.95..1.6).contains(&l), "{l}");
     }
 
     #[test]
@@ -298,9 +298,9 @@ mod tests {
             pairs.iter().map(|&(e, m)| (Bytes(e), Bytes(m))).collect()
         };
         assert_eq!(learned_factor(&runs(&[(100, 90), (100, 92)])), None);
-        let f = learned_factor(&runs(&[(100, 90), (100, 92), (100, 91)])).unwrap();
+        let f = learned_factor(&runs(&[(100, 90), (100, 92), (100, 91)])).expect("three runs");
         assert!((f - 0.94).abs() < 1e-9, "{f}");
-        let cfg = TrainingConfig::new(catalog::lookup("llama-3-8b").unwrap());
+        let cfg = TrainingConfig::new(catalog::lookup("llama-3-8b").expect("catalog"));
         let total = Bytes::gib(40);
         let population = Bound::at(0.95, &[]).upper(&cfg, total, total);
         assert!(population > total);
