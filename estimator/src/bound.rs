@@ -185,15 +185,28 @@ impl Bound {
         }
     }
 
+    /// The factor on the raw estimate of `cfg`'s device-level figure; `None` plans against the
+    /// point estimate.
+    pub fn factor(&self, cfg: &TrainingConfig) -> Option<f64> {
+        match (self.learned, self.level) {
+            (Some(f), _) => Some(f),
+            (None, Some(level)) => Some(upper_factor(&Class::of(cfg, Figure::Device), level)),
+            (None, None) => None,
+        }
+    }
+
     /// The bound on a device-level figure of `cfg` whose raw estimate is `total`, given the
     /// calibrated point estimate `point` (the bound never falls below it).
     pub fn upper(&self, cfg: &TrainingConfig, total: Bytes, point: Bytes) -> Bytes {
-        let factor = match (self.learned, self.level) {
-            (Some(f), _) => f,
-            (None, Some(level)) => upper_factor(&Class::of(cfg, Figure::Device), level),
-            (None, None) => return point,
-        };
-        Bytes::from_f64(total.as_f64() * factor).max(point)
+        apply(self.factor(cfg), total, point)
+    }
+}
+
+/// `total · factor`, never below `point`; `point` itself without a factor.
+pub fn apply(factor: Option<f64>, total: Bytes, point: Bytes) -> Bytes {
+    match factor {
+        Some(f) => Bytes::from_f64(total.as_f64() * f).max(point),
+        None => point,
     }
 }
 

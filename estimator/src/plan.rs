@@ -1,6 +1,6 @@
 //! The downgrade plan: walk the quality-preserving ladder until the step fits the budget.
 
-use crate::bound::Bound;
+use crate::bound::{self, Bound, Class, Figure};
 use crate::calibration::Calibration;
 use crate::config::{ConfigError, GradSync, Parallelism, TrainingConfig};
 use crate::estimate::{Estimate, estimate};
@@ -249,8 +249,20 @@ pub fn plan_against(
     let mut current = cfg.clone();
     let mut current_estimate = initial.clone();
     let mut steps = Vec::new();
-    let fits = |c: &TrainingConfig, e: &Estimate| {
-        bound.upper(c, e.total, calibration.apply(e.total)) <= budget
+    // The bound's factor depends on the config's class only (method, quantization,
+    // parallelism), which few rungs change: computed once per class.
+    let mut factors: Vec<(Class, Option<f64>)> = Vec::new();
+    let mut fits = |c: &TrainingConfig, e: &Estimate| {
+        let class = Class::of(c, Figure::Device);
+        let factor = match factors.iter().find(|(k, _)| *k == class) {
+            Some((_, f)) => *f,
+            None => {
+                let f = bound.factor(c);
+                factors.push((class, f));
+                f
+            }
+        };
+        bound::apply(factor, e.total, calibration.apply(e.total)) <= budget
     };
 
     'ladder: for rung in LADDER {
