@@ -97,6 +97,12 @@ pub const QUANT_FROM_FP16: &str = "memguard.io/quant-from-fp16";
 /// `true|false`: the trainer keeps the LM head as its own parameter even when the checkpoint
 /// ties it to the embedding (LitGPT); default `false` (transformers keeps the tie).
 pub const UNTIED_HEAD: &str = "memguard.io/untied-head";
+/// How much the batches' padded lengths vary, `(longest − shortest) / longest` in [0, 1]
+/// (default 0: every batch one shape). Varying shapes fragment the CUDA caching allocator
+/// unless the batches are packed or its segments are expandable.
+pub const SEQ_LENGTH_SPREAD: &str = "memguard.io/seq-length-spread";
+/// `true|false`: sequences are packed into fixed-length batches (default `false`: padded).
+pub const PACKING: &str = "memguard.io/packing";
 /// `fp32|bf16-mixed|fp16-mixed|bf16|fp16`.
 pub const PRECISION: &str = "memguard.io/precision";
 /// `cuda|cpu|metal|rocm`; default: `rocm` for AMD GPUs, `cuda` for NVIDIA GPUs, else `cpu`.
@@ -155,6 +161,8 @@ pub const INPUT_KEYS: &[&str] = &[
     QUANTIZED_HEAD,
     QUANT_FROM_FP16,
     UNTIED_HEAD,
+    SEQ_LENGTH_SPREAD,
+    PACKING,
     PRECISION,
     DEVICE,
     PARALLELISM,
@@ -356,6 +364,17 @@ impl TrainingAnnotations {
         }
         if let Some(v) = p.boolean(UNTIED_HEAD) {
             config.untied_head = v;
+        }
+        if let Some(v) = p.parse_with(SEQ_LENGTH_SPREAD, |s| {
+            s.trim()
+                .parse::<f64>()
+                .map_err(|_| format!("`{s}` is not a number"))
+        }) {
+            // Range checked with the config (`seq-length-spread: … is not in [0, 1]`).
+            config.seq_length_spread = v;
+        }
+        if let Some(v) = p.boolean(PACKING) {
+            config.packing = v;
         }
         let device = p.enum_value::<Device>(DEVICE);
         if let Some(v) = device {
@@ -813,6 +832,30 @@ mod tests {
             "{}",
             errs[2].message
         );
+    }
+
+    #[test]
+    fn seq_length_spread_and_packing_are_read_and_checked() {
+        let a = parse(&annotations(&[(MODEL, "llama-3-8b")])).expect("valid");
+        assert_eq!(a.config.seq_length_spread, 0.0);
+        assert!(!a.config.packing);
+        let a = parse(&annotations(&[
+            (MODEL, "llama-3-8b"),
+            (SEQ_LENGTH_SPREAD, "0.75"),
+            (PACKING, "true"),
+        ]))
+        .expect("valid");
+        assert_eq!(a.config.seq_length_spread, 0.75);
+        assert!(a.config.packing);
+        for (bad, says) in [("wide", "not a number"), ("1.5", "not in [0, 1]")] {
+            let errs = parse(&annotations(&[
+                (MODEL, "llama-3-8b"),
+                (SEQ_LENGTH_SPREAD, bad),
+            ]))
+            .expect_err("invalid");
+            assert_eq!(errs[0].key, "seq-length-spread", "{errs:?}");
+            assert!(errs[0].message.contains(says), "{}", errs[0].message);
+        }
     }
 
     #[test]

@@ -46,9 +46,17 @@ pub enum BudgetSource {
 pub struct EstimateAnnotation {
     /// The schema version, [`ESTIMATE_VERSION`].
     pub v: u32,
-    /// The estimated peak of the final config, calibrated: what the plan compared with the
-    /// budget.
+    /// The estimated peak of the final config, calibrated (the point estimate).
     pub total: Bytes,
+    /// The upper bound on the final config's peak at `upperLevel`: what the plan compared with
+    /// the budget (absent when the plan was made against `total`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upper: Option<Bytes>,
+    /// The level of `upper`: the share of unseen configurations whose peak it covers (the
+    /// policy's `estimateLevel`); the job's own runs replace the population's spread once it
+    /// has 3.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upper_level: Option<f64>,
     /// The tensor peak within `total`, calibrated.
     pub tensor_peak: Bytes,
     /// The budget the plan aimed at; `null` when the pod has none (a CPU pod without a limit).

@@ -291,6 +291,12 @@ pub struct PolicySpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "crd", schemars(range(max = 20)))]
     pub max_oom_recoveries: Option<u32>,
+    /// The level of the upper bound on the estimate that pods are planned against, in
+    /// [0.5, 0.99] (default 0.95): the share of unseen configurations whose peak the bound
+    /// covers (docs/accuracy.md, "The upper bound").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(range(min = 0.5, max = 0.99)))]
+    pub estimate_level: Option<f64>,
     /// `off`, `preferred` (default) or `required`: node affinity on `nvidia.com/gpu.memory` for
     /// GPU pods not pinned to a product (docs/webhook.md, "Placement").
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -331,6 +337,9 @@ pub struct Policy {
     pub floors: memguard_estimator::plan::Floors,
     /// OOM recoveries in a row before "cannot fit" (see [`PolicySpec::max_oom_recoveries`]).
     pub max_oom_recoveries: u32,
+    /// The level of the upper bound pods are planned against (see
+    /// [`PolicySpec::estimate_level`]).
+    pub estimate_level: f64,
     /// Placement of GPU pods not pinned to a product.
     pub placement: PlacementMode,
     /// The models pods may name: the policy's, then the built-in catalog.
@@ -393,6 +402,15 @@ impl PolicySpec {
                 "maxOomRecoveries: {max_oom_recoveries} is more than {MAX_OOM_RECOVERIES_LIMIT}"
             ));
         }
+        let estimate_level = self
+            .estimate_level
+            .unwrap_or(memguard_estimator::bound::DEFAULT_LEVEL);
+        let (lo, hi) = memguard_estimator::bound::LEVEL_RANGE;
+        if !(lo..=hi).contains(&estimate_level) {
+            errors.push(format!(
+                "estimateLevel: {estimate_level} is not in [{lo}, {hi}]"
+            ));
+        }
         let mut env_names = EnvMap::new();
         for (knob, var) in &self.env_names {
             match env_map_entry(knob, var) {
@@ -440,6 +458,7 @@ impl PolicySpec {
             env_names,
             floors: self.floors.unwrap_or_default().resolved(),
             max_oom_recoveries,
+            estimate_level,
             placement: self.placement.unwrap_or_default(),
             models,
         })
@@ -479,6 +498,29 @@ mod tests {
         assert_eq!(p.thresholds.downgrade, 0.85);
         assert_eq!(p.floors.batch_size, 1);
         assert_eq!(p.max_oom_recoveries, DEFAULT_MAX_OOM_RECOVERIES);
+    }
+
+    #[test]
+    fn estimate_level_defaults_to_095_and_is_checked_at_load() {
+        assert_eq!(
+            PolicySpec::default()
+                .resolved()
+                .expect("valid")
+                .estimate_level,
+            0.95
+        );
+        let at = |level: f64| PolicySpec {
+            estimate_level: Some(level),
+            ..PolicySpec::default()
+        };
+        assert_eq!(at(0.9).resolved().expect("valid").estimate_level, 0.9);
+        for bad in [0.4, 1.0, f64::NAN] {
+            let errors = at(bad).resolved().expect_err("out of range");
+            assert!(
+                errors.iter().any(|e| e.starts_with("estimateLevel:")),
+                "{errors:?}"
+            );
+        }
     }
 
     #[test]

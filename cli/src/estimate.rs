@@ -8,8 +8,8 @@ use memguard_api::dra::DraCatalog;
 use memguard_api::policy::DEFAULT_SAFETY_RATIO;
 use memguard_api::{ModelCatalog, Policy, TrainingPod};
 use memguard_estimator::{
-    Bytes, Calibration, DowngradePlan, Estimate, GradSync, ServingConfig, TrainingConfig, catalog,
-    estimate_serving, parse_bytes,
+    Bound, Bytes, Calibration, DowngradePlan, Estimate, GradSync, ServingConfig, TrainingConfig,
+    catalog, estimate_serving, parse_bytes,
 };
 use memguard_learn::decision;
 use serde_json::{Value, json};
@@ -64,6 +64,11 @@ macro_rules! annotation_flags {
             /// and safety ratio apply with --gpu-resource; default: the built-in policy.
             #[arg(long, value_name = "FILE", help_heading = "The pod memguard would see")]
             policy_file: Option<std::path::PathBuf>,
+            /// The trainer's own `PYTORCH_CUDA_ALLOC_CONF`. Unset (the default), the webhook sets
+            /// `expandable_segments:True` on CUDA trainers, and the estimate assumes it: a
+            /// --seq-length-spread then does not fragment the allocator.
+            #[arg(long, value_name = "VALUE", help_heading = "The pod memguard would see")]
+            pytorch_cuda_alloc_conf: Option<String>,
             /// Output format.
             #[arg(long, value_enum, default_value_t = Output::Table)]
             output: Output,
@@ -183,6 +188,11 @@ annotation_flags! {
     quant_from_fp16 => "quant-from-fp16",
     /// true|false: the trainer keeps its own LM head when the checkpoint ties it (LitGPT; default false).
     untied_head => "untied-head",
+    /// (longest − shortest) / longest of the batches' padded lengths, in [0, 1] (default 0):
+    /// varying shapes fragment the CUDA caching allocator.
+    seq_length_spread => "seq-length-spread",
+    /// true|false: sequences packed into fixed-length batches (default false: padded).
+    packing => "packing",
     /// fp32|bf16-mixed|fp16-mixed|bf16|fp16.
     precision => "precision",
     /// cuda|cpu|metal|rocm.
@@ -249,7 +259,16 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok(budget) => budget,
         Err(message) => return Ok(bad_input([message])),
     };
-    let cfg = training.as_ref().map_or(&parsed.config, |t| &t.config);
+    let mut cfg = training
+        .as_ref()
+        .map_or(&parsed.config, |t| &t.config)
+        .clone();
+    // The trainer's own allocator setting, as admission reads it from the trainer's env.
+    cfg.expandable_segments = memguard_learn::decision::expandable_segments(
+        cfg.device,
+        args.pytorch_cuda_alloc_conf.as_deref().map(Some),
+    );
+    let cfg = &cfg;
     if args.serve {
         return serve(&args, cfg, budget, &mut out);
     }
@@ -257,6 +276,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok(e) => e,
         Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
     };
+    // As the webhook plans: against the upper bound at the policy's level.
+    let bound = Bound::at(policy.estimate_level, &[]);
+    let upper = bound.upper(cfg, estimate.total, estimate.total);
     // The plan under the policy's floors: the decision's own for a pod, else the same planning
     // step into the given budget.
     let decided = match &training {
@@ -269,7 +291,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let plan = match (&decided, budget) {
         (Some(d), _) => Some(d.plan.clone()),
         (None, Some(budget)) => {
-            match decision::plan_into(cfg, Some(budget), &Calibration::none(), &policy) {
+            match decision::plan_into(cfg, Some(budget), &Calibration::none(), &policy, &bound) {
                 Ok(plan) => Some(plan),
                 Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
             }
@@ -283,6 +305,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         &estimate,
         plan.as_ref(),
         decided.as_ref(),
+        (upper, policy.estimate_level),
     )?;
     Ok(ExitCode::SUCCESS)
 }
@@ -334,11 +357,14 @@ fn write_output(
     estimate: &Estimate,
     plan: Option<&DowngradePlan>,
     decided: Option<&decision::Decision>,
+    (upper, level): (Bytes, f64),
 ) -> anyhow::Result<()> {
     let pod_budget = decided.and_then(|d| d.budget.as_ref());
     match output {
         Output::Json => {
             let mut value = to_json(cfg, estimate, plan);
+            value["total_upper_bytes"] = json!(upper.0);
+            value["upper_level"] = json!(level);
             if let Some(b) = pod_budget {
                 value["budget_source"] = json!(b.source);
                 value["device_memory_bytes"] = json!(b.device_memory.0);
@@ -351,6 +377,10 @@ fn write_output(
         }
         Output::Table => {
             write_table(out, cfg, estimate, plan)?;
+            writeln!(
+                out,
+                "upper bound at {level}: {upper} (what the plan is checked against)"
+            )?;
             if let Some(b) = pod_budget {
                 let source = serde_json::to_value(&b.source)?;
                 let detail = source["detail"].as_str().map(|d| format!(": {d}"));
@@ -716,6 +746,7 @@ fn to_json(cfg: &TrainingConfig, estimate: &Estimate, plan: Option<&DowngradePla
         value["steps"] = json!(steps);
         value["config"] = config_json(&plan.config);
         value["planned_total_bytes"] = json!(plan.total().0);
+        value["planned_upper_bytes"] = json!(plan.upper().0);
         value["planned_tensor_peak_bytes"] = json!(plan.estimate.tensor_peak.0);
     }
     value

@@ -37,6 +37,71 @@ fn json_output_has_totals_and_components_that_add_up() {
     let sum: u64 = components.values().filter_map(Value::as_u64).sum();
     assert_eq!(sum, total, "components add up to the total");
     assert!(v.get("fits").is_none(), "no plan without a budget");
+    // The upper bound at the default level, above the point estimate.
+    assert_eq!(v["upper_level"], 0.95);
+    assert!(u64_at(&v, "total_upper_bytes") > total);
+}
+
+#[test]
+fn a_seq_length_spread_costs_reserve_only_without_expandable_segments() {
+    let base = [
+        "estimate",
+        "--model",
+        "llama-3-8b",
+        "--method",
+        "lora",
+        "--seq-length",
+        "4096",
+    ];
+    let total = |extra: &[&str]| u64_at(&json(&[&base[..], extra].concat()), "total_bytes");
+    let even = total(&[]);
+    // The webhook sets expandable_segments:True when the trainer does not: no fragmentation.
+    assert_eq!(total(&["--seq-length-spread", "0.8"]), even);
+    let own = ["--pytorch-cuda-alloc-conf", "max_split_size_mb:128"];
+    assert!(total(&[&own[..], &["--seq-length-spread", "0.8"]].concat()) > even);
+    assert_eq!(
+        total(
+            &[
+                &own[..],
+                &["--seq-length-spread", "0.8", "--packing", "true"]
+            ]
+            .concat()
+        ),
+        even,
+        "packed batches have one shape"
+    );
+    let out = memguard(&[&base[..], &["--seq-length-spread", "1.5"]].concat());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("seq-length-spread"));
+}
+
+#[test]
+fn the_upper_bound_follows_the_policys_estimate_level_and_the_plan_is_checked_against_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        "apiVersion: memguard.io/v1alpha1\nkind: MemguardPolicy\nmetadata:\n  name: default\nspec:\n  estimateLevel: 0.8\n",
+    )
+    .expect("policy written");
+    let base = ["estimate", "--model", "llama-3-8b", "--method", "lora"];
+    let default = json(&base);
+    let path = policy.to_string_lossy().to_string();
+    let lower = json(&[&base[..], &["--policy-file", &path]].concat());
+    assert_eq!(lower["upper_level"], 0.8);
+    assert!(u64_at(&lower, "total_upper_bytes") <= u64_at(&default, "total_upper_bytes"));
+    assert_eq!(lower["total_bytes"], default["total_bytes"]);
+
+    // A budget at the point estimate: the bound does not fit it, so the plan downgrades.
+    let budget = u64_at(&default, "total_bytes").to_string();
+    let v = json(&[&base[..], &["--budget", &budget]].concat());
+    assert!(!v["steps"].as_array().expect("steps").is_empty());
+    if v["fits"] == true {
+        assert!(u64_at(&v, "planned_upper_bytes") <= u64_at(&v, "budget_bytes"));
+    }
+    let out = memguard(&[&base[..], &["--policy-file", &path]].concat());
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("upper bound at 0.8: "), "{table}");
 }
 
 #[test]
@@ -102,13 +167,14 @@ fn grad_sync_flag_keeps_fsdp_gradients_sharded_and_the_plan_syncs_before_halving
         "accumulate is the default"
     );
 
-    // Planned into the synced total: checkpointing, then the sync rung, and it says so.
+    // Planned into the synced config's upper bound (what the plan is checked against):
+    // checkpointing, then the sync rung, and it says so.
     let checkpointed = [
         &fsdp[..],
         &["--grad-sync", "each-batch", "--grad-checkpointing", "true"],
     ]
     .concat();
-    let budget = u64_at(&json(&checkpointed), "total_bytes").to_string();
+    let budget = u64_at(&json(&checkpointed), "total_upper_bytes").to_string();
     let v = json(&[&fsdp[..], &["--budget", &budget]].concat());
     let rungs: Vec<&str> = v["steps"]
         .as_array()
@@ -675,7 +741,7 @@ fn a_dra_claim_gives_its_device_and_memory_offline() {
 }
 
 /// `--policy-file`'s floors bound the plan, as at admission: without them the sequence is
-/// halved to fit, with a 2048 floor it stays and the config cannot fit.
+/// halved below 2048 to fit, with a 2048 floor it stays and the config cannot fit.
 #[test]
 fn the_policy_files_floors_bound_the_plan() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -699,7 +765,9 @@ fn the_policy_files_floors_bound_the_plan() {
     ] {
         let free = json(&[&base[..], budget].concat());
         assert_eq!(free["fits"], true, "{budget:?}: {free}");
-        assert_eq!(free["config"]["seq_length"], 1024, "{budget:?}: {free}");
+        // Halved below the floor (how far depends on the upper bound the plan checks).
+        let seq = free["config"]["seq_length"].as_u64().expect("seq_length");
+        assert!(seq < 2048, "{budget:?}: {free}");
         let floored = json(&[&base[..], budget, &["--policy-file", policy]].concat());
         assert_eq!(floored["fits"], false, "{budget:?}: {floored}");
         assert_eq!(

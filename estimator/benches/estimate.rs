@@ -2,7 +2,10 @@
 //!
 //! `cargo bench -p memguard-estimator --bench estimate -- --warm-up-time 1 --measurement-time 3`
 use criterion::{Criterion, criterion_group, criterion_main};
-use memguard_estimator::{Bytes, Calibration, Method, TrainingConfig, catalog, estimate, plan};
+use memguard_estimator::{
+    Bound, Bytes, Calibration, Floors, Method, TrainingConfig, catalog, estimate, plan,
+    plan_against,
+};
 use std::hint::black_box;
 
 /// LoRA on Llama 3 8B at batch 8, sequence 4096, rank 64, no checkpointing.
@@ -34,6 +37,22 @@ fn benches(c: &mut Criterion) {
     );
     c.bench_function("plan/llama-3-8b-lora-to-20GiB", |b| {
         b.iter(|| plan(black_box(&cfg), black_box(budget), &calibration))
+    });
+
+    // The same plan checked against the upper bound at 0.95, as the webhook plans: each rung's
+    // factor is a quantile over the committed residuals.
+    let bound = Bound::at(0.95, &[]);
+    let floors = Floors::default();
+    c.bench_function("plan-against-bound/llama-3-8b-lora-to-20GiB", |b| {
+        b.iter(|| {
+            plan_against(
+                black_box(&cfg),
+                black_box(budget),
+                &calibration,
+                &floors,
+                &bound,
+            )
+        })
     });
 }
 

@@ -551,6 +551,20 @@ pub struct TrainingConfig {
     /// holds `V·h` more parameters. Default `false` (transformers keeps the tie).
     #[cfg_attr(feature = "serde", serde(default))]
     pub untied_head: bool,
+    /// How much the batches' padded lengths vary, `(longest − shortest) / longest` in [0, 1]
+    /// (0: every batch the same shape, the default). Varying shapes fragment the CUDA caching
+    /// allocator's blocks: `max_memory_reserved` grows above `max_memory_allocated`.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub seq_length_spread: f64,
+    /// Sequences are packed into fixed-length batches (every batch one shape, whatever the
+    /// data's lengths): the spread does not fragment.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub packing: bool,
+    /// PyTorch's caching allocator runs with `expandable_segments:True`
+    /// (`PYTORCH_CUDA_ALLOC_CONF`): one segment grows and shrinks by pages, so blocks freed at
+    /// one shape serve the next; varying shapes no longer fragment.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub expandable_segments: bool,
 }
 
 impl TrainingConfig {
@@ -586,6 +600,9 @@ impl TrainingConfig {
             quantized_head: false,
             quant_from_fp16: false,
             untied_head: false,
+            seq_length_spread: 0.0,
+            packing: false,
+            expandable_segments: false,
         }
     }
 
@@ -697,6 +714,15 @@ impl TrainingConfig {
             errors.push(ConfigError::Invalid {
                 field: "moe-intermediate-size",
                 reason: format!("exceeds the sanity limit {}", limits::WIDTH),
+            });
+        }
+        if !(0.0..=1.0).contains(&self.seq_length_spread) {
+            errors.push(ConfigError::Invalid {
+                field: "seq-length-spread",
+                reason: format!(
+                    "{} is not in [0, 1] ((longest − shortest) / longest)",
+                    self.seq_length_spread
+                ),
             });
         }
         if m.dense_layers > m.num_layers {

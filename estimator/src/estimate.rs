@@ -73,9 +73,50 @@ pub mod constants {
     /// the chunk is upcast, as torchtune does; narrower in LitGPT's bf16), kept for every
     /// chunk until backward; the gradients exist for one chunk at a time.
     pub const CHUNKED_LOSS_BYTES_PER_LOGIT: f64 = 4.0;
+    /// The CUDA caching allocator's extra reserve when batch shapes vary, per unit of
+    /// `seq_length_spread`, as a fraction of the per-step tensors: at spread 1 (the shortest
+    /// batch a sliver of the longest) freed blocks cut for short batches cannot serve the long
+    /// one, and the reserve grows by half the per-step tensors. **Not fitted**: no source here
+    /// publishes both `max_memory_allocated` and `max_memory_reserved` on variable-length data
+    /// (`docs/accuracy.md`, "Reserved memory and fragmentation"); `bench/gpu/measure.py` measures
+    /// both, padded and packed, with and without expandable segments, and is how it gets fitted.
+    /// Packing and `expandable_segments:True` remove it.
+    pub const CUDA_FRAGMENTATION_PER_SPREAD: f64 = 0.5;
 }
 
 use constants::*;
+
+/// The constants fitted on measured runs rather than given by physics: the runtime's fixed
+/// cost and the allocator's reserve, per device family. [`Fitted::SHIPPED`] is what
+/// [`estimate`] uses; the accuracy tooling refits them without each source to score the
+/// model on sources it has never seen (leave-one-source-out, `docs/accuracy.md`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Fitted {
+    /// See [`constants::CUDA_CONTEXT`].
+    pub cuda_context: Bytes,
+    /// See [`constants::CUDA_CACHE_FRACTION`].
+    pub cuda_cache_fraction: f64,
+    /// See [`constants::CPU_PROCESS_BASELINE`].
+    pub cpu_process_baseline: Bytes,
+    /// See [`constants::CPU_HEAP_FRACTION`].
+    pub cpu_heap_fraction: f64,
+}
+
+impl Fitted {
+    /// The values the estimator ships with.
+    pub const SHIPPED: Fitted = Fitted {
+        cuda_context: CUDA_CONTEXT,
+        cuda_cache_fraction: CUDA_CACHE_FRACTION,
+        cpu_process_baseline: CPU_PROCESS_BASELINE,
+        cpu_heap_fraction: CPU_HEAP_FRACTION,
+    };
+}
+
+impl Default for Fitted {
+    fn default() -> Self {
+        Fitted::SHIPPED
+    }
+}
 
 /// A named part of the peak.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -808,9 +849,13 @@ fn communication_buckets(x: &Ctx) -> Bytes {
 /// Fixed runtime cost of the device kind: the CUDA context; the CPU process baseline
 /// (interpreter, torch, transformers, peft); the Metal runtime; the ROCm context.
 pub fn runtime_overhead(device: Device) -> Bytes {
+    runtime_overhead_with(device, &Fitted::SHIPPED)
+}
+
+fn runtime_overhead_with(device: Device, fitted: &Fitted) -> Bytes {
     match device {
-        Device::Cuda => CUDA_CONTEXT,
-        Device::Cpu => CPU_PROCESS_BASELINE,
+        Device::Cuda => fitted.cuda_context,
+        Device::Cpu => fitted.cpu_process_baseline,
         Device::Metal => METAL_RUNTIME,
         Device::Rocm => ROCM_CONTEXT,
     }
@@ -819,11 +864,21 @@ pub fn runtime_overhead(device: Device) -> Bytes {
 /// Allocator reserve above live tensors: `fraction · per-step tensors` (activations,
 /// logits, gradients, workspaces), with the CUDA caching allocator's or the CPU heap's
 /// fraction (PyTorch's HIP build uses the same caching allocator as CUDA). Metal's unified
-/// memory is reported at the allocation level: none.
-fn allocator_cache(device: Device, per_step: Bytes) -> Bytes {
-    let fraction = match device {
-        Device::Cuda | Device::Rocm => CUDA_CACHE_FRACTION,
-        Device::Cpu => CPU_HEAP_FRACTION,
+/// memory is reported at the allocation level: none. On the caching allocator, batches whose
+/// shapes vary add [`CUDA_FRAGMENTATION_PER_SPREAD`] per unit of spread, unless they are
+/// packed or the allocator's segments are expandable.
+fn allocator_cache(cfg: &TrainingConfig, per_step: Bytes, fitted: &Fitted) -> Bytes {
+    let fragmenting = !cfg.packing && !cfg.expandable_segments;
+    let spread = if fragmenting {
+        cfg.seq_length_spread
+    } else {
+        0.0
+    };
+    let fraction = match cfg.device {
+        Device::Cuda | Device::Rocm => {
+            fitted.cuda_cache_fraction + CUDA_FRAGMENTATION_PER_SPREAD * spread
+        }
+        Device::Cpu => fitted.cpu_heap_fraction,
         Device::Metal => 0.0,
     };
     Bytes::from_f64(per_step.as_f64() * fraction)
@@ -831,6 +886,11 @@ fn allocator_cache(device: Device, per_step: Bytes) -> Bytes {
 
 /// Estimates the peak memory of one training step of `cfg` on one device.
 pub fn estimate(cfg: &TrainingConfig) -> Result<Estimate, Vec<ConfigError>> {
+    estimate_with(cfg, &Fitted::SHIPPED)
+}
+
+/// [`estimate`] with other values of the fitted constants (cross-validation, refits).
+pub fn estimate_with(cfg: &TrainingConfig, fitted: &Fitted) -> Result<Estimate, Vec<ConfigError>> {
     cfg.validate()?;
     if cfg.untied_head && cfg.model.tie_embeddings && cfg.model.lm_head {
         // The trainer's model has its own head: the same model untied, with `V·h` more
@@ -839,7 +899,7 @@ pub fn estimate(cfg: &TrainingConfig) -> Result<Estimate, Vec<ConfigError>> {
         untied.model.tie_embeddings = false;
         let head = cfg.model.vocab_size.saturating_mul(cfg.model.hidden_size);
         untied.model.params = cfg.model.params.map(|p| p.saturating_add(head));
-        return estimate(&untied);
+        return estimate_with(&untied, fitted);
     }
     let x = Ctx::new(cfg);
     let grads = gradients(&x);
@@ -874,10 +934,13 @@ pub fn estimate(cfg: &TrainingConfig) -> Result<Estimate, Vec<ConfigError>> {
         (Component::OptimizerStates, optimizer_states(&x)),
     ]);
     components.extend_from_slice(per_step);
-    components.push((Component::RuntimeOverhead, runtime_overhead(cfg.device)));
+    components.push((
+        Component::RuntimeOverhead,
+        runtime_overhead_with(cfg.device, fitted),
+    ));
     components.push((
         Component::AllocatorCache,
-        allocator_cache(cfg.device, per_step_total),
+        allocator_cache(cfg, per_step_total, fitted),
     ));
     Ok(Estimate::from_components(components))
 }

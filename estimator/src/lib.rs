@@ -16,6 +16,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod bound;
 pub mod calibration;
 pub mod catalog;
 pub mod config;
@@ -25,12 +26,13 @@ pub mod params;
 pub mod plan;
 pub mod units;
 
+pub use bound::Bound;
 pub use calibration::Calibration;
 pub use config::{
     ConfigError, Device, GradSync, LoraTargets, Loss, Method, Mla, ModelShape, Optimizer,
     Parallelism, Precision, TrainingConfig,
 };
-pub use estimate::{Component, Estimate, estimate};
+pub use estimate::{Component, Estimate, Fitted, estimate, estimate_with};
 pub use inference::{ServingConfig, estimate_serving};
-pub use plan::{DowngradePlan, Floors, LADDER, Rung, Step, plan, plan_with_floors};
+pub use plan::{DowngradePlan, Floors, LADDER, Rung, Step, plan, plan_against, plan_with_floors};
 pub use units::{Bytes, ParseError, parse_bytes, parse_count};

@@ -1,5 +1,6 @@
 //! The downgrade plan: walk the quality-preserving ladder until the step fits the budget.
 
+use crate::bound::{self, Bound, Class, Figure};
 use crate::calibration::Calibration;
 use crate::config::{ConfigError, GradSync, Parallelism, TrainingConfig};
 use crate::estimate::{Estimate, estimate};
@@ -191,6 +192,8 @@ pub struct DowngradePlan {
     pub estimate: Estimate,
     /// The calibration honoured at every step.
     pub calibration: Calibration,
+    /// What each step was checked against: the point estimate or the upper bound.
+    pub bound: Bound,
 }
 
 impl DowngradePlan {
@@ -203,6 +206,13 @@ impl DowngradePlan {
     pub fn initial_total(&self) -> Bytes {
         self.calibration.apply(self.initial.total)
     }
+
+    /// The upper bound on the final config (its calibrated total when the plan was made
+    /// against the point estimate): what is compared with the budget.
+    pub fn upper(&self) -> Bytes {
+        self.bound
+            .upper(&self.config, self.estimate.total, self.total())
+    }
 }
 
 /// Plans with the default [`Floors`].
@@ -214,23 +224,49 @@ pub fn plan(
     plan_with_floors(cfg, budget, calibration, &Floors::default())
 }
 
-/// Walks [`LADDER`] from `cfg`, re-estimating (calibrated) after each step and stopping as soon
-/// as the total fits `budget`. When nothing fits, `fits` is false and the config is the most
-/// downgraded one reached, so a caller can still report how far short it is.
+/// Plans against the calibrated point estimate ([`Bound::POINT`]).
 pub fn plan_with_floors(
     cfg: &TrainingConfig,
     budget: Bytes,
     calibration: &Calibration,
     floors: &Floors,
 ) -> Result<DowngradePlan, Vec<ConfigError>> {
+    plan_against(cfg, budget, calibration, floors, &Bound::POINT)
+}
+
+/// Walks [`LADDER`] from `cfg`, re-estimating (calibrated) after each step and stopping as soon
+/// as `bound`'s figure (the upper bound at its level, or the point estimate) fits `budget`. When
+/// nothing fits, `fits` is false and the config is the most downgraded one reached, so a caller
+/// can still report how far short it is.
+pub fn plan_against(
+    cfg: &TrainingConfig,
+    budget: Bytes,
+    calibration: &Calibration,
+    floors: &Floors,
+    bound: &Bound,
+) -> Result<DowngradePlan, Vec<ConfigError>> {
     let initial = estimate(cfg)?;
     let mut current = cfg.clone();
     let mut current_estimate = initial.clone();
     let mut steps = Vec::new();
-    let fits = |e: &Estimate| calibration.apply(e.total) <= budget;
+    // The bound's factor depends on the config's class only (method, quantization,
+    // parallelism), which few rungs change: computed once per class.
+    let mut factors: Vec<(Class, Option<f64>)> = Vec::new();
+    let mut fits = |c: &TrainingConfig, e: &Estimate| {
+        let class = Class::of(c, Figure::Device);
+        let factor = match factors.iter().find(|(k, _)| *k == class) {
+            Some((_, f)) => *f,
+            None => {
+                let f = bound.factor(c);
+                factors.push((class, f));
+                f
+            }
+        };
+        bound::apply(factor, e.total, calibration.apply(e.total)) <= budget
+    };
 
     'ladder: for rung in LADDER {
-        while !fits(&current_estimate) {
+        while !fits(&current, &current_estimate) {
             let Some((next, explanation)) = rung.apply(&current, floors) else {
                 continue 'ladder;
             };
@@ -261,12 +297,13 @@ pub fn plan_with_floors(
 
     Ok(DowngradePlan {
         budget,
-        fits: fits(&current_estimate),
+        fits: fits(&current, &current_estimate),
         steps,
         config: current,
         initial,
         estimate: current_estimate,
         calibration: *calibration,
+        bound: *bound,
     })
 }
 
@@ -447,6 +484,24 @@ mod tests {
         let last = p.steps.last().expect("steps");
         assert_eq!(last.total_after, cal.apply(p.estimate.total));
         assert!(p.total() <= budget);
+    }
+
+    #[test]
+    fn planning_against_the_bound_downgrades_where_the_point_estimate_fits() {
+        let cfg = heavy();
+        let budget = total(&cfg);
+        let floors = Floors::default();
+        let point = plan_with_floors(&cfg, budget, &Calibration::none(), &floors).expect("valid");
+        assert!(point.fits && point.steps.is_empty());
+        let bound = Bound::at(0.95, &[]);
+        let p = plan_against(&cfg, budget, &Calibration::none(), &floors, &bound).expect("valid");
+        assert!(
+            bound.upper(&cfg, budget, budget) > budget,
+            "the bound is above the estimate"
+        );
+        assert!(!p.steps.is_empty(), "the bound must force downgrades");
+        assert!(p.fits);
+        assert!(p.upper() <= budget && p.total() < p.upper());
     }
 
     /// Full fine-tuning of Llama 3 8B under FSDP on 8 ranks, batch 8, no accumulation,

@@ -10,6 +10,9 @@ use memguard_estimator::{Calibration, Floors, GradSync, TrainingConfig};
 pub struct Adjustments {
     /// The median correction factor of the profile's runs (none before 3 runs).
     pub calibration: Calibration,
+    /// The job's own factor on its estimate from its measured runs
+    /// ([`memguard_estimator::bound::learned_factor`]): it replaces the population's upper bound.
+    pub learned_bound: Option<f64>,
     /// The pending recovery after an OOM kill.
     pub recovery: Option<Recovery>,
     /// The profile's `cannot fit: …` verdict (OOM recoveries exhausted, or every knob at its
@@ -44,6 +47,15 @@ impl Adjustments {
         }
     }
 
+    /// What the plan checks against the budget: the upper bound at `level`, the job's own
+    /// runs' factor in place of the population's once it has enough.
+    pub fn bound(&self, level: f64) -> memguard_estimator::Bound {
+        memguard_estimator::Bound {
+            level: Some(level),
+            learned: self.learned_bound,
+        }
+    }
+
     /// The config to start planning from: `cfg` with the recovery's knobs where they are more
     /// conservative (see [`recovery_start`]); `cfg` itself without a recovery.
     pub fn start(&self, cfg: &TrainingConfig, floors: &Floors) -> TrainingConfig {
@@ -58,6 +70,9 @@ impl Adjustments {
 pub fn adjustments(status: &MemoryProfileStatus) -> Adjustments {
     Adjustments {
         calibration: status.calibration(),
+        learned_bound: memguard_estimator::bound::learned_factor(
+            &memguard_api::crd::calibration_pairs(&status.runs),
+        ),
         recovery: status.recovery.clone(),
         verdict: status.verdict.clone(),
     }
@@ -219,6 +234,7 @@ mod tests {
         for (name, calibration, factor, want) in table {
             let adj = Adjustments {
                 calibration,
+                learned_bound: None,
                 recovery: factor.map(|f| recovery(TrainingKnobs::default(), Some(f))),
                 verdict: None,
             };

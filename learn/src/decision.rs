@@ -20,7 +20,7 @@ use memguard_api::pod::{AcceleratorKind, constrains_gpu_memory, gpu_products};
 use memguard_api::policy::PlacementMode;
 use memguard_api::{Policy, TrainingPod};
 use memguard_estimator::{
-    Bytes, Calibration, Device, DowngradePlan, TrainingConfig, plan_with_floors,
+    Bound, Bytes, Calibration, Device, DowngradePlan, TrainingConfig, plan_against,
 };
 
 /// Everything decided for one pod, before it is rendered.
@@ -91,21 +91,56 @@ pub fn safety_ratio(training: &TrainingPod, policy: &Policy) -> f64 {
         .unwrap_or(policy.safety_ratio)
 }
 
-/// The downgrade plan of `start` into `budget` (none: no limit) under the policy's floors: the
-/// one place the floors are read. An error is each problem the estimator found in `start`.
+/// The downgrade plan of `start` into `budget` (none: no limit) under the policy's floors,
+/// checked against `bound` (the upper bound at the policy's level): the one place the floors
+/// are read. An error is each problem the estimator found in `start`.
 pub fn plan_into(
     start: &TrainingConfig,
     budget: Option<Bytes>,
     calibration: &Calibration,
     policy: &Policy,
+    bound: &Bound,
 ) -> Result<DowngradePlan, Vec<String>> {
-    plan_with_floors(
+    plan_against(
         start,
         budget.unwrap_or(Bytes(u64::MAX)),
         calibration,
         &policy.floors,
+        bound,
     )
     .map_err(|errs| errs.iter().map(ToString::to_string).collect())
+}
+
+/// PyTorch's CUDA caching-allocator settings. memguard sets `expandable_segments:True` on CUDA
+/// trainers that do not set the variable themselves: varying batch shapes then no longer
+/// fragment the allocator's reserve (docs/webhook.md, "Expandable segments", for the trade).
+pub const ALLOC_CONF: &str = "PYTORCH_CUDA_ALLOC_CONF";
+/// The value memguard sets.
+pub const EXPANDABLE_SEGMENTS: &str = "expandable_segments:True";
+
+/// The trainer's own `PYTORCH_CUDA_ALLOC_CONF`: `None` when unset, `Some(None)` when it comes
+/// from a reference (`valueFrom`: its value is not known here).
+pub fn user_alloc_conf(trainer: &k8s_openapi::api::core::v1::Container) -> Option<Option<String>> {
+    trainer
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == ALLOC_CONF)
+        .map(|e| e.value.clone().filter(|_| e.value_from.is_none()))
+}
+
+/// Whether a trainer on `device` with its own allocator setting `user` (as
+/// [`user_alloc_conf`] reads it) runs with expandable segments: on CUDA, when memguard sets the
+/// variable (unset) or the user's value turns them on; a value from a reference counts as off.
+pub fn expandable_segments(device: Device, user: Option<Option<&str>>) -> bool {
+    device == Device::Cuda
+        && match user {
+            None => true,
+            Some(Some(v)) => v
+                .split(',')
+                .any(|kv| kv.trim().eq_ignore_ascii_case(EXPANDABLE_SEGMENTS)),
+            Some(None) => false,
+        }
 }
 
 /// What past runs teach (a calibration, a recovery after an OOM kill), where the pod may be
@@ -119,7 +154,15 @@ fn plan(
     mut warnings: Vec<String>,
 ) -> Result<Decision, String> {
     let calibration = adjust.effective_calibration();
-    let start = adjust.start(&training.config, &policy.floors);
+    // Planned against the upper bound at the policy's level, not the point estimate.
+    let bound = adjust.bound(policy.estimate_level);
+    let mut start = adjust.start(&training.config, &policy.floors);
+    start.expandable_segments = expandable_segments(
+        start.device,
+        user_alloc_conf(training.trainer)
+            .as_ref()
+            .map(Option::as_deref),
+    );
     if let Some(recovery) = &adjust.recovery {
         warnings.push(truncate(&format!(
             "memguard: recovery: {}",
@@ -132,6 +175,7 @@ fn plan(
                 training.pod,
                 &start,
                 &calibration,
+                &bound,
                 &policy.floors,
                 safety_ratio(training, policy),
                 policy,
@@ -166,6 +210,7 @@ fn plan(
         budget.as_ref().map(|b| b.bytes),
         &calibration,
         policy,
+        &bound,
     )
     .map_err(|errs| errs.join("; "))?;
 
@@ -173,9 +218,13 @@ fn plan(
     // tried, saying so (the profile's verdict, when it has one, says more).
     let floor_verdict = budget.as_ref().filter(|_| !plan.fits).map(|b| {
         format!(
-            "cannot fit: estimate {} exceeds budget {} with every knob at its floor; smallest \
+            "cannot fit: estimate {}{} exceeds budget {} with every knob at its floor; smallest \
              config tried: {}",
             plan.total(),
+            plan.bound
+                .level
+                .map(|level| format!(" (upper bound {} at {level})", plan.upper()))
+                .unwrap_or_default(),
             b.bytes,
             describe_knobs(&TrainingKnobs::of(&plan.config))
         )

@@ -17,7 +17,7 @@ use memguard_api::Policy;
 use memguard_api::pod::{MIG_PRODUCT_INFIX, NVIDIA_GPU_MEMORY_LABEL};
 use memguard_api::policy::{MAX_DRIVER_RESERVED_MIB, PlacementMode};
 use memguard_estimator::plan::Floors;
-use memguard_estimator::{Bytes, Calibration, TrainingConfig, plan_with_floors};
+use memguard_estimator::{Bound, Bytes, Calibration, TrainingConfig, plan_against};
 
 /// Weight of memguard's preferred term (the highest the scheduler takes).
 pub const PREFERRED_WEIGHT: i32 = 100;
@@ -59,6 +59,7 @@ pub fn place(
     pod: &Pod,
     start: &TrainingConfig,
     calibration: &Calibration,
+    bound: &Bound,
     floors: &Floors,
     safety_ratio: f64,
     policy: &Policy,
@@ -69,7 +70,7 @@ pub fn place(
     let classes = classes(policy);
     let undowngraded = |mib: u64| {
         let budget = Bytes::from_f64(usable(mib).as_f64() * safety_ratio);
-        plan_with_floors(start, budget, calibration, floors)
+        plan_against(start, budget, calibration, floors, bound)
             .is_ok_and(|p| p.fits && p.steps.is_empty())
     };
     let chosen = classes

@@ -81,6 +81,8 @@ impl PodBuilder {
         let annotation = EstimateAnnotation {
             v: ESTIMATE_VERSION,
             total: Bytes(uncalibrated),
+            upper: None,
+            upper_level: None,
             tensor_peak: Bytes(uncalibrated / 2),
             budget: gpu_memory.map(|g| Bytes(g / 10 * 9)),
             fits: gpu_memory.map(|g| uncalibrated <= g / 10 * 9),

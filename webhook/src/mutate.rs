@@ -14,9 +14,12 @@ use memguard_api::estimate::{ESTIMATE_VERSION, EstimateAnnotation};
 use memguard_api::pod::TrainingPod;
 use memguard_api::policy::{SidecarMode, SidecarResources};
 use memguard_api::{Knob, Policy, env, wellknown};
-use memguard_estimator::{DowngradePlan, TrainingConfig};
+use memguard_estimator::{Device, DowngradePlan, TrainingConfig};
 use memguard_learn::Adjustments;
 use memguard_learn::decision::{self, Decision};
+pub use memguard_learn::decision::{
+    ALLOC_CONF, EXPANDABLE_SEGMENTS, expandable_segments, user_alloc_conf,
+};
 
 pub use memguard_learn::warnings::{MAX_WARNING_CHARS, cannot_fit_warning, truncate};
 
@@ -148,6 +151,9 @@ fn render(
         warnings.push(cannot_fit_warning(verdict));
         trainer_env.push((env::CANNOT_FIT.into(), "true".into()));
     }
+    if plan.config.device == Device::Cuda && user_alloc_conf(trainer).is_none() {
+        trainer_env.push((ALLOC_CONF.into(), EXPANDABLE_SEGMENTS.into()));
+    }
     trainer_env.push((env::SIGNAL_FILE.into(), wellknown::SIGNAL_FILE.into()));
     trainer_env.push((
         env::SIDECAR_URL.into(),
@@ -249,6 +255,8 @@ fn estimate_annotation(
     EstimateAnnotation {
         v: ESTIMATE_VERSION,
         total: plan.total(),
+        upper: plan.bound.level.map(|_| plan.upper()),
+        upper_level: plan.bound.level,
         tensor_peak: plan.calibration.apply(plan.estimate.tensor_peak),
         budget: budget.map(|b| b.bytes),
         fits: budget.map(|_| plan.fits),

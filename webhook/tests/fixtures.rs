@@ -34,7 +34,8 @@ fn redact(value: &mut Value) {
                 map.insert("value".into(), json!("[bytes]"));
             }
             for (key, v) in map.iter_mut() {
-                if ["total", "tensorPeak", "uncalibrated"].contains(&key.as_str()) && v.is_number()
+                if ["total", "upper", "tensorPeak", "uncalibrated"].contains(&key.as_str())
+                    && v.is_number()
                 {
                     *v = json!("[bytes]");
                 } else {

@@ -2,6 +2,7 @@
 //! table and, per device kind, the median absolute percentage error, the worst under- and
 //! over-estimate, and the OOM fit tests. Run it with `bench/accuracy/run.sh`.
 
+#[allow(dead_code)] // The test uses the rest.
 mod harness;
 
 use harness::{Compare, Scored};
@@ -98,6 +99,34 @@ fn print_summary(label: &str, s: &harness::Summary) {
     );
 }
 
+fn print_cv(label: &str, s: &harness::CvSummary) {
+    println!(
+        "  {:<34} rows {:>3}  median |error| {:>5.1} %  under -10 % {:>3} ({:>4.1} %)  OOM rows predicted {}/{}",
+        label,
+        s.rows,
+        s.median_ape * 100.0,
+        s.under_ten,
+        if s.rows == 0 {
+            0.0
+        } else {
+            s.under_ten as f64 * 100.0 / s.rows as f64
+        },
+        s.oom.0,
+        s.oom.1
+    );
+}
+
+fn print_fitted(label: &str, f: &memguard_estimator::Fitted) {
+    println!(
+        "  {:<34} CUDA_CONTEXT {:>5} MiB  CUDA_CACHE_FRACTION {:.2}  CPU_PROCESS_BASELINE {:>4} MB  CPU_HEAP_FRACTION {:.2}",
+        label,
+        f.cuda_context.0 / (1 << 20),
+        f.cuda_cache_fraction,
+        f.cpu_process_baseline.0 / 1_000_000,
+        f.cpu_heap_fraction
+    );
+}
+
 fn main() -> ExitCode {
     let scored = match harness::score_all() {
         Ok(s) => s,
@@ -106,16 +135,27 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let cv = harness::cross_validate(&scored);
+    if std::env::args().any(|a| a == "--write-residuals") {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/bound/residuals.rs");
+        let text = harness::residuals_source(&harness::residuals(&cv));
+        if let Err(e) = std::fs::write(&path, text) {
+            eprintln!("accuracy: {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+        println!("wrote {}", path.display());
+        return ExitCode::SUCCESS;
+    }
     if std::env::args().any(|a| a == "--csv") {
-        print_csv(&scored);
+        print_csv(&cv);
         return ExitCode::SUCCESS;
     }
     println!(
         "{:<40} {:<28} {:<5} {:<11} {:>10} {:>10} {:>16}",
-        "row", "model", "dev", "compare", "meas. GB", "est. GB", "error"
+        "row (cross-validated)", "model", "dev", "compare", "meas. GB", "est. GB", "error"
     );
     let verbose = std::env::args().any(|a| a == "--components");
-    for s in &scored {
+    for s in &cv {
         print_row(s);
         if verbose {
             let parts: Vec<String> = s
@@ -128,33 +168,66 @@ fn main() -> ExitCode {
         }
     }
     println!();
-    println!("Per device kind (rows tagged UNMODELLED are printed above but not counted):");
-    for device in [Device::Cuda, Device::Cpu] {
-        print_summary("all", &harness::summarize(&scored, device));
+    println!(
+        "Fitted constants (asymmetric fit: an under-estimate weighs {}x):",
+        harness::UNDER_WEIGHT
+    );
+    print_fitted("shipped", &memguard_estimator::Fitted::SHIPPED);
+    let all: Vec<&Scored> = scored.iter().collect();
+    print_fitted("fitted on every source", &harness::fit(&all));
+    for source in harness::sources(&scored) {
+        print_fitted(
+            &format!("without {source}"),
+            &harness::fold(&scored, &source),
+        );
     }
     println!();
-    println!("Per part and source (fit: tuned on; held-out: never looked at while tuning):");
-    for split in [harness::Split::Fit, harness::Split::HeldOut] {
-        for device in [Device::Cuda, Device::Cpu] {
-            let part = harness::summarize_where(&scored, device, |s| s.split == split);
-            if part.rows + part.oom.1 == 0 {
-                continue;
-            }
-            print_summary(&format!("{} all", split.name()), &part);
-            let mut sources: Vec<&str> = scored
-                .iter()
-                .filter(|s| s.split == split && s.device == device)
-                .map(|s| s.source.as_str())
-                .collect();
-            sources.sort_unstable();
-            sources.dedup();
-            for source in sources {
-                let one = harness::summarize_where(&scored, device, |s| {
-                    s.split == split && s.source == source
-                });
-                print_summary(&format!("{} {source}", split.name()), &one);
-            }
-        }
+    println!("Sources each fitted constant rests on:");
+    for (constant, sources) in harness::support(&scored) {
+        let only = if sources.len() == 1 {
+            "  (ONLY ONE SOURCE)"
+        } else {
+            ""
+        };
+        println!("  {constant:<22} {}{only}", sources.join(", "));
+    }
+    println!();
+    println!(
+        "Cross-validated, leave one source out (each source scored with constants fitted without it):"
+    );
+    print_cv("overall", &harness::cv_summary(&cv, |_| true));
+    for source in harness::sources(&cv) {
+        print_cv(&source, &harness::cv_summary(&cv, |r| r.source == source));
+    }
+    println!();
+    println!("In-sample (the shipped constants, for comparison):");
+    print_cv("overall", &harness::cv_summary(&scored, |_| true));
+    println!();
+    println!("Upper bound (factors from the other sources' cross-validated residuals):");
+    for level in [0.8, 0.9, 0.95, 0.99] {
+        let (covered, rows, width) = harness::bound_coverage(&cv, level);
+        println!(
+            "  level {level:.2}: covers {covered}/{rows} rows ({:.1} %), median bound/measured {width:.3}",
+            covered as f64 * 100.0 / rows as f64
+        );
+    }
+    let misses = harness::bound_misses(&cv, 0.95);
+    let list: Vec<String> = misses
+        .iter()
+        .map(|(id, class, over)| {
+            format!(
+                "{id} ({class}, measured {:.1} % over)",
+                (over - 1.0) * 100.0
+            )
+        })
+        .collect();
+    println!("  not covered at 0.95: {}", list.join("; "));
+    println!();
+    println!(
+        "Per device kind, cross-validated (rows tagged UNMODELLED are printed above but not counted):"
+    );
+    for device in [Device::Cuda, Device::Cpu] {
+        print_summary("all", &harness::summarize(&cv, device));
     }
     ExitCode::SUCCESS
 }

@@ -645,3 +645,52 @@ fn an_untied_head_on_a_tied_model_adds_its_own_parameters() {
     llama.untied_head = true;
     assert_eq!(est(&llama).tensor_peak, plain);
 }
+
+#[test]
+fn varying_batch_shapes_fragment_the_caching_allocator_unless_packed_or_expandable() {
+    let mut cfg = model("llama-3-8b");
+    cfg.method = Method::Lora;
+    cfg.seq_length = 4096;
+    let even = est(&cfg);
+    let cache = |e: &Estimate| e.component(Component::AllocatorCache).as_f64();
+    let per_step = cache(&even) / CUDA_CACHE_FRACTION;
+    cfg.seq_length_spread = 0.6;
+    let spread = est(&cfg);
+    let expected = per_step * (CUDA_CACHE_FRACTION + CUDA_FRAGMENTATION_PER_SPREAD * 0.6);
+    assert!(
+        (cache(&spread) - expected).abs() < 2.0,
+        "{} vs {expected}",
+        cache(&spread)
+    );
+    assert_eq!(
+        spread.tensor_peak, even.tensor_peak,
+        "the tensors are the same"
+    );
+    for fix in [
+        |c: &mut TrainingConfig| c.packing = true,
+        |c: &mut TrainingConfig| c.expandable_segments = true,
+    ] {
+        let mut fixed = cfg.clone();
+        fix(&mut fixed);
+        assert_eq!(est(&fixed).total, even.total);
+    }
+    // The CPU heap is another allocator: no term.
+    let mut cpu = cfg.clone();
+    cpu.device = Device::Cpu;
+    let mut cpu_even = cpu.clone();
+    cpu_even.seq_length_spread = 0.0;
+    assert_eq!(est(&cpu).total, est(&cpu_even).total);
+}
+
+#[test]
+fn a_spread_outside_zero_to_one_is_an_error_naming_it() {
+    let mut cfg = model("llama-3-8b");
+    for bad in [-0.1, 1.5, f64::NAN] {
+        cfg.seq_length_spread = bad;
+        let errors = estimate(&cfg).expect_err("invalid");
+        assert!(
+            errors.iter().any(|e| e.field() == "seq-length-spread"),
+            "{errors:?}"
+        );
+    }
+}

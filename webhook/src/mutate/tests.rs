@@ -452,6 +452,97 @@ fn calibration_from_profiles_scales_the_estimate() {
 }
 
 #[test]
+fn the_plan_is_made_against_the_upper_bound_which_measured_runs_narrow() {
+    let pod = |memory: &str| trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, memory);
+    let roomy = mutated(pod("100Ti"), &Policy::default());
+    let (point, upper) = (roomy.plan.total(), roomy.plan.upper());
+    let a = annotation(&roomy);
+    assert_eq!(a["total"], point.0);
+    assert_eq!(a["upper"], upper.0);
+    assert_eq!(a["upperLevel"], 0.95);
+    assert!(upper > point, "the bound is above the point estimate");
+
+    // A budget between the two: the point estimate fits, the bound does not, so it downgrades.
+    let between = Bytes::from_f64((point.as_f64() + upper.as_f64()) / 2.0 / 0.9);
+    let m = mutated(pod(&between.0.to_string()), &Policy::default());
+    assert!(
+        m.plan.fits && !m.plan.steps.is_empty(),
+        "{:?}",
+        m.plan.steps
+    );
+    assert!(m.plan.upper() <= m.budget.as_ref().expect("budget").bytes);
+
+    // Three measured runs at the estimate: the job's own spread replaces the population's, and
+    // the same config fits as it is.
+    let mut profiles = ClusterView::default();
+    profiles.insert(profile_for(&pod("1Gi").build(), runs_at(1.0, 3)));
+    let Outcome::Mutated(learned) = mutate(
+        &pod(&between.0.to_string()).build(),
+        &Policy::default(),
+        &profiles,
+    ) else {
+        panic!("mutated")
+    };
+    assert!(learned.plan.fits && learned.plan.steps.is_empty());
+    assert_eq!(annotation(&learned)["upper"], point.0);
+
+    // A lower level gives a lower bound; the policy's level is what the annotation states.
+    let policy = Policy {
+        estimate_level: 0.8,
+        ..Policy::default()
+    };
+    let lower = mutated(pod("100Ti"), &policy);
+    assert!(lower.plan.upper() <= upper);
+    assert_eq!(annotation(&lower)["upperLevel"], 0.8);
+}
+
+#[test]
+fn expandable_segments_are_set_unless_the_user_set_the_allocator_and_the_estimate_follows() {
+    let pod = || {
+        trainer_pod()
+            .gpus(1)
+            .annotate(keys::GPU_MEMORY, "100Ti")
+            .annotate(keys::SEQ_LENGTH_SPREAD, "0.8")
+    };
+    // Not set by the user: memguard sets it, and the spread does not fragment.
+    let set = mutated(pod(), &Policy::default());
+    assert_eq!(env_of(&set, ALLOC_CONF), Some(EXPANDABLE_SEGMENTS));
+    assert!(set.plan.config.expandable_segments);
+    let even = mutated(
+        trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "100Ti"),
+        &Policy::default(),
+    );
+    assert_eq!(set.plan.total(), even.plan.total());
+
+    // The user's own setting is kept, and without expandable segments the spread costs reserve.
+    let own = mutated(
+        pod().env(ALLOC_CONF, "max_split_size_mb:128"),
+        &Policy::default(),
+    );
+    assert_eq!(env_of(&own, ALLOC_CONF), None, "not patched");
+    assert!(!own.plan.config.expandable_segments);
+    assert!(own.plan.total() > set.plan.total());
+    let on = mutated(
+        pod().env(
+            ALLOC_CONF,
+            "max_split_size_mb:128, expandable_segments:True",
+        ),
+        &Policy::default(),
+    );
+    assert!(on.plan.config.expandable_segments);
+    assert_eq!(on.plan.total(), set.plan.total());
+
+    // CPU pods: PyTorch's CPU allocator has no such setting.
+    let cpu = mutated(trainer_pod().memory_limit("64Gi"), &Policy::default());
+    assert_eq!(env_of(&cpu, ALLOC_CONF), None);
+    assert!(!expandable_segments(Device::Cpu, None));
+    assert!(
+        !expandable_segments(Device::Cuda, Some(None)),
+        "valueFrom: unknown, off"
+    );
+}
+
+#[test]
 fn a_profile_of_another_key_or_with_too_few_runs_changes_nothing() {
     let pod = || trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "100Ti");
     let plain = mutated(pod(), &Policy::default());

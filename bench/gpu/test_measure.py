@@ -1,0 +1,123 @@
+"""bench/gpu/measure.py, rehearsed here: the cases' estimates through the real `memguard`
+binary, the batch lengths, and the CPU rehearsal (the same code path as the GPU run on tiny
+configs: real torch, transformers and peft, real `memguard estimate`).
+
+The binary is ``MEMGUARD_BIN``, else ``target/debug/memguard`` (scripts/test.sh builds it first),
+else it is built with cargo. The CPU rehearsal needs torch, transformers and peft
+(scripts/install-deps.sh installs them); in CI (``CI=true``) it fails without them, elsewhere it
+skips loudly.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+import measure  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def memguard() -> str:
+    path = os.environ.get("MEMGUARD_BIN") or str(ROOT / "target" / "debug" / "memguard")
+    if not Path(path).is_file():
+        subprocess.run(["cargo", "build", "-q", "-p", "memguard"], cwd=ROOT, check=True)
+    return path
+
+
+def write_config(tmp: Path, shape: measure.Shape) -> Path:
+    path = tmp / shape.name / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(measure.model_config_json(shape)))
+    return path
+
+
+def test_every_case_has_an_estimate_and_fits_an_h100(memguard: str, tmp_path: Path) -> None:
+    estimates = {}
+    for case in measure.gpu_cases():
+        config = write_config(tmp_path, measure.SHAPES[case.shape])
+        e = measure.memguard_estimate(memguard, case, config, "cuda")
+        assert e["total_upper_bytes"] >= e["total_bytes"] > e["tensor_peak_bytes"] > 0
+        # Every case must be able to run on one 80 GB H100.
+        assert e["total_bytes"] < 75e9, (case.name, e["total_bytes"])
+        estimates[case.name] = e["total_bytes"]
+    even = estimates["llama-lora-b2-s4096-even"]
+    # Padded batches of varying length fragment the allocator without expandable segments;
+    # packed batches and expandable segments do not.
+    assert estimates["llama-lora-b2-s4096-spread"] > even
+    assert estimates["llama-lora-b2-s4096-spread-exp"] == even
+    assert estimates["llama-lora-b2-s4096-packed"] == even
+    assert len({c.name for c in measure.gpu_cases()}) == len(measure.gpu_cases())
+
+
+def test_batch_lengths_vary_within_the_spread_and_end_at_the_longest() -> None:
+    case = measure.Case("x", "tiny", "lora", 2, 1000, spread=0.75, steps=20)
+    lengths = measure.batch_lengths(case)
+    assert len(lengths) == 20 and lengths[-1] == 1000
+    assert all(250 <= n <= 1000 for n in lengths)
+    assert len(set(lengths)) > 5
+    packed = measure.Case("y", "tiny", "lora", 2, 1000, spread=0.75, packing=True, steps=4)
+    assert measure.batch_lengths(packed) == [1000] * 4
+
+
+def test_estimate_flags_state_what_the_run_does() -> None:
+    case = measure.Case("x", "tiny", "qlora", 2, 64, checkpointing=True, spread=0.5)
+    args = measure.estimate_args(case, Path("c.json"), "cuda")
+    flag = {args[i]: args[i + 1] for i in range(1, len(args) - 1) if args[i].startswith("--")}
+    assert flag["--method"] == "qlora" and flag["--grad-checkpointing"] == "true"
+    assert flag["--seq-length-spread"] == "0.5" and flag["--packing"] == "false"
+    assert flag["--pytorch-cuda-alloc-conf"] == "expandable_segments:False"
+    assert flag["--lora-targets"] == "q,v"
+
+
+def torch_stack_missing() -> str:
+    try:
+        import peft  # noqa: F401
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def test_cpu_rehearsal_runs_the_gpu_code_path_on_tiny_configs(memguard: str, tmp_path: Path) -> None:
+    missing = torch_stack_missing()
+    if missing:
+        msg = f"SKIP SKIP SKIP: the CPU rehearsal of bench/gpu/measure.py did NOT run: {missing}"
+        print("\n" + msg, file=sys.stderr)
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg + " (CI installs torch, transformers and peft)")
+        pytest.skip(msg)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "measure.py"), "all", "--device", "cpu", "--tiny",
+         "--out", str(out), "--memguard", memguard],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = [json.loads(line) for line in (out / "cases.jsonl").read_text().splitlines()]
+    assert [r["case"]["name"] for r in results] == [c.name for c in measure.tiny_cases()]
+    for r in results:
+        assert "error" not in r and "skipped" not in r, r
+        fig = r["figures"]
+        assert fig["max_rss"] > 50e6, fig  # a process that imported torch
+        assert fig["trainable"] < fig["params"] or r["case"]["method"] == "full"
+        assert fig["batch_lengths"][-1] == r["case"]["seq"]
+        assert r["estimate"]["total_bytes"] > 0
+    with open(out / "gpu-measured.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == measure.COLUMNS
+        rows = list(reader)
+    assert len(rows) == len(results)
+    for row in rows:
+        assert row["source_group"] == measure.SOURCE_GROUP and row["device"] == "cpu"
+        assert int(row["measured_bytes"]) > 0 and row["compare_to"] == "total"
+        assert "memguard estimate: total" in row["notes"]
