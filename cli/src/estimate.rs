@@ -377,9 +377,13 @@ fn write_output(
         }
         Output::Table => {
             write_table(out, cfg, estimate, plan)?;
+            // The plan checks its final config's bound against the budget, not this one.
+            let planned = plan
+                .map(|p| format!("; {} after the plan (what the budget must hold)", p.upper()))
+                .unwrap_or_default();
             writeln!(
                 out,
-                "upper bound at {level}: {upper} (what the plan is checked against)"
+                "upper bound at {level}: {upper} as configured{planned}"
             )?;
             if let Some(b) = pod_budget {
                 let source = serde_json::to_value(&b.source)?;
