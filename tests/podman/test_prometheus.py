@@ -307,9 +307,9 @@ def test_prometheus_fires_the_downgrade_alert_from_a_real_pod_and_the_dashboard_
     logdir = tmp / "log"
     logdir.mkdir(mode=0o777)
     logdir.chmod(0o777)
-    # Grows 12 MiB a step to 360 MiB held; a step at the webhook's batch 8 holds 8 × 16 MiB
-    # more, over the downgrade threshold (0.85 of 512 MiB) late in the run; at batch 4 it fits.
-    env = {"SHAPE": "grow", "GROW_MIB": "12", "PER_SAMPLE_MIB": "16", "STEPS": "30", "STEP_SECONDS": "0.5"}
+    # Grows 24 MiB a step to 720 MiB held; a step at the webhook's batch 8 holds 8 × 32 MiB
+    # more, over the downgrade threshold (0.85 of 1 GiB) late in the run; at batch 4 it fits.
+    env = {"SHAPE": "grow", "GROW_MIB": "24", "PER_SAMPLE_MIB": "32", "STEPS": "30", "STEP_SECONDS": "0.5"}
     pod = trainer_pod(POD, {"runAsUser": 1000, "runAsGroup": 1000}, env, logdir)
     pod["spec"]["restartPolicy"] = "Never"
     with Webhook(certificates(tmp)) as webhook, Prometheus(tmp, rules, webhook.metrics) as prom:
