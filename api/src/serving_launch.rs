@@ -390,6 +390,9 @@ impl ServerLaunch {
             Site::Argv => {
                 let mut out: Vec<ArgvEdit> = edits
                     .into_iter()
+                    .filter(|(element, span, text)| {
+                        self.words_element_text(*element).get(span.clone()) != Some(text.as_str())
+                    })
                     .map(|(element, span, text)| {
                         let (field, index) = self.locate(element);
                         let mut value = self.words_element_text(element);
@@ -424,6 +427,9 @@ impl ServerLaunch {
                 let mut value = script.clone();
                 for (_, span, text) in edits {
                     value.replace_range(span, &text);
+                }
+                if value == *script {
+                    return Vec::new();
                 }
                 let (field, index) = self.locate(*element);
                 vec![ArgvEdit::Replace {

@@ -491,6 +491,7 @@ fn next_view(
     let (config, error) = match memguard_webhook::mutate(&pod, &ctx.policy, &profiles) {
         memguard_webhook::Outcome::Mutated(m) => (Some(TrainingKnobs::of(&m.plan.config)), m.error),
         memguard_webhook::Outcome::Skipped { error, .. } => (None, Some(error)),
+        memguard_webhook::Outcome::Served(s) => (None, s.error.clone()),
         memguard_webhook::Outcome::Unchanged => (None, None),
     };
     let (verdict, reason) = if let Some(v) = error.as_ref().filter(|e| e.starts_with("cannot fit"))
