@@ -40,7 +40,7 @@ pub fn rewritten_argv(command: &[String], args: &[String], s: &ServerAdmission) 
 pub fn to_json(s: &ServerAdmission, argv: &[String]) -> Value {
     let mut value: Value = serde_json::from_str(&s.estimate).unwrap_or_else(|_| json!({}));
     value["model"] = json!(s.model);
-    value["asWritten"] = json!(s.fit.as_written());
+    value["asWritten"] = json!(s.edits.is_empty());
     value["command"] = json!(argv);
     value["error"] = json!(s.error);
     value["warnings"] = json!(s.warnings);
@@ -75,7 +75,7 @@ pub fn write_table(out: &mut impl Write, s: &ServerAdmission, argv: &[String]) -
         writeln!(out, "{:<24} {:>12.2}", "sequences at max length", c)?;
     }
     writeln!(out)?;
-    match (&s.error, f.as_written()) {
+    match (&s.error, s.edits.is_empty()) {
         (Some(error), _) => writeln!(out, "{error}")?,
         (None, true) => writeln!(out, "fits as written: the command line is left alone")?,
         (None, false) => writeln!(out, "fits after the rewrite")?,
