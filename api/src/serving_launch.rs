@@ -62,9 +62,23 @@ pub const VLLM_DEFAULT_MAX_SEQS: u64 = 256;
 
 /// Weight quantization methods that store 4-bit weights, and those that store 8-bit ones.
 const FOUR_BIT: &[&str] = &[
-    "awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "bitsandbytes", "gguf", "moe_wna16",
+    "awq",
+    "awq_marlin",
+    "gptq",
+    "gptq_marlin",
+    "marlin",
+    "bitsandbytes",
+    "gguf",
+    "moe_wna16",
 ];
-const EIGHT_BIT: &[&str] = &["fp8", "fbgemm_fp8", "w8a8_fp8", "w8a8_int8", "modelopt", "qqq"];
+const EIGHT_BIT: &[&str] = &[
+    "fp8",
+    "fbgemm_fp8",
+    "w8a8_fp8",
+    "w8a8_int8",
+    "modelopt",
+    "qqq",
+];
 
 /// One shell word: its text (quotes removed) and its bytes in the source.
 #[derive(Debug, Clone, PartialEq)]
@@ -246,7 +260,9 @@ impl ServerLaunch {
             }
         }
         s.tensor_parallel = self.count(&mut errors, f.tensor_parallel).unwrap_or(1);
-        s.serving.max_sequences = self.count(&mut errors, f.max_sequences).unwrap_or(VLLM_DEFAULT_MAX_SEQS);
+        s.serving.max_sequences = self
+            .count(&mut errors, f.max_sequences)
+            .unwrap_or(VLLM_DEFAULT_MAX_SEQS);
         s.batched_tokens = self.count(&mut errors, f.batched_tokens);
         if let Some(v) = self.flag(f.fraction) {
             match v.parse::<f64>() {
@@ -460,9 +476,9 @@ impl ServerLaunch {
             Site::Argv => w.span.end,
             Site::Script { script, .. } => {
                 let raw = &script[w.span.clone()];
-                let quoted = raw
-                    .find('=')
-                    .is_some_and(|eq| raw[..eq].contains(['"', '\'']) && raw.ends_with(['"', '\'']));
+                let quoted = raw.find('=').is_some_and(|eq| {
+                    raw[..eq].contains(['"', '\'']) && raw.ends_with(['"', '\''])
+                });
                 if quoted { w.span.end - 1 } else { w.span.end }
             }
         }
@@ -555,9 +571,9 @@ fn strip_prefix_words(words: &[Word]) -> &[Word] {
         if w.separator {
             break;
         }
-        let assignment = t
-            .split_once('=')
-            .is_some_and(|(k, _)| !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'));
+        let assignment = t.split_once('=').is_some_and(|(k, _)| {
+            !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        });
         if t == "exec" || t == "env" || assignment {
             i += 1;
         } else {

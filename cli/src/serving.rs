@@ -48,9 +48,19 @@ pub fn to_json(s: &ServerAdmission, argv: &[String]) -> Value {
 }
 
 /// The decision for people.
-pub fn write_table(out: &mut impl Write, s: &ServerAdmission, argv: &[String]) -> std::io::Result<()> {
+pub fn write_table(
+    out: &mut impl Write,
+    s: &ServerAdmission,
+    argv: &[String],
+) -> std::io::Result<()> {
     let f = &s.fit;
-    writeln!(out, "{} serving {} in container {}", s.engine.name(), s.model, s.container)?;
+    writeln!(
+        out,
+        "{} serving {} in container {}",
+        s.engine.name(),
+        s.model,
+        s.container
+    )?;
     writeln!(
         out,
         "device: {} seen by the process, {} the pod's share ({})",
@@ -64,10 +74,21 @@ pub fn write_table(out: &mut impl Write, s: &ServerAdmission, argv: &[String]) -
         s.engine.fraction_flag(),
         memguard_webhook::serving::fraction_text(s.engine, f.fraction.max(0.0)),
         f.max_length
-            .map_or("(the model's own, not checked)".to_string(), |n| n.to_string())
+            .map_or("(the model's own, not checked)".to_string(), |n| n
+                .to_string())
     )?;
-    writeln!(out, "{:<24} {:>12}", "weights per device", f.weights.to_string())?;
-    writeln!(out, "{:<24} {:>12}", "engine reserve", f.reserve.to_string())?;
+    writeln!(
+        out,
+        "{:<24} {:>12}",
+        "weights per device",
+        f.weights.to_string()
+    )?;
+    writeln!(
+        out,
+        "{:<24} {:>12}",
+        "engine reserve",
+        f.reserve.to_string()
+    )?;
     writeln!(out, "{:<24} {:>12}", "KV cache", f.kv_cache.to_string())?;
     writeln!(out, "{:<24} {:>12}", "peak", f.peak.to_string())?;
     writeln!(out, "{:<24} {:>12}", "tokens that fit", f.tokens_fit)?;

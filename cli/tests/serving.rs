@@ -96,21 +96,51 @@ fn mutate_explain_and_estimate_agree_on_each_server() {
         let policy = policy.to_str().expect("path");
         let pod = format!("{FIXTURES}/{}", case.file);
 
-        let mutated = json_of(&memguard(&["mutate", "-f", &pod, "-o", "json", "--policy-file", policy]));
+        let mutated = json_of(&memguard(&[
+            "mutate",
+            "-f",
+            &pod,
+            "-o",
+            "json",
+            "--policy-file",
+            policy,
+        ]));
         let annotated: Value = serde_json::from_str(
             mutated["metadata"]["annotations"]["memguard.io/estimate"]
                 .as_str()
                 .expect("estimate annotation"),
         )
         .expect("estimate JSON");
-        let explained = json_of(&memguard(&["explain", "-f", &pod, "-o", "json", "--policy-file", policy]));
-        let mut flags = vec!["estimate", "--server-command", case.command, "--output", "json"];
+        let explained = json_of(&memguard(&[
+            "explain",
+            "-f",
+            &pod,
+            "-o",
+            "json",
+            "--policy-file",
+            policy,
+        ]));
+        let mut flags = vec![
+            "estimate",
+            "--server-command",
+            case.command,
+            "--output",
+            "json",
+        ];
         flags.extend(["--policy-file", policy]);
         flags.extend(case.pod_flags);
         let estimated = json_of(&memguard(&flags));
         for key in SAME {
-            assert_eq!(annotated[key], explained[key], "{} {}: {key}", case.file, case.policy);
-            assert_eq!(annotated[key], estimated[key], "{} {}: {key}", case.file, case.policy);
+            assert_eq!(
+                annotated[key], explained[key],
+                "{} {}: {key}",
+                case.file, case.policy
+            );
+            assert_eq!(
+                annotated[key], estimated[key],
+                "{} {}: {key}",
+                case.file, case.policy
+            );
         }
         let error = mutated["metadata"]["annotations"]["memguard.io/error"].as_str();
         assert_eq!(error, explained["error"].as_str(), "{}", case.file);

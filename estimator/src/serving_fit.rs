@@ -22,7 +22,9 @@
 //! (only when allowed) or says why the server cannot start.
 
 use crate::config::ModelShape;
-use crate::inference::{ServingConfig, forward_workspace, kv_cache, serving_scales, serving_weights};
+use crate::inference::{
+    ServingConfig, forward_workspace, kv_cache, serving_scales, serving_weights,
+};
 use crate::units::Bytes;
 
 /// vLLM's CUDA-graph memory, outside `--gpu-memory-utilization`: its log line "Graph capturing
@@ -259,9 +261,8 @@ struct Layout {
 fn layout(s: &ServerSettings, seen: Bytes, context: Bytes) -> Layout {
     let tp = s.tensor_parallel.max(1);
     let cfg = &s.serving;
-    let weights = Bytes::from_f64(
-        (serving_weights(cfg).as_f64() + serving_scales(cfg).as_f64()) / tp as f64,
-    );
+    let weights =
+        Bytes::from_f64((serving_weights(cfg).as_f64() + serving_scales(cfg).as_f64()) / tp as f64);
     let mut one = cfg.clone();
     one.max_sequences = 1;
     one.max_seq_length = 1;

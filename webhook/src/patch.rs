@@ -391,12 +391,7 @@ fn served(pod: &Pod, s: &ServerAdmission, ops: &mut Ops) {
     match &s.error {
         Some(error) => {
             let error: String = error.chars().take(MAX_ERROR_CHARS).collect();
-            annotate(
-                pod,
-                ops,
-                &[estimate[0], (keys::ERROR, error.as_str())],
-                &[],
-            );
+            annotate(pod, ops, &[estimate[0], (keys::ERROR, error.as_str())], &[]);
         }
         None => annotate(pod, ops, &estimate, &[keys::ERROR]),
     }

@@ -61,14 +61,16 @@ pub fn admit(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Option<Outco
     let named = annotations.get(keys::CONTAINER).map(String::as_str);
     let (index, container) = pick_trainer(containers, named).ok()?;
     let launch = launch_of(container)?;
-    Some(match decide(pod, policy, profiles, annotations, index, &launch) {
-        Ok(admission) => Outcome::Served(Box::new(admission)),
-        Err(error) => skipped(format!(
-            "{} server in {}: {error}",
-            launch.engine.name(),
-            container.name
-        )),
-    })
+    Some(
+        match decide(pod, policy, profiles, annotations, index, &launch) {
+            Ok(admission) => Outcome::Served(Box::new(admission)),
+            Err(error) => skipped(format!(
+                "{} server in {}: {error}",
+                launch.engine.name(),
+                container.name
+            )),
+        },
+    )
 }
 
 /// The server `container` launches, if any.
@@ -98,10 +100,7 @@ fn decide(
             .collect::<Vec<_>>()
             .join("; ")
     })?;
-    let model_bits = policy
-        .models
-        .lookup(&model_name)
-        .and_then(|m| m.model_bits);
+    let model_bits = policy.models.lookup(&model_name).and_then(|m| m.model_bits);
     let shape = parsed.config.model.clone();
     let training = TrainingPod::with_annotations(pod, parsed, false, policy, profiles.dra())
         .map_err(|e| e.to_string())?;

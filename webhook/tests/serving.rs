@@ -70,8 +70,8 @@ fn estimate(pod: &Value) -> Value {
 
 /// The engines' parsers (pinned, see the module's doc) on each argv.
 fn engine_parse(argvs: &[Vec<String>]) -> Vec<Value> {
-    let Some(python) = memguard_e2e::find_tool("python3", "PYTHON")
-        .or_else(|| memguard_e2e::missing("python3"))
+    let Some(python) =
+        memguard_e2e::find_tool("python3", "PYTHON").or_else(|| memguard_e2e::missing("python3"))
     else {
         return Vec::new();
     };
@@ -132,7 +132,10 @@ fn vllm_whose_length_cannot_fit_its_mig_slice_is_told_why_or_shortened() {
     let error = strict.applied["metadata"]["annotations"][keys::ERROR]
         .as_str()
         .expect("memguard.io/error");
-    assert!(error.starts_with("cannot fit: vllm --max-model-len 32768 needs 4.00 GiB"), "{error}");
+    assert!(
+        error.starts_with("cannot fit: vllm --max-model-len 32768 needs 4.00 GiB"),
+        "{error}"
+    );
     assert!(error.contains("tokens fit"), "{error}");
     assert!(error.contains("does not allow shorter"), "{error}");
     assert_eq!(estimate(&strict.applied)["fits"], false);
@@ -167,7 +170,11 @@ fn servers_that_fit_keep_their_command_lines_byte_for_byte() {
         let Outcome::Served(s) = &a.outcome else {
             panic!("{file}: {:?}", a.outcome);
         };
-        assert!(s.fit.as_written() && s.error.is_none(), "{file}: {:?}", s.fit);
+        assert!(
+            s.fit.as_written() && s.error.is_none(),
+            "{file}: {:?}",
+            s.fit
+        );
         let touched: Vec<String> = a
             .patch
             .0

@@ -23,7 +23,12 @@ fn recognises_the_three_launch_forms_and_their_models() {
         ),
         (
             &["/usr/local/bin/vllm"],
-            &["serve", "Qwen/Qwen2.5-7B-Instruct", "--max-model-len", "8192"],
+            &[
+                "serve",
+                "Qwen/Qwen2.5-7B-Instruct",
+                "--max-model-len",
+                "8192",
+            ],
             Engine::Vllm,
             "Qwen/Qwen2.5-7B-Instruct",
         ),
@@ -40,19 +45,31 @@ fn recognises_the_three_launch_forms_and_their_models() {
             VLLM_DEFAULT_MODEL,
         ),
         (
-            &["python3.11", "-m", SGLANG_MODULE, "--model-path", "/models/llama-3-8b"],
+            &[
+                "python3.11",
+                "-m",
+                SGLANG_MODULE,
+                "--model-path",
+                "/models/llama-3-8b",
+            ],
             &[],
             Engine::Sglang,
             "/models/llama-3-8b",
         ),
         (
             &["bash", "-c"],
-            &["pip list; exec python3 -m sglang.launch_server --model-path 'Qwen/Qwen2.5-7B' --port 30000"],
+            &[
+                "pip list; exec python3 -m sglang.launch_server --model-path 'Qwen/Qwen2.5-7B' --port 30000",
+            ],
             Engine::Sglang,
             "Qwen/Qwen2.5-7B",
         ),
         (
-            &["/bin/sh", "-ec", "HF_HOME=/cache vllm serve \"google/gemma-2-9b-it\" && sleep 1"],
+            &[
+                "/bin/sh",
+                "-ec",
+                "HF_HOME=/cache vllm serve \"google/gemma-2-9b-it\" && sleep 1",
+            ],
             &[],
             Engine::Vllm,
             "google/gemma-2-9b-it",
@@ -222,7 +239,14 @@ fn script_rewrites_keep_every_other_byte() {
         set(SGLANG_FLAGS.max_length, "9000"),
         set(SGLANG_FLAGS.fraction, "0.375"),
     ]);
-    let [ArgvEdit::Replace { field, index, value }] = edits.as_slice() else {
+    let [
+        ArgvEdit::Replace {
+            field,
+            index,
+            value,
+        },
+    ] = edits.as_slice()
+    else {
         panic!("{edits:?}");
     };
     assert_eq!((*field, *index), (Field::Command, 2));

@@ -54,6 +54,7 @@ struct Row {
     expect: Expect,
 }
 
+#[rustfmt::skip]
 fn rows() -> Vec<Row> {
     use Engine::{Sglang, Vllm};
     use Expect::*;
@@ -136,7 +137,12 @@ fn every_rule_by_engine_and_sharing() {
         if f.error.is_none() {
             // Whatever changed, the server now stays within the pod's share and holds one
             // sequence of its maximum length.
-            assert!(f.peak <= device.share, "{name}: peak {} > {}", f.peak, device.share);
+            assert!(
+                f.peak <= device.share,
+                "{name}: peak {} > {}",
+                f.peak,
+                device.share
+            );
             if let Some(n) = f.max_length {
                 assert!(f.tokens_fit >= n, "{name}: {} < {n}", f.tokens_fit);
             }
@@ -181,8 +187,14 @@ fn a_cannot_fit_error_carries_the_numbers() {
     let f = fit(&s, device, CONTEXT, STRICT);
     let error = f.error.expect("does not fit");
     // 32768 tokens × 128 KiB = 4 GiB.
-    assert!(error.contains("--max-model-len 32768 needs 4.00 GiB"), "{error}");
-    assert!(error.contains(&format!("{} tokens fit", f.tokens_fit)), "{error}");
+    assert!(
+        error.contains("--max-model-len 32768 needs 4.00 GiB"),
+        "{error}"
+    );
+    assert!(
+        error.contains(&format!("{} tokens fit", f.tokens_fit)),
+        "{error}"
+    );
     assert!(error.contains("--gpu-memory-utilization 0.92"), "{error}");
     assert!(error.contains("does not allow shorter"), "{error}");
 }
@@ -224,7 +236,12 @@ fn tensor_parallel_splits_weights_and_cache() {
         seen: Bytes::gib(80),
         share: Bytes::gib(80),
     };
-    let one = fit(&server(Engine::Vllm, Some(8192), None), device, CONTEXT, STRICT);
+    let one = fit(
+        &server(Engine::Vllm, Some(8192), None),
+        device,
+        CONTEXT,
+        STRICT,
+    );
     let mut s = server(Engine::Vllm, Some(8192), None);
     s.tensor_parallel = 2;
     let two = fit(&s, device, CONTEXT, STRICT);
