@@ -253,11 +253,10 @@ impl ServerLaunch {
         if let Some(v) = self.flag(f.max_length)
             && v != "auto"
             && v != "-1"
+            && let Some(n) = self.count(&mut errors, f.max_length)
         {
-            if let Some(n) = self.count(&mut errors, f.max_length) {
-                s.serving.max_seq_length = n;
-                s.max_length_given = true;
-            }
+            s.serving.max_seq_length = n;
+            s.max_length_given = true;
         }
         s.tensor_parallel = self.count(&mut errors, f.tensor_parallel).unwrap_or(1);
         s.serving.max_sequences = self
@@ -549,7 +548,7 @@ pub fn human_int(v: &str) -> Option<u64> {
         return digits.parse().ok();
     }
     let x: f64 = digits.parse().ok()?;
-    (x.is_finite() && x >= 0.0).then(|| (x * mult as f64) as u64)
+    (x.is_finite() && x >= 0.0).then_some((x * mult as f64) as u64)
 }
 
 fn basename(program: &str) -> &str {
@@ -585,13 +584,12 @@ fn strip_prefix_words(words: &[Word]) -> &[Word] {
 
 /// The engine, the model and where the flags start, when `cmd` launches a server.
 fn recognise(cmd: &[Word]) -> Option<(Engine, String, usize)> {
-    let offset = 0;
     let program = cmd.first()?.text.as_str();
     let text = |i: usize| cmd.get(i).map(|w| w.text.as_str());
     let flag = |names: &[&str], from: usize| -> Option<String> {
         let mut found = None;
-        for i in from..cmd.len() {
-            let t = cmd[i].text.as_str();
+        for (i, w) in cmd.iter().enumerate().skip(from) {
+            let t = w.text.as_str();
             for name in names {
                 if t == *name {
                     found = text(i + 1).map(str::to_string);
@@ -604,11 +602,11 @@ fn recognise(cmd: &[Word]) -> Option<(Engine, String, usize)> {
     };
     if basename(program) == "vllm" && text(1) == Some("serve") {
         return match text(2) {
-            Some(m) if !m.starts_with('-') => Some((Engine::Vllm, m.to_string(), offset + 3)),
+            Some(m) if !m.starts_with('-') => Some((Engine::Vllm, m.to_string(), 3)),
             _ => Some((
                 Engine::Vllm,
                 flag(&["--model"], 2).unwrap_or_else(|| VLLM_DEFAULT_MODEL.to_string()),
-                offset + 2,
+                2,
             )),
         };
     }
@@ -617,12 +615,12 @@ fn recognise(cmd: &[Word]) -> Option<(Engine, String, usize)> {
             VLLM_MODULE => Some((
                 Engine::Vllm,
                 flag(&["--model"], 3).unwrap_or_else(|| VLLM_DEFAULT_MODEL.to_string()),
-                offset + 3,
+                3,
             )),
             SGLANG_MODULE => Some((
                 Engine::Sglang,
                 flag(&["--model-path", "--model"], 3)?,
-                offset + 3,
+                3,
             )),
             _ => None,
         };

@@ -15,7 +15,7 @@ use memguard_api::annotations::{self as keys, TrainingAnnotations};
 use memguard_api::pod::pick_trainer;
 use memguard_api::serving_launch::{ArgvEdit, ServerLaunch};
 use memguard_api::{BudgetSource, Policy, TrainingPod};
-use memguard_estimator::Bytes;
+use memguard_estimator::{Bytes, Device};
 use memguard_estimator::estimate::runtime_overhead;
 use memguard_estimator::serving_fit::{self, Change, DeviceShare, Engine, FitRules, ServerFit};
 use memguard_learn::decision;
@@ -104,13 +104,15 @@ fn decide(
     let shape = parsed.config.model.clone();
     let training = TrainingPod::with_annotations(pod, parsed, false, policy, profiles.dra())
         .map_err(|e| e.to_string())?;
+    let device_kind = training.config.device;
+    if !matches!(device_kind, Device::Cuda | Device::Rocm) {
+        return Err(format!(
+            "it runs on {}: memguard fits servers to GPU memory only",
+            device_kind.name()
+        ));
+    }
     let (budget, warnings) = decision::budget(&training, policy);
-    let budget = budget.ok_or_else(|| {
-        format!(
-            "no GPU memory to fit it to (device {})",
-            training.config.device.name()
-        )
-    })?;
+    let budget = budget.ok_or_else(|| "no GPU memory to fit it to".to_string())?;
     let seen = memguard_learn::budget::seen_by_process(&training, &budget, policy);
     let settings = launch
         .settings(shape, model_bits)

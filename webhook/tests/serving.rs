@@ -154,7 +154,7 @@ fn vllm_whose_length_cannot_fit_its_mig_slice_is_told_why_or_shortened() {
     let parsed = engine_parse(std::slice::from_ref(&args));
     if let [p] = &parsed[..] {
         let length = p["maxLength"].as_u64().expect("length");
-        assert!(length < 32768 && length >= 8192, "{length}");
+        assert!((8192..32768).contains(&length), "{length}");
         assert_eq!(length, s.fit.tokens_fit);
         let fraction = p["fraction"].as_f64().expect("fraction");
         assert!(fraction > 0.9 && fraction < 1.0, "{fraction}");
