@@ -617,11 +617,7 @@ fn recognise(cmd: &[Word]) -> Option<(Engine, String, usize)> {
                 flag(&["--model"], 3).unwrap_or_else(|| VLLM_DEFAULT_MODEL.to_string()),
                 3,
             )),
-            SGLANG_MODULE => Some((
-                Engine::Sglang,
-                flag(&["--model-path", "--model"], 3)?,
-                3,
-            )),
+            SGLANG_MODULE => Some((Engine::Sglang, flag(&["--model-path", "--model"], 3)?, 3)),
             _ => None,
         };
     }

@@ -45,10 +45,18 @@ fn an_unreadable_server_line_names_its_flag() {
     let Outcome::Skipped { error, .. } = &out else {
         panic!("{out:?}");
     };
-    assert!(error.contains("--gpu-memory-utilization \"high\""), "{error}");
+    assert!(
+        error.contains("--gpu-memory-utilization \"high\""),
+        "{error}"
+    );
     // And the patch only says so: the command line is the user's.
     let patch = crate::patch::build(&pod, &out);
-    assert!(patch.0.iter().all(|op| op.path().to_string().starts_with("/metadata")));
+    assert!(
+        patch
+            .0
+            .iter()
+            .all(|op| op.path().to_string().starts_with("/metadata"))
+    );
 }
 
 #[test]
