@@ -283,3 +283,32 @@ fn human_ints_follow_vllm() {
     assert_eq!(human_int("x"), None);
     assert_eq!(human_int(""), None);
 }
+
+#[test]
+fn a_script_in_args_is_rewritten_in_args() {
+    let l = find(
+        &["/bin/bash", "-lc"],
+        &["vllm serve m --gpu-memory-utilization 0.95 # the whole card"],
+    )
+    .expect("server");
+    assert!(l.in_script());
+    assert_eq!(
+        l.rewrite(&[set(VLLM_FLAGS.fraction, "0.48")]),
+        vec![ArgvEdit::Replace {
+            field: Field::Args,
+            index: 0,
+            value: "vllm serve m --gpu-memory-utilization 0.48 # the whole card".into()
+        }]
+    );
+    // Setting what is already there changes nothing.
+    assert!(l.rewrite(&[set(VLLM_FLAGS.fraction, "0.95")]).is_empty());
+    // Empty `args` next to a full `command`: appended flags follow the command, in `args`.
+    let l = ServerLaunch::find(&strings(&["vllm", "serve", "m"]), &[], true).expect("server");
+    assert_eq!(
+        l.rewrite(&[set(VLLM_FLAGS.max_length, "4096")])[0],
+        ArgvEdit::Append {
+            field: Field::Args,
+            value: "--max-model-len".into()
+        }
+    );
+}
