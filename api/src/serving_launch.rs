@@ -57,9 +57,6 @@ pub const SGLANG_FLAGS: MemoryFlags = MemoryFlags {
     dtype: &["--dtype"],
 };
 
-/// vLLM's default `max_num_seqs` (the running-request cap, used for the logits of one step).
-pub const VLLM_DEFAULT_MAX_SEQS: u64 = 256;
-
 /// Weight quantization methods that store 4-bit weights, and those that store 8-bit ones.
 const FOUR_BIT: &[&str] = &[
     "awq",
@@ -259,9 +256,7 @@ impl ServerLaunch {
             s.max_length_given = true;
         }
         s.tensor_parallel = self.count(&mut errors, f.tensor_parallel).unwrap_or(1);
-        s.serving.max_sequences = self
-            .count(&mut errors, f.max_sequences)
-            .unwrap_or(VLLM_DEFAULT_MAX_SEQS);
+        s.max_sequences = self.count(&mut errors, f.max_sequences);
         s.batched_tokens = self.count(&mut errors, f.batched_tokens);
         if let Some(v) = self.flag(f.fraction) {
             match v.parse::<f64>() {

@@ -39,9 +39,16 @@ pub const VLLM_DEFAULT_UTILIZATION: f64 = 0.9;
 pub const VLLM_BLOCK_TOKENS: u64 = 16;
 
 /// vLLM's default `max_num_batched_tokens` for the OpenAI server: 8192 on devices of 70 GiB or
-/// more, 2048 below (`EngineArgs._set_default_args`).
+/// more, 2048 below (`EngineArgs.get_batch_defaults`).
 pub fn vllm_default_batched_tokens(seen: Bytes) -> u64 {
     if seen >= Bytes::gib(70) { 8192 } else { 2048 }
+}
+
+/// vLLM's default `max_num_seqs` for the OpenAI server: 1024 on devices of 70 GiB or more, 256
+/// below (`EngineArgs.get_batch_defaults`; vLLM also keeps A100s on the lower defaults, which
+/// memguard, not knowing the product here, does not: a larger profile, never a smaller one).
+pub fn vllm_default_max_seqs(seen: Bytes) -> u64 {
+    if seen >= Bytes::gib(70) { 1024 } else { 256 }
 }
 
 /// SGLang's reserve for activations and CUDA graphs, by the memory the process sees and the
@@ -122,11 +129,10 @@ impl Engine {
         match self {
             Engine::Vllm => VLLM_DEFAULT_UTILIZATION,
             Engine::Sglang => {
+                // SGLang rounds its default to 3 decimals (`round(…, 3)`).
                 let seen_f = seen.as_f64().max(1.0);
-                round_down(
-                    (seen_f - sglang_reserve(seen, parallel).as_f64()) / seen_f,
-                    self.fraction_scale(),
-                )
+                let x = (seen_f - sglang_reserve(seen, parallel).as_f64()) / seen_f;
+                (x * 1000.0).round() / 1000.0
             }
         }
     }
@@ -137,9 +143,12 @@ impl Engine {
 pub struct ServerSettings {
     /// The engine.
     pub engine: Engine,
-    /// Model, weight and cache storage; `max_sequences` is the engine's running-request cap and
-    /// `max_seq_length` the maximum length when [`max_length_given`](Self::max_length_given).
+    /// Model, weight and cache storage; `max_seq_length` is the maximum length when
+    /// [`max_length_given`](Self::max_length_given) (`max_sequences` is not read: see
+    /// [`max_sequences`](Self::max_sequences)).
     pub serving: ServingConfig,
+    /// The engine's running-request cap, if given (vLLM's `--max-num-seqs`).
+    pub max_sequences: Option<u64>,
     /// Whether the maximum length was given (otherwise the engine takes the model's own, which
     /// memguard does not know, and does not check).
     pub max_length_given: bool,
@@ -162,6 +171,7 @@ impl ServerSettings {
         ServerSettings {
             engine,
             serving: ServingConfig::new(model),
+            max_sequences: None,
             max_length_given: false,
             fraction: None,
             tensor_parallel: 1,
@@ -278,7 +288,12 @@ fn layout(s: &ServerSettings, seen: Bytes, context: Bytes) -> Layout {
             let tokens = s
                 .batched_tokens
                 .unwrap_or_else(|| vllm_default_batched_tokens(seen));
-            let sequences = cfg.max_sequences.max(1).min(tokens.max(1));
+            // The profiling forward: `tokens` spread over up to `max_num_seqs` sequences, one
+            // row of logits each.
+            let sequences = s
+                .max_sequences
+                .unwrap_or_else(|| vllm_default_max_seqs(seen))
+                .clamp(1, tokens.max(1));
             let (work, logits) = forward_workspace(&cfg.model, tokens, sequences);
             let activations = Bytes::from_f64((work.as_f64() + logits.as_f64()) / tp as f64);
             let graphs = if s.enforce_eager {

@@ -153,7 +153,7 @@ fn settings_read_every_memory_flag() {
     let s = l.settings(shape.clone(), None).expect("valid");
     assert_eq!(s.serving.max_seq_length, 32_000);
     assert!(s.max_length_given);
-    assert_eq!(s.serving.max_sequences, 64);
+    assert_eq!(s.max_sequences, Some(64));
     assert_eq!(s.batched_tokens, Some(4096));
     assert_eq!(s.tensor_parallel, 2);
     assert_eq!(s.serving.kv_cache_bits, 8);

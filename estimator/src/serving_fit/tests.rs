@@ -15,7 +15,6 @@ fn server(engine: Engine, max_length: Option<u64>, fraction: Option<f64>) -> Ser
         s.max_length_given = true;
     }
     s.fraction = fraction;
-    s.serving.max_sequences = 256;
     s
 }
 
