@@ -14,6 +14,7 @@ pub mod knobs;
 pub mod models;
 pub mod oom;
 pub mod policy;
+pub mod serving_launch;
 pub mod signal;
 pub mod summary;
 pub mod wellknown;

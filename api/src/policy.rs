@@ -310,6 +310,12 @@ pub struct PolicySpec {
         schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))
     )]
     pub models: Vec<ModelSpec>,
+    /// Whether memguard may lower an inference server's maximum length (vLLM's
+    /// `--max-model-len`, SGLang's `--context-length`) to what its KV cache holds in the pod's
+    /// share, down to `floors.seqLength` (default false: a quality change; the pod gets
+    /// `memguard.io/error` with the numbers instead). docs/serving.md.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serving_shorten_max_length: Option<bool>,
 }
 
 /// A policy with every default applied and every quantity parsed.
@@ -344,6 +350,8 @@ pub struct Policy {
     pub placement: PlacementMode,
     /// The models pods may name: the policy's, then the built-in catalog.
     pub models: ModelCatalog,
+    /// Whether an inference server's maximum length may be lowered to fit.
+    pub serving_shorten_max_length: bool,
 }
 
 impl Default for Policy {
@@ -461,6 +469,7 @@ impl PolicySpec {
             estimate_level,
             placement: self.placement.unwrap_or_default(),
             models,
+            serving_shorten_max_length: self.serving_shorten_max_length.unwrap_or(false),
         })
     }
 }

@@ -85,6 +85,13 @@ macro_rules! annotation_flags {
             /// ceiling for --max-sequences sequences of --seq-length tokens.
             #[arg(long, help_heading = "Serving")]
             serve: bool,
+            /// An inference server's launch line, as the container would run it (`vllm serve
+            /// MODEL --max-model-len 8192`, `python -m sglang.launch_server --model-path M`):
+            /// fitted to the pod the other flags describe exactly as admission fits it (the
+            /// fraction, the maximum length, or why it cannot start). --model overrides the
+            /// model the line names.
+            #[arg(long, value_name = "COMMAND", help_heading = "Serving")]
+            server_command: Option<String>,
             /// Sequences served at once (the engine's max_num_seqs); with --serve.
             #[arg(long, value_name = "N", default_value_t = 1, help_heading = "Serving")]
             max_sequences: u64,
@@ -231,6 +238,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if args.list_models {
         list_models(&mut out, &policy.models)?;
         return Ok(ExitCode::SUCCESS);
+    }
+    if let Some(command) = &args.server_command {
+        return server_command(&args, command, &policy, &mut out);
     }
     let (parsed, world_size_given) = match parse_flags(&args, &policy) {
         Ok(parsed) => parsed,
@@ -558,6 +568,56 @@ fn read_model_config(
     }
     // The shape carries the config's attention dropout; an explicit flag still overrides it.
     Ok(model.shape)
+}
+
+/// `--server-command`: the pod the flags describe, running the command in a shell, through the
+/// webhook's serving decision.
+fn server_command(
+    args: &Args,
+    command: &str,
+    policy: &Policy,
+    out: &mut impl Write,
+) -> anyhow::Result<ExitCode> {
+    let flags_pod = match pod_of_flags(args) {
+        Ok(p) => p,
+        Err(message) => return Ok(bad_input([message])),
+    };
+    let (mut pod, dra) = match flags_pod {
+        Some(p) => (p.pod, p.dra),
+        None => (
+            serde_json::from_value(json!({
+                "metadata": {"name": "estimate", "namespace": "default"},
+                "spec": {"containers": [{"name": "server", "image": "server"}]},
+            }))?,
+            None,
+        ),
+    };
+    if let Some(spec) = pod.spec.as_mut()
+        && let Some(c) = spec.containers.first_mut()
+    {
+        c.command = Some(vec!["sh".into(), "-c".into(), command.to_string()]);
+    }
+    if let Some(model) = &args.model {
+        pod.metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(memguard_api::annotations::MODEL.to_string(), model.clone());
+    }
+    let mut profiles = memguard_webhook::ClusterView::default();
+    if let Some(dra) = dra {
+        profiles = profiles.with_dra(dra);
+    }
+    let json = args.output == Output::Json;
+    match crate::serving::write(out, json, &pod, policy, &profiles) {
+        None => Ok(bad_input([format!(
+            "--server-command: `{command}` launches no server memguard knows (vllm serve, \
+             python -m vllm.entrypoints.openai.api_server, python -m sglang.launch_server)"
+        )])),
+        Some(written) => match written? {
+            Ok(()) => Ok(ExitCode::SUCCESS),
+            Err(e) => Ok(bad_input([e])),
+        },
+    }
 }
 
 /// `--serve`: weights plus the KV-cache ceiling; with a budget, whether it fits and how many

@@ -244,8 +244,20 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             Err(e) => return bad_input(e),
         }
     }
-    let explanation = explain_with(&pod, &ctx);
     let mut out = std::io::stdout().lock();
+    // An inference server: the admission's decision on its command line.
+    let mut profiles = memguard_webhook::ClusterView::default();
+    if let Some(dra) = &ctx.dra {
+        profiles = profiles.with_dra(dra.clone());
+    }
+    let json = matches!(args.output, Output::Json);
+    if let Some(written) = crate::serving::write(&mut out, json, &pod, &ctx.policy, &profiles) {
+        return match written? {
+            Ok(()) => Ok(ExitCode::SUCCESS),
+            Err(e) => bad_input(e),
+        };
+    }
+    let explanation = explain_with(&pod, &ctx);
     match args.output {
         Output::Json => {
             serde_json::to_writer_pretty(&mut out, &explanation)?;
@@ -417,7 +429,7 @@ fn ooms(pod: &Pod, status: &ContainerStatus, summary: Option<&Summary>) -> Vec<O
 }
 
 /// `kind (detail)`, or `kind` alone: the annotation's `budgetSource` for a person.
-fn describe_source(source: &BudgetSource) -> String {
+pub(crate) fn describe_source(source: &BudgetSource) -> String {
     let value = serde_json::to_value(source).unwrap_or_default();
     match (value["kind"].as_str(), value["detail"].as_str()) {
         (Some(kind), Some(detail)) => format!("{kind} ({detail})"),
@@ -491,6 +503,7 @@ fn next_view(
     let (config, error) = match memguard_webhook::mutate(&pod, &ctx.policy, &profiles) {
         memguard_webhook::Outcome::Mutated(m) => (Some(TrainingKnobs::of(&m.plan.config)), m.error),
         memguard_webhook::Outcome::Skipped { error, .. } => (None, Some(error)),
+        memguard_webhook::Outcome::Served(s) => (None, s.error.clone()),
         memguard_webhook::Outcome::Unchanged => (None, None),
     };
     let (verdict, reason) = if let Some(v) = error.as_ref().filter(|e| e.starts_with("cannot fit"))

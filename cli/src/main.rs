@@ -4,6 +4,7 @@ mod crdgen;
 mod estimate;
 mod explain;
 mod mutate;
+mod serving;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

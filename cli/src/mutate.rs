@@ -210,6 +210,14 @@ fn report(results: &[Mutated]) -> bool {
                         eprintln!("{at}: warning: {warning}");
                     }
                 }
+                Outcome::Served(server) => {
+                    for warning in &server.warnings {
+                        eprintln!("{at}: warning: {warning}");
+                    }
+                    if let Some(error) = &server.error {
+                        eprintln!("{at}: {error}");
+                    }
+                }
                 Outcome::Unchanged => {}
             }
         }

@@ -1,4 +1,4 @@
-//! Criterion benchmark: one estimate and one full downgrade plan.
+//! Criterion benchmark: one estimate, one full downgrade plan, one inference-server fit.
 //!
 //! `cargo bench -p memguard-estimator --bench estimate -- --warm-up-time 1 --measurement-time 3`
 use criterion::{Criterion, criterion_group, criterion_main};
@@ -56,5 +56,29 @@ fn benches(c: &mut Criterion) {
     });
 }
 
-criterion_group!(estimator, benches);
+/// vLLM serving Llama 3 8B on half an H100 through KAI: the fraction lowered to the half, one
+/// 8192-token sequence checked against the cache (what admission computes for a server pod).
+fn serving(c: &mut Criterion) {
+    use memguard_estimator::serving_fit::{DeviceShare, Engine, FitRules, ServerSettings, fit};
+    let mut s = ServerSettings::new(
+        Engine::Vllm,
+        catalog::lookup("llama-3-8b").expect("catalog"),
+    );
+    s.serving.max_seq_length = 8192;
+    s.max_length_given = true;
+    let device = DeviceShare {
+        seen: Bytes::gib(80),
+        share: Bytes::gib(40),
+    };
+    let rules = FitRules {
+        may_shorten: true,
+        shortest: 256,
+    };
+    assert!(!fit(&s, device, Bytes::mib(512), rules).as_written());
+    c.bench_function("serving-fit/vllm-llama-3-8b-kai-half", |b| {
+        b.iter(|| fit(black_box(&s), black_box(device), Bytes::mib(512), rules))
+    });
+}
+
+criterion_group!(estimator, benches, serving);
 criterion_main!(estimator);

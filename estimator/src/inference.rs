@@ -76,7 +76,7 @@ impl ServingConfig {
 }
 
 /// Weights: `P·bits/8`; a 4-bit model keeps embeddings, head and norms in 16 bits.
-fn serving_weights(cfg: &ServingConfig) -> Bytes {
+pub(crate) fn serving_weights(cfg: &ServingConfig) -> Bytes {
     let m = &cfg.model;
     let p = params::total_params(m) as f64;
     let bits = f64::from(cfg.model_bits);
@@ -89,7 +89,7 @@ fn serving_weights(cfg: &ServingConfig) -> Bytes {
 }
 
 /// 4-bit block scales: one fp32 per 64 quantized weights.
-fn serving_scales(cfg: &ServingConfig) -> Bytes {
+pub(crate) fn serving_scales(cfg: &ServingConfig) -> Bytes {
     if cfg.model_bits > 4 {
         return Bytes::ZERO;
     }
@@ -117,12 +117,17 @@ pub fn kv_cache(cfg: &ServingConfig) -> Bytes {
 /// (residual, attention in/out, FFN branches of the routed experts), plus fp32 logits of the
 /// last position of every sequence, `sequences·V·4`.
 fn serving_workspace(cfg: &ServingConfig) -> (Bytes, Bytes) {
-    let m = &cfg.model;
     let tokens = (cfg.max_sequences.saturating_mul(cfg.max_seq_length)).min(PREFILL_CHUNK_TOKENS);
+    forward_workspace(&cfg.model, tokens, cfg.max_sequences)
+}
+
+/// One forward of `tokens` tokens for `sequences` sequences: the widest layer's workspace and
+/// the last positions' fp32 logits (the formula of [`estimate_serving`]'s workspace).
+pub(crate) fn forward_workspace(m: &ModelShape, tokens: u64, sequences: u64) -> (Bytes, Bytes) {
     let width = m.hidden_size as f64 + 2.0 * m.q_dim() as f64 + 2.0 * m.ffn_width_per_token();
     let workspace = Bytes::from_f64(tokens as f64 * width * 2.0);
     let logits = if m.lm_head {
-        Bytes::from_f64(cfg.max_sequences as f64 * m.vocab_size as f64 * 4.0)
+        Bytes::from_f64(sequences as f64 * m.vocab_size as f64 * 4.0)
     } else {
         Bytes::ZERO
     };

@@ -24,6 +24,7 @@ pub mod estimate;
 pub mod inference;
 pub mod params;
 pub mod plan;
+pub mod serving_fit;
 pub mod units;
 
 pub use bound::Bound;

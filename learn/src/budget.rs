@@ -105,6 +105,45 @@ pub fn resolve(
     }
 }
 
+/// The memory of one device as the trainer's process sees it (CUDA's total), for a `budget`
+/// from [`resolve`]: an enforced cap (HAMi, MPS), a MIG slice or a DRA device is what the
+/// process sees; a soft share (KAI's `gpu-fraction` or `gpu-memory`, which KAI does not enforce,
+/// or `memguard.io/gpu-memory`) leaves the whole device in view. An inference engine sizes
+/// itself as a fraction of this (docs/serving.md).
+pub fn seen_by_process(training: &TrainingPod, budget: &Budget, policy: &Policy) -> Bytes {
+    if !matches!(
+        budget.source,
+        BudgetSource::Kai(_) | BudgetSource::Annotation
+    ) {
+        return budget.device_memory;
+    }
+    let acc = &training.accelerators;
+    let whole = match training.dra_memory.as_ref() {
+        Some(m) => m.bytes,
+        None => {
+            device_memory(
+                training.pod,
+                training.config.device,
+                acc,
+                policy,
+                &mut Vec::new(),
+            )
+            .0
+        }
+    };
+    let enforced = [
+        acc.hami_mib.map(Bytes::mib),
+        acc.hami_percent
+            .map(|p| Bytes::from_f64(whole.as_f64() * p as f64 / 100.0)),
+        acc.mps_bytes.map(Bytes),
+    ];
+    enforced
+        .into_iter()
+        .flatten()
+        .fold(whole, std::cmp::min)
+        .max(budget.device_memory)
+}
+
 fn gpu_memory(
     pod: &Pod,
     device: Device,

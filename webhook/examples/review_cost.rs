@@ -43,4 +43,20 @@ fn main() {
         let r = review::review(&body, &policy, &profiles).expect("ok");
         let _ = serde_json::to_vec(&r.review);
     });
+    // What every opted-in pod now pays to be told it is not an inference server.
+    time("serving::admit (no server)", &mut || {
+        let _ = memguard_webhook::serving::admit(&pod, &policy, &profiles);
+    });
+    // An inference server (vLLM on half an H100 through KAI): its launch line read, fitted,
+    // rewritten.
+    let server: k8s_openapi::api::core::v1::Pod =
+        serde_saphyr::from_str(include_str!("../tests/fixtures/serving/vllm-kai-half.yaml"))
+            .expect("server pod");
+    time("mutate (vLLM server)", &mut || {
+        let _ = memguard_webhook::mutate(&server, &policy, &profiles);
+    });
+    let outcome = memguard_webhook::mutate(&server, &policy, &profiles);
+    time("patch::build (vLLM server)", &mut || {
+        let _ = patch::build(&server, &outcome);
+    });
 }

@@ -28,6 +28,7 @@ pub mod profiles;
 pub mod review;
 #[cfg(feature = "server")]
 pub mod server;
+pub mod serving;
 #[cfg(feature = "server")]
 pub mod tasks;
 #[cfg(feature = "server")]

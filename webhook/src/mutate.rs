@@ -32,6 +32,8 @@ pub enum Outcome {
     Unchanged,
     /// The pod as memguard wants it (which may already be how it is).
     Mutated(Box<Mutation>),
+    /// An inference server (vLLM, SGLang) fitted to the pod's share ([`crate::serving`]).
+    Served(Box<crate::serving::ServerAdmission>),
     /// Opted in but unusable (bad annotations, no container, internal error): admitted unchanged
     /// except `memguard.io/error`.
     Skipped {
@@ -96,6 +98,9 @@ impl Mutation {
 pub fn mutate(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Outcome {
     if !memguard_api::pod::opted_in(pod) {
         return Outcome::Unchanged;
+    }
+    if let Some(served) = crate::serving::admit(pod, policy, profiles) {
+        return served;
     }
     match decide(pod, policy, profiles) {
         Ok(mutation) => Outcome::Mutated(Box::new(mutation)),

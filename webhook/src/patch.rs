@@ -7,11 +7,13 @@
 //! `memguard.io~1estimate`).
 
 use crate::mutate::{Mutation, Outcome};
+use crate::serving::ServerAdmission;
 use json_patch::jsonptr::PointerBuf;
 use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation, ReplaceOperation};
 use k8s_openapi::api::core::v1::{Container, EnvVar, Pod, PodSpec};
 use memguard_api::annotations as keys;
 use memguard_api::policy::SidecarMode;
+use memguard_api::serving_launch::{ArgvEdit, Field};
 use memguard_api::{env, wellknown};
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
@@ -38,6 +40,7 @@ pub fn build(pod: &Pod, outcome: &Outcome) -> Patch {
             annotate(pod, &mut ops, &[(keys::ERROR, error.as_str())], &[]);
         }
         Outcome::Mutated(m) => mutation(pod, m, &mut ops),
+        Outcome::Served(s) => served(pod, s, &mut ops),
     }
     Patch(ops.0)
 }
@@ -377,6 +380,57 @@ fn placement(spec: &PodSpec, m: &Mutation, ops: &mut Ops) {
 fn shared_pid_namespace(spec: &PodSpec, ops: &mut Ops) {
     if spec.share_process_namespace != Some(true) && spec.host_pid != Some(true) {
         ops.add(&["spec", "shareProcessNamespace"], json!(true));
+    }
+}
+
+/// The patch of an inference server: its argv rewritten in place (only the values that
+/// change), its estimate, and its error when it cannot start in its share (a stale one goes).
+fn served(pod: &Pod, s: &ServerAdmission, ops: &mut Ops) {
+    server_args(pod, s, ops);
+    let estimate = [(keys::ESTIMATE, s.estimate.as_str())];
+    match &s.error {
+        Some(error) => {
+            let error: String = error.chars().take(MAX_ERROR_CHARS).collect();
+            annotate(pod, ops, &[estimate[0], (keys::ERROR, error.as_str())], &[]);
+        }
+        None => annotate(pod, ops, &estimate, &[keys::ERROR]),
+    }
+}
+
+/// The server's `command`/`args` edits: an element replaced at its index, a missing flag
+/// appended (the field created when absent).
+fn server_args(pod: &Pod, s: &ServerAdmission, ops: &mut Ops) {
+    let Some(container) = pod
+        .spec
+        .as_ref()
+        .and_then(|spec| spec.containers.get(s.container_index))
+    else {
+        return;
+    };
+    let index = s.container_index.to_string();
+    let mut exists = [container.command.is_some(), container.args.is_some()];
+    for edit in &s.edits {
+        match edit {
+            ArgvEdit::Replace {
+                field,
+                index: i,
+                value,
+            } => ops.replace(
+                &["spec", "containers", &index, field.name(), &i.to_string()],
+                json!(value),
+            ),
+            ArgvEdit::Append { field, value } => {
+                let slot = &mut exists[usize::from(*field == Field::Args)];
+                append(
+                    ops,
+                    &["spec", "containers", &index],
+                    field.name(),
+                    *slot,
+                    json!(value),
+                );
+                *slot = true;
+            }
+        }
     }
 }
 

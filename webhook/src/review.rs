@@ -210,6 +210,12 @@ fn answer<T: kube::Resource>(
             (Disposition::Unchanged, 0, m.warnings.clone())
         }
         Outcome::Mutated(m) => (Disposition::Mutated, m.steps(), m.warnings.clone()),
+        Outcome::Served(s) if patch.0.is_empty() => (Disposition::Unchanged, 0, s.warnings.clone()),
+        Outcome::Served(s) => (
+            Disposition::Mutated,
+            s.fit.changes.len(),
+            s.warnings.clone(),
+        ),
     };
     if patch.0.is_empty() {
         return done(None, disposition, steps, warnings);

@@ -126,6 +126,12 @@ fn fixture_pods_match_their_golden_patches() {
                 "steps": m.plan.steps.iter().map(|s| s.rung.name()).collect::<Vec<_>>(),
                 "warningCount": m.warnings.len(),
             }),
+            Outcome::Served(s) => json!({
+                "outcome": "served",
+                "container": s.container,
+                "engine": s.engine.name(),
+                "error": s.error,
+            }),
         };
         let snapshot = json!({"decision": summary, "patch": readable(&patch)});
         insta::assert_yaml_snapshot!(name, snapshot);

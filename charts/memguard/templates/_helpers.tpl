@@ -105,6 +105,7 @@ Its shape is memguard_api::PolicySpec (camelCase, unknown fields rejected).
   "floors" $p.floors
   "maxOomRecoveries" $p.maxOomRecoveries
   "placement" $p.placement
+  "servingShortenMaxLength" $p.servingShortenMaxLength
   "sidecar" (dict
     "image" (include "memguard.sidecarImage" .)
     "mode" .Values.sidecar.mode
