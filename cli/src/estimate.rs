@@ -578,6 +578,17 @@ fn server_command(
     policy: &Policy,
     out: &mut impl Write,
 ) -> anyhow::Result<ExitCode> {
+    // A product alone asks for no GPU (the server would run on the CPU, which memguard does not
+    // fit): name the flags that do.
+    if args.gpu_resource.is_empty() && args.dra_claim.is_none() && args.pod_annotation.is_empty() {
+        return Ok(bad_input([
+            "--server-command: say the GPU the server's pod asks for: --gpu-resource \
+             nvidia.com/gpu (a whole GPU, or a MIG/HAMi resource) with --gpu-product for its \
+             memory, a KAI/HAMi --pod-annotation, or --dra-claim; memguard fits servers to GPU \
+             memory only"
+                .to_string(),
+        ]));
+    }
     let flags_pod = match pod_of_flags(args) {
         Ok(p) => p,
         Err(message) => return Ok(bad_input([message])),

@@ -163,7 +163,29 @@ fn mutate_explain_and_estimate_agree_on_each_server() {
 
 #[test]
 fn a_command_that_is_no_server_is_bad_input() {
-    let out = memguard(&["estimate", "--server-command", "python train.py"]);
+    let out = memguard(&[
+        "estimate",
+        "--server-command",
+        "python train.py",
+        "--gpu-resource",
+        "nvidia.com/gpu",
+    ]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("launches no server"));
+}
+
+#[test]
+fn a_server_without_a_gpu_is_told_which_flag_gives_one() {
+    // A product alone pins no GPU to the pod: the server would run on the CPU, which memguard
+    // does not fit; the message names the flag that asks for one.
+    let out = memguard(&[
+        "estimate",
+        "--server-command",
+        "vllm serve meta-llama/Llama-3.1-8B-Instruct",
+        "--gpu-product",
+        "NVIDIA-A100-SXM4-40GB",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--gpu-resource nvidia.com/gpu"), "{stderr}");
 }
