@@ -18,11 +18,12 @@ pub const FILES: [&str; 2] = [
 /// Measurements collected for this repository (`bench/accuracy/collected/`), in the same
 /// columns plus `split` (`fit` or `heldout`, fixed before the model was changed), `head_dim`
 /// and `tie_embeddings`.
-pub const COLLECTED: [&str; 4] = [
+pub const COLLECTED: [&str; 5] = [
     "litgpt-confighub.csv",
     "peft-method-comparison.csv",
     "litgpt-resource-tables.csv",
     "torchtune-readme-2024.csv",
+    "gpjt-fine-tune-2024.csv",
 ];
 
 /// The trainer choices (loss, compile, offloading, attention and LoRA dropout) of ground-truth rows,
@@ -54,6 +55,10 @@ pub struct Choices {
     pub quant_from_fp16: String,
     #[serde(default)]
     pub untied_head: String,
+    /// The optimizer's implementation where the ground truth's column cannot say it
+    /// (`adamw-8bit-torchao`).
+    #[serde(default)]
+    pub optimizer: String,
 }
 
 impl Choices {
@@ -66,6 +71,7 @@ impl Choices {
             &self.activation_offload,
             &self.optimizer_in_backward,
             &self.optimizer_offload,
+            &self.optimizer,
         ]
         .iter()
         .any(|v| !v.trim().is_empty())
@@ -75,6 +81,12 @@ impl Choices {
         let flag = |v: &str| v.trim() == "true";
         if !self.loss.trim().is_empty() {
             cfg.loss = self.loss.parse::<Loss>().map_err(|e| e.to_string())?;
+        }
+        if !self.optimizer.trim().is_empty() {
+            cfg.optimizer = self
+                .optimizer
+                .parse::<Optimizer>()
+                .map_err(|e| e.to_string())?;
         }
         cfg.compile |= flag(&self.compile);
         cfg.activation_offload |= flag(&self.activation_offload);
@@ -115,6 +127,7 @@ impl Choices {
             quantized_head: yes(tag("quantized-head")),
             quant_from_fp16: yes(tag("quant-from-fp16")),
             untied_head: yes(tag("untied-head")),
+            optimizer: String::new(),
         }
     }
 }
