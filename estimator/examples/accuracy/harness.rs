@@ -262,6 +262,8 @@ pub struct Scored {
     pub per_step: Bytes,
     /// The class of configuration the upper bound is kept per.
     pub class: memguard_estimator::bound::Class,
+    /// The row's sequence-length spread (`[spread=…]`), which the fragmentation term needs.
+    pub spread: f64,
 }
 
 impl Scored {
@@ -445,6 +447,7 @@ pub fn score(row: &Row, choices: Option<&Choices>) -> Result<Scored, String> {
         tensor_peak: est.tensor_peak,
         per_step,
         class: memguard_estimator::bound::Class::of(&cfg, compare.figure()),
+        spread: cfg.seq_length_spread,
         estimate: est,
     })
 }
@@ -658,6 +661,30 @@ pub fn support(rows: &[Scored]) -> Vec<(&'static str, Vec<String>)> {
         ),
         ("CPU_HEAP_FRACTION", by(&|r| r.device == Device::Cpu)),
     ]
+}
+
+/// The sources that could fit `CUDA_FRAGMENTATION_PER_SPREAD`: a measured reserved figure of
+/// batches whose lengths vary (spread above 0) with its allocated pair. None so far: the
+/// constant is an unfitted prior.
+pub fn fragmentation_support(rows: &[Scored]) -> Vec<String> {
+    let mut s: Vec<String> = rows
+        .iter()
+        .filter(|r| {
+            r.measured.is_some() && r.compare == Compare::Reserved && r.spread > 0.0
+        })
+        .filter(|r| {
+            rows.iter().any(|a| {
+                a.source == r.source
+                    && a.compare == Compare::TensorPeak
+                    && a.spread == r.spread
+                    && a.measured.is_some()
+            })
+        })
+        .map(|r| r.source.clone())
+        .collect();
+    s.sort();
+    s.dedup();
+    s
 }
 
 /// Cross-validated figures of a set of rows (measured, not UNMODELLED).
