@@ -669,9 +669,7 @@ pub fn support(rows: &[Scored]) -> Vec<(&'static str, Vec<String>)> {
 pub fn fragmentation_support(rows: &[Scored]) -> Vec<String> {
     let mut s: Vec<String> = rows
         .iter()
-        .filter(|r| {
-            r.measured.is_some() && r.compare == Compare::Reserved && r.spread > 0.0
-        })
+        .filter(|r| r.measured.is_some() && r.compare == Compare::Reserved && r.spread > 0.0)
         .filter(|r| {
             rows.iter().any(|a| {
                 a.source == r.source
