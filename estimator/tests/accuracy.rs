@@ -2,8 +2,7 @@
 //! truth, and `bench/accuracy/collected/`), **cross-validated**: each source group is scored with
 //! every fitted constant refitted without it (leave one source out), so a figure says how the
 //! estimator does on a source it has never seen. Targets: median |error| ≤ 10 % overall and
-//! ≤ 15 % per source, at most 5 % of rows under −10 % (an under-estimate is an OOM; two named
-//! rows excepted, see [`KNOWN_UNDER_TEN`]), every OOM
+//! ≤ 15 % per source, at most 5 % of rows under −10 % (an under-estimate is an OOM), every OOM
 //! row predicted not to fit, and no source's median more than 2 points worse than the figures
 //! committed in `docs/accuracy.md`. The upper bound at 0.95 must cover at least 95 % of the
 //! rows, itself cross-validated.
@@ -25,11 +24,6 @@ const REGRESSION_POINTS: f64 = 2.0;
 /// figures are peaks over 100-step windows whose longest batch is not known). The regression
 /// guard still holds them to their committed figure.
 const KNOWN_OVER_TARGET: [&str; 1] = ["T-torchtune-readme-2024"];
-/// Rows under −10 % that the share of [`SHARE_UNDER_TEN`] does not count, each said so in
-/// `docs/accuracy.md`: S's two `max_memory_reserved` rows of DeepSpeed ZeRO-3 with the default
-/// allocator (the reserve of ZeRO-3's per-layer gathers and its fp32 gradient partition is not
-/// modelled). Each must still be under −10 %: when the model reaches one, it leaves this list.
-const KNOWN_UNDER_TEN: [&str; 2] = ["GJ005", "GJ008"];
 
 fn rows() -> &'static [harness::Scored] {
     static ROWS: OnceLock<Vec<harness::Scored>> = OnceLock::new();
@@ -110,22 +104,10 @@ fn cross_validated_overall_targets_hold() {
         "median {:.1} %",
         s.median_ape * 100.0
     );
-    let under: Vec<&str> = cv()
-        .iter()
-        .filter(|r| !r.unmodelled && r.signed_error().is_some_and(|e| e < -0.10))
-        .map(|r| r.id.as_str())
-        .collect();
-    assert_eq!(under.len(), s.under_ten);
-    for known in KNOWN_UNDER_TEN {
-        assert!(under.contains(&known), "{known} is no longer under -10 %");
-    }
-    let counted = under
-        .iter()
-        .filter(|id| !KNOWN_UNDER_TEN.contains(id))
-        .count();
     assert!(
-        counted as f64 <= SHARE_UNDER_TEN * s.rows as f64,
-        "{counted} of {} rows under -10 % besides the known ones: {under:?}",
+        s.under_ten as f64 <= SHARE_UNDER_TEN * s.rows as f64,
+        "{} of {} rows under -10 %",
+        s.under_ten,
         s.rows
     );
     assert!(s.oom.1 >= 12);

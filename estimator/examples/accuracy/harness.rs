@@ -260,6 +260,9 @@ pub struct Scored {
     pub tensor_peak: Bytes,
     /// The per-step tensors the allocator's reserve is a fraction of.
     pub per_step: Bytes,
+    /// The allocator's reserve that no fitted constant scales (ZeRO's step segment; the
+    /// fragmentation term, whose constant is a prior).
+    pub fixed_reserve: Bytes,
     /// The class of configuration the upper bound is kept per.
     pub class: memguard_estimator::bound::Class,
     /// The row's sequence-length spread (`[spread=…]`), which the fragmentation term needs.
@@ -286,7 +289,7 @@ impl Scored {
             Device::Cpu => (fitted.cpu_process_baseline, fitted.cpu_heap_fraction),
             _ => (fitted.cuda_context, fitted.cuda_cache_fraction),
         };
-        let cache = Bytes::from_f64(self.per_step.as_f64() * fraction);
+        let cache = self.fixed_reserve + Bytes::from_f64(self.per_step.as_f64() * fraction);
         match self.compare {
             Compare::TensorPeak => self.tensor_peak,
             Compare::Reserved => self.tensor_peak + cache,
@@ -398,15 +401,21 @@ pub fn score(row: &Row, choices: Option<&Choices>) -> Result<Scored, String> {
     let choices = choices.unwrap_or(&tagged);
     choices.apply(&mut cfg)?;
     let est = estimate_with(&cfg, &Fitted::SHIPPED).map_err(|errs| format!("{errs:?}"))?;
-    // With a reserve fraction of 1 the reserve is the per-step tensors themselves.
-    let unit = Fitted {
-        cuda_cache_fraction: 1.0,
-        cpu_heap_fraction: 1.0,
-        ..Fitted::SHIPPED
+    // The reserve is `fixed + fraction · per_step`: with a fraction of 0 it is the part no
+    // fitted constant scales (ZeRO's step segment, fragmentation), with 1 that plus the
+    // per-step tensors.
+    let cache_at = |fraction: f64| -> Result<Bytes, String> {
+        let fitted = Fitted {
+            cuda_cache_fraction: fraction,
+            cpu_heap_fraction: fraction,
+            ..Fitted::SHIPPED
+        };
+        Ok(estimate_with(&cfg, &fitted)
+            .map_err(|errs| format!("{errs:?}"))?
+            .component(Component::AllocatorCache))
     };
-    let per_step = estimate_with(&cfg, &unit)
-        .map_err(|errs| format!("{errs:?}"))?
-        .component(Component::AllocatorCache);
+    let fixed_reserve = cache_at(0.0)?;
+    let per_step = Bytes(cache_at(1.0)?.0.saturating_sub(fixed_reserve.0));
     let split = match row.split.trim() {
         "" | "fit" => Split::Fit,
         "heldout" => Split::HeldOut,
@@ -446,6 +455,7 @@ pub fn score(row: &Row, choices: Option<&Choices>) -> Result<Scored, String> {
         unmodelled: row.notes.contains(UNMODELLED_TAG) && !choices.any(),
         tensor_peak: est.tensor_peak,
         per_step,
+        fixed_reserve,
         class: memguard_estimator::bound::Class::of(&cfg, compare.figure()),
         spread: cfg.seq_length_spread,
         estimate: est,

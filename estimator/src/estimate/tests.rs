@@ -733,3 +733,29 @@ fn a_spread_outside_zero_to_one_is_an_error_naming_it() {
         );
     }
 }
+
+#[test]
+fn zero_step_gradient_takes_its_own_segment_unless_segments_expand() {
+    let reserve_gap = |parallelism: Parallelism, device: Device| {
+        let mut cfg = model("llama-3-8b");
+        cfg.precision = Precision::Bf16Mixed;
+        cfg.parallelism = parallelism;
+        cfg.world_size = 8;
+        cfg.seq_length = 2048;
+        cfg.device = device;
+        let default = est(&cfg);
+        cfg.expandable_segments = true;
+        let expandable = est(&cfg);
+        assert_eq!(default.tensor_peak, expandable.tensor_peak);
+        default.component(Component::AllocatorCache).as_f64()
+            - expandable.component(Component::AllocatorCache).as_f64()
+    };
+    // The fp32 gradient partition, one buffer of Pt·4/N, cannot reuse the backward's segments:
+    // at most all of it, at least what the backward's own tensors leave uncovered.
+    let buffer = params::total_params(&model("llama-3-8b").model) as f64 * 4.0 / 8.0;
+    let gap = reserve_gap(Parallelism::Zero3, Device::Cuda);
+    assert!(gap > 0.0 && gap <= buffer + 1.0, "{gap} of {buffer}");
+    // Outside ZeRO there is no such buffer, and the CPU heap has no segments.
+    assert_eq!(reserve_gap(Parallelism::Fsdp, Device::Cuda), 0.0);
+    assert_eq!(reserve_gap(Parallelism::Zero3, Device::Cpu), 0.0);
+}
