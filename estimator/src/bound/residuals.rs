@@ -107,202 +107,47 @@ pub static RESIDUALS: &[Residual] = &[
     r(
         c(false, false, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.9566,
+        0.9601,
     ),
     r(
         c(false, false, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.9655,
+        0.9680,
     ),
     r(
         c(false, false, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.9349,
+        0.9357,
     ),
     r(
         c(false, false, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.9462,
+        0.9448,
     ),
     r(
         c(false, false, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.9581,
+        0.9545,
     ),
     r(
         c(false, false, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.7935,
+        0.7890,
     ),
     r(
         c(false, true, false, false, Figure::Device),
         "I-qwen1-readme",
-        1.0287,
+        1.0332,
     ),
     r(
         c(false, true, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.9526,
+        0.9555,
     ),
     r(
         c(false, true, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.8662,
-    ),
-    r(
-        c(false, true, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.7602,
-    ),
-    r(
-        c(false, true, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.6563,
-    ),
-    r(
-        c(false, true, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.6052,
-    ),
-    r(
-        c(true, false, false, false, Figure::Device),
-        "I-qwen1-readme",
-        1.0431,
-    ),
-    r(
-        c(true, false, false, false, Figure::Device),
-        "I-qwen1-readme",
-        1.0284,
-    ),
-    r(
-        c(true, false, false, false, Figure::Device),
-        "I-qwen1-readme",
-        1.0003,
-    ),
-    r(
-        c(true, false, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.9484,
-    ),
-    r(
-        c(true, false, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.9255,
-    ),
-    r(
-        c(true, false, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.7860,
-    ),
-    r(
-        c(false, false, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.9814,
-    ),
-    r(
-        c(false, false, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.9616,
-    ),
-    r(
-        c(false, false, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.9478,
-    ),
-    r(
-        c(false, false, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.9289,
-    ),
-    r(
-        c(false, false, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.9429,
-    ),
-    r(
-        c(false, false, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.8463,
-    ),
-    r(
-        c(false, true, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.9401,
-    ),
-    r(
-        c(false, true, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.8869,
-    ),
-    r(
-        c(false, true, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.8520,
-    ),
-    r(
-        c(false, true, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.8000,
-    ),
-    r(
-        c(false, true, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.7269,
-    ),
-    r(
-        c(false, true, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.6714,
-    ),
-    r(
-        c(false, false, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.9895,
-    ),
-    r(
-        c(false, false, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.9816,
-    ),
-    r(
-        c(false, false, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.9454,
-    ),
-    r(
-        c(false, false, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.9234,
-    ),
-    r(
-        c(false, false, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.9076,
-    ),
-    r(
-        c(false, false, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.9281,
-    ),
-    r(
-        c(false, true, false, false, Figure::Device),
-        "I-qwen1-readme",
-        1.0129,
-    ),
-    r(
-        c(false, true, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.9565,
-    ),
-    r(
-        c(false, true, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.9079,
-    ),
-    r(
-        c(false, true, false, false, Figure::Device),
-        "I-qwen1-readme",
-        0.8299,
+        0.8670,
     ),
     r(
         c(false, true, false, false, Figure::Device),
@@ -312,37 +157,192 @@ pub static RESIDUALS: &[Residual] = &[
     r(
         c(false, true, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.6495,
+        0.6536,
     ),
     r(
         c(false, true, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.9337,
+        0.6015,
+    ),
+    r(
+        c(true, false, false, false, Figure::Device),
+        "I-qwen1-readme",
+        1.0409,
+    ),
+    r(
+        c(true, false, false, false, Figure::Device),
+        "I-qwen1-readme",
+        1.0263,
+    ),
+    r(
+        c(true, false, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9983,
+    ),
+    r(
+        c(true, false, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9466,
+    ),
+    r(
+        c(true, false, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9234,
+    ),
+    r(
+        c(true, false, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.7833,
+    ),
+    r(
+        c(false, false, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9824,
+    ),
+    r(
+        c(false, false, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9622,
+    ),
+    r(
+        c(false, false, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9478,
+    ),
+    r(
+        c(false, false, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9279,
+    ),
+    r(
+        c(false, false, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9406,
+    ),
+    r(
+        c(false, false, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.8427,
     ),
     r(
         c(false, true, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.9199,
+        0.9416,
     ),
     r(
         c(false, true, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.9139,
+        0.8877,
     ),
     r(
         c(false, true, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.8757,
+        0.8520,
     ),
     r(
         c(false, true, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.8297,
+        0.7988,
     ),
     r(
         c(false, true, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.7601,
+        0.7244,
+    ),
+    r(
+        c(false, true, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.6679,
+    ),
+    r(
+        c(false, false, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9899,
+    ),
+    r(
+        c(false, false, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9818,
+    ),
+    r(
+        c(false, false, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9453,
+    ),
+    r(
+        c(false, false, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9227,
+    ),
+    r(
+        c(false, false, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9059,
+    ),
+    r(
+        c(false, false, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9249,
+    ),
+    r(
+        c(false, true, false, false, Figure::Device),
+        "I-qwen1-readme",
+        1.0136,
+    ),
+    r(
+        c(false, true, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9569,
+    ),
+    r(
+        c(false, true, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9076,
+    ),
+    r(
+        c(false, true, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.8287,
+    ),
+    r(
+        c(false, true, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.7567,
+    ),
+    r(
+        c(false, true, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.6464,
+    ),
+    r(
+        c(false, true, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9333,
+    ),
+    r(
+        c(false, true, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9196,
+    ),
+    r(
+        c(false, true, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.9134,
+    ),
+    r(
+        c(false, true, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.8748,
+    ),
+    r(
+        c(false, true, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.8282,
+    ),
+    r(
+        c(false, true, false, false, Figure::Device),
+        "I-qwen1-readme",
+        0.7577,
     ),
     r(
         c(true, false, false, true, Figure::Device),
@@ -740,11 +740,6 @@ pub static RESIDUALS: &[Residual] = &[
         0.9535,
     ),
     r(
-        c(true, false, true, false, Figure::Reserved),
-        "T-torchtune-readme-2024",
-        0.6660,
-    ),
-    r(
         c(true, false, false, false, Figure::TensorPeak),
         "S-gpjt-fine-tune-2024",
         0.8535,
@@ -752,12 +747,12 @@ pub static RESIDUALS: &[Residual] = &[
     r(
         c(true, false, false, false, Figure::Reserved),
         "S-gpjt-fine-tune-2024",
-        0.9869,
+        0.9777,
     ),
     r(
         c(true, false, false, false, Figure::Reserved),
         "S-gpjt-fine-tune-2024",
-        1.0371,
+        1.0263,
     ),
     r(
         c(true, false, false, false, Figure::TensorPeak),
@@ -767,12 +762,12 @@ pub static RESIDUALS: &[Residual] = &[
     r(
         c(true, false, false, false, Figure::Reserved),
         "S-gpjt-fine-tune-2024",
-        0.9911,
+        0.9813,
     ),
     r(
         c(true, false, false, false, Figure::Reserved),
         "S-gpjt-fine-tune-2024",
-        0.9664,
+        0.9552,
     ),
     r(
         c(true, false, false, false, Figure::TensorPeak),
@@ -782,12 +777,12 @@ pub static RESIDUALS: &[Residual] = &[
     r(
         c(true, false, false, false, Figure::Reserved),
         "S-gpjt-fine-tune-2024",
-        1.0022,
+        0.9906,
     ),
     r(
         c(true, false, false, false, Figure::Reserved),
         "S-gpjt-fine-tune-2024",
-        1.0358,
+        1.0219,
     ),
     r(
         c(true, false, false, false, Figure::TensorPeak),
@@ -797,12 +792,12 @@ pub static RESIDUALS: &[Residual] = &[
     r(
         c(true, false, false, false, Figure::Reserved),
         "S-gpjt-fine-tune-2024",
-        0.9448,
+        0.9325,
     ),
     r(
         c(true, false, false, false, Figure::Reserved),
         "S-gpjt-fine-tune-2024",
-        0.9860,
+        0.9714,
     ),
 ];
 
