@@ -75,6 +75,9 @@ named_enum! {
         Adafactor => "adafactor",
         /// 8-bit AdamW (bitsandbytes): two 1-byte moments plus block-wise scales.
         AdamW8bit => "adamw-8bit" | "adamw8bit" | "adamw_8bit" | "adam8bit" | "paged-adamw-8bit",
+        /// 8-bit AdamW of torchao (`low_bit_optim.AdamW8bit`): the same states, stepped one
+        /// tensor at a time with fp32 copies of both moments.
+        AdamW8bitTorchao => "adamw-8bit-torchao" | "torchao-adamw-8bit" | "torchao-adamw8bit",
     }
 }
 

@@ -504,7 +504,8 @@ fn largest_trainable_tensor(x: &Ctx) -> f64 {
 
 /// Optimizer states per trainable parameter, `/N` under ZeRO/FSDP. AdamW/Adam: `2·s`;
 /// SGD: 0; SGD with momentum: `s`; Adafactor: factored second moment, `(rows + cols)·s` per
-/// matrix; 8-bit AdamW: `2·1 + 2·4/256` (two 8-bit moments and their fp32 block absmax).
+/// matrix; 8-bit AdamW (bitsandbytes or torchao): `2·1 + 2·4/256` (two 8-bit moments and
+/// their fp32 block absmax).
 /// `s` is 4 under fp32 and mixed precision, the parameter's 2 under pure 16-bit.
 fn optimizer_states(x: &Ctx) -> Bytes {
     if x.cfg.optimizer_offload {
@@ -516,7 +517,9 @@ fn optimizer_states(x: &Ctx) -> Bytes {
         Optimizer::Sgd => 0.0,
         Optimizer::SgdMomentum => x.trainable * s,
         Optimizer::Adafactor => adafactor_elements(x) * s,
-        Optimizer::AdamW8bit => x.trainable * (2.0 + 2.0 * 4.0 / ADAM8BIT_BLOCK),
+        Optimizer::AdamW8bit | Optimizer::AdamW8bitTorchao => {
+            x.trainable * (2.0 + 2.0 * 4.0 / ADAM8BIT_BLOCK)
+        }
     };
     Bytes::from_f64(bytes / x.shards.states)
 }
@@ -693,6 +696,11 @@ fn quantized_linear_inputs_per_token(x: &Ctx) -> f64 {
 ///   fp32 tensors (see [`LOSS_BYTES_PER_LOGIT`]);
 /// * `chunked`: `B·S·V·(p + 4)` — the logits plus each chunk's saved log-softmax
 ///   ([`CHUNKED_LOSS_BYTES_PER_LOGIT`]); one chunk's gradients at a time are noise;
+///   compiled (torchtune's `compile_loss` compiles each chunk's upcast and cross-entropy as
+///   one graph) `B·S·V·p`: the graph saves its 16-bit input and a per-row log-sum-exp and
+///   recomputes the fp32 log-softmax in backward, so no fp32 tensor outlives its chunk. (The
+///   torchtune LoRA and QLoRA rows GT068/GT069 leave 1.2 and 0.5 GB at their peak for
+///   everything of the loss: `B·S·V·(p + 4)` there is 6.3 GB.)
 /// * `fused`: no `B·S·V` tensor; the hidden states' gradient computed in forward and one
 ///   chunk of fp32 logits with their gradient, the chunk sized so that it holds about
 ///   `B·S·h` elements: `B·S·h·(p + 8)`.
@@ -705,6 +713,7 @@ fn logits(x: &Ctx) -> Bytes {
     let p = x.regime.compute;
     let per_token = match x.cfg.loss {
         Loss::Standard => x.m.vocab_size as f64 * (p + LOSS_BYTES_PER_LOGIT),
+        Loss::Chunked if x.cfg.compile => x.m.vocab_size as f64 * p,
         Loss::Chunked => x.m.vocab_size as f64 * (p + CHUNKED_LOSS_BYTES_PER_LOGIT),
         Loss::Fused => x.m.hidden_size as f64 * (p + 8.0),
     };
@@ -815,12 +824,44 @@ fn optimizer_workspace(x: &Ctx) -> Bytes {
     if x.cfg.optimizer_offload || x.cfg.optimizer_in_backward {
         return Bytes::ZERO;
     }
-    let step_grad = x.trainable * x.regime.step_grad / x.shards.states;
-    Bytes::from_f64(optimizer_temporary(x) + step_grad)
+    Bytes::from_f64(optimizer_temporary(x)) + zero_step_gradient(x)
+}
+
+/// ZeRO mixed precision's fp32 gradient partition, `Pt·4 / N`: one flat buffer made at the
+/// step (none with the optimizer offloaded or in backward, or outside ZeRO).
+fn zero_step_gradient(x: &Ctx) -> Bytes {
+    if x.cfg.optimizer_offload || x.cfg.optimizer_in_backward {
+        return Bytes::ZERO;
+    }
+    Bytes::from_f64(x.trainable * x.regime.step_grad / x.shards.states)
+}
+
+/// What the caching allocator holds for ZeRO's step gradient beyond the peak of live tensors:
+/// `backward + buffer − max(backward, step)`, with the backward's and the step's per-step
+/// tensors and the buffer of [`zero_step_gradient`]. The buffer is one allocation of
+/// `Pt·4 / N`, made after the backward freed its activations and logits into the cache; those
+/// blocks belong to segments cut to the backward's own tensors, and the default allocator
+/// neither merges blocks of different segments nor returns segments, so the buffer takes a new
+/// segment and the reserve holds the backward's segments and the buffer at once: the step's
+/// tensors that the backward shares (gradients, buckets) are counted once. With
+/// `expandable_segments:True` the freed pages serve the buffer: nothing here. No fitted
+/// constant: S (`bench/accuracy/collected/gpjt-fine-tune-2024.csv`, DeepSpeed ZeRO-3, the
+/// only source with allocated and reserved peaks of the same runs) shows it, reserved above
+/// allocated by 3.3–4.9 GiB with the default allocator and 2.0–3.1 GiB with expandable
+/// segments.
+fn zero_step_segment(cfg: &TrainingConfig, backward: Bytes, step: Bytes, buffer: Bytes) -> Bytes {
+    let caching = matches!(cfg.device, Device::Cuda | Device::Rocm);
+    if !caching || cfg.expandable_segments || buffer == Bytes::ZERO {
+        return Bytes::ZERO;
+    }
+    Bytes((backward + buffer).0.saturating_sub(backward.max(step).0))
 }
 
 /// The optimizer's per-tensor temporary: Adam `2·s·` the largest tensor (none under ZeRO's
-/// fused step), Adafactor `2·4·` the largest tensor, none for SGD and 8-bit AdamW.
+/// fused step), Adafactor `2·4·` the largest tensor, none for SGD and bitsandbytes' 8-bit
+/// AdamW (one fused kernel). torchao's 8-bit AdamW `2·4·` the largest tensor: its compiled
+/// `single_param_adam` dequantizes both moments to fp32 and keeps them ("keep high precision
+/// copy for param update") to requantize them block-wise and to update the weight.
 fn optimizer_temporary(x: &Ctx) -> f64 {
     let s = x.regime.state;
     let largest = largest_trainable_tensor(x);
@@ -828,7 +869,7 @@ fn optimizer_temporary(x: &Ctx) -> f64 {
     match x.cfg.optimizer {
         Optimizer::AdamW | Optimizer::Adam if zero => 0.0,
         Optimizer::AdamW | Optimizer::Adam => 2.0 * largest * s,
-        Optimizer::Adafactor => 2.0 * 4.0 * largest,
+        Optimizer::Adafactor | Optimizer::AdamW8bitTorchao => 2.0 * 4.0 * largest,
         Optimizer::Sgd | Optimizer::SgdMomentum | Optimizer::AdamW8bit => 0.0,
     }
 }
@@ -925,6 +966,7 @@ pub fn estimate_with(cfg: &TrainingConfig, fitted: &Fitted) -> Result<Estimate, 
         &step
     };
     let per_step_total = sum(per_step);
+    let step_segment = zero_step_segment(cfg, sum(&backward), sum(&step), zero_step_gradient(&x));
 
     let mut components = Vec::with_capacity(10);
     components.extend_from_slice(&[
@@ -940,7 +982,7 @@ pub fn estimate_with(cfg: &TrainingConfig, fitted: &Fitted) -> Result<Estimate, 
     ));
     components.push((
         Component::AllocatorCache,
-        allocator_cache(cfg, per_step_total, fitted),
+        allocator_cache(cfg, per_step_total, fitted) + step_segment,
     ));
     Ok(Estimate::from_components(components))
 }

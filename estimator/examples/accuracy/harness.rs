@@ -18,11 +18,12 @@ pub const FILES: [&str; 2] = [
 /// Measurements collected for this repository (`bench/accuracy/collected/`), in the same
 /// columns plus `split` (`fit` or `heldout`, fixed before the model was changed), `head_dim`
 /// and `tie_embeddings`.
-pub const COLLECTED: [&str; 4] = [
+pub const COLLECTED: [&str; 5] = [
     "litgpt-confighub.csv",
     "peft-method-comparison.csv",
     "litgpt-resource-tables.csv",
     "torchtune-readme-2024.csv",
+    "gpjt-fine-tune-2024.csv",
 ];
 
 /// The trainer choices (loss, compile, offloading, attention and LoRA dropout) of ground-truth rows,
@@ -54,6 +55,10 @@ pub struct Choices {
     pub quant_from_fp16: String,
     #[serde(default)]
     pub untied_head: String,
+    /// The optimizer's implementation where the ground truth's column cannot say it
+    /// (`adamw-8bit-torchao`).
+    #[serde(default)]
+    pub optimizer: String,
 }
 
 impl Choices {
@@ -66,6 +71,7 @@ impl Choices {
             &self.activation_offload,
             &self.optimizer_in_backward,
             &self.optimizer_offload,
+            &self.optimizer,
         ]
         .iter()
         .any(|v| !v.trim().is_empty())
@@ -75,6 +81,12 @@ impl Choices {
         let flag = |v: &str| v.trim() == "true";
         if !self.loss.trim().is_empty() {
             cfg.loss = self.loss.parse::<Loss>().map_err(|e| e.to_string())?;
+        }
+        if !self.optimizer.trim().is_empty() {
+            cfg.optimizer = self
+                .optimizer
+                .parse::<Optimizer>()
+                .map_err(|e| e.to_string())?;
         }
         cfg.compile |= flag(&self.compile);
         cfg.activation_offload |= flag(&self.activation_offload);
@@ -115,6 +127,7 @@ impl Choices {
             quantized_head: yes(tag("quantized-head")),
             quant_from_fp16: yes(tag("quant-from-fp16")),
             untied_head: yes(tag("untied-head")),
+            optimizer: String::new(),
         }
     }
 }
@@ -247,8 +260,13 @@ pub struct Scored {
     pub tensor_peak: Bytes,
     /// The per-step tensors the allocator's reserve is a fraction of.
     pub per_step: Bytes,
+    /// The allocator's reserve that no fitted constant scales (ZeRO's step segment; the
+    /// fragmentation term, whose constant is a prior).
+    pub fixed_reserve: Bytes,
     /// The class of configuration the upper bound is kept per.
     pub class: memguard_estimator::bound::Class,
+    /// The row's sequence-length spread (`[spread=…]`), which the fragmentation term needs.
+    pub spread: f64,
 }
 
 impl Scored {
@@ -271,7 +289,7 @@ impl Scored {
             Device::Cpu => (fitted.cpu_process_baseline, fitted.cpu_heap_fraction),
             _ => (fitted.cuda_context, fitted.cuda_cache_fraction),
         };
-        let cache = Bytes::from_f64(self.per_step.as_f64() * fraction);
+        let cache = self.fixed_reserve + Bytes::from_f64(self.per_step.as_f64() * fraction);
         match self.compare {
             Compare::TensorPeak => self.tensor_peak,
             Compare::Reserved => self.tensor_peak + cache,
@@ -383,15 +401,21 @@ pub fn score(row: &Row, choices: Option<&Choices>) -> Result<Scored, String> {
     let choices = choices.unwrap_or(&tagged);
     choices.apply(&mut cfg)?;
     let est = estimate_with(&cfg, &Fitted::SHIPPED).map_err(|errs| format!("{errs:?}"))?;
-    // With a reserve fraction of 1 the reserve is the per-step tensors themselves.
-    let unit = Fitted {
-        cuda_cache_fraction: 1.0,
-        cpu_heap_fraction: 1.0,
-        ..Fitted::SHIPPED
+    // The reserve is `fixed + fraction · per_step`: with a fraction of 0 it is the part no
+    // fitted constant scales (ZeRO's step segment, fragmentation), with 1 that plus the
+    // per-step tensors.
+    let cache_at = |fraction: f64| -> Result<Bytes, String> {
+        let fitted = Fitted {
+            cuda_cache_fraction: fraction,
+            cpu_heap_fraction: fraction,
+            ..Fitted::SHIPPED
+        };
+        Ok(estimate_with(&cfg, &fitted)
+            .map_err(|errs| format!("{errs:?}"))?
+            .component(Component::AllocatorCache))
     };
-    let per_step = estimate_with(&cfg, &unit)
-        .map_err(|errs| format!("{errs:?}"))?
-        .component(Component::AllocatorCache);
+    let fixed_reserve = cache_at(0.0)?;
+    let per_step = Bytes(cache_at(1.0)?.0.saturating_sub(fixed_reserve.0));
     let split = match row.split.trim() {
         "" | "fit" => Split::Fit,
         "heldout" => Split::HeldOut,
@@ -431,7 +455,9 @@ pub fn score(row: &Row, choices: Option<&Choices>) -> Result<Scored, String> {
         unmodelled: row.notes.contains(UNMODELLED_TAG) && !choices.any(),
         tensor_peak: est.tensor_peak,
         per_step,
+        fixed_reserve,
         class: memguard_estimator::bound::Class::of(&cfg, compare.figure()),
+        spread: cfg.seq_length_spread,
         estimate: est,
     })
 }
@@ -645,6 +671,28 @@ pub fn support(rows: &[Scored]) -> Vec<(&'static str, Vec<String>)> {
         ),
         ("CPU_HEAP_FRACTION", by(&|r| r.device == Device::Cpu)),
     ]
+}
+
+/// The sources that could fit `CUDA_FRAGMENTATION_PER_SPREAD`: a measured reserved figure of
+/// batches whose lengths vary (spread above 0) with its allocated pair. None so far: the
+/// constant is an unfitted prior.
+pub fn fragmentation_support(rows: &[Scored]) -> Vec<String> {
+    let mut s: Vec<String> = rows
+        .iter()
+        .filter(|r| r.measured.is_some() && r.compare == Compare::Reserved && r.spread > 0.0)
+        .filter(|r| {
+            rows.iter().any(|a| {
+                a.source == r.source
+                    && a.compare == Compare::TensorPeak
+                    && a.spread == r.spread
+                    && a.measured.is_some()
+            })
+        })
+        .map(|r| r.source.clone())
+        .collect();
+    s.sort();
+    s.dedup();
+    s
 }
 
 /// Cross-validated figures of a set of rows (measured, not UNMODELLED).

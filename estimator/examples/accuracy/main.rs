@@ -191,6 +191,19 @@ fn main() -> ExitCode {
         };
         println!("  {constant:<22} {}{only}", sources.join(", "));
     }
+    let fragmentation = harness::fragmentation_support(&scored);
+    if fragmentation.is_empty() {
+        println!(
+            "  CUDA_FRAGMENTATION_PER_SPREAD {}  UNFITTED PRIOR: no source publishes allocated and reserved \
+             figures of batches whose lengths vary (S publishes both, at spread 0: padded to max_length)",
+            memguard_estimator::estimate::constants::CUDA_FRAGMENTATION_PER_SPREAD
+        );
+    } else {
+        println!(
+            "  CUDA_FRAGMENTATION_PER_SPREAD could be fitted on {} (not yet refitted)",
+            fragmentation.join(", ")
+        );
+    }
     println!();
     println!(
         "Cross-validated, leave one source out (each source scored with constants fitted without it):"

@@ -398,6 +398,45 @@ fn the_loss_implementation_decides_what_the_logits_cost() {
     // Fused: no B·S·V tensor at all, a few bytes per hidden element.
     assert_eq!(logits(Loss::Fused), 2.0 * 4096.0 * 4096.0 * (2.0 + 8.0));
     assert!(logits(Loss::Fused) * 10.0 < logits(Loss::Chunked));
+    // Compiled, each chunk's graph saves its 16-bit input only: no fp32 tensor outlives it.
+    let compiled = |loss: Loss| {
+        let mut c = cfg.clone();
+        c.loss = loss;
+        c.compile = true;
+        est(&c).component(Component::Logits).as_f64()
+    };
+    assert_eq!(compiled(Loss::Chunked), elements * 2.0);
+    assert_eq!(compiled(Loss::Standard), elements * (2.0 + 12.0));
+}
+
+#[test]
+fn torchao_8bit_adamw_holds_bitsandbytes_states_and_fp32_moments_of_one_tensor() {
+    let mut cfg = model("llama-3-8b");
+    cfg.precision = Precision::Bf16;
+    cfg.seq_length = 512;
+    let with = |o: Optimizer, in_backward: bool| {
+        let mut c = cfg.clone();
+        c.optimizer = o;
+        c.optimizer_in_backward = in_backward;
+        est(&c)
+    };
+    let (bnb, torchao) = (
+        with(Optimizer::AdamW8bit, false),
+        with(Optimizer::AdamW8bitTorchao, false),
+    );
+    assert_eq!(
+        bnb.component(Component::OptimizerStates),
+        torchao.component(Component::OptimizerStates)
+    );
+    // Two fp32 moments of the largest tensor, the 128,256 × 4,096 head; with the optimizer
+    // in backward they are part of the backward peak.
+    let moments = 2.0 * 4.0 * 128_256.0 * 4096.0;
+    let transient = |e: &Estimate| e.component(Component::Transient).as_f64();
+    let (bnb, torchao) = (
+        with(Optimizer::AdamW8bit, true),
+        with(Optimizer::AdamW8bitTorchao, true),
+    );
+    assert_eq!(transient(&torchao) - transient(&bnb), moments);
 }
 
 #[test]
@@ -693,4 +732,30 @@ fn a_spread_outside_zero_to_one_is_an_error_naming_it() {
             "{errors:?}"
         );
     }
+}
+
+#[test]
+fn zero_step_gradient_takes_its_own_segment_unless_segments_expand() {
+    let reserve_gap = |parallelism: Parallelism, device: Device| {
+        let mut cfg = model("llama-3-8b");
+        cfg.precision = Precision::Bf16Mixed;
+        cfg.parallelism = parallelism;
+        cfg.world_size = 8;
+        cfg.seq_length = 2048;
+        cfg.device = device;
+        let default = est(&cfg);
+        cfg.expandable_segments = true;
+        let expandable = est(&cfg);
+        assert_eq!(default.tensor_peak, expandable.tensor_peak);
+        default.component(Component::AllocatorCache).as_f64()
+            - expandable.component(Component::AllocatorCache).as_f64()
+    };
+    // The fp32 gradient partition, one buffer of Pt·4/N, cannot reuse the backward's segments:
+    // at most all of it, at least what the backward's own tensors leave uncovered.
+    let buffer = params::total_params(&model("llama-3-8b").model) as f64 * 4.0 / 8.0;
+    let gap = reserve_gap(Parallelism::Zero3, Device::Cuda);
+    assert!(gap > 0.0 && gap <= buffer + 1.0, "{gap} of {buffer}");
+    // Outside ZeRO there is no such buffer, and the CPU heap has no segments.
+    assert_eq!(reserve_gap(Parallelism::Fsdp, Device::Cuda), 0.0);
+    assert_eq!(reserve_gap(Parallelism::Zero3, Device::Cpu), 0.0);
 }
