@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod mutate;
 pub mod patch;
 pub mod placement;
+pub mod python_launch;
 pub mod policy_sources;
 #[cfg(feature = "server")]
 pub mod policy_watch;

@@ -16,6 +16,14 @@ by ``bench/distributed/agree_bench.py`` and recorded in docs/python-client.md). 
 OOM recovery the same kind of collective tells every rank whether any rank ran out of memory in
 the micro-batch just run (:meth:`Agreement.status`), so all ranks halve together.
 
+Pipelined (``Agreement(pipelined=True)``, or ``MEMGUARD_AGREEMENT=pipelined`` in the env): the
+step's collective is started asynchronously (``async_op=True``) at one step boundary and
+completed at the next, so it runs while the step computes; what the ranks proposed at boundary
+``k`` is applied by every rank at boundary ``k + 1`` (the first boundary exchanges at once).
+Still exact: every rank applies the same values at the same step, one step later than the
+blocking default. The OOM-recovery :meth:`Agreement.status` stays blocking (it decides the
+micro-batch being run).
+
 Without torch, without ``torch.distributed``, or with one rank, nothing is exchanged and the
 local values are returned unchanged. Every rank must call the same methods in the same order:
 the adapters call them at fixed points of the step, whatever the signal says.
@@ -23,9 +31,12 @@ the adapters call them at fixed points of the step, whatever the signal says.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
+
+from . import env as _env
 
 
 def _dist() -> Optional[Any]:
@@ -75,12 +86,18 @@ class Agreement:
     Args:
         enabled: ``False`` skips every exchange (each rank keeps its own values: only for a
             job whose ranks train independently).
+        pipelined: overlap the per-step collective with the step (see the module doc);
+            ``None`` (default) reads ``MEMGUARD_AGREEMENT`` (``pipelined`` or ``blocking``).
     """
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, pipelined: Optional[bool] = None) -> None:
         self.enabled = enabled
+        if pipelined is None:
+            pipelined = os.environ.get(_env.AGREEMENT, "").strip().lower() == _env.PIPELINED
+        self.pipelined = pipelined
         #: Number of collectives issued (each one ``all_reduce`` of a few int64).
         self.collectives = 0
+        self._pending: Optional[Tuple[Any, Any]] = None
 
     def world_size(self) -> int:
         """Ranks this agreement spans (1 when disabled or not distributed)."""
@@ -97,7 +114,8 @@ class Agreement:
         """Agree on the micro-batch size (min), gradient checkpointing (any) and syncing
         gradients at every micro-batch (any) for a step: one collective."""
         batch_size = max(1, int(batch_size))
-        reduced = self._min([batch_size, 0 if checkpointing else 1, 0 if sync_each_batch else 1])
+        values = [batch_size, 0 if checkpointing else 1, 0 if sync_each_batch else 1]
+        reduced = self._min_pipelined(values) if self.pipelined else self._min(values)
         if reduced is None:
             return batch_size, bool(checkpointing), bool(sync_each_batch)
         return max(1, reduced[0]), reduced[1] == 0, reduced[2] == 0
@@ -111,7 +129,9 @@ class Agreement:
             return Status(oom=oom, size=size, fresh=fresh)
         return Status(oom=reduced[0] == 0, size=max(0, reduced[1]), fresh=reduced[2] == 1)
 
-    def _min(self, values: "list[int]") -> Optional["list[int]"]:
+    def _min(self, values: List[int], async_op: bool = False) -> Any:
+        """The element-wise minimum over the ranks (None when not distributed); with
+        ``async_op`` the (work, tensor) pair of the collective started."""
         dist = _dist() if self.enabled else None
         if dist is None:
             return None
@@ -122,6 +142,23 @@ class Agreement:
         if backend == "nccl" and torch.cuda.is_available():  # NCCL reduces device tensors only
             device = f"cuda:{torch.cuda.current_device()}"
         t = torch.tensor(values, dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=async_op)
         self.collectives += 1
+        if async_op:
+            return work, t
         return [int(v) for v in t.tolist()]
+
+    def _min_pipelined(self, values: List[int]) -> Optional[List[int]]:
+        """Complete the collective the previous boundary started (its proposals are this
+        step's), then start this boundary's. The first boundary exchanges at once."""
+        if self._pending is None:
+            reduced = self._min(values)
+            if reduced is None:
+                return None
+        else:
+            work, t = self._pending
+            self._pending = None
+            work.wait()
+            reduced = [int(v) for v in t.tolist()]
+        self._pending = self._min(values, async_op=True)
+        return reduced
