@@ -9,8 +9,10 @@ median and 90th percentile in µs from rank 0. Record the numbers in docs/python
 
 Then, in the same run, the cost a training loop sees per step, blocking against pipelined
 (``Agreement(pipelined=True)``: started at one boundary, completed at the next): between two
-boundaries each rank computes a "step" (single-threaded matrix products, ~``STEP_MS``), and only
-the time spent inside ``Agreement.step`` is counted. Record these in docs/performance.md.
+boundaries each rank computes a "step" (single-threaded matrix products, ~``STEP_MS``) and
+all-reduces a gradient of ``GRAD_FLOATS`` floats, as DDP does at the end of each step (which also
+keeps the ranks in step, as in training); only the time spent inside ``Agreement.step`` is
+counted. Record these in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from memguard_client.distributed import Agreement  # noqa: E402
 N, WARMUP = 2000, 200
 #: Boundaries timed per mode with a step of compute between them, and that step's target length.
 STEPS, STEP_MS = 600, 5.0
+GRAD_FLOATS = 1 << 16
 
 
 def timed(fn) -> "list[float]":  # type: ignore[no-untyped-def]
@@ -42,9 +45,11 @@ def timed(fn) -> "list[float]":  # type: ignore[no-untyped-def]
     return out
 
 
-def compute_step(a: torch.Tensor, reps: int) -> None:
+def compute_step(a: torch.Tensor, reps: int, grad: "torch.Tensor | None" = None) -> None:
     for _ in range(reps):
         torch.mm(a, a)
+    if grad is not None:
+        dist.all_reduce(grad)  # DDP's gradient all-reduce closes every step
 
 
 def calibrate(a: torch.Tensor) -> int:
@@ -57,8 +62,9 @@ def calibrate(a: torch.Tensor) -> int:
 def visible(agree: Agreement, rank: int, a: torch.Tensor, reps: int) -> "list[float]":
     """Time inside ``agree.step`` at each boundary, a step of compute between boundaries."""
     out = []
+    grad = torch.zeros(GRAD_FLOATS)
     for i in range(WARMUP // 4 + STEPS):
-        compute_step(a, reps)
+        compute_step(a, reps, grad)
         t0 = time.perf_counter_ns()
         agree.step(8 - rank if i % 7 else 4, rank == 1)
         if i >= WARMUP // 4:

@@ -54,7 +54,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     match args.command {
         Command::Install { dir } => {
             let written = install(&dir)?;
-            eprintln!("wrote the memguard client ({written} files) to {}", dir.display());
+            eprintln!(
+                "wrote the memguard client ({written} files) to {}",
+                dir.display()
+            );
         }
     }
     Ok(ExitCode::SUCCESS)

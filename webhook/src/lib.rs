@@ -20,12 +20,12 @@ pub mod metrics;
 pub mod mutate;
 pub mod patch;
 pub mod placement;
-pub mod python_launch;
 pub mod policy_sources;
 #[cfg(feature = "server")]
 pub mod policy_watch;
 #[cfg(feature = "server")]
 pub mod profiles;
+pub mod python_launch;
 pub mod review;
 #[cfg(feature = "server")]
 pub mod server;

@@ -420,7 +420,13 @@ fn client(
     }
     if !spec.volumes.iter().flatten().any(|v| v.name == name) {
         let exists = ops.exists_after(&["spec", "volumes"], spec.volumes.is_some());
-        append(ops, &["spec"], "volumes", exists, json!({"name": name, "emptyDir": {}}));
+        append(
+            ops,
+            &["spec"],
+            "volumes",
+            exists,
+            json!({"name": name, "emptyDir": {}}),
+        );
     }
     let desired = client_container(&plan.image, m, &SidecarIdentity::of_trainer(pod, trainer));
     let init: &[Container] = spec.init_containers.as_deref().unwrap_or_default();
@@ -437,18 +443,26 @@ fn client(
             append(ops, &["spec"], "initContainers", exists, desired);
         }
     }
-    let mounted = trainer.volume_mounts.iter().flatten().any(|vm| {
-        vm.name == name || vm.mount_path.trim_end_matches('/') == wellknown::CLIENT_DIR
-    });
+    let mounted =
+        trainer.volume_mounts.iter().flatten().any(|vm| {
+            vm.name == name || vm.mount_path.trim_end_matches('/') == wellknown::CLIENT_DIR
+        });
     if !mounted {
         let mounts = [trainer_path, &["volumeMounts"]].concat();
         let exists = ops.exists_after(&mounts, trainer.volume_mounts.is_some());
         let mount = json!({"name": name, "mountPath": wellknown::CLIENT_DIR, "readOnly": true});
         append(ops, trainer_path, "volumeMounts", exists, mount);
     }
-    let current = trainer.env.iter().flatten().position(|e| e.name == env::PYTHONPATH);
+    let current = trainer
+        .env
+        .iter()
+        .flatten()
+        .position(|e| e.name == env::PYTHONPATH);
     let value = |user: Option<&str>| match user.filter(|v| !v.is_empty()) {
-        Some(v) if v.split(':').any(|p| p.trim_end_matches('/') == wellknown::CLIENT_DIR) => {
+        Some(v)
+            if v.split(':')
+                .any(|p| p.trim_end_matches('/') == wellknown::CLIENT_DIR) =>
+        {
             v.to_string()
         }
         Some(v) => format!("{}:{v}", wellknown::CLIENT_DIR),
@@ -465,7 +479,8 @@ fn client(
             }
         }
         None => {
-            let exists = ops.exists_after(&[trainer_path, &["env"]].concat(), trainer.env.is_some());
+            let exists =
+                ops.exists_after(&[trainer_path, &["env"]].concat(), trainer.env.is_some());
             let var = json!({"name": env::PYTHONPATH, "value": value(None)});
             append(ops, trainer_path, "env", exists, var);
         }

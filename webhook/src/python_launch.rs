@@ -163,12 +163,22 @@ mod tests {
 
     #[test]
     fn looks_inside_shell_scripts() {
-        assert!(runs(&["bash", "-c"], &["pip install x && torchrun train.py"]));
         assert!(runs(
-            &["/bin/sh", "-ec", "cd /w; export A=1\nNCCL_DEBUG=INFO python3 t.py"],
+            &["bash", "-c"],
+            &["pip install x && torchrun train.py"]
+        ));
+        assert!(runs(
+            &[
+                "/bin/sh",
+                "-ec",
+                "cd /w; export A=1\nNCCL_DEBUG=INFO python3 t.py"
+            ],
             &[]
         ));
-        assert!(runs(&["bash", "-lc", "bash -c 'accelerate launch t.py'"], &[]));
+        assert!(runs(
+            &["bash", "-lc", "bash -c 'accelerate launch t.py'"],
+            &[]
+        ));
         assert!(!runs(&["bash", "-c", "echo python; sleep 10"], &[]));
         assert!(!runs(&["bash", "train.sh"], &[]));
     }

@@ -570,8 +570,15 @@ fn a_python_trainer_gets_the_client_copied_mounted_and_first_on_its_path() {
         init["command"],
         json!(["memguard", "client", "install", wellknown::CLIENT_DIR])
     );
-    assert_eq!(init["image"], Policy::default().sidecar_image, "the sidecar's image");
-    assert!(init.get("restartPolicy").is_none(), "a plain init container: it runs to completion");
+    assert_eq!(
+        init["image"],
+        Policy::default().sidecar_image,
+        "the sidecar's image"
+    );
+    assert!(
+        init.get("restartPolicy").is_none(),
+        "a plain init container: it runs to completion"
+    );
     let sidecar = sidecar(&out, "initContainers");
     assert_eq!(init["securityContext"], sidecar["securityContext"]);
     assert_eq!(init["securityContext"]["readOnlyRootFilesystem"], true);
@@ -615,15 +622,24 @@ fn the_policy_the_pod_or_a_non_python_command_keep_the_client_out() {
     let mut shell = python_pod(None);
     shell["spec"]["containers"][0]["command"] = json!(["sh", "-c", "./train"]);
     let mut from_ref = python_pod(None);
-    from_ref["spec"]["containers"][0]["env"] =
-        json!([{"name": "PYTHONPATH", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]);
+    from_ref["spec"]["containers"][0]["env"] = json!([{"name": "PYTHONPATH", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]);
     let cases = [
-        ("policy off", python_pod(None), off.resolved().expect("valid"), false),
+        (
+            "policy off",
+            python_pod(None),
+            off.resolved().expect("valid"),
+            false,
+        ),
         ("pod opted out", opted_out, Policy::default(), false),
         ("not python", shell, Policy::default(), false),
         ("no command", gpu_pod().json(), Policy::default(), false),
         ("valueFrom PYTHONPATH", from_ref, Policy::default(), false),
-        ("own image", python_pod(None), other.resolved().expect("valid"), true),
+        (
+            "own image",
+            python_pod(None),
+            other.resolved().expect("valid"),
+            true,
+        ),
     ];
     for (name, pod, policy, injected) in cases {
         let (_, out) = apply(&pod, &policy);

@@ -17,12 +17,14 @@ OOM recovery the same kind of collective tells every rank whether any rank ran o
 the micro-batch just run (:meth:`Agreement.status`), so all ranks halve together.
 
 Pipelined (``Agreement(pipelined=True)``, or ``MEMGUARD_AGREEMENT=pipelined`` in the env): the
-step's collective is started asynchronously (``async_op=True``) at one step boundary and
-completed at the next, so it runs while the step computes; what the ranks proposed at boundary
-``k`` is applied by every rank at boundary ``k + 1`` (the first boundary exchanges at once).
-Still exact: every rank applies the same values at the same step, one step later than the
-blocking default. The OOM-recovery :meth:`Agreement.status` stays blocking (it decides the
-micro-batch being run).
+step's collective is started at one step boundary and completed at the next, so it runs while
+the step computes; what the ranks proposed at boundary ``k`` is applied by every rank at boundary
+``k + 1`` (the first boundary exchanges at once). Still exact: every rank applies the same values
+at the same step, one step later than the blocking default. The collective runs in a daemon
+thread on a gloo group of its own (created by every rank at the first boundary), so the training
+loop pays two queue operations per step, and the group's collectives keep their own order
+whatever the trainer's collectives do meanwhile. The OOM-recovery :meth:`Agreement.status` stays
+blocking on the default group (it decides the micro-batch being run).
 
 Without torch, without ``torch.distributed``, or with one rank, nothing is exchanged and the
 local values are returned unchanged. Every rank must call the same methods in the same order:
@@ -32,7 +34,9 @@ the adapters call them at fixed points of the step, whatever the signal says.
 from __future__ import annotations
 
 import os
+import queue
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -97,7 +101,7 @@ class Agreement:
         self.pipelined = pipelined
         #: Number of collectives issued (each one ``all_reduce`` of a few int64).
         self.collectives = 0
-        self._pending: Optional[Tuple[Any, Any]] = None
+        self._pipeline: Optional[_Pipeline] = None
 
     def world_size(self) -> int:
         """Ranks this agreement spans (1 when disabled or not distributed)."""
@@ -129,9 +133,7 @@ class Agreement:
             return Status(oom=oom, size=size, fresh=fresh)
         return Status(oom=reduced[0] == 0, size=max(0, reduced[1]), fresh=reduced[2] == 1)
 
-    def _min(self, values: List[int], async_op: bool = False) -> Any:
-        """The element-wise minimum over the ranks (None when not distributed); with
-        ``async_op`` the (work, tensor) pair of the collective started."""
+    def _min(self, values: List[int]) -> Optional[List[int]]:
         dist = _dist() if self.enabled else None
         if dist is None:
             return None
@@ -142,23 +144,54 @@ class Agreement:
         if backend == "nccl" and torch.cuda.is_available():  # NCCL reduces device tensors only
             device = f"cuda:{torch.cuda.current_device()}"
         t = torch.tensor(values, dtype=torch.int64, device=device)
-        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=async_op)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
         self.collectives += 1
-        if async_op:
-            return work, t
         return [int(v) for v in t.tolist()]
 
     def _min_pipelined(self, values: List[int]) -> Optional[List[int]]:
-        """Complete the collective the previous boundary started (its proposals are this
-        step's), then start this boundary's. The first boundary exchanges at once."""
-        if self._pending is None:
+        """Take the result of the collective the previous boundary started (its proposals are
+        this step's), then start this boundary's. The first boundary exchanges at once."""
+        if self._pipeline is None:
             reduced = self._min(values)
             if reduced is None:
                 return None
+            dist = _dist()
+            assert dist is not None
+            # Every rank is at its first boundary: creating the group is collective too.
+            self._pipeline = _Pipeline(dist, dist.new_group(backend="gloo"))
         else:
-            work, t = self._pending
-            self._pending = None
-            work.wait()
-            reduced = [int(v) for v in t.tolist()]
-        self._pending = self._min(values, async_op=True)
+            reduced = self._pipeline.result()
+        self._pipeline.start(values)
+        self.collectives += 1
         return reduced
+
+
+class _Pipeline:
+    """A daemon thread that runs ``all_reduce(MIN)`` of each request on ``group``, in order."""
+
+    def __init__(self, dist: Any, group: Any) -> None:
+        self._dist, self._group = dist, group
+        self._requests: "queue.SimpleQueue[List[int]]" = queue.SimpleQueue()
+        self._results: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="memguard-agreement", daemon=True).start()
+
+    def start(self, values: List[int]) -> None:
+        self._requests.put(values)
+
+    def result(self) -> List[int]:
+        out = self._results.get()
+        if isinstance(out, BaseException):
+            raise out
+        return list(out)
+
+    def _run(self) -> None:
+        import torch
+
+        while True:
+            values = self._requests.get()
+            try:
+                t = torch.tensor(values, dtype=torch.int64)
+                self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self._group)
+                self._results.put([int(v) for v in t.tolist()])
+            except BaseException as exc:  # noqa: BLE001 - handed to the training loop
+                self._results.put(exc)
