@@ -470,7 +470,10 @@ impl PolicySpec {
             default_gpu_memory: default_gpu_memory.unwrap_or(Bytes::gib(80)),
             gpu_memory,
             client_inject: client.inject.unwrap_or(true),
-            client_image: client.image.unwrap_or_else(|| sidecar_image.clone()),
+            client_image: client
+                .image
+                .filter(|image| !image.trim().is_empty())
+                .unwrap_or_else(|| sidecar_image.clone()),
             sidecar_image,
             sidecar_mode: sidecar.mode.unwrap_or_default(),
             sidecar_resources: sidecar.resources.unwrap_or_else(|| SidecarResources {
@@ -523,6 +526,26 @@ mod tests {
         assert_eq!(p.thresholds.downgrade, 0.85);
         assert_eq!(p.floors.batch_size, 1);
         assert_eq!(p.max_oom_recoveries, DEFAULT_MAX_OOM_RECOVERIES);
+    }
+
+    /// The client is injected by default, in the sidecar's image unless one is named (an empty
+    /// name, as the chart's default value renders, is no name).
+    #[test]
+    fn the_client_is_on_in_the_sidecars_image_unless_the_policy_says_otherwise() {
+        let resolve = |json: serde_json::Value| {
+            serde_json::from_value::<PolicySpec>(json)
+                .expect("a policy")
+                .resolved()
+                .expect("valid")
+        };
+        let p = resolve(serde_json::json!({"sidecar": {"image": "reg/mg:2"}}));
+        assert!(p.client_inject);
+        assert_eq!(p.client_image, "reg/mg:2");
+        let p = resolve(serde_json::json!({"client": {"inject": false, "image": ""}}));
+        assert!(!p.client_inject);
+        assert_eq!(p.client_image, DEFAULT_SIDECAR_IMAGE);
+        let p = resolve(serde_json::json!({"client": {"image": "reg/client:1"}}));
+        assert_eq!(p.client_image, "reg/client:1");
     }
 
     #[test]

@@ -98,6 +98,8 @@ Its shape is memguard_api::PolicySpec (camelCase, unknown fields rejected).
 */}}
 {{- define "memguard.policy" -}}
 {{- $p := .Values.policy }}
+{{- $client := dict "inject" $p.client.inject }}
+{{- with $p.client.image }}{{ $_ := set $client "image" . }}{{ end }}
 {{- $policy := dict
   "safetyRatio" $p.safetyRatio
   "defaultGpuMemory" $p.defaultGpuMemory
@@ -105,6 +107,7 @@ Its shape is memguard_api::PolicySpec (camelCase, unknown fields rejected).
   "floors" $p.floors
   "maxOomRecoveries" $p.maxOomRecoveries
   "placement" $p.placement
+  "client" $client
   "sidecar" (dict
     "image" (include "memguard.sidecarImage" .)
     "mode" .Values.sidecar.mode

@@ -227,3 +227,21 @@ def test_two_ranks_under_torchrun_agree_on_every_step(tmp_path: Path, hf: None) 
     by_rank = {r: [e["micro"] for e in steps(log) if e["rank"] == r] for r in (0, 1)}
     assert by_rank[0] == by_rank[1] == [[2, 2]] * 4, by_rank
     assert [d["attached"] for d in done(log)] == [True, True]
+
+
+def test_a_plain_torch_loop_reports_its_optimizer_steps(tmp_path: Path, hf: None, sidecar: Any) -> None:
+    """No transformers: the loop cannot be re-chunked from outside, but its steps are reported
+    (with allocator figures where the device has them: none on this CPU)."""
+    client = install(tmp_path / "client")
+    script = (
+        "import time, torch\n"
+        "m = torch.nn.Linear(4, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for i in range(3):\n"
+        "    m(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()\n"
+        "    time.sleep(1.1)\n"
+        "print('done')\n"
+    )
+    out = python(script, clean_env(PYTHONPATH=str(client), MEMGUARD_SIDECAR_URL=sidecar.url), tmp_path)
+    assert out.returncode == 0 and out.stdout == "done\n", out.stderr
+    assert out.stderr == ""
+    assert [r["step"] for r in sidecar.reports] == [0, 1, 2]

@@ -10,6 +10,13 @@ interpreter start-up. :func:`install` imports nothing but ``sys`` and ``os`` and
   attaches it to a :class:`~memguard_client.Guard` read from the pod's ``MEMGUARD_*`` env:
   the signal, in-process OOM recovery and the rank agreement, exactly as an explicit
   ``attach()``. A script that never imports transformers pays for nothing more.
+* when torch is imported (its ``torch.optim.optimizer``), it registers a global optimizer post-step hook
+  (``torch.optim.optimizer.register_optimizer_step_post_hook``): after every optimizer step of
+  any loop (Lightning Fabric, torchtune, LitGPT, plain torch, the Trainer too) the step count and
+  the allocator figures (``torch.cuda``, read in the training thread, on its device) are handed
+  to a daemon thread that posts them to the sidecar, at most once every
+  :data:`REPORT_EVERY_SECONDS`. These loops own their batches, so nothing outside them can
+  re-chunk one; they are reported, not steered.
 * it installs a ``sys.excepthook`` that, for an uncaught out-of-memory error in any script,
   writes the OOM record and exits 86 (87 when the pod "cannot fit"), as
   :func:`memguard_client.oom.install_excepthook` does for an explicit ``Guard``. Everything it
@@ -30,6 +37,10 @@ from typing import Any, Callable, Mapping, Optional
 #: The module whose import triggers the patch (``transformers.Trainer`` lives there; the lazy
 #: ``transformers`` package imports it on first access to ``Trainer``).
 TRAINER_MODULE = "transformers.trainer"
+#: The module whose import starts the optimizer-step reports (``import torch`` imports it).
+OPTIMIZER_MODULE = "torch.optim.optimizer"
+#: Least time between two optimizer-step reports.
+REPORT_EVERY_SECONDS = 1.0
 #: Variable that turns the hook off (``memguard_client.env.AUTO_ATTACH``; not imported from
 #: there, so :func:`install` stays this module alone).
 AUTO_ATTACH = "MEMGUARD_AUTO_ATTACH"
@@ -51,11 +62,14 @@ def install() -> bool:
     if _installed or not enabled():
         return False
     _installed = True
-    module = sys.modules.get(TRAINER_MODULE)
-    if module is not None:
-        patch_trainer(module)
-    else:
-        sys.meta_path.insert(0, _TrainerFinder())
+    hooks = {TRAINER_MODULE: patch_trainer, OPTIMIZER_MODULE: report_optimizer_steps}
+    for name, hook in list(hooks.items()):
+        module = sys.modules.get(name)
+        if module is not None:
+            hooks.pop(name)
+            hook(module)
+    if hooks:
+        sys.meta_path.insert(0, _AfterImport(hooks))
     _previous_excepthook = sys.excepthook
     sys.excepthook = _excepthook
     return True
@@ -72,21 +86,28 @@ def warn_once(what: str, exc: BaseException) -> None:
     )
 
 
-class _TrainerFinder:
-    """Finds nothing itself: when ``transformers.trainer`` is imported, it asks the finders after
-    it and wraps the loader so that :func:`patch_trainer` runs once the module has executed.
-    Removes itself on first use."""
+class _AfterImport:
+    """Finds nothing itself: when a module of ``hooks`` is imported, it asks the finders after it
+    and wraps the loader so that the module's hook runs once the module has executed. Each hook
+    fires once; the finder leaves ``sys.meta_path`` after the last."""
+
+    def __init__(self, hooks: "dict[str, Callable[[Any], None]]") -> None:
+        self._hooks = dict(hooks)
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != TRAINER_MODULE:
+        hook = self._hooks.pop(name, None)
+        if hook is None:
             return None
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
+        if not self._hooks:
+            try:
+                sys.meta_path.remove(self)
+            except ValueError:
+                pass
         try:
             spec = None
             for finder in sys.meta_path:
+                if finder is self:
+                    continue
                 find = getattr(finder, "find_spec", None)
                 if find is not None:
                     spec = find(name, path, target)
@@ -94,25 +115,25 @@ class _TrainerFinder:
                         break
             if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
                 return spec
-            spec.loader = _PatchingLoader(spec.loader)
+            spec.loader = _PatchingLoader(spec.loader, hook)
             return spec
         except Exception as exc:  # noqa: BLE001
-            warn_once("could not hook transformers.Trainer", exc)
+            warn_once(f"could not hook {name}", exc)
             return None
 
 
 class _PatchingLoader:
-    """The real loader, then :func:`patch_trainer`."""
+    """The real loader, then the module's hook."""
 
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
+    def __init__(self, inner: Any, hook: "Callable[[Any], None]") -> None:
+        self._inner, self._hook = inner, hook
 
     def create_module(self, spec: Any) -> Any:
         return self._inner.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
         self._inner.exec_module(module)
-        patch_trainer(module)
+        self._hook(module)
 
     def __getattr__(self, name: str) -> Any:  # get_source, is_package, … for tracebacks
         return getattr(self._inner, name)
@@ -137,6 +158,62 @@ def patch_trainer(module: Any) -> None:
         trainer_cls.train = train
     except Exception as exc:  # noqa: BLE001
         warn_once("could not hook transformers.Trainer", exc)
+
+
+def report_optimizer_steps(optimizer_module: Any) -> None:
+    """Register the optimizer post-step hook that reports each step (see the module doc)."""
+    if not os.environ.get("MEMGUARD_SIDECAR_URL"):
+        return  # nowhere to report to
+    try:
+        optimizer_module.register_optimizer_step_post_hook(_StepReporter())
+    except Exception as exc:  # noqa: BLE001
+        warn_once("could not hook torch's optimizer steps", exc)
+
+
+class _StepReporter:
+    """Counts optimizer steps; at most every :data:`REPORT_EVERY_SECONDS` reads the allocator
+    figures (here, in the training thread) and hands them to a daemon thread that posts them."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._clock = time.monotonic
+        self._steps = 0
+        self._last = float("-inf")
+        self._queue: Any = None
+
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._steps += 1
+        now = self._clock()
+        if now - self._last < REPORT_EVERY_SECONDS:
+            return
+        self._last = now
+        try:
+            if self._queue is None:
+                self._start()
+            from .frameworks import framework_memory
+
+            body = dict(framework_memory(import_missing=False) or {})
+            body["step"] = self._steps - 1
+            self._queue.put(body)
+        except Exception as exc:  # noqa: BLE001
+            warn_once("could not report the optimizer step", exc)
+
+    def _start(self) -> None:
+        import queue
+        import threading
+
+        from .guard import Guard
+
+        guard = Guard(background=False, oom_hook=False)
+        self._queue = queue.SimpleQueue()
+
+        def post() -> None:
+            while True:
+                body = self._queue.get()
+                guard.report(**body)  # never raises; a dead sidecar costs this thread only
+
+        threading.Thread(target=post, name="memguard-report", daemon=True).start()
 
 
 def attach_once(trainer: Any) -> Any:
