@@ -278,8 +278,10 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
     signal_mount(trainer, &trainer_path, ops);
     termination_message(trainer, &trainer_path, ops);
     signal_volume(spec, ops);
-    sidecar(pod, spec, trainer, m, ops);
+    // The client's init container goes before a native sidecar: it has run to completion
+    // before the sidecar starts looking for the trainer, so its process is never taken for it.
     client(pod, spec, trainer, &trainer_path, m, ops);
+    sidecar(pod, spec, trainer, m, ops);
     placement(spec, m, ops);
     shared_pid_namespace(spec, ops);
     estimate_and_error(pod, m, ops);
@@ -352,7 +354,7 @@ fn sidecar(pod: &Pod, spec: &PodSpec, trainer: &Container, m: &Mutation, ops: &m
         SidecarMode::Native => (
             "initContainers",
             init,
-            spec.init_containers.is_some(),
+            ops.exists_after(&["spec", "initContainers"], spec.init_containers.is_some()),
             spec.containers.as_slice(),
         ),
         SidecarMode::Classic => ("containers", spec.containers.as_slice(), true, init),

@@ -596,6 +596,17 @@ fn a_python_trainer_gets_the_client_copied_mounted_and_first_on_its_path() {
     );
     let typed: Container = serde_json::from_value(init.clone()).expect("a valid Container");
     assert_eq!(typed.name, wellknown::CLIENT_CONTAINER);
+    // Before the native sidecar: it has exited when the sidecar starts looking for the trainer.
+    let names: Vec<&Value> = out["spec"]["initContainers"]
+        .as_array()
+        .expect("init containers")
+        .iter()
+        .map(|c| &c["name"])
+        .collect();
+    assert_eq!(
+        names,
+        [wellknown::CLIENT_CONTAINER, wellknown::SIDECAR_CONTAINER]
+    );
 }
 
 #[test]
