@@ -119,6 +119,9 @@ pub const SAFETY_RATIO: &str = "memguard.io/safety-ratio";
 pub const CONTAINER: &str = "memguard.io/container";
 /// The user's own env variables to rewrite: `batch-size=PER_DEVICE_TRAIN_BATCH_SIZE,…`.
 pub const ENV_MAP: &str = "memguard.io/env-map";
+/// `false` keeps the webhook from injecting the Python client into this pod (init container,
+/// volume, `PYTHONPATH`); anything else, or no value, leaves the policy's choice.
+pub const INJECT_CLIENT: &str = "memguard.io/inject-client";
 /// Output: compact JSON summary of the estimate and plan (written by the webhook).
 pub const ESTIMATE: &str = "memguard.io/estimate";
 /// Output: why the webhook left the pod unchanged (written by the webhook).
@@ -175,6 +178,9 @@ pub const INPUT_KEYS: &[&str] = &[
 
 /// Output keys the webhook writes; accepted on input so a re-invocation does not trip over them.
 pub const OUTPUT_KEYS: &[&str] = &[ESTIMATE, ERROR];
+
+/// Keys about how the pod is guarded, not what it trains: accepted, read by the webhook only.
+pub const POD_OPTION_KEYS: &[&str] = &[INJECT_CLIENT];
 
 /// The shape keys required when no catalog `model` is given.
 const REQUIRED_SHAPE_KEYS: &[&str] = &[HIDDEN_SIZE, NUM_LAYERS, NUM_HEADS, VOCAB_SIZE];
@@ -246,7 +252,7 @@ impl TrainingAnnotations {
             let Some(short) = key.strip_prefix(PREFIX) else {
                 continue;
             };
-            if OUTPUT_KEYS.contains(&key.as_str()) {
+            if OUTPUT_KEYS.contains(&key.as_str()) || POD_OPTION_KEYS.contains(&key.as_str()) {
                 continue;
             }
             if !INPUT_KEYS.contains(&key.as_str()) {

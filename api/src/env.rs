@@ -24,6 +24,13 @@ pub const BUDGET_BYTES: &str = "MEMGUARD_BUDGET_BYTES";
 pub const SIGNAL_FILE: &str = "MEMGUARD_SIGNAL_FILE";
 /// URL of the sidecar's trainer API (e.g. `http://127.0.0.1:9091`).
 pub const SIDECAR_URL: &str = "MEMGUARD_SIDECAR_URL";
+/// `0`/`false` keeps the injected client from attaching itself to a `transformers.Trainer`.
+pub const AUTO_ATTACH: &str = "MEMGUARD_AUTO_ATTACH";
+/// Python's module search path, which the webhook prepends the client's directory to.
+pub const PYTHONPATH: &str = "PYTHONPATH";
+/// `pipelined`: the Python client's per-step rank agreement overlaps the step (applied one step
+/// later, still the same step on every rank); `blocking` (default).
+pub const AGREEMENT: &str = "MEMGUARD_AGREEMENT";
 /// Where the trainer writes its OOM record (default [`crate::wellknown::TERMINATION_LOG`]).
 pub const TERMINATION_LOG: &str = "MEMGUARD_TERMINATION_LOG";
 /// `true` when the webhook admitted the pod with "cannot fit" (retries exhausted or no plan
@@ -136,7 +143,7 @@ pub const TRAINER_VARS: &[&str] = &[
 ];
 
 /// Variables the Python client reads that a person sets, not the webhook.
-pub const CLIENT_VARS: &[&str] = &[TERMINATION_LOG];
+pub const CLIENT_VARS: &[&str] = &[TERMINATION_LOG, AUTO_ATTACH, AGREEMENT];
 
 #[cfg(test)]
 mod tests {

@@ -154,6 +154,20 @@ pub struct SidecarSpec {
     pub interval: Option<String>,
 }
 
+/// The Python client the webhook injects into trainers that run Python (docs/python-client.md,
+/// "Injected into the pod").
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ClientSpec {
+    /// Inject the client (default `true`); a pod opts out with `memguard.io/inject-client: "false"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inject: Option<bool>,
+    /// Image holding the `memguard` binary that writes the client (default: the sidecar's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+}
+
 /// Pressure thresholds of the sidecar, as fractions of the effective limit.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
@@ -278,6 +292,9 @@ pub struct PolicySpec {
     /// Sidecar pressure thresholds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub thresholds: Option<Thresholds>,
+    /// The injected Python client.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client: Option<ClientSpec>,
     /// Default `env-map` (knob → the trainer's own variable) for pods that give none, e.g.
     /// `batch-size: PER_DEVICE_TRAIN_BATCH_SIZE`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -335,6 +352,10 @@ pub struct Policy {
     pub sidecar_resources: SidecarResources,
     /// Sidecar sampling interval (more than 0).
     pub sidecar_interval: Duration,
+    /// Whether the Python client is injected into trainers that run Python.
+    pub client_inject: bool,
+    /// Image of the client's init container (the sidecar's unless the policy names another).
+    pub client_image: String,
     /// Thresholds.
     pub thresholds: Thresholds,
     /// Default env-map (knob → the trainer's own variable), checked like the annotation's.
@@ -448,13 +469,20 @@ impl PolicySpec {
         if !errors.is_empty() {
             return Err(errors);
         }
+        let client = self.client.clone().unwrap_or_default();
+        let sidecar_image = sidecar
+            .image
+            .unwrap_or_else(|| DEFAULT_SIDECAR_IMAGE.to_string());
         Ok(Policy {
             safety_ratio,
             default_gpu_memory: default_gpu_memory.unwrap_or(Bytes::gib(80)),
             gpu_memory,
-            sidecar_image: sidecar
+            client_inject: client.inject.unwrap_or(true),
+            client_image: client
                 .image
-                .unwrap_or_else(|| DEFAULT_SIDECAR_IMAGE.to_string()),
+                .filter(|image| !image.trim().is_empty())
+                .unwrap_or_else(|| sidecar_image.clone()),
+            sidecar_image,
             sidecar_mode: sidecar.mode.unwrap_or_default(),
             sidecar_resources: sidecar.resources.unwrap_or_else(|| SidecarResources {
                 cpu_request: Some("10m".into()),
@@ -507,6 +535,26 @@ mod tests {
         assert_eq!(p.thresholds.downgrade, 0.85);
         assert_eq!(p.floors.batch_size, 1);
         assert_eq!(p.max_oom_recoveries, DEFAULT_MAX_OOM_RECOVERIES);
+    }
+
+    /// The client is injected by default, in the sidecar's image unless one is named (an empty
+    /// name, as the chart's default value renders, is no name).
+    #[test]
+    fn the_client_is_on_in_the_sidecars_image_unless_the_policy_says_otherwise() {
+        let resolve = |json: serde_json::Value| {
+            serde_json::from_value::<PolicySpec>(json)
+                .expect("a policy")
+                .resolved()
+                .expect("valid")
+        };
+        let p = resolve(serde_json::json!({"sidecar": {"image": "reg/mg:2"}}));
+        assert!(p.client_inject);
+        assert_eq!(p.client_image, "reg/mg:2");
+        let p = resolve(serde_json::json!({"client": {"inject": false, "image": ""}}));
+        assert!(!p.client_inject);
+        assert_eq!(p.client_image, DEFAULT_SIDECAR_IMAGE);
+        let p = resolve(serde_json::json!({"client": {"image": "reg/client:1"}}));
+        assert_eq!(p.client_image, "reg/client:1");
     }
 
     #[test]

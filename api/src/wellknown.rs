@@ -14,6 +14,12 @@ pub const SIGNAL_VOLUME: &str = "memguard-signal";
 pub const SIGNAL_DIR: &str = "/var/run/memguard";
 /// The signal file on the shared volume.
 pub const SIGNAL_FILE: &str = "/var/run/memguard/signal.json";
+/// Name of the init container that copies the Python client, and of its `emptyDir` volume.
+pub const CLIENT_CONTAINER: &str = "memguard-client";
+/// Where the client's volume is mounted (init container and trainer); prepended to `PYTHONPATH`.
+pub const CLIENT_DIR: &str = "/var/run/memguard-client";
+/// The binary in the memguard image that writes the client it embeds (`memguard client install`).
+pub const CLI_BINARY: &str = "memguard";
 /// Default pod-local trainer API address of the sidecar.
 pub const SIDECAR_LISTEN: &str = "127.0.0.1:9091";
 /// Default sidecar metrics address (serves only `/metrics` and `/healthz`).

@@ -182,6 +182,30 @@ TRAINERS = {"numpy": "trainer.py", "mlx": "trainer_mlx.py"}
 
 
 def trainer_cmd(args: argparse.Namespace, log: Path, weights: Path, file_only: bool = False) -> List[str]:
+    if args.trainer == "stock-hf":
+        # Everything on the command line, as a stock HF script takes it; nothing of memguard.
+        return [
+            sys.executable,
+            str(HERE / "stock_hf_trainer.py"),
+            "--output_dir", str(weights.with_suffix(".trainer")),
+            "--per_device_train_batch_size", str(args.batch_size),
+            "--num_train_epochs", "1",
+            # SGD: the parameters are compared with the reference run's, and Adam's normalised
+            # step turns a rounding difference in a near-zero gradient into an lr-sized one.
+            "--optim", "sgd",
+            "--learning_rate", "1e-2",
+            "--lr_scheduler_type", "constant",
+            "--weight_decay", "0",
+            "--train_sampling_strategy", "sequential",
+            "--use_cpu", "--report_to", "none", "--save_strategy", "no",
+            "--logging_strategy", "no", "--disable_tqdm", "true",
+            "--dataloader_num_workers", "0",
+            "--samples", str(args.samples),
+            "--min_len", str(args.min_len),
+            "--max_len", str(args.max_len),
+            "--log_file", str(log),
+            "--weights_file", str(weights),
+        ]
     if args.trainer in ("hf", "loop"):
         return [
             sys.executable,
@@ -205,6 +229,70 @@ def trainer_cmd(args: argparse.Namespace, log: Path, weights: Path, file_only: b
         "--log", str(log),
         "--weights", str(weights),
     ] + (["--no-long-poll"] if file_only else [])
+
+
+#: The pod's paths and address, as ``memguard mutate`` writes them (memguard_api::wellknown).
+POD_SIGNAL_FILE = "/var/run/memguard/signal.json"
+POD_SIDECAR_LISTEN = "127.0.0.1:9091"
+POD_CLIENT_DIR = "/var/run/memguard-client"
+
+
+def find_memguard(sidecar: Optional[Path]) -> Optional[Path]:
+    """The ``memguard`` CLI: MEMGUARD_BIN, else next to the sidecar binary, else target/."""
+    cands = [os.environ.get("MEMGUARD_BIN")]
+    if sidecar is not None:
+        cands.append(str(sidecar.parent / "memguard"))
+    cands += [str(REPO / "target" / p / "memguard") for p in ("debug", "release")]
+    return next((Path(c) for c in cands if c and Path(c).is_file()), None)
+
+
+def injected_pod(args: argparse.Namespace, cmd: List[str], out: Path) -> Dict[str, Any]:
+    """``memguard mutate`` on the pod that runs ``cmd`` under the arm's limit (its model and
+    config as annotations): the pod exactly as the webhook would admit it."""
+    memguard = find_memguard(find_sidecar(args.sidecar))
+    if memguard is None:
+        raise RuntimeError("memguard binary not found: cargo build -p memguard (or MEMGUARD_BIN)")
+    a = "memguard.io/"
+    pod = {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "stock-hf", "labels": {a + "enabled": "true"}, "annotations": {
+            a + "hidden-size": "64", a + "num-layers": "2", a + "num-heads": "4",
+            a + "num-kv-heads": "2", a + "vocab-size": "512", a + "intermediate-size": "128",
+            a + "batch-size": str(args.batch_size), a + "seq-length": str(args.max_len),
+            a + "precision": "fp32", a + "device": "cpu",
+        }},
+        "spec": {"containers": [{
+            "name": "train", "image": "trainer", "command": ["python3", *cmd[1:]],
+            "resources": {"limits": {"memory": f"{args.limit_mib}Mi"}},
+        }]},
+    }
+    (out / "pod.json").write_text(json.dumps(pod, indent=1))
+    mutated = subprocess.run([str(memguard), "mutate", "-f", str(out / "pod.json"), "-o", "json"],
+                             check=True, capture_output=True, text=True).stdout
+    (out / "pod.mutated.json").write_text(mutated)
+    return {"pod": json.loads(mutated), "memguard": memguard}
+
+
+def pod_env(container: Dict[str, Any], mapping: Dict[str, str], limit: int) -> Dict[str, str]:
+    """A container's env as the kubelet gives it, with the pod's paths mapped to this machine's
+    (what the volume mounts and the loopback port do in a pod)."""
+    env = {}
+    for var in container.get("env", []):
+        if "value" in var:
+            value = var["value"]
+            for pod_path, here in mapping.items():
+                value = value.replace(pod_path, here)
+            env[var["name"]] = value
+        elif var.get("valueFrom", {}).get("resourceFieldRef", {}).get("resource") == "limits.memory":
+            env[var["name"]] = str(limit)
+    return env
+
+
+def install_client(init: Dict[str, Any], memguard: Path, client_dir: Path) -> None:
+    """Runs the client init container's command for real, into ``client_dir`` (its volume)."""
+    command = [str(memguard) if w == "memguard" else w.replace(POD_CLIENT_DIR, str(client_dir))
+               for w in init["command"]]
+    subprocess.run(command, check=True, capture_output=True)
 
 
 def run_trainer_in(cg: Cgroup, cmd: List[str], env: Dict[str, str], timeout: float) -> "tuple[int, float]":
@@ -326,6 +414,11 @@ def run_arm(name: str, args: argparse.Namespace, out: Path, sidecar: Optional[Pa
         if p.exists():
             p.unlink()
     env = base_env()
+    if args.trainer == "stock-hf":
+        # torch_trainer.py lowers glibc's mmap threshold itself (mallopt) so that what a step
+        # frees goes back to the kernel; a stock script does not, so every arm gets glibc's own
+        # variable for it.
+        env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     cg = Cgroup(f"memguard-survival-{os.getpid()}-{name}", limit)
     side: Optional[subprocess.Popen] = None
     try:
@@ -336,6 +429,29 @@ def run_arm(name: str, args: argparse.Namespace, out: Path, sidecar: Optional[Pa
                 signal_file.unlink()
             side_log = open(out / f"{name}.sidecar.log", "w")
             port = free_port()
+            knobs = [
+                "--batch-size", str(args.batch_size),
+                "--grad-accumulation", "1",
+                "--grad-checkpointing", "false",
+            ]
+            side_env = {**base_env(), "RUST_LOG": os.environ.get("RUST_LOG", "info")}
+            trainer_env: Optional[Dict[str, str]] = None
+            if args.trainer == "stock-hf":
+                # The pod as `memguard mutate` writes it: the trainer's env and the sidecar's
+                # (its starting knobs among them), the client's init container run for real.
+                assert limit is not None
+                admitted = injected_pod(args, trainer_cmd(args, log, weights), out)
+                spec = admitted["pod"]["spec"]
+                init = {c["name"]: c for c in spec.get("initContainers", [])}
+                client_dir = out / f"{name}.client"
+                if client_dir.exists():
+                    shutil.rmtree(client_dir)
+                install_client(init["memguard-client"], admitted["memguard"], client_dir)
+                mapping = {POD_CLIENT_DIR: str(client_dir), POD_SIGNAL_FILE: str(signal_file),
+                           POD_SIDECAR_LISTEN: f"127.0.0.1:{port}"}
+                trainer_env = pod_env(spec["containers"][0], mapping, limit)
+                side_env.update(pod_env(init["memguard-sidecar"], mapping, limit))
+                knobs = []
             side = subprocess.Popen(
                 [
                     str(sidecar),
@@ -344,9 +460,7 @@ def run_arm(name: str, args: argparse.Namespace, out: Path, sidecar: Optional[Pa
                     "--listen", f"127.0.0.1:{port}",
                     "--metrics-listen", "127.0.0.1:0",
                     "--interval", args.interval,
-                    "--batch-size", str(args.batch_size),
-                    "--grad-accumulation", "1",
-                    "--grad-checkpointing", "false",
+                    *knobs,
                     "--warn", "0.7",
                     "--downgrade", str(args.downgrade),
                     "--critical", "0.95",
@@ -356,22 +470,25 @@ def run_arm(name: str, args: argparse.Namespace, out: Path, sidecar: Optional[Pa
                 ],
                 stdout=side_log,
                 stderr=subprocess.STDOUT,
-                env={**base_env(), "RUST_LOG": os.environ.get("RUST_LOG", "info")},
+                env=side_env,
             )
             deadline = time.monotonic() + 10
             while not signal_file.exists():
                 if side.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"sidecar did not write its initial signal; see {side_log.name}")
                 time.sleep(0.02)
-            if name == "memguard":
+            if trainer_env is not None:
+                env.update(trainer_env)
+            elif name == "memguard":
                 env["MEMGUARD_SIGNAL_FILE"] = str(signal_file)
-            env.update(
-                MEMGUARD_SIDECAR_URL=f"http://127.0.0.1:{port}",
-                MEMGUARD_BATCH_SIZE=str(args.batch_size),
-                MEMGUARD_GRAD_ACCUMULATION="1",
-                # What the webhook writes: the MLX trainer sets its limits from it.
-                MEMGUARD_BUDGET_BYTES=str(limit),
-            )
+            if trainer_env is None:
+                env.update(
+                    MEMGUARD_SIDECAR_URL=f"http://127.0.0.1:{port}",
+                    MEMGUARD_BATCH_SIZE=str(args.batch_size),
+                    MEMGUARD_GRAD_ACCUMULATION="1",
+                    # What the webhook writes: the MLX trainer sets its limits from it.
+                    MEMGUARD_BUDGET_BYTES=str(limit),
+                )
         if name == "reference" and args.trainer == "mlx":
             # The MLX trainer sets MLX's memory and cache limits and glibc's mmap threshold from
             # the budget (memguard_client.mlx.MicroBatcher). The reference gets them too, with no
@@ -454,10 +571,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description="memguard survival proof (real cgroup v1, real OOM killer)")
     p.add_argument("--out", default=None, help="directory for logs and results.json (default: a temp dir)")
     p.add_argument("--sidecar", default=None, help="memguard-sidecar binary (default: target/{sidecar,release,debug})")
-    p.add_argument("--trainer", choices=["numpy", "hf", "loop", "mlx"], default="numpy",
+    p.add_argument("--trainer", choices=["numpy", "hf", "loop", "mlx", "stock-hf"], default="numpy",
                    help="numpy: trainer.py; hf: a Llama-style transformers model under Trainer + "
                         "attach(); loop: the same model in a raw PyTorch loop + MicroBatcher; "
-                        "mlx: trainer.py's model in MLX through memguard_client.mlx.MicroBatcher")
+                        "mlx: trainer.py's model in MLX through memguard_client.mlx.MicroBatcher; "
+                        "stock-hf: stock_hf_trainer.py (no memguard in its code), guarded only by "
+                        "what `memguard mutate` injects into its pod")
     p.add_argument("--arms", default="reference,baseline,memguard,memguard-http")
     p.add_argument("--limit-mib", type=int, default=160)
     p.add_argument("--samples", type=int, default=2048)

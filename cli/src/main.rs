@@ -1,5 +1,6 @@
 //! `memguard`: the estimator and the webhook's mutation, offline.
 
+mod client;
 mod crdgen;
 mod estimate;
 mod explain;
@@ -27,6 +28,9 @@ enum Command {
     Explain(explain::Args),
     /// Write the CRD manifests (MemguardPolicy, MemoryProfile).
     Crdgen(crdgen::Args),
+    /// The Python client this binary embeds (`memguard client install DIR`: the webhook's init
+    /// container).
+    Client(client::Args),
 }
 
 /// Exit code for bad input (usage errors and invalid values), as clap uses.
@@ -39,6 +43,7 @@ fn main() -> ExitCode {
         Command::Mutate(args) => mutate::run(args),
         Command::Explain(args) => explain::run(args),
         Command::Crdgen(args) => crdgen::run(args),
+        Command::Client(args) => client::run(args),
     };
     match result {
         Ok(code) => code,

@@ -86,7 +86,10 @@ fn mutates_a_pod_file_into_yaml() {
     );
     assert!(out.status.success(), "{}", stderr(&out));
     let mutated: Value = serde_saphyr::from_str(&stdout(&out)).expect("YAML out");
-    let sidecar = &mutated["spec"]["initContainers"][0];
+    // The client's init container first (the trainer runs Python), then the native sidecar.
+    let init = &mutated["spec"]["initContainers"];
+    assert_eq!(init[0]["name"], "memguard-client");
+    let sidecar = &init[1];
     assert_eq!(sidecar["name"], "memguard-sidecar");
     assert_eq!(sidecar["restartPolicy"], "Always");
     let estimate = mutated["metadata"]["annotations"]["memguard.io/estimate"]
@@ -399,9 +402,10 @@ fn a_model_the_policy_adds_is_known_to_mutate_under_its_policy_file() {
     let annotations = &mutated["metadata"]["annotations"];
     assert!(annotations["memguard.io/estimate"].is_string(), "{mutated}");
     assert!(annotations.get("memguard.io/error").is_none(), "{mutated}");
-    assert_eq!(
-        mutated["spec"]["initContainers"][0]["name"],
-        "memguard-sidecar"
+    let init = mutated["spec"]["initContainers"].as_array().expect("init");
+    assert!(
+        init.iter().any(|c| c["name"] == "memguard-sidecar"),
+        "{mutated}"
     );
 
     let out = memguard(&["mutate", "-f", "-"], Some(&pod));

@@ -68,3 +68,23 @@ def test_the_image_is_non_root_small_and_runs_the_cli_by_default(image):
     assert size_mib < MAX_IMAGE_MIB, size_mib
     files = run("podman", "run", "--rm", "--entrypoint", "/usr/local/bin/memguard", image, "--help")
     assert files.returncode == 0
+
+
+def test_the_image_writes_the_python_client_with_no_shell(image, tmp_path):
+    """The webhook's `memguard-client` init container: the binary alone writes the client it
+    embeds into a volume, as 65532 on a read-only root; the host's Python then imports it."""
+    out_dir = tmp_path / "client"
+    out_dir.mkdir()
+    out_dir.chmod(0o777)  # an emptyDir is world-writable
+    out = podman(
+        "run", "--rm", "--read-only", "--user", "65532:65532", "--cap-drop", "ALL",
+        "--security-opt", "no-new-privileges", "--network", "none",
+        "-v", f"{out_dir}:/var/run/memguard-client", image,
+        "client", "install", "/var/run/memguard-client",
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert (out_dir / "sitecustomize.py").is_file()
+    probe = run("python3", "-c", "import memguard_client.auto as a; print(a.__file__)",
+                env={"PYTHONPATH": str(out_dir), "PATH": "/usr/bin:/bin"})
+    assert probe.stdout.strip() == str(out_dir / "memguard_client" / "auto.py"), probe

@@ -25,6 +25,7 @@ pub mod policy_sources;
 pub mod policy_watch;
 #[cfg(feature = "server")]
 pub mod profiles;
+pub mod python_launch;
 pub mod review;
 #[cfg(feature = "server")]
 pub mod server;

@@ -24,6 +24,7 @@ pub use memguard_learn::decision::{
 pub use memguard_learn::warnings::{MAX_WARNING_CHARS, cannot_fit_warning, truncate};
 
 pub use crate::cluster_view::{ClusterView, ProfileSource};
+use crate::python_launch::runs_python;
 
 /// What memguard does with a pod.
 #[derive(Debug, Clone, PartialEq)]
@@ -59,6 +60,15 @@ pub struct SidecarPlan {
     pub env: Vec<(String, String)>,
 }
 
+/// The Python client to inject into the trainer (rendered by [`crate::patch`]): an init
+/// container running `memguard client install` into an `emptyDir`, mounted in the trainer and
+/// prepended to its `PYTHONPATH`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClientPlan {
+    /// Image of the init container (it holds the `memguard` binary).
+    pub image: String,
+}
+
 /// Everything memguard wants changed on one pod.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Mutation {
@@ -85,6 +95,9 @@ pub struct Mutation {
     pub error: Option<String>,
     /// The pod's `spec.affinity` with memguard's placement merged in, when placement added any.
     pub affinity: Option<k8s_openapi::api::core::v1::Affinity>,
+    /// The Python client, when the trainer runs Python and neither the policy nor the pod opted
+    /// out.
+    pub client: Option<ClientPlan>,
 }
 
 impl Mutation {
@@ -191,6 +204,7 @@ fn render(
     }
 
     let sidecar = sidecar_plan(policy, &trainer.name, &plan, budget.as_ref());
+    let client = client_plan(training, policy, &mut warnings);
     let estimate = estimate_annotation(&plan, budget.as_ref(), &training.config, &adjust);
     Mutation {
         trainer_index: training.trainer_index,
@@ -204,7 +218,45 @@ fn render(
         warnings,
         error: verdict,
         affinity,
+        client,
     }
+}
+
+/// The client goes into a trainer that runs Python ([`runs_python`]) unless the policy or the
+/// pod (`memguard.io/inject-client: "false"`) opted out. A `PYTHONPATH` from `valueFrom` cannot
+/// be prepended to without losing it: then nothing is injected, and a warning says why.
+fn client_plan(
+    training: &TrainingPod,
+    policy: &Policy,
+    warnings: &mut Vec<String>,
+) -> Option<ClientPlan> {
+    let opted_out = training
+        .pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(memguard_api::annotations::INJECT_CLIENT))
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("false"));
+    if !policy.client_inject || opted_out || !runs_python(training.trainer) {
+        return None;
+    }
+    let from_ref = training
+        .trainer
+        .env
+        .iter()
+        .flatten()
+        .any(|e| e.name == env::PYTHONPATH && e.value_from.is_some());
+    if from_ref {
+        warnings.push(truncate(&format!(
+            "memguard: {} in {} uses valueFrom; the Python client was not injected",
+            env::PYTHONPATH,
+            training.trainer.name
+        )));
+        return None;
+    }
+    Some(ClientPlan {
+        image: policy.client_image.clone(),
+    })
 }
 
 fn sidecar_plan(

@@ -249,6 +249,17 @@ impl Ops {
         }));
     }
 
+    /// Whether the array at `path` exists once the operations so far are applied: it did before,
+    /// or an earlier step created it (an `add` of the whole array).
+    fn exists_after(&self, path: &[&str], existed: bool) -> bool {
+        let path = PointerBuf::from_tokens(path.iter().copied());
+        existed
+            || self
+                .0
+                .iter()
+                .any(|op| matches!(op, PatchOperation::Add(a) if a.path == path))
+    }
+
     fn remove(&mut self, path: &[&str]) {
         self.0.push(PatchOperation::Remove(RemoveOperation {
             path: PointerBuf::from_tokens(path.iter().copied()),
@@ -270,6 +281,9 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
     signal_mount(trainer, &trainer_path, ops);
     termination_message(trainer, &trainer_path, ops);
     signal_volume(spec, ops);
+    // The client's init container goes before a native sidecar: it has run to completion
+    // before the sidecar starts looking for the trainer, so its process is never taken for it.
+    client(pod, spec, trainer, &trainer_path, m, ops);
     sidecar(pod, spec, trainer, m, ops);
     placement(spec, m, ops);
     shared_pid_namespace(spec, ops);
@@ -343,7 +357,7 @@ fn sidecar(pod: &Pod, spec: &PodSpec, trainer: &Container, m: &Mutation, ops: &m
         SidecarMode::Native => (
             "initContainers",
             init,
-            spec.init_containers.is_some(),
+            ops.exists_after(&["spec", "initContainers"], spec.init_containers.is_some()),
             spec.containers.as_slice(),
         ),
         SidecarMode::Classic => ("containers", spec.containers.as_slice(), true, init),
@@ -361,6 +375,120 @@ fn sidecar(pod: &Pod, spec: &PodSpec, trainer: &Container, m: &Mutation, ops: &m
         }
         None if in_other => {}
         None => append(ops, &["spec"], list_key, list_exists, desired),
+    }
+}
+
+/// The init container that writes the Python client (`memguard client install DIR`, so the
+/// image needs no shell), with the sidecar's resources and security context rules.
+pub fn client_container(image: &str, m: &Mutation, identity: &SidecarIdentity) -> Value {
+    let r = &m.sidecar.resources;
+    let mut resources = Map::new();
+    let requests: Map<String, Value> = [("cpu", &r.cpu_request), ("memory", &r.memory_request)]
+        .into_iter()
+        .filter_map(|(k, v)| Some((k.to_string(), json!(v.as_ref()?))))
+        .collect();
+    if !requests.is_empty() {
+        resources.insert("requests".into(), Value::Object(requests));
+    }
+    if let Some(mem) = &r.memory_limit {
+        resources.insert("limits".into(), json!({"memory": mem}));
+    }
+    json!({
+        "name": wellknown::CLIENT_CONTAINER,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": [wellknown::CLI_BINARY, "client", "install", wellknown::CLIENT_DIR],
+        "resources": resources,
+        "securityContext": identity.security_context(),
+        "terminationMessagePolicy": FALLBACK_TO_LOGS_ON_ERROR,
+        "volumeMounts": [{"name": wellknown::CLIENT_CONTAINER, "mountPath": wellknown::CLIENT_DIR}],
+    })
+}
+
+/// The Python client (issue: stock trainers follow the signal): its `emptyDir`, the init
+/// container that fills it, the read-only mount in the trainer, and the directory first on the
+/// trainer's `PYTHONPATH` (the user's value kept after it). Nothing when the decision left it out.
+fn client(
+    pod: &Pod,
+    spec: &PodSpec,
+    trainer: &Container,
+    trainer_path: &[&str],
+    m: &Mutation,
+    ops: &mut Ops,
+) {
+    let Some(plan) = &m.client else {
+        return;
+    };
+    let name = wellknown::CLIENT_CONTAINER;
+    if spec.containers.iter().any(|c| c.name == name) {
+        return; // a container of that name already: a second would make the pod invalid
+    }
+    if !spec.volumes.iter().flatten().any(|v| v.name == name) {
+        let exists = ops.exists_after(&["spec", "volumes"], spec.volumes.is_some());
+        append(
+            ops,
+            &["spec"],
+            "volumes",
+            exists,
+            json!({"name": name, "emptyDir": {}}),
+        );
+    }
+    let desired = client_container(&plan.image, m, &SidecarIdentity::of_trainer(pod, trainer));
+    let init: &[Container] = spec.init_containers.as_deref().unwrap_or_default();
+    match init.iter().position(|c| c.name == name) {
+        Some(i) => {
+            let current = serde_json::to_value(&init[i]).unwrap_or(Value::Null);
+            if !contains(&current, &desired) {
+                ops.replace(&["spec", "initContainers", &i.to_string()], desired);
+            }
+        }
+        None => {
+            let exists =
+                ops.exists_after(&["spec", "initContainers"], spec.init_containers.is_some());
+            append(ops, &["spec"], "initContainers", exists, desired);
+        }
+    }
+    let mounted =
+        trainer.volume_mounts.iter().flatten().any(|vm| {
+            vm.name == name || vm.mount_path.trim_end_matches('/') == wellknown::CLIENT_DIR
+        });
+    if !mounted {
+        let mounts = [trainer_path, &["volumeMounts"]].concat();
+        let exists = ops.exists_after(&mounts, trainer.volume_mounts.is_some());
+        let mount = json!({"name": name, "mountPath": wellknown::CLIENT_DIR, "readOnly": true});
+        append(ops, trainer_path, "volumeMounts", exists, mount);
+    }
+    let current = trainer
+        .env
+        .iter()
+        .flatten()
+        .position(|e| e.name == env::PYTHONPATH);
+    let value = |user: Option<&str>| match user.filter(|v| !v.is_empty()) {
+        Some(v)
+            if v.split(':')
+                .any(|p| p.trim_end_matches('/') == wellknown::CLIENT_DIR) =>
+        {
+            v.to_string()
+        }
+        Some(v) => format!("{}:{v}", wellknown::CLIENT_DIR),
+        None => wellknown::CLIENT_DIR.to_string(),
+    };
+    match current {
+        Some(i) => {
+            let e = &trainer.env.as_deref().unwrap_or_default()[i];
+            let want = value(e.value.as_deref());
+            if e.value.as_deref() != Some(want.as_str()) || e.value_from.is_some() {
+                let index = i.to_string();
+                let path = [trainer_path, &["env", index.as_str()]].concat();
+                ops.replace(&path, json!({"name": env::PYTHONPATH, "value": want}));
+            }
+        }
+        None => {
+            let exists =
+                ops.exists_after(&[trainer_path, &["env"]].concat(), trainer.env.is_some());
+            let var = json!({"name": env::PYTHONPATH, "value": value(None)});
+            append(ops, trainer_path, "env", exists, var);
+        }
     }
 }
 

@@ -50,7 +50,10 @@ async fn serves_admission_reviews_over_tls_and_drains_on_sigterm() {
     let mutated = apply(&pod, &review);
     let typed: Pod = serde_json::from_value(mutated.clone()).expect("still a Pod");
     let spec = typed.spec.expect("spec");
-    let sidecar = &spec.init_containers.expect("initContainers")[0];
+    let init = spec.init_containers.expect("initContainers");
+    // The Python client's init container, then the native sidecar.
+    assert_eq!(init[0].name, "memguard-client");
+    let sidecar = &init[1];
     assert_eq!(sidecar.name, "memguard-sidecar");
     assert_eq!(sidecar.restart_policy.as_deref(), Some("Always"));
     assert_eq!(spec.share_process_namespace, Some(true));

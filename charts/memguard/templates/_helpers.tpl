@@ -98,6 +98,8 @@ Its shape is memguard_api::PolicySpec (camelCase, unknown fields rejected).
 */}}
 {{- define "memguard.policy" -}}
 {{- $p := .Values.policy }}
+{{- $client := dict "inject" $p.client.inject }}
+{{- with $p.client.image }}{{ $_ := set $client "image" . }}{{ end }}
 {{- $policy := dict
   "safetyRatio" $p.safetyRatio
   "defaultGpuMemory" $p.defaultGpuMemory
@@ -106,6 +108,7 @@ Its shape is memguard_api::PolicySpec (camelCase, unknown fields rejected).
   "maxOomRecoveries" $p.maxOomRecoveries
   "placement" $p.placement
   "servingShortenMaxLength" $p.servingShortenMaxLength
+  "client" $client
   "sidecar" (dict
     "image" (include "memguard.sidecarImage" .)
     "mode" .Values.sidecar.mode

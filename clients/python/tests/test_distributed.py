@@ -23,9 +23,9 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE / "distributed_worker.py"
 
 
-def torchrun(mode: str, out: Path) -> List[Dict[str, Any]]:
+def torchrun(mode: str, out: Path, **extra_env: str) -> List[Dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMGUARD_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra_env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(WORKER), mode, str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
@@ -77,5 +77,17 @@ def test_an_oom_on_one_rank_halves_every_rank_and_stays_exact(tmp_path: Path, re
     assert micro[6] == [1] * 8
     assert r0["oom_recoveries"] == r1["oom_recoveries"] == 2
     assert r0["skipped_steps"] == r1["skipped_steps"] == 0
+    assert_params_equal(r0["params"], reference)
+    assert_params_equal(r1["params"], reference)
+
+
+def test_the_pipelined_agreement_is_as_exact_one_step_later(tmp_path: Path, reference: List[Any]) -> None:
+    """``MEMGUARD_AGREEMENT=pipelined``: each step's collective is started at one boundary and
+    completed at the next. Rank 0's downgrade at step 2 reaches both ranks at step 3, together."""
+    r0, r1 = torchrun("ddp", tmp_path, MEMGUARD_AGREEMENT="pipelined")
+    assert r0["micro"] == r1["micro"]
+    assert r0["micro"][:3] == [[8], [8], [8]]
+    assert all(m == [3, 3, 2] for m in r0["micro"][3:])
+    assert r0["downgrades"] == r1["downgrades"] == 1
     assert_params_equal(r0["params"], reference)
     assert_params_equal(r1["params"], reference)

@@ -545,3 +545,126 @@ fn an_unknown_non_root_uid_or_a_privileged_trainer_keeps_the_nonroot_sidecar() {
         default
     );
 }
+
+/// A GPU pod whose trainer starts Python inside `bash -c`, optionally with its own PYTHONPATH.
+fn python_pod(pythonpath: Option<&str>) -> Value {
+    let mut b = gpu_pod();
+    if let Some(p) = pythonpath {
+        b = b.env(env::PYTHONPATH, p);
+    }
+    let mut pod = b.json();
+    pod["spec"]["containers"][0]["command"] = json!(["bash", "-c", "pip list && torchrun t.py"]);
+    pod
+}
+
+fn named<'a>(list: &'a Value, name: &str) -> Option<&'a Value> {
+    list.as_array()?.iter().find(|c| c["name"] == name)
+}
+
+#[test]
+fn a_python_trainer_gets_the_client_copied_mounted_and_first_on_its_path() {
+    let (_, out) = apply(&python_pod(None), &Policy::default());
+    let init = named(&out["spec"]["initContainers"], wellknown::CLIENT_CONTAINER)
+        .expect("the client's init container");
+    assert_eq!(
+        init["command"],
+        json!(["memguard", "client", "install", wellknown::CLIENT_DIR])
+    );
+    assert_eq!(
+        init["image"],
+        Policy::default().sidecar_image,
+        "the sidecar's image"
+    );
+    assert!(
+        init.get("restartPolicy").is_none(),
+        "a plain init container: it runs to completion"
+    );
+    let sidecar = sidecar(&out, "initContainers");
+    assert_eq!(init["securityContext"], sidecar["securityContext"]);
+    assert_eq!(init["securityContext"]["readOnlyRootFilesystem"], true);
+    assert_eq!(init["resources"], sidecar["resources"]);
+    assert!(named(&out["spec"]["volumes"], wellknown::CLIENT_CONTAINER).is_some());
+    let trainer = &out["spec"]["containers"][0];
+    let mount = named(&trainer["volumeMounts"], wellknown::CLIENT_CONTAINER).expect("mounted");
+    assert_eq!(
+        (&mount["mountPath"], &mount["readOnly"]),
+        (&json!(wellknown::CLIENT_DIR), &json!(true))
+    );
+    assert_eq!(
+        env_value(trainer, env::PYTHONPATH),
+        Some(&json!(wellknown::CLIENT_DIR))
+    );
+    let typed: Container = serde_json::from_value(init.clone()).expect("a valid Container");
+    assert_eq!(typed.name, wellknown::CLIENT_CONTAINER);
+    // Before the native sidecar: it has exited when the sidecar starts looking for the trainer.
+    let names: Vec<&Value> = out["spec"]["initContainers"]
+        .as_array()
+        .expect("init containers")
+        .iter()
+        .map(|c| &c["name"])
+        .collect();
+    assert_eq!(
+        names,
+        [wellknown::CLIENT_CONTAINER, wellknown::SIDECAR_CONTAINER]
+    );
+}
+
+#[test]
+fn the_users_pythonpath_is_kept_after_the_client_and_a_second_call_changes_nothing() {
+    for policy in [Policy::default(), policy("classic")] {
+        let (_, once) = apply(&python_pod(Some("/app:/lib")), &policy);
+        let trainer = &once["spec"]["containers"][0];
+        let want = format!("{}:/app:/lib", wellknown::CLIENT_DIR);
+        assert_eq!(env_value(trainer, env::PYTHONPATH), Some(&json!(want)));
+        let (second, twice) = apply(&once, &policy);
+        assert!(second.0.is_empty(), "{second:?}");
+        assert_eq!(once, twice);
+    }
+}
+
+#[test]
+fn the_policy_the_pod_or_a_non_python_command_keep_the_client_out() {
+    let off: PolicySpec =
+        serde_json::from_value(json!({"client": {"inject": false}})).expect("valid");
+    let other: PolicySpec =
+        serde_json::from_value(json!({"client": {"image": "reg/mg:1"}})).expect("valid");
+    let mut opted_out = python_pod(None);
+    opted_out["metadata"]["annotations"][keys::INJECT_CLIENT] = json!("false");
+    let mut shell = python_pod(None);
+    shell["spec"]["containers"][0]["command"] = json!(["sh", "-c", "./train"]);
+    let mut from_ref = python_pod(None);
+    from_ref["spec"]["containers"][0]["env"] = json!([{"name": "PYTHONPATH", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]);
+    let cases = [
+        (
+            "policy off",
+            python_pod(None),
+            off.resolved().expect("valid"),
+            false,
+        ),
+        ("pod opted out", opted_out, Policy::default(), false),
+        ("not python", shell, Policy::default(), false),
+        ("no command", gpu_pod().json(), Policy::default(), false),
+        ("valueFrom PYTHONPATH", from_ref, Policy::default(), false),
+        (
+            "own image",
+            python_pod(None),
+            other.resolved().expect("valid"),
+            true,
+        ),
+    ];
+    for (name, pod, policy, injected) in cases {
+        let (_, out) = apply(&pod, &policy);
+        let init = named(&out["spec"]["initContainers"], wellknown::CLIENT_CONTAINER);
+        assert_eq!(init.is_some(), injected, "{name}");
+        assert!(
+            out["spec"]["containers"][0]["volumeMounts"]
+                .as_array()
+                .is_some_and(|m| m.iter().all(|m| m["name"] != wellknown::CLIENT_CONTAINER))
+                != injected,
+            "{name}"
+        );
+        if let Some(init) = init {
+            assert_eq!(init["image"], "reg/mg:1", "{name}");
+        }
+    }
+}

@@ -34,6 +34,14 @@ SIDECAR_URL = "MEMGUARD_SIDECAR_URL"
 
 #: Where a fatal OOM record is written (default: /dev/termination-log when it exists).
 TERMINATION_LOG = "MEMGUARD_TERMINATION_LOG"
+#: ``0``/``false``: the injected client does not attach itself to a ``transformers.Trainer``.
+AUTO_ATTACH = "MEMGUARD_AUTO_ATTACH"
+#: ``pipelined``: the ranks' per-step agreement overlaps the step (applied one step later);
+#: ``blocking`` (default): applied at the step it is made (memguard_client.distributed).
+AGREEMENT = "MEMGUARD_AGREEMENT"
+#: :data:`AGREEMENT`'s values.
+PIPELINED = "pipelined"
+BLOCKING = "blocking"
 #: ``true`` when the webhook admitted the pod with "cannot fit": a fatal OOM exits 87, not 86.
 CANNOT_FIT = "MEMGUARD_CANNOT_FIT"
 
