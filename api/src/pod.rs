@@ -6,13 +6,13 @@
 //! the run) all decide from these answers, read once, so they live here once.
 
 use crate::Policy;
-use crate::annotations::{self, AnnotationError, TrainingAnnotations};
+use crate::annotations::{self, AnnotationError, Knob, TrainingAnnotations};
 use crate::dra::{DraCatalog, DraMemory, DraReading};
 use crate::wellknown;
 use k8s_openapi::api::core::v1::{Container, Pod, PodResourceClaim};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use memguard_estimator::{Bytes, Device, Parallelism, TrainingConfig};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// NVIDIA MIG, mixed strategy: one resource per profile, `nvidia.com/mig-<g>g.<m>gb`.
 pub const NVIDIA_MIG_RESOURCE_PREFIX: &str = "nvidia.com/mig-";
@@ -103,6 +103,16 @@ pub struct TrainingPod<'a> {
     pub memory_limit: Option<Bytes>,
     /// The trainer's literal env ([`literal_env`]).
     pub trainer_env: BTreeMap<String, String>,
+    /// Where each knob of [`config`](Self::config) came from, for the knobs read from the
+    /// trainer's own config (`env:<NAME>`); empty when every knob came from annotations or
+    /// defaults.
+    pub sources: BTreeMap<Knob, String>,
+    /// The knobs whose variable (env-map, else the policy's `envNames`) the trainer sets in a
+    /// way memguard cannot read (`valueFrom`), with the variable, and no annotation says.
+    pub unreadable: BTreeMap<Knob, String>,
+    /// The knobs whose mapped variable the trainer sets itself (not a value memguard wrote):
+    /// a downgrade must rewrite them all consistently.
+    pub set_by_trainer: BTreeSet<Knob>,
 }
 
 impl<'a> TrainingPod<'a> {
@@ -171,6 +181,11 @@ impl<'a> TrainingPod<'a> {
         let (device, dra_memory) = reading.on(config.device, parsed.device_given);
         config.device = device;
         let dra_memory = dra_memory.cloned();
+        let MappedEnv {
+            sources,
+            unreadable,
+            set_by_trainer,
+        } = read_mapped_env(pod, trainer, &parsed, policy, &mut config);
         Ok(TrainingPod {
             annotations: parsed,
             trainer_index,
@@ -184,7 +199,94 @@ impl<'a> TrainingPod<'a> {
             dra_memory,
             memory_limit: memory_limit(trainer),
             trainer_env: literal_env(trainer),
+            sources,
+            unreadable,
+            set_by_trainer,
         })
+    }
+
+    /// The variables the trainer's knobs are written to: the pod's `env-map`, else the
+    /// policy's `envNames`.
+    pub fn env_map<'p>(&'p self, policy: &'p Policy) -> &'p annotations::EnvMap {
+        if self.annotations.env_map.is_empty() {
+            &policy.env_names
+        } else {
+            &self.annotations.env_map
+        }
+    }
+}
+
+/// Reads the literal values of the trainer's mapped variables into `config`, for the knobs no
+/// annotation gives (an annotation overrides what was read; what was read overrides defaults).
+struct MappedEnv {
+    sources: BTreeMap<Knob, String>,
+    unreadable: BTreeMap<Knob, String>,
+    set_by_trainer: BTreeSet<Knob>,
+}
+
+/// Returns the sources of what was read, the mapped variables set by `valueFrom`, and the
+/// knobs whose variable the trainer sets.
+fn read_mapped_env(
+    pod: &Pod,
+    trainer: &Container,
+    parsed: &TrainingAnnotations,
+    policy: &Policy,
+    config: &mut TrainingConfig,
+) -> MappedEnv {
+    let map = if parsed.env_map.is_empty() {
+        &policy.env_names
+    } else {
+        &parsed.env_map
+    };
+    // What memguard wrote at an earlier admission (reinvocation, a pod recreated from its
+    // own output): a variable holding memguard's value is memguard's, and the value read then
+    // is the trainer's.
+    let earlier = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(annotations::ESTIMATE))
+        .and_then(|text| crate::estimate::EstimateAnnotation::parse(text).ok());
+    let mut sources = BTreeMap::new();
+    let mut unreadable = BTreeMap::new();
+    let mut set_by_trainer = BTreeSet::new();
+    for (knob, var) in map {
+        let Some(entry) = trainer.env.iter().flatten().rev().find(|e| &e.name == var) else {
+            continue;
+        };
+        match &entry.value {
+            Some(value) if entry.value_from.is_none() => {
+                let written = earlier
+                    .as_ref()
+                    .filter(|e| e.config.get(knob.name()) == Some(value));
+                let value = match written {
+                    Some(e) => match e.read.get(knob.name()) {
+                        Some(original) => original,
+                        None => continue,
+                    },
+                    None => value,
+                };
+                set_by_trainer.insert(*knob);
+                if parsed.knobs_given.contains(knob) {
+                    continue;
+                }
+                // A value that is not one of the knob's (`BS=auto`) is left to the default.
+                if knob.set(config, value) {
+                    sources.insert(*knob, format!("env:{var}"));
+                }
+            }
+            _ => {
+                set_by_trainer.insert(*knob);
+                if !parsed.knobs_given.contains(knob) {
+                    unreadable.insert(*knob, var.clone());
+                }
+            }
+        }
+    }
+    MappedEnv {
+        sources,
+        unreadable,
+        set_by_trainer,
     }
 }
 

@@ -94,6 +94,8 @@ impl PodBuilder {
             uncalibrated: Bytes(uncalibrated),
             calibration: None,
             recovery: None,
+            sources: BTreeMap::new(),
+            read: BTreeMap::new(),
         };
         self.annotate(annotations::ESTIMATE, &annotation.to_json())
     }

@@ -117,7 +117,61 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
     let decided = decision::decide(&training, policy, |key| {
         profiles.adjustments(pod.metadata.namespace.as_deref(), key)
     })?;
+    keeps_effective_batch(&training, policy, &decided.plan.config)?;
     Ok(render(&training, policy, decided))
+}
+
+/// `batch × accumulation` is kept exactly by the trainer's own variables, or the pod is not
+/// changed: when the trainer sets a mapped batch or accumulation variable, both must be mapped
+/// and readable (a literal, or an annotation that says the value).
+fn keeps_effective_batch(
+    training: &TrainingPod,
+    policy: &Policy,
+    planned: &TrainingConfig,
+) -> Result<(), String> {
+    let before = &training.config;
+    if planned.batch_size == before.batch_size
+        && planned.grad_accumulation == before.grad_accumulation
+    {
+        return Ok(());
+    }
+    let map = training.env_map(policy);
+    let batch = map.get(&Knob::BatchSize);
+    let accumulation = map.get(&Knob::GradAccumulation);
+    // The trainer's own variables are in play when it sets one (memguard's own writes aside).
+    let in_play = [Knob::BatchSize, Knob::GradAccumulation]
+        .iter()
+        .any(|k| training.set_by_trainer.contains(k));
+    if !in_play {
+        return Ok(());
+    }
+    let change = format!(
+        "the plan takes batch {} × accumulation {} to {} × {}",
+        before.batch_size, before.grad_accumulation, planned.batch_size, planned.grad_accumulation
+    );
+    match (batch, accumulation) {
+        (Some(var), None) | (None, Some(var)) => Err(format!(
+            "the effective batch cannot be kept: {change}, but the trainer's variables name only \
+             {var}; add the other of batch-size and grad-accumulation to memguard.io/env-map"
+        )),
+        _ => match training
+            .unreadable
+            .get(&Knob::GradAccumulation)
+            .map(|v| (v, Knob::GradAccumulation))
+            .or_else(|| {
+                training
+                    .unreadable
+                    .get(&Knob::BatchSize)
+                    .map(|v| (v, Knob::BatchSize))
+            }) {
+            Some((var, knob)) => Err(format!(
+                "the effective batch cannot be kept: {change}, but {var} is set by valueFrom, \
+                 which memguard does not read; annotate memguard.io/{} with its value",
+                knob.name()
+            )),
+            None => Ok(()),
+        },
+    }
 }
 
 /// The plan as the pod will carry it: the trainer's `MEMGUARD_*` env, its own variables
@@ -161,11 +215,7 @@ fn render(
     ));
 
     // The pod's own env-map, else the policy's: both checked when they were parsed.
-    let env_map = if training.annotations.env_map.is_empty() {
-        &policy.env_names
-    } else {
-        &training.annotations.env_map
-    };
+    let env_map = training.env_map(policy);
     let user_env: Vec<(String, String)> = env_map
         .iter()
         .filter(|(knob, _)| knobs.contains(knob))
@@ -186,7 +236,13 @@ fn render(
     }
 
     let sidecar = sidecar_plan(policy, &trainer.name, &plan, budget.as_ref());
-    let estimate = estimate_annotation(&plan, budget.as_ref(), &training.config, &adjust);
+    let mut estimate = estimate_annotation(&plan, budget.as_ref(), &training.config, &adjust);
+    estimate.sources = knob_sources(training);
+    estimate.read = training
+        .sources
+        .keys()
+        .map(|k| (k.name().to_string(), k.value(&training.config)))
+        .collect();
     Mutation {
         trainer_index: training.trainer_index,
         trainer: trainer.name.clone(),
@@ -245,6 +301,25 @@ fn sidecar_plan(
     }
 }
 
+/// Each knob's source, when any was read from the trainer's own config (else empty: the
+/// annotation stays as it was for pods written for memguard).
+fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap<String, String> {
+    if training.sources.is_empty() {
+        return Default::default();
+    }
+    Knob::of(&training.config)
+        .into_iter()
+        .map(|k| {
+            let source = match training.sources.get(&k) {
+                Some(read) => read.clone(),
+                None if training.annotations.knobs_given.contains(&k) => "annotation".into(),
+                None => "default".into(),
+            };
+            (k.name().to_string(), source)
+        })
+        .collect()
+}
+
 fn estimate_annotation(
     plan: &DowngradePlan,
     budget: Option<&Budget>,
@@ -278,6 +353,8 @@ fn estimate_annotation(
         uncalibrated: plan.estimate.total,
         calibration: adjust.calibration.is_active().then_some(adjust.calibration),
         recovery: adjust.recovery.as_ref().map(|r| r.reason.clone()),
+        sources: Default::default(),
+        read: Default::default(),
     }
 }
 

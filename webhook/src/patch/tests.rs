@@ -239,6 +239,7 @@ fn creates_missing_arrays_with_add() {
 fn rewrites_existing_variables_in_place() {
     let pod = gpu_pod()
         .annotate(keys::ENV_MAP, "batch-size=BS,grad-accumulation=GA")
+        .annotate(keys::GRAD_ACCUMULATION, "1")
         .env("BS", "999")
         .env_from_configmap("GA")
         .env(env::BATCH_SIZE, "999")
@@ -544,4 +545,35 @@ fn an_unknown_non_root_uid_or_a_privileged_trainer_keeps_the_nonroot_sidecar() {
         sidecar_sc(Value::Null, json!({"runAsUser": 0, "privileged": true})),
         default
     );
+}
+
+/// The trainer's own values, read and rewritten (issue 27): a second admission reads the
+/// values recorded as read, not memguard's rewrite, so it reaches the same plan and the patch
+/// is empty; the rewrite keeps `batch × accumulation` (8 × 4).
+#[test]
+fn read_and_rewritten_variables_are_idempotent() {
+    // No batch annotation: the trainer's BS is the batch.
+    let pod = bare_pod()
+        .annotate(keys::MODEL, "llama-3-8b")
+        .annotate(keys::METHOD, "lora")
+        .gpus(1)
+        .annotate(keys::GPU_MEMORY, "24Gi")
+        .annotate(keys::SEQ_LENGTH, "8192")
+        .annotate(keys::ENV_MAP, "batch-size=BS,grad-accumulation=GA")
+        .env("BS", "8")
+        .env("GA", "4")
+        .json();
+    let (patch, out) = apply(&pod, &Policy::default());
+    assert!(!patch.0.is_empty());
+    let trainer = &out["spec"]["containers"][0];
+    let value = |name| -> u64 {
+        env_value(trainer, name)
+            .and_then(Value::as_str)
+            .and_then(|v| v.parse().ok())
+            .expect("a literal")
+    };
+    assert!(value("BS") < 8, "downgraded");
+    assert_eq!(value("BS") * value("GA"), 32, "{trainer}");
+    let (second, _) = apply(&out, &Policy::default());
+    assert!(second.0.is_empty(), "not idempotent: {second:?}");
 }
