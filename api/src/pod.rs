@@ -113,6 +113,116 @@ pub struct TrainingPod<'a> {
     /// The knobs whose mapped variable the trainer sets itself (not a value memguard wrote):
     /// a downgrade must rewrite them all consistently.
     pub set_by_trainer: BTreeSet<Knob>,
+    /// The trainer's command line, when it is a launch read with Hugging Face argument rules.
+    pub args: Option<ArgsReading>,
+}
+
+/// What memguard wrote at an earlier admission (reinvocation, a pod recreated from its own
+/// output), from its estimate annotation.
+fn earlier_estimate(pod: &Pod) -> Option<crate::estimate::EstimateAnnotation> {
+    pod.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(annotations::ESTIMATE))
+        .and_then(|text| crate::estimate::EstimateAnnotation::parse(text).ok())
+}
+
+/// The trainer's own value of `knob`, given the value found now: a value equal to what memguard
+/// wrote earlier is memguard's, and the value read then is the trainer's (`None`: memguard
+/// added it, the trainer set nothing).
+fn as_read<'a>(
+    earlier: Option<&'a crate::estimate::EstimateAnnotation>,
+    knob: Knob,
+    found: &'a str,
+) -> Option<&'a str> {
+    match earlier.filter(|e| e.config.get(knob.name()).map(String::as_str) == Some(found)) {
+        Some(e) => e.read.get(knob.name()).map(String::as_str),
+        None => Some(found),
+    }
+}
+
+/// A trainer's command line read with Hugging Face argument rules (HF Trainer, TRL scripts).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ArgsReading {
+    /// The container's `command` followed by its `args`.
+    pub items: Vec<String>,
+    /// How many of `items` are `command`.
+    pub command_len: usize,
+    /// The launch in them.
+    pub launch: crate::launch::Launch,
+    /// Its flags.
+    pub flags: crate::launch::Flags,
+}
+
+/// The HF flag that carries each knob, in its canonical spelling.
+pub const HF_FLAGS: &[(Knob, &str)] = &[
+    (Knob::BatchSize, "per_device_train_batch_size"),
+    (Knob::GradAccumulation, "gradient_accumulation_steps"),
+    (Knob::GradCheckpointing, "gradient_checkpointing"),
+    (Knob::SeqLength, "max_length"),
+    (Knob::LoraRank, "lora_r"),
+];
+
+/// Reads the trainer's command line with HF rules into `config`, for the knobs no annotation
+/// gives; each knob read is recorded in `sources` as `args`.
+fn read_args(
+    pod: &Pod,
+    trainer: &Container,
+    parsed: &TrainingAnnotations,
+    config: &mut TrainingConfig,
+    sources: &mut BTreeMap<Knob, String>,
+) -> Option<ArgsReading> {
+    use crate::launch::{self, Flags, HfRules, Program};
+    let command = trainer.command.clone().unwrap_or_default();
+    let command_len = command.len();
+    let items: Vec<String> = command
+        .into_iter()
+        .chain(trainer.args.clone().unwrap_or_default())
+        .collect();
+    let found = launch::find(&items).ok()?;
+    // HF argument rules: Python scripts and modules, and `trl`.
+    let hf = match &found.program {
+        Program::Script(_) | Program::Module(_) => true,
+        Program::Command(_) => found.program.name() == "trl",
+    };
+    if !hf {
+        return None;
+    }
+    let flags = Flags::parse(&found.texts(), &HfRules);
+    for (knob, key) in HF_FLAGS {
+        if parsed.knobs_given.contains(knob) {
+            continue;
+        }
+        let Some(flag) = flags.get(key) else { continue };
+        let known = [Some(flag.at), match flag.value_at {
+            launch::flags::ValueAt::Next(i) => Some(i),
+            _ => None,
+        }]
+        .into_iter()
+        .flatten()
+        .all(|i| found.args.get(i).is_some_and(|a| !a.expands));
+        if !known {
+            continue;
+        }
+        let value = if *knob == Knob::GradCheckpointing {
+            flags.bool(key, &HfRules).map(|b| b.to_string())
+        } else {
+            flag.value.clone()
+        };
+        let earlier = earlier_estimate(pod);
+        if let Some(value) = value
+            && let Some(value) = as_read(earlier.as_ref(), *knob, &value)
+            && knob.set(config, value)
+        {
+            sources.insert(*knob, "args".into());
+        }
+    }
+    Some(ArgsReading {
+        items,
+        command_len,
+        launch: found,
+        flags,
+    })
 }
 
 impl<'a> TrainingPod<'a> {
@@ -182,10 +292,11 @@ impl<'a> TrainingPod<'a> {
         config.device = device;
         let dra_memory = dra_memory.cloned();
         let MappedEnv {
-            sources,
+            mut sources,
             unreadable,
             set_by_trainer,
         } = read_mapped_env(pod, trainer, &parsed, policy, &mut config);
+        let args = read_args(pod, trainer, &parsed, &mut config, &mut sources);
         Ok(TrainingPod {
             annotations: parsed,
             trainer_index,
@@ -202,6 +313,7 @@ impl<'a> TrainingPod<'a> {
             sources,
             unreadable,
             set_by_trainer,
+            args,
         })
     }
 
@@ -238,15 +350,7 @@ fn read_mapped_env(
     } else {
         &parsed.env_map
     };
-    // What memguard wrote at an earlier admission (reinvocation, a pod recreated from its
-    // own output): a variable holding memguard's value is memguard's, and the value read then
-    // is the trainer's.
-    let earlier = pod
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(annotations::ESTIMATE))
-        .and_then(|text| crate::estimate::EstimateAnnotation::parse(text).ok());
+    let earlier = earlier_estimate(pod);
     let mut sources = BTreeMap::new();
     let mut unreadable = BTreeMap::new();
     let mut set_by_trainer = BTreeSet::new();
@@ -256,15 +360,8 @@ fn read_mapped_env(
         };
         match &entry.value {
             Some(value) if entry.value_from.is_none() => {
-                let written = earlier
-                    .as_ref()
-                    .filter(|e| e.config.get(knob.name()) == Some(value));
-                let value = match written {
-                    Some(e) => match e.read.get(knob.name()) {
-                        Some(original) => original,
-                        None => continue,
-                    },
-                    None => value,
+                let Some(value) = as_read(earlier.as_ref(), *knob, value) else {
+                    continue;
                 };
                 set_by_trainer.insert(*knob);
                 if parsed.knobs_given.contains(knob) {

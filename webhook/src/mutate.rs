@@ -72,6 +72,11 @@ pub struct Mutation {
     pub trainer_env: Vec<(String, String)>,
     /// The user's own variables (env-map), rewritten in place.
     pub user_env: Vec<(String, String)>,
+    /// The trainer's `command` and `args` rewritten in its own terms (HF flags), when the plan
+    /// changed a knob read from them; `None`: left byte for byte.
+    pub command_line: Option<CommandLine>,
+    /// What changed, in the trainer's words (`--per_device_train_batch_size 8→2`).
+    pub changed: Vec<String>,
     /// The sidecar.
     pub sidecar: SidecarPlan,
     /// The `memguard.io/estimate` annotation.
@@ -83,6 +88,15 @@ pub struct Mutation {
     pub error: Option<String>,
     /// The pod's `spec.affinity` with memguard's placement merged in, when placement added any.
     pub affinity: Option<k8s_openapi::api::core::v1::Affinity>,
+}
+
+/// A container's command line as memguard writes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommandLine {
+    /// `command`, when the pod has one.
+    pub command: Option<Vec<String>>,
+    /// `args`, when the pod has them.
+    pub args: Option<Vec<String>>,
 }
 
 impl Mutation {
@@ -114,11 +128,109 @@ pub fn skipped(error: String) -> Outcome {
 /// budget, what past runs taught, placement, plan), [`render`] the result.
 fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation, String> {
     let training = TrainingPod::resolve(pod, policy, profiles.dra()).map_err(|e| e.to_string())?;
-    let decided = decision::decide(&training, policy, |key| {
+    // The plan moves only the knobs something applies ([`pinned_floors`]).
+    let mut policy_in_play = policy.clone();
+    policy_in_play.floors = pinned_floors(&training, policy);
+    let decided = decision::decide(&training, &policy_in_play, |key| {
         profiles.adjustments(pod.metadata.namespace.as_deref(), key)
     })?;
     keeps_effective_batch(&training, policy, &decided.plan.config)?;
-    Ok(render(&training, policy, decided))
+    let (command_line, changed) = rewrite_args(&training, &decided.plan.config)?;
+    let mut mutation = render(&training, policy, decided);
+    if !changed.is_empty() {
+        // What changed, in the trainer's words, leads: a cut at 120 characters loses the tail.
+        mutation
+            .warnings
+            .insert(0, truncate(&format!("memguard: {}", changed.join(", "))));
+    }
+    mutation.command_line = command_line;
+    mutation.changed = changed;
+    Ok(mutation)
+}
+
+/// The knobs that only a reader can apply (sequence length, LoRA rank and layers: the Python
+/// client does not change them) stay where the trainer's config has them unless the trainer
+/// reads them from a mapped variable or a flag memguard rewrites: their floor is raised to the
+/// current value, so the plan never counts on a change nothing applies.
+///
+/// Applied where memguard read the trainer's launch (a stock script: no client to apply them);
+/// a pod with no readable launch keeps the plan over every knob, as written for memguard.
+pub fn pinned_floors(training: &TrainingPod, policy: &Policy) -> memguard_estimator::Floors {
+    let mut floors = policy.floors;
+    if training.args.is_none() {
+        return floors;
+    }
+    let map = training.env_map(policy);
+    let cfg = &training.config;
+    let in_play = |knob: Knob| {
+        map.contains_key(&knob) || training.sources.get(&knob).is_some_and(|s| s == "args")
+    };
+    if !in_play(Knob::SeqLength) {
+        floors.seq_length = floors.seq_length.max(cfg.seq_length);
+    }
+    if !in_play(Knob::LoraRank) {
+        floors.lora_rank = floors.lora_rank.max(cfg.lora_rank);
+    }
+    if !in_play(Knob::LoraLayers) {
+        floors.lora_layers = floors.lora_layers.max(cfg.adapted_layers());
+    }
+    floors
+}
+
+/// The trainer's command line with the plan's changes to the knobs read from it, in its own
+/// flags: a present flag's value replaced in place, `--k=v` appended only where the parser is
+/// known to define `k`. Batch and accumulation are written together, so their product holds.
+fn rewrite_args(
+    training: &TrainingPod,
+    planned: &TrainingConfig,
+) -> Result<(Option<CommandLine>, Vec<String>), String> {
+    use memguard_api::launch::HfRules;
+    let Some(reading) = &training.args else {
+        return Ok((None, Vec::new()));
+    };
+    let before = &training.config;
+    let from_args = |k: &Knob| training.sources.get(k).is_some_and(|s| s == "args");
+    let batch_from_args = from_args(&Knob::BatchSize);
+    let mut edits = Vec::new();
+    let mut changed = Vec::new();
+    for (knob, key) in memguard_api::pod::HF_FLAGS {
+        let coupled = batch_from_args && *knob == Knob::GradAccumulation;
+        if !(from_args(knob) || coupled) || knob.value(planned) == knob.value(before) {
+            continue;
+        }
+        let edit = reading
+            .flags
+            .set(key, &knob.value(planned), &HfRules)
+            .map_err(|e| format!("the plan cannot be written in the trainer's flags: {e}"))?;
+        let spelled = reading
+            .flags
+            .get(key)
+            .map(|f| f.spelled.clone())
+            .unwrap_or_else(|| format!("--{key}"));
+        changed.push(format!(
+            "{spelled} {}→{}",
+            knob.value(before),
+            knob.value(planned)
+        ));
+        edits.push(edit);
+    }
+    if edits.is_empty() {
+        return Ok((None, changed));
+    }
+    let items = reading.launch.apply(&reading.items, &edits);
+    let (command, args) = items.split_at(reading.command_len.min(items.len()));
+    let trainer = training.trainer;
+    Ok((
+        Some(CommandLine {
+            command: trainer.command.as_ref().map(|_| command.to_vec()),
+            args: trainer
+                .args
+                .as_ref()
+                .map(|_| args.to_vec())
+                .or_else(|| (!args.is_empty()).then(|| args.to_vec())),
+        }),
+        changed,
+    ))
 }
 
 /// `batch × accumulation` is kept exactly by the trainer's own variables, or the pod is not
@@ -250,6 +362,8 @@ fn render(
         plan,
         trainer_env,
         user_env,
+        command_line: None,
+        changed: Vec::new(),
         sidecar,
         estimate,
         warnings,
