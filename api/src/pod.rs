@@ -194,10 +194,13 @@ fn read_args(
             continue;
         }
         let Some(flag) = flags.get(key) else { continue };
-        let known = [Some(flag.at), match flag.value_at {
-            launch::flags::ValueAt::Next(i) => Some(i),
-            _ => None,
-        }]
+        let known = [
+            Some(flag.at),
+            match flag.value_at {
+                launch::flags::ValueAt::Next(i) => Some(i),
+                _ => None,
+            },
+        ]
         .into_iter()
         .flatten()
         .all(|i| found.args.get(i).is_some_and(|a| !a.expands));

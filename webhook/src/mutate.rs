@@ -184,18 +184,22 @@ fn rewrite_args(
     training: &TrainingPod,
     planned: &TrainingConfig,
 ) -> Result<(Option<CommandLine>, Vec<String>), String> {
-    use memguard_api::launch::HfRules;
+    use memguard_api::launch::{FlagRules, HfRules};
     let Some(reading) = &training.args else {
         return Ok((None, Vec::new()));
     };
     let before = &training.config;
     let from_args = |k: &Knob| training.sources.get(k).is_some_and(|s| s == "args");
-    let batch_from_args = from_args(&Knob::BatchSize);
+    // A flag only TrainingArguments defines says the parser is HfArgumentParser: then the
+    // flags it defines may be appended (a bespoke argparse script would reject them).
+    let hf_trainer = ["per_device_train_batch_size", "output_dir"]
+        .iter()
+        .any(|k| reading.flags.get(k).is_some());
     let mut edits = Vec::new();
     let mut changed = Vec::new();
     for (knob, key) in memguard_api::pod::HF_FLAGS {
-        let coupled = batch_from_args && *knob == Knob::GradAccumulation;
-        if !(from_args(knob) || coupled) || knob.value(planned) == knob.value(before) {
+        let writable = from_args(knob) || (hf_trainer && HfRules.defines(key));
+        if !writable || knob.value(planned) == knob.value(before) {
             continue;
         }
         let edit = reading
