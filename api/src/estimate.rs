@@ -92,6 +92,9 @@ pub struct EstimateAnnotation {
     /// them: a second admission reads these, not its own rewrite, so it reaches the same plan.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub read: BTreeMap<String, String>,
+    /// The trainer's flags memguard rewrote, in its words (`--per_device_train_batch_size 8→4`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub changed: Vec<String>,
 }
 
 /// Why an annotation cannot be read.

@@ -96,6 +96,7 @@ impl PodBuilder {
             recovery: None,
             sources: BTreeMap::new(),
             read: BTreeMap::new(),
+            changed: Vec::new(),
         };
         self.annotate(annotations::ESTIMATE, &annotation.to_json())
     }

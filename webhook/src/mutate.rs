@@ -144,6 +144,7 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
             .insert(0, truncate(&format!("memguard: {}", changed.join(", "))));
     }
     mutation.command_line = command_line;
+    mutation.estimate.changed = changed.clone();
     mutation.changed = changed;
     Ok(mutation)
 }
@@ -473,6 +474,7 @@ fn estimate_annotation(
         recovery: adjust.recovery.as_ref().map(|r| r.reason.clone()),
         sources: Default::default(),
         read: Default::default(),
+        changed: Vec::new(),
     }
 }
 
