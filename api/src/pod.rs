@@ -115,6 +115,9 @@ pub struct TrainingPod<'a> {
     pub set_by_trainer: BTreeSet<Knob>,
     /// The trainer's command line, when it is a launch read with Hugging Face argument rules.
     pub args: Option<ArgsReading>,
+    /// Why the trainer's command line could not be read (inline code, a shell expansion as the
+    /// program, an unsplittable string): the pod is planned on its annotations.
+    pub args_unreadable: Option<String>,
 }
 
 /// What memguard wrote at an earlier admission (reinvocation, a pod recreated from its own
@@ -164,14 +167,15 @@ pub const HF_FLAGS: &[(Knob, &str)] = &[
 ];
 
 /// Reads the trainer's command line with HF rules into `config`, for the knobs no annotation
-/// gives; each knob read is recorded in `sources` as `args`.
+/// gives; each knob read is recorded in `sources` as `args`. `Ok(None)`: no launch, or not one
+/// with HF rules; `Err`: a launch that cannot be read, and why.
 fn read_args(
     pod: &Pod,
     trainer: &Container,
     parsed: &TrainingAnnotations,
     config: &mut TrainingConfig,
     sources: &mut BTreeMap<Knob, String>,
-) -> Option<ArgsReading> {
+) -> Result<Option<ArgsReading>, String> {
     use crate::launch::{self, Flags, HfRules, Program};
     let command = trainer.command.clone().unwrap_or_default();
     let command_len = command.len();
@@ -179,14 +183,18 @@ fn read_args(
         .into_iter()
         .chain(trainer.args.clone().unwrap_or_default())
         .collect();
-    let found = launch::find(&items).ok()?;
+    let found = match launch::find(&items) {
+        Ok(found) => found,
+        Err(launch::LaunchError::Empty | launch::LaunchError::NoProgram) => return Ok(None),
+        Err(e) => return Err(e.to_string()),
+    };
     // HF argument rules: Python scripts and modules, and `trl`.
     let hf = match &found.program {
         Program::Script(_) | Program::Module(_) => true,
         Program::Command(_) => found.program.name() == "trl",
     };
     if !hf {
-        return None;
+        return Ok(None);
     }
     let flags = Flags::parse(&found.texts(), &HfRules);
     for (knob, key) in HF_FLAGS {
@@ -220,12 +228,12 @@ fn read_args(
             sources.insert(*knob, "args".into());
         }
     }
-    Some(ArgsReading {
+    Ok(Some(ArgsReading {
         items,
         command_len,
         launch: found,
         flags,
-    })
+    }))
 }
 
 impl<'a> TrainingPod<'a> {
@@ -299,7 +307,11 @@ impl<'a> TrainingPod<'a> {
             unreadable,
             set_by_trainer,
         } = read_mapped_env(pod, trainer, &parsed, policy, &mut config);
-        let args = read_args(pod, trainer, &parsed, &mut config, &mut sources);
+        let (args, args_unreadable) =
+            match read_args(pod, trainer, &parsed, &mut config, &mut sources) {
+                Ok(args) => (args, None),
+                Err(why) => (None, Some(why)),
+            };
         Ok(TrainingPod {
             annotations: parsed,
             trainer_index,
@@ -317,6 +329,7 @@ impl<'a> TrainingPod<'a> {
             unreadable,
             set_by_trainer,
             args,
+            args_unreadable,
         })
     }
 

@@ -137,6 +137,11 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
     keeps_effective_batch(&training, policy, &decided.plan.config)?;
     let (command_line, changed) = rewrite_args(&training, &decided.plan.config)?;
     let mut mutation = render(&training, policy, decided);
+    if let Some(why) = &training.args_unreadable {
+        mutation.warnings.push(truncate(&format!(
+            "memguard: the trainer's command line was not read ({why}); planned on annotations"
+        )));
+    }
     if !changed.is_empty() {
         // What changed, in the trainer's words, leads: a cut at 120 characters loses the tail.
         mutation

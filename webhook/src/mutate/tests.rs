@@ -857,3 +857,23 @@ fn an_effective_batch_that_cannot_be_kept_leaves_the_pod_unchanged_with_the_reas
     let cfg = &annotated.plan.config;
     assert_eq!(cfg.batch_size * cfg.grad_accumulation, 16);
 }
+
+/// A launch memguard cannot read (`python -c`) falls back to the annotations and says so.
+#[test]
+fn an_unreadable_launch_is_planned_on_annotations_and_says_so() {
+    let mut pod = trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "24Gi").build();
+    if let Some(c) = pod.spec.as_mut().and_then(|s| s.containers.first_mut()) {
+        c.command = Some(vec!["python".into(), "-c".into(), "import train".into()]);
+    }
+    let Outcome::Mutated(m) = mutate(&pod, &Policy::default(), &ClusterView::default()) else {
+        panic!("mutated")
+    };
+    assert!(
+        m.warnings
+            .iter()
+            .any(|w| w.contains("command line was not read") && w.contains("python -c")),
+        "{:?}",
+        m.warnings
+    );
+    assert!(m.command_line.is_none());
+}
