@@ -861,7 +861,10 @@ fn an_effective_batch_that_cannot_be_kept_leaves_the_pod_unchanged_with_the_reas
 /// A launch memguard cannot read (`python -c`) falls back to the annotations and says so.
 #[test]
 fn an_unreadable_launch_is_planned_on_annotations_and_says_so() {
-    let mut pod = trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "24Gi").build();
+    let mut pod = trainer_pod()
+        .gpus(1)
+        .annotate(keys::GPU_MEMORY, "24Gi")
+        .build();
     if let Some(c) = pod.spec.as_mut().and_then(|s| s.containers.first_mut()) {
         c.command = Some(vec!["python".into(), "-c".into(), "import train".into()]);
     }
