@@ -107,3 +107,15 @@ for r in [{"framework": "torch", "allocated_bytes": 1 << 30, "reserved_bytes": 2
            "total_bytes": 24 << 30, "step": 10, "batch_size": 8},
           {"framework": "mlx", "peak_bytes": 1}, {}, {"allocated": 1}]:
     add("signal_report", json.dumps(r))
+
+# The command-line reader: launch lines as a container writes them (one item per line), and
+# shell strings after `sh -c`.
+for cmd in [
+    "python\n-u\ntrain.py\n--per_device_train_batch_size\n8\n--gradient_accumulation_steps=2",
+    "torchrun\n--nproc_per_node=8\nsft.py\n--per-device-train-batch-size\n4\n--bf16\n--no_gradient_checkpointing",
+    "accelerate\nlaunch\n--config_file\nc.yaml\n-m\naxolotl.cli.train\ncfg.yml",
+    "deepspeed\n--num_gpus\n8\ntrain.py\n--deepspeed\nds.json\n--max_seq_length\n4096",
+    "sh -c\npip install -q trl && cd /app; NCCL_DEBUG=INFO torchrun --nproc_per_node=8 sft.py \\\n --per_device_train_batch_size 8 --lr='1e-4' \"x y\" 2>&1 | tee log",
+    "sh -c\npython -c 'import x' && python $S --a \"$B\"",
+]:
+    add("launch", cmd)

@@ -231,6 +231,8 @@ pub struct TrainingAnnotations {
     pub container: Option<String>,
     /// `env-map` entries.
     pub env_map: EnvMap,
+    /// The knobs whose annotation was given: they override what the trainer's config says.
+    pub knobs_given: std::collections::BTreeSet<Knob>,
 }
 
 /// Whether a pod's annotations carry any memguard input at all.
@@ -430,6 +432,10 @@ impl TrainingAnnotations {
                 safety_ratio,
                 container,
                 env_map,
+                knobs_given: Knob::ALL
+                    .into_iter()
+                    .filter(|k| keys.contains_key(k.name()))
+                    .collect(),
             })
         } else {
             Err(p.errors)

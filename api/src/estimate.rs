@@ -84,6 +84,17 @@ pub struct EstimateAnnotation {
     /// The reason of the profile's pending recovery after an OOM kill, when one applied.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recovery: Option<String>,
+    /// Where each knob of the original config came from (`annotation`, `env:<NAME>`,
+    /// `default`), written when any was read from the trainer's own config.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub sources: BTreeMap<String, String>,
+    /// The values read from the trainer's own config, as they were before memguard rewrote
+    /// them: a second admission reads these, not its own rewrite, so it reaches the same plan.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub read: BTreeMap<String, String>,
+    /// The trainer's flags memguard rewrote, in its words (`--per_device_train_batch_size 8→4`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub changed: Vec<String>,
 }
 
 /// Why an annotation cannot be read.

@@ -11,6 +11,7 @@ pub mod env;
 pub mod estimate;
 pub mod hf_config;
 pub mod knobs;
+pub mod launch;
 pub mod models;
 pub mod oom;
 pub mod policy;

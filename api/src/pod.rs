@@ -6,13 +6,13 @@
 //! the run) all decide from these answers, read once, so they live here once.
 
 use crate::Policy;
-use crate::annotations::{self, AnnotationError, TrainingAnnotations};
+use crate::annotations::{self, AnnotationError, Knob, TrainingAnnotations};
 use crate::dra::{DraCatalog, DraMemory, DraReading};
 use crate::wellknown;
 use k8s_openapi::api::core::v1::{Container, Pod, PodResourceClaim};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use memguard_estimator::{Bytes, Device, Parallelism, TrainingConfig};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// NVIDIA MIG, mixed strategy: one resource per profile, `nvidia.com/mig-<g>g.<m>gb`.
 pub const NVIDIA_MIG_RESOURCE_PREFIX: &str = "nvidia.com/mig-";
@@ -103,6 +103,137 @@ pub struct TrainingPod<'a> {
     pub memory_limit: Option<Bytes>,
     /// The trainer's literal env ([`literal_env`]).
     pub trainer_env: BTreeMap<String, String>,
+    /// Where each knob of [`config`](Self::config) came from, for the knobs read from the
+    /// trainer's own config (`env:<NAME>`); empty when every knob came from annotations or
+    /// defaults.
+    pub sources: BTreeMap<Knob, String>,
+    /// The knobs whose variable (env-map, else the policy's `envNames`) the trainer sets in a
+    /// way memguard cannot read (`valueFrom`), with the variable, and no annotation says.
+    pub unreadable: BTreeMap<Knob, String>,
+    /// The knobs whose mapped variable the trainer sets itself (not a value memguard wrote):
+    /// a downgrade must rewrite them all consistently.
+    pub set_by_trainer: BTreeSet<Knob>,
+    /// The trainer's command line, when it is a launch read with Hugging Face argument rules.
+    pub args: Option<ArgsReading>,
+    /// Why the trainer's command line could not be read (inline code, a shell expansion as the
+    /// program, an unsplittable string): the pod is planned on its annotations.
+    pub args_unreadable: Option<String>,
+}
+
+/// What memguard wrote at an earlier admission (reinvocation, a pod recreated from its own
+/// output), from its estimate annotation.
+fn earlier_estimate(pod: &Pod) -> Option<crate::estimate::EstimateAnnotation> {
+    pod.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(annotations::ESTIMATE))
+        .and_then(|text| crate::estimate::EstimateAnnotation::parse(text).ok())
+}
+
+/// The trainer's own value of `knob`, given the value found now: a value equal to what memguard
+/// wrote earlier is memguard's, and the value read then is the trainer's (`None`: memguard
+/// added it, the trainer set nothing).
+fn as_read<'a>(
+    earlier: Option<&'a crate::estimate::EstimateAnnotation>,
+    knob: Knob,
+    found: &'a str,
+) -> Option<&'a str> {
+    match earlier.filter(|e| e.config.get(knob.name()).map(String::as_str) == Some(found)) {
+        Some(e) => e.read.get(knob.name()).map(String::as_str),
+        None => Some(found),
+    }
+}
+
+/// A trainer's command line read with Hugging Face argument rules (HF Trainer, TRL scripts).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ArgsReading {
+    /// The container's `command` followed by its `args`.
+    pub items: Vec<String>,
+    /// How many of `items` are `command`.
+    pub command_len: usize,
+    /// The launch in them.
+    pub launch: crate::launch::Launch,
+    /// Its flags.
+    pub flags: crate::launch::Flags,
+}
+
+/// The HF flag that carries each knob, in its canonical spelling.
+pub const HF_FLAGS: &[(Knob, &str)] = &[
+    (Knob::BatchSize, "per_device_train_batch_size"),
+    (Knob::GradAccumulation, "gradient_accumulation_steps"),
+    (Knob::GradCheckpointing, "gradient_checkpointing"),
+    (Knob::SeqLength, "max_length"),
+    (Knob::LoraRank, "lora_r"),
+];
+
+/// Reads the trainer's command line with HF rules into `config`, for the knobs no annotation
+/// gives; each knob read is recorded in `sources` as `args`. `Ok(None)`: no launch, or not one
+/// with HF rules; `Err`: a launch that cannot be read, and why.
+fn read_args(
+    pod: &Pod,
+    trainer: &Container,
+    parsed: &TrainingAnnotations,
+    config: &mut TrainingConfig,
+    sources: &mut BTreeMap<Knob, String>,
+) -> Result<Option<ArgsReading>, String> {
+    use crate::launch::{self, Flags, HfRules, Program};
+    let command = trainer.command.clone().unwrap_or_default();
+    let command_len = command.len();
+    let items: Vec<String> = command
+        .into_iter()
+        .chain(trainer.args.clone().unwrap_or_default())
+        .collect();
+    let found = match launch::find(&items) {
+        Ok(found) => found,
+        Err(launch::LaunchError::Empty | launch::LaunchError::NoProgram) => return Ok(None),
+        Err(e) => return Err(e.to_string()),
+    };
+    // HF argument rules: Python scripts and modules, and `trl`.
+    let hf = match &found.program {
+        Program::Script(_) | Program::Module(_) => true,
+        Program::Command(_) => found.program.name() == "trl",
+    };
+    if !hf {
+        return Ok(None);
+    }
+    let flags = Flags::parse(&found.texts(), &HfRules);
+    for (knob, key) in HF_FLAGS {
+        if parsed.knobs_given.contains(knob) {
+            continue;
+        }
+        let Some(flag) = flags.get(key) else { continue };
+        let known = [
+            Some(flag.at),
+            match flag.value_at {
+                launch::flags::ValueAt::Next(i) => Some(i),
+                _ => None,
+            },
+        ]
+        .into_iter()
+        .flatten()
+        .all(|i| found.args.get(i).is_some_and(|a| !a.expands));
+        if !known {
+            continue;
+        }
+        let value = if *knob == Knob::GradCheckpointing {
+            flags.bool(key, &HfRules).map(|b| b.to_string())
+        } else {
+            flag.value.clone()
+        };
+        let earlier = earlier_estimate(pod);
+        if let Some(value) = value
+            && let Some(value) = as_read(earlier.as_ref(), *knob, &value)
+            && knob.set(config, value)
+        {
+            sources.insert(*knob, "args".into());
+        }
+    }
+    Ok(Some(ArgsReading {
+        items,
+        command_len,
+        launch: found,
+        flags,
+    }))
 }
 
 impl<'a> TrainingPod<'a> {
@@ -171,6 +302,16 @@ impl<'a> TrainingPod<'a> {
         let (device, dra_memory) = reading.on(config.device, parsed.device_given);
         config.device = device;
         let dra_memory = dra_memory.cloned();
+        let MappedEnv {
+            mut sources,
+            unreadable,
+            set_by_trainer,
+        } = read_mapped_env(pod, trainer, &parsed, policy, &mut config);
+        let (args, args_unreadable) =
+            match read_args(pod, trainer, &parsed, &mut config, &mut sources) {
+                Ok(args) => (args, None),
+                Err(why) => (None, Some(why)),
+            };
         Ok(TrainingPod {
             annotations: parsed,
             trainer_index,
@@ -184,7 +325,81 @@ impl<'a> TrainingPod<'a> {
             dra_memory,
             memory_limit: memory_limit(trainer),
             trainer_env: literal_env(trainer),
+            sources,
+            unreadable,
+            set_by_trainer,
+            args,
+            args_unreadable,
         })
+    }
+
+    /// The variables the trainer's knobs are written to: the pod's `env-map`, else the
+    /// policy's `envNames`.
+    pub fn env_map<'p>(&'p self, policy: &'p Policy) -> &'p annotations::EnvMap {
+        if self.annotations.env_map.is_empty() {
+            &policy.env_names
+        } else {
+            &self.annotations.env_map
+        }
+    }
+}
+
+/// Reads the literal values of the trainer's mapped variables into `config`, for the knobs no
+/// annotation gives (an annotation overrides what was read; what was read overrides defaults).
+struct MappedEnv {
+    sources: BTreeMap<Knob, String>,
+    unreadable: BTreeMap<Knob, String>,
+    set_by_trainer: BTreeSet<Knob>,
+}
+
+/// Returns the sources of what was read, the mapped variables set by `valueFrom`, and the
+/// knobs whose variable the trainer sets.
+fn read_mapped_env(
+    pod: &Pod,
+    trainer: &Container,
+    parsed: &TrainingAnnotations,
+    policy: &Policy,
+    config: &mut TrainingConfig,
+) -> MappedEnv {
+    let map = if parsed.env_map.is_empty() {
+        &policy.env_names
+    } else {
+        &parsed.env_map
+    };
+    let earlier = earlier_estimate(pod);
+    let mut sources = BTreeMap::new();
+    let mut unreadable = BTreeMap::new();
+    let mut set_by_trainer = BTreeSet::new();
+    for (knob, var) in map {
+        let Some(entry) = trainer.env.iter().flatten().rev().find(|e| &e.name == var) else {
+            continue;
+        };
+        match &entry.value {
+            Some(value) if entry.value_from.is_none() => {
+                let Some(value) = as_read(earlier.as_ref(), *knob, value) else {
+                    continue;
+                };
+                set_by_trainer.insert(*knob);
+                if parsed.knobs_given.contains(knob) {
+                    continue;
+                }
+                // A value that is not one of the knob's (`BS=auto`) is left to the default.
+                if knob.set(config, value) {
+                    sources.insert(*knob, format!("env:{var}"));
+                }
+            }
+            _ => {
+                set_by_trainer.insert(*knob);
+                if !parsed.knobs_given.contains(knob) {
+                    unreadable.insert(*knob, var.clone());
+                }
+            }
+        }
+    }
+    MappedEnv {
+        sources,
+        unreadable,
+        set_by_trainer,
     }
 }
 

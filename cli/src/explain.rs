@@ -80,6 +80,16 @@ pub struct Explanation {
     estimate_error: Option<String>,
     /// The config the trainer was given (annotations with its `MEMGUARD_*` env).
     config: BTreeMap<&'static str, String>,
+    /// Where each knob came from (`args`, `env:<NAME>`, `annotation`, `default`), when the
+    /// webhook read any from the trainer's own config.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    sources: BTreeMap<String, String>,
+    /// The values the trainer's own config had before memguard rewrote them.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    read: BTreeMap<String, String>,
+    /// The trainer's flags memguard rewrote, in its words.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    changed: Vec<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     estimate: Option<EstimateView>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -341,6 +351,18 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
         trainer,
         error: annotations.get(keys::ERROR).cloned(),
         estimate_error,
+        sources: annotation
+            .as_ref()
+            .map(|a| a.sources.clone())
+            .unwrap_or_default(),
+        read: annotation
+            .as_ref()
+            .map(|a| a.read.clone())
+            .unwrap_or_default(),
+        changed: annotation
+            .as_ref()
+            .map(|a| a.changed.clone())
+            .unwrap_or_default(),
         // The knobs the trainer was given, named as the annotations and env-map name them.
         config: ran
             .as_ref()
@@ -589,7 +611,16 @@ fn write_table(out: &mut impl Write, e: &Explanation) -> std::io::Result<()> {
     }
     writeln!(out, "config")?;
     for (k, v) in &e.config {
-        row(out, k, v)?;
+        match (e.sources.get(*k), e.read.get(*k)) {
+            (Some(source), Some(was)) if was != v => {
+                row(out, k, &format!("{v}  ({source}: was {was})"))?
+            }
+            (Some(source), _) => row(out, k, &format!("{v}  ({source})"))?,
+            (None, _) => row(out, k, v)?,
+        }
+    }
+    if !e.changed.is_empty() {
+        row(out, "rewritten", &e.changed.join(", "))?;
     }
     if let Some(est) = &e.estimate {
         writeln!(out, "estimate")?;

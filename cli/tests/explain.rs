@@ -404,3 +404,38 @@ fn a_model_the_policy_adds_is_keyed_and_learned_under_its_policy_file() {
         "{without}"
     );
 }
+
+/// A stock launch (issue 27): `memguard mutate` rewrites the trainer's own flags, and
+/// `memguard explain` says where each knob came from, what the trainer had, and which flags
+/// were rewritten.
+#[test]
+fn explain_names_each_knobs_source_and_the_flags_rewritten() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pod = r#"
+apiVersion: v1
+kind: Pod
+metadata:
+  name: sft-0
+  namespace: ml
+  labels: {memguard.io/enabled: "true"}
+  annotations:
+    memguard.io/model: llama-3-8b
+    memguard.io/method: lora
+    memguard.io/gpu-memory: "24GiB"
+spec:
+  restartPolicy: Never
+  containers:
+    - name: trainer
+      image: x
+      command: [accelerate, launch, sft.py]
+      args: [--per_device_train_batch_size, "8", --max_seq_length, "4096", --output_dir, /out]
+      resources: {limits: {nvidia.com/gpu: "1"}}
+"#;
+    let admitted = admit(dir.path(), pod, None);
+    let args = &admitted["spec"]["containers"][0]["args"];
+    assert_ne!(args[1], "8", "the batch flag is rewritten: {args}");
+    let text = explain(dir.path(), &admitted, "table");
+    assert!(text.contains("(args: was 8)"), "{text}");
+    assert!(text.contains("rewritten"), "{text}");
+    assert!(text.contains("--per_device_train_batch_size 8→"), "{text}");
+}

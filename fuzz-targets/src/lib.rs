@@ -33,6 +33,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("policy", policy),
     ("cgroup_files", cgroup_files),
     ("signal_report", signal_report),
+    ("launch", launch),
 ];
 
 /// Annotation parsing. The input is a pod's annotations, one `key=value` per line (a key
@@ -328,5 +329,76 @@ pub fn signal_report(data: &[u8]) {
         let again = serde_json::to_vec(&report).expect("a report serializes");
         let back: Report = serde_json::from_slice(&again).expect("a serialized report parses");
         assert_eq!(back, report);
+    }
+}
+
+/// The command-line reader: shell words, the launch, the flags, and a rewrite. The input is a
+/// container's command, one item per line; a first line `sh -c` makes the rest one shell string.
+/// Invariants: every word's span is inside the string and splits back to the word; a rewrite
+/// of each flag's value re-reads as that value, and the rest of the string is kept.
+pub fn launch(data: &[u8]) {
+    use memguard_api::launch::{self, Flags, HfRules, Place, words};
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let items: Vec<String> = match text.split_once('\n') {
+        Some(("sh -c", script)) => vec!["sh".into(), "-c".into(), script.into()],
+        _ => text.lines().map(str::to_string).collect(),
+    };
+    if let Some(script) = items.get(2).filter(|_| items[0] == "sh")
+        && let Ok(tokens) = words::split(script)
+    {
+        for token in &tokens {
+            if let words::Token::Word(w) = token {
+                let bytes = script
+                    .get(w.span.clone())
+                    .expect("a span is on char boundaries");
+                let again = words::split(bytes).expect("a word's bytes split alone");
+                assert!(
+                    matches!(again.as_slice(), [words::Token::Word(x)] if x.text == w.text)
+                        || w.expands,
+                    "word {:?} re-splits as {again:?}",
+                    w.text
+                );
+            }
+        }
+    }
+    let Ok(found) = launch::find(&items) else {
+        return;
+    };
+    // With no edit, the command is the same, byte for byte.
+    assert_eq!(found.apply(&items, &[]), items, "no edit changes nothing");
+    let texts = found.texts();
+    let flags = Flags::parse(&texts, &HfRules);
+    let Some(flag) = flags.flags.last() else {
+        return;
+    };
+    if found.args.iter().any(|a| a.expands) {
+        return;
+    }
+    let key = flag.key.clone();
+    let Ok(edit) = flags.set(&key, "7", &HfRules) else {
+        return;
+    };
+    let out = found.apply(&items, &[edit]);
+    let again = launch::find(&out).expect("a rewritten launch is found again");
+    assert_eq!(again.program, found.program, "the program stays");
+    let reread = Flags::parse(&again.texts(), &HfRules);
+    if !flag.negated && flag.value.is_some() {
+        assert_eq!(
+            reread.value(&key),
+            Some("7"),
+            "{key} re-reads as set: {out:?}"
+        );
+    }
+    // Outside the edited word, a shell string keeps its bytes.
+    if let Some(Place::Shell { item, span }) = found.args.get(flag.at).map(|a| a.place.clone())
+        && flag.value_at == memguard_api::launch::flags::ValueAt::Inline
+    {
+        assert!(
+            out[item].starts_with(&items[item][..span.start]),
+            "prefix kept"
+        );
+        assert!(out[item].ends_with(&items[item][span.end..]), "suffix kept");
     }
 }

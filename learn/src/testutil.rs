@@ -94,6 +94,9 @@ impl PodBuilder {
             uncalibrated: Bytes(uncalibrated),
             calibration: None,
             recovery: None,
+            sources: BTreeMap::new(),
+            read: BTreeMap::new(),
+            changed: Vec::new(),
         };
         self.annotate(annotations::ESTIMATE, &annotation.to_json())
     }

@@ -84,6 +84,11 @@ pub struct Mutation {
     pub trainer_env: Vec<(String, String)>,
     /// The user's own variables (env-map), rewritten in place.
     pub user_env: Vec<(String, String)>,
+    /// The trainer's `command` and `args` rewritten in its own terms (HF flags), when the plan
+    /// changed a knob read from them; `None`: left byte for byte.
+    pub command_line: Option<CommandLine>,
+    /// What changed, in the trainer's words (`--per_device_train_batch_size 8→2`).
+    pub changed: Vec<String>,
     /// The sidecar.
     pub sidecar: SidecarPlan,
     /// The `memguard.io/estimate` annotation.
@@ -98,6 +103,15 @@ pub struct Mutation {
     /// The Python client, when the trainer runs Python and neither the policy nor the pod opted
     /// out.
     pub client: Option<ClientPlan>,
+}
+
+/// A container's command line as memguard writes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommandLine {
+    /// `command`, when the pod has one.
+    pub command: Option<Vec<String>>,
+    /// `args`, when the pod has them.
+    pub args: Option<Vec<String>>,
 }
 
 impl Mutation {
@@ -132,10 +146,172 @@ pub fn skipped(error: String) -> Outcome {
 /// budget, what past runs taught, placement, plan), [`render`] the result.
 fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation, String> {
     let training = TrainingPod::resolve(pod, policy, profiles.dra()).map_err(|e| e.to_string())?;
-    let decided = decision::decide(&training, policy, |key| {
+    // The plan moves only the knobs something applies ([`pinned_floors`]).
+    let mut policy_in_play = policy.clone();
+    policy_in_play.floors = pinned_floors(&training, policy);
+    let decided = decision::decide(&training, &policy_in_play, |key| {
         profiles.adjustments(pod.metadata.namespace.as_deref(), key)
     })?;
-    Ok(render(&training, policy, decided))
+    keeps_effective_batch(&training, policy, &decided.plan.config)?;
+    let (command_line, changed) = rewrite_args(&training, &decided.plan.config)?;
+    let mut mutation = render(&training, policy, decided);
+    if let Some(why) = &training.args_unreadable {
+        mutation.warnings.push(truncate(&format!(
+            "memguard: the trainer's command line was not read ({why}); planned on annotations"
+        )));
+    }
+    if !changed.is_empty() {
+        // What changed, in the trainer's words, leads: a cut at 120 characters loses the tail.
+        mutation
+            .warnings
+            .insert(0, truncate(&format!("memguard: {}", changed.join(", "))));
+    }
+    mutation.command_line = command_line;
+    mutation.estimate.changed = changed.clone();
+    mutation.changed = changed;
+    Ok(mutation)
+}
+
+/// The knobs that only a reader can apply (sequence length, LoRA rank and layers: the Python
+/// client does not change them) stay where the trainer's config has them unless the trainer
+/// reads them from a mapped variable or a flag memguard rewrites: their floor is raised to the
+/// current value, so the plan never counts on a change nothing applies.
+///
+/// Applied where memguard read the trainer's launch (a stock script: no client to apply them);
+/// a pod with no readable launch keeps the plan over every knob, as written for memguard.
+pub fn pinned_floors(training: &TrainingPod, policy: &Policy) -> memguard_estimator::Floors {
+    let mut floors = policy.floors;
+    if training.args.is_none() {
+        return floors;
+    }
+    let map = training.env_map(policy);
+    let cfg = &training.config;
+    let in_play = |knob: Knob| {
+        map.contains_key(&knob) || training.sources.get(&knob).is_some_and(|s| s == "args")
+    };
+    if !in_play(Knob::SeqLength) {
+        floors.seq_length = floors.seq_length.max(cfg.seq_length);
+    }
+    if !in_play(Knob::LoraRank) {
+        floors.lora_rank = floors.lora_rank.max(cfg.lora_rank);
+    }
+    if !in_play(Knob::LoraLayers) {
+        floors.lora_layers = floors.lora_layers.max(cfg.adapted_layers());
+    }
+    floors
+}
+
+/// The trainer's command line with the plan's changes to the knobs read from it, in its own
+/// flags: a present flag's value replaced in place, `--k=v` appended only where the parser is
+/// known to define `k`. Batch and accumulation are written together, so their product holds.
+fn rewrite_args(
+    training: &TrainingPod,
+    planned: &TrainingConfig,
+) -> Result<(Option<CommandLine>, Vec<String>), String> {
+    use memguard_api::launch::{FlagRules, HfRules};
+    let Some(reading) = &training.args else {
+        return Ok((None, Vec::new()));
+    };
+    let before = &training.config;
+    let from_args = |k: &Knob| training.sources.get(k).is_some_and(|s| s == "args");
+    // A flag only TrainingArguments defines says the parser is HfArgumentParser: then the
+    // flags it defines may be appended (a bespoke argparse script would reject them).
+    let hf_trainer = ["per_device_train_batch_size", "output_dir"]
+        .iter()
+        .any(|k| reading.flags.get(k).is_some());
+    let mut edits = Vec::new();
+    let mut changed = Vec::new();
+    for (knob, key) in memguard_api::pod::HF_FLAGS {
+        let writable = from_args(knob) || (hf_trainer && HfRules.defines(key));
+        if !writable || knob.value(planned) == knob.value(before) {
+            continue;
+        }
+        let edit = reading
+            .flags
+            .set(key, &knob.value(planned), &HfRules)
+            .map_err(|e| format!("the plan cannot be written in the trainer's flags: {e}"))?;
+        let spelled = reading
+            .flags
+            .get(key)
+            .map(|f| f.spelled.clone())
+            .unwrap_or_else(|| format!("--{key}"));
+        changed.push(format!(
+            "{spelled} {}→{}",
+            knob.value(before),
+            knob.value(planned)
+        ));
+        edits.push(edit);
+    }
+    if edits.is_empty() {
+        return Ok((None, changed));
+    }
+    let items = reading.launch.apply(&reading.items, &edits);
+    let (command, args) = items.split_at(reading.command_len.min(items.len()));
+    let trainer = training.trainer;
+    Ok((
+        Some(CommandLine {
+            command: trainer.command.as_ref().map(|_| command.to_vec()),
+            args: trainer
+                .args
+                .as_ref()
+                .map(|_| args.to_vec())
+                .or_else(|| (!args.is_empty()).then(|| args.to_vec())),
+        }),
+        changed,
+    ))
+}
+
+/// `batch × accumulation` is kept exactly by the trainer's own variables, or the pod is not
+/// changed: when the trainer sets a mapped batch or accumulation variable, both must be mapped
+/// and readable (a literal, or an annotation that says the value).
+fn keeps_effective_batch(
+    training: &TrainingPod,
+    policy: &Policy,
+    planned: &TrainingConfig,
+) -> Result<(), String> {
+    let before = &training.config;
+    if planned.batch_size == before.batch_size
+        && planned.grad_accumulation == before.grad_accumulation
+    {
+        return Ok(());
+    }
+    let map = training.env_map(policy);
+    let batch = map.get(&Knob::BatchSize);
+    let accumulation = map.get(&Knob::GradAccumulation);
+    // The trainer's own variables are in play when it sets one (memguard's own writes aside).
+    let in_play = [Knob::BatchSize, Knob::GradAccumulation]
+        .iter()
+        .any(|k| training.set_by_trainer.contains(k));
+    if !in_play {
+        return Ok(());
+    }
+    let change = format!(
+        "the plan takes batch {} × accumulation {} to {} × {}",
+        before.batch_size, before.grad_accumulation, planned.batch_size, planned.grad_accumulation
+    );
+    match (batch, accumulation) {
+        (Some(var), None) | (None, Some(var)) => Err(format!(
+            "the effective batch cannot be kept: {change}, but the trainer's variables name only \
+             {var}; add the other of batch-size and grad-accumulation to memguard.io/env-map"
+        )),
+        _ => match training
+            .unreadable
+            .get(&Knob::GradAccumulation)
+            .map(|v| (v, Knob::GradAccumulation))
+            .or_else(|| {
+                training
+                    .unreadable
+                    .get(&Knob::BatchSize)
+                    .map(|v| (v, Knob::BatchSize))
+            }) {
+            Some((var, knob)) => Err(format!(
+                "the effective batch cannot be kept: {change}, but {var} is set by valueFrom, \
+                 which memguard does not read; annotate memguard.io/{} with its value",
+                knob.name()
+            )),
+            None => Ok(()),
+        },
+    }
 }
 
 /// The plan as the pod will carry it: the trainer's `MEMGUARD_*` env, its own variables
@@ -179,11 +355,7 @@ fn render(
     ));
 
     // The pod's own env-map, else the policy's: both checked when they were parsed.
-    let env_map = if training.annotations.env_map.is_empty() {
-        &policy.env_names
-    } else {
-        &training.annotations.env_map
-    };
+    let env_map = training.env_map(policy);
     let user_env: Vec<(String, String)> = env_map
         .iter()
         .filter(|(knob, _)| knobs.contains(knob))
@@ -205,7 +377,13 @@ fn render(
 
     let sidecar = sidecar_plan(policy, &trainer.name, &plan, budget.as_ref());
     let client = client_plan(training, policy, &mut warnings);
-    let estimate = estimate_annotation(&plan, budget.as_ref(), &training.config, &adjust);
+    let mut estimate = estimate_annotation(&plan, budget.as_ref(), &training.config, &adjust);
+    estimate.sources = knob_sources(training);
+    estimate.read = training
+        .sources
+        .keys()
+        .map(|k| (k.name().to_string(), k.value(&training.config)))
+        .collect();
     Mutation {
         trainer_index: training.trainer_index,
         trainer: trainer.name.clone(),
@@ -213,6 +391,8 @@ fn render(
         plan,
         trainer_env,
         user_env,
+        command_line: None,
+        changed: Vec::new(),
         sidecar,
         estimate,
         warnings,
@@ -302,6 +482,25 @@ fn sidecar_plan(
     }
 }
 
+/// Each knob's source, when any was read from the trainer's own config (else empty: the
+/// annotation stays as it was for pods written for memguard).
+fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap<String, String> {
+    if training.sources.is_empty() {
+        return Default::default();
+    }
+    Knob::of(&training.config)
+        .into_iter()
+        .map(|k| {
+            let source = match training.sources.get(&k) {
+                Some(read) => read.clone(),
+                None if training.annotations.knobs_given.contains(&k) => "annotation".into(),
+                None => "default".into(),
+            };
+            (k.name().to_string(), source)
+        })
+        .collect()
+}
+
 fn estimate_annotation(
     plan: &DowngradePlan,
     budget: Option<&Budget>,
@@ -335,6 +534,9 @@ fn estimate_annotation(
         uncalibrated: plan.estimate.total,
         calibration: adjust.calibration.is_active().then_some(adjust.calibration),
         recovery: adjust.recovery.as_ref().map(|r| r.reason.clone()),
+        sources: Default::default(),
+        read: Default::default(),
+        changed: Vec::new(),
     }
 }
 

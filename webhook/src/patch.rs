@@ -278,6 +278,7 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
     let trainer_index = m.trainer_index.to_string();
     let trainer_path = ["spec", "containers", trainer_index.as_str()];
     trainer_env(trainer, &trainer_path, m, ops);
+    trainer_command_line(trainer, &trainer_path, m, ops);
     signal_mount(trainer, &trainer_path, ops);
     termination_message(trainer, &trainer_path, ops);
     signal_volume(spec, ops);
@@ -299,6 +300,30 @@ fn trainer_env(trainer: &Container, trainer_path: &[&str], m: &Mutation, ops: &m
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
     set_env(trainer, trainer_path, &desired, ops);
+}
+
+/// The trainer's `command` and `args` as rewritten in its own flags (only when they differ).
+fn trainer_command_line(trainer: &Container, trainer_path: &[&str], m: &Mutation, ops: &mut Ops) {
+    let Some(line) = &m.command_line else {
+        return;
+    };
+    for (key, have, want) in [
+        ("command", &trainer.command, &line.command),
+        ("args", &trainer.args, &line.args),
+    ] {
+        let Some(want) = want else { continue };
+        if have.as_ref() == Some(want) {
+            continue;
+        }
+        let mut path = trainer_path.to_vec();
+        path.push(key);
+        let value = json!(want);
+        if have.is_some() {
+            ops.replace(&path, value);
+        } else {
+            ops.add(&path, value);
+        }
+    }
 }
 
 /// The signal volume mounted in the trainer (unless something is mounted there already).

@@ -58,6 +58,17 @@ impl PodBuilder {
         self
     }
 
+    /// `command` and `args` of the last container (an empty list: none).
+    pub fn command_line(mut self, command: &[&str], args: &[&str]) -> Self {
+        if !command.is_empty() {
+            self.last()["command"] = json!(command);
+        }
+        if !args.is_empty() {
+            self.last()["args"] = json!(args);
+        }
+        self
+    }
+
     /// Any resource limit on the last container (`nvidia.com/mig-1g.10gb`, `amd.com/gpu`, …).
     pub fn limit(mut self, resource: &str, q: &str) -> Self {
         self.last()["resources"]["limits"][resource] = json!(q);

@@ -771,3 +771,112 @@ fn grad_sync_is_written_for_fsdp_across_ranks_only_and_follows_the_plan() {
         assert!(annotation(&m)["config"].get("grad-sync").is_none());
     }
 }
+
+/// Issue 27, defect 1: the literal values of mapped variables are read, so a downgrade keeps
+/// the effective batch the trainer really runs (`BATCH_SIZE=8`, `GRAD_ACC=4` is 32, not 8).
+#[test]
+fn mapped_literal_values_are_read_and_the_effective_batch_is_kept() {
+    for accumulation in [4u64, 8] {
+        let m = mutated(
+            trainer_pod()
+                .gpus(1)
+                .annotate(keys::BATCH_SIZE, "8")
+                .annotate(keys::SEQ_LENGTH, "8192")
+                .annotate(keys::GPU_MEMORY, "24Gi")
+                .annotate(
+                    keys::ENV_MAP,
+                    "batch-size=BATCH_SIZE,grad-accumulation=GRAD_ACC",
+                )
+                .env("BATCH_SIZE", "8")
+                .env("GRAD_ACC", &accumulation.to_string()),
+            &Policy::default(),
+        );
+        assert!(!m.plan.steps.is_empty(), "the pod needs a downgrade");
+        let read = |var| -> u64 {
+            env_of(&m, var)
+                .and_then(|v| v.parse().ok())
+                .expect("written")
+        };
+        assert_eq!(
+            read("BATCH_SIZE") * read("GRAD_ACC"),
+            8 * accumulation,
+            "effective batch of the trainer's own variables"
+        );
+        assert_eq!(
+            annotation(&m)["sources"]["grad-accumulation"],
+            "env:GRAD_ACC"
+        );
+    }
+}
+
+/// Where the trainer's variables cannot carry the whole change (no accumulation variable, or
+/// one set by `valueFrom`), the pod is not changed and the error says why.
+#[test]
+fn an_effective_batch_that_cannot_be_kept_leaves_the_pod_unchanged_with_the_reason() {
+    let pod = || {
+        trainer_pod()
+            .gpus(1)
+            .annotate(keys::BATCH_SIZE, "8")
+            .annotate(keys::SEQ_LENGTH, "8192")
+            .annotate(keys::GPU_MEMORY, "24Gi")
+            .env("BATCH_SIZE", "8")
+    };
+    let only_batch = run(
+        pod().annotate(keys::ENV_MAP, "batch-size=BATCH_SIZE"),
+        &Policy::default(),
+    );
+    let Outcome::Skipped { error, .. } = only_batch else {
+        panic!("expected the pod unchanged, got {only_batch:?}")
+    };
+    assert!(
+        error.contains("effective batch cannot be kept") && error.contains("BATCH_SIZE"),
+        "{error}"
+    );
+    let from_ref = run(
+        pod().env_from_configmap("GRAD_ACC").annotate(
+            keys::ENV_MAP,
+            "batch-size=BATCH_SIZE,grad-accumulation=GRAD_ACC",
+        ),
+        &Policy::default(),
+    );
+    let Outcome::Skipped { error, .. } = from_ref else {
+        panic!("expected the pod unchanged, got {from_ref:?}")
+    };
+    assert!(error.contains("GRAD_ACC is set by valueFrom"), "{error}");
+    // Annotating the value makes it known: the pod is rewritten.
+    let annotated = mutated(
+        pod()
+            .env_from_configmap("GRAD_ACC")
+            .annotate(keys::GRAD_ACCUMULATION, "2")
+            .annotate(
+                keys::ENV_MAP,
+                "batch-size=BATCH_SIZE,grad-accumulation=GRAD_ACC",
+            ),
+        &Policy::default(),
+    );
+    let cfg = &annotated.plan.config;
+    assert_eq!(cfg.batch_size * cfg.grad_accumulation, 16);
+}
+
+/// A launch memguard cannot read (`python -c`) falls back to the annotations and says so.
+#[test]
+fn an_unreadable_launch_is_planned_on_annotations_and_says_so() {
+    let mut pod = trainer_pod()
+        .gpus(1)
+        .annotate(keys::GPU_MEMORY, "24Gi")
+        .build();
+    if let Some(c) = pod.spec.as_mut().and_then(|s| s.containers.first_mut()) {
+        c.command = Some(vec!["python".into(), "-c".into(), "import train".into()]);
+    }
+    let Outcome::Mutated(m) = mutate(&pod, &Policy::default(), &ClusterView::default()) else {
+        panic!("mutated")
+    };
+    assert!(
+        m.warnings
+            .iter()
+            .any(|w| w.contains("command line was not read") && w.contains("python -c")),
+        "{:?}",
+        m.warnings
+    );
+    assert!(m.command_line.is_none());
+}

@@ -239,6 +239,7 @@ fn creates_missing_arrays_with_add() {
 fn rewrites_existing_variables_in_place() {
     let pod = gpu_pod()
         .annotate(keys::ENV_MAP, "batch-size=BS,grad-accumulation=GA")
+        .annotate(keys::GRAD_ACCUMULATION, "1")
         .env("BS", "999")
         .env_from_configmap("GA")
         .env(env::BATCH_SIZE, "999")
@@ -667,4 +668,119 @@ fn the_policy_the_pod_or_a_non_python_command_keep_the_client_out() {
             assert_eq!(init["image"], "reg/mg:1", "{name}");
         }
     }
+}
+
+/// The trainer's own values, read and rewritten (issue 27): a second admission reads the
+/// values recorded as read, not memguard's rewrite, so it reaches the same plan and the patch
+/// is empty; the rewrite keeps `batch × accumulation` (8 × 4).
+#[test]
+fn read_and_rewritten_variables_are_idempotent() {
+    // No batch annotation: the trainer's BS is the batch.
+    let pod = bare_pod()
+        .annotate(keys::MODEL, "llama-3-8b")
+        .annotate(keys::METHOD, "lora")
+        .gpus(1)
+        .annotate(keys::GPU_MEMORY, "24Gi")
+        .annotate(keys::SEQ_LENGTH, "8192")
+        .annotate(keys::ENV_MAP, "batch-size=BS,grad-accumulation=GA")
+        .env("BS", "8")
+        .env("GA", "4")
+        .json();
+    let (patch, out) = apply(&pod, &Policy::default());
+    assert!(!patch.0.is_empty());
+    let trainer = &out["spec"]["containers"][0];
+    let value = |name| -> u64 {
+        env_value(trainer, name)
+            .and_then(Value::as_str)
+            .and_then(|v| v.parse().ok())
+            .expect("a literal")
+    };
+    assert!(value("BS") < 8, "downgraded");
+    assert_eq!(value("BS") * value("GA"), 32, "{trainer}");
+    let (second, _) = apply(&out, &Policy::default());
+    assert!(second.0.is_empty(), "not idempotent: {second:?}");
+}
+
+/// Issue 27, defect 2: a stock launch whose args hard-code `--max_seq_length 4096` is planned
+/// at 4096 (read from the args, not the default), the knobs the plan changes are rewritten in
+/// the trainer's own flags inside the `bash -c` string (the rest byte for byte), the warning
+/// leads with them, and a second admission changes nothing.
+#[test]
+fn a_stock_launch_is_planned_on_its_flags_and_rewritten_in_them() {
+    let script = "pip install -q trl && accelerate launch --num_processes 1 sft.py \
+                  --model_name_or_path meta-llama/Llama-3.1-8B --max_seq_length 4096 \
+                  --per_device_train_batch_size 8 --output_dir /out";
+    let pod = || {
+        bare_pod()
+            .annotate(keys::MODEL, "llama-3-8b")
+            .annotate(keys::METHOD, "lora")
+            .gpus(1)
+            .command_line(&["bash", "-c"], &[script])
+    };
+    let typed: Pod =
+        serde_json::from_value(pod().annotate(keys::GPU_MEMORY, "24Gi").json()).expect("a pod");
+    let Outcome::Mutated(m) = mutate(&typed, &Policy::default(), &ClusterView::default()) else {
+        panic!("mutated")
+    };
+    assert_eq!(
+        m.estimate.read["seq-length"], "4096",
+        "planned from the args"
+    );
+    assert_eq!(m.estimate.sources["seq-length"], "args");
+    assert_eq!(m.estimate.sources["batch-size"], "args");
+    assert_eq!(m.estimate.read["batch-size"], "8");
+    let cfg = &m.plan.config;
+    assert!(cfg.batch_size < 8, "downgraded: {:?}", m.plan.steps);
+    assert_eq!(
+        cfg.batch_size * cfg.grad_accumulation,
+        8,
+        "effective batch kept"
+    );
+    let (_, out) = apply(
+        &pod().annotate(keys::GPU_MEMORY, "24Gi").json(),
+        &Policy::default(),
+    );
+    let args = out["spec"]["containers"][0]["args"][0]
+        .as_str()
+        .expect("the script");
+    // The launch line before the flags is kept byte for byte; the flags re-read as planned.
+    assert!(args.starts_with("pip install -q trl && accelerate launch --num_processes 1 sft.py"));
+    let items = vec!["bash".to_string(), "-c".into(), args.to_string()];
+    let launch = memguard_api::launch::find(&items).expect("still a launch");
+    let flags = memguard_api::launch::Flags::parse(&launch.texts(), &memguard_api::launch::HfRules);
+    let read = |k| flags.value(k).map(str::to_string);
+    assert_eq!(
+        read("per_device_train_batch_size"),
+        Some(cfg.batch_size.to_string())
+    );
+    assert_eq!(
+        read("gradient_accumulation_steps"),
+        Some(cfg.grad_accumulation.to_string())
+    );
+    assert_eq!(read("max_length"), Some(cfg.seq_length.to_string()));
+    assert_eq!(
+        flags.bool("gradient_checkpointing", &memguard_api::launch::HfRules),
+        Some(cfg.grad_checkpointing).filter(|on| *on)
+    );
+    assert!(
+        m.warnings[0].starts_with(&format!(
+            "memguard: --per_device_train_batch_size 8→{}, --gradient_accumulation_steps 1→{}",
+            cfg.batch_size, cfg.grad_accumulation
+        )),
+        "{:?}",
+        m.warnings
+    );
+    let (second, _) = apply(&out, &Policy::default());
+    assert!(second.0.is_empty(), "not idempotent: {second:?}");
+    // A pod that fits as written keeps its args byte for byte.
+    let (_, roomy) = apply(
+        &pod().annotate(keys::GPU_MEMORY, "100Ti").json(),
+        &Policy::default(),
+    );
+    assert_eq!(
+        roomy["spec"]["containers"][0]["args"],
+        json!([script]),
+        "{}",
+        roomy["metadata"]["annotations"]
+    );
 }

@@ -1,0 +1,393 @@
+//! Flags on a trainer's command line, read with the parser's own rules and rewritten in place.
+//!
+//! The rules are a value ([`FlagRules`]): Hugging Face's `HfArgumentParser` is [`HfRules`];
+//! another parser (an inference server's argparse, a per-image flag map) is another value.
+//! Reading keeps, for every flag, where its key and value are, so a rewrite replaces exactly
+//! the value that the parser would use (the last occurrence) and nothing else.
+
+use std::borrow::Cow;
+
+/// How one parser reads its flags.
+pub trait FlagRules {
+    /// The key a spelled flag (without its leading dashes) sets, and whether this spelling
+    /// negates a bool (`no_x`).
+    fn key<'a>(&self, spelled: &'a str) -> (Cow<'a, str>, bool);
+    /// Whether `key` is a bool: its next word is taken only when it is a bool literal.
+    fn is_bool(&self, key: &str) -> bool;
+    /// Whether the parser is known to define `key`, so that `--key=value` may be appended.
+    fn defines(&self, key: &str) -> bool;
+    /// A bool literal as the parser reads it.
+    fn bool_literal(&self, word: &str) -> Option<bool> {
+        match word.to_ascii_lowercase().as_str() {
+            "true" | "t" | "yes" | "y" | "1" => Some(true),
+            "false" | "f" | "no" | "n" | "0" => Some(false),
+            _ => None,
+        }
+    }
+}
+
+/// `HfArgumentParser`'s rules (transformers' `TrainingArguments`, TRL's configs, the dataclass
+/// arguments of the example scripts): `--k v` and `--k=v`, `--a-b` is `--a_b`, a bool is set
+/// by `--x`, `--x true|false` or `--no_x`, the last occurrence wins, and renamed keys are read
+/// under their current name.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HfRules;
+
+/// Old key → the key it became (TRL 0.20 renamed `max_seq_length` to `max_length`).
+const HF_RENAMES: &[(&str, &str)] = &[("max_seq_length", "max_length")];
+
+/// Bools of `TrainingArguments` and TRL's configs that the planner reads or writes, or that
+/// often stand bare before another flag.
+const HF_BOOLS: &[&str] = &[
+    "gradient_checkpointing",
+    "bf16",
+    "fp16",
+    "tf32",
+    "do_train",
+    "do_eval",
+    "do_predict",
+    "use_peft",
+    "load_in_4bit",
+    "load_in_8bit",
+    "packing",
+    "overwrite_output_dir",
+    "push_to_hub",
+    "report_to_none",
+    "trust_remote_code",
+    "use_liger_kernel",
+    "use_liger",
+    "remove_unused_columns",
+    "group_by_length",
+    "streaming",
+    "auto_find_batch_size",
+    "torch_compile",
+    "use_flash_attn",
+    "assistant_only_loss",
+    "completion_only_loss",
+];
+
+/// Keys every `HfArgumentParser` over `TrainingArguments` defines.
+const HF_DEFINED: &[&str] = &[
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "gradient_checkpointing",
+    "bf16",
+    "fp16",
+    "optim",
+];
+
+impl FlagRules for HfRules {
+    fn key<'a>(&self, spelled: &'a str) -> (Cow<'a, str>, bool) {
+        let key: Cow<'a, str> = if spelled.contains('-') {
+            Cow::Owned(spelled.replace('-', "_"))
+        } else {
+            Cow::Borrowed(spelled)
+        };
+        let key = match HF_RENAMES.iter().find(|(old, _)| *old == key) {
+            Some((_, new)) => Cow::Borrowed(*new),
+            None => key,
+        };
+        // `--no_x` sets a bool `x` false (HfArgumentParser adds it for bools whose default is
+        // true); an unknown `no_…` key stays itself.
+        if let Some(rest) = key.strip_prefix("no_")
+            && self.is_bool(rest)
+        {
+            return (Cow::Owned(rest.to_string()), true);
+        }
+        (key, false)
+    }
+
+    fn is_bool(&self, key: &str) -> bool {
+        HF_BOOLS.contains(&key)
+    }
+
+    fn defines(&self, key: &str) -> bool {
+        HF_DEFINED.contains(&key)
+    }
+}
+
+/// Where a flag's value is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ValueAt {
+    /// In the key's own word: `--k=v`.
+    Inline,
+    /// The next word, at this index.
+    Next(usize),
+    /// Nowhere: a bare bool (`--x`) or a negation (`--no_x`).
+    Bare,
+}
+
+/// One flag as written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Flag {
+    /// The key it sets, in the parser's canonical spelling.
+    pub key: String,
+    /// The key word as written, up to `=`: `--per-device-train-batch-size`.
+    pub spelled: String,
+    /// The index of the key's word.
+    pub at: usize,
+    /// Where its value is.
+    pub value_at: ValueAt,
+    /// The value's text (`None` when bare).
+    pub value: Option<String>,
+    /// Written as a negation (`--no_x`).
+    pub negated: bool,
+}
+
+/// The flags of a command line, in order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Flags {
+    /// Every flag, in order (a key may repeat; the last one counts).
+    pub flags: Vec<Flag>,
+    /// The indices of the words that are not flags or their values.
+    pub positionals: Vec<usize>,
+}
+
+/// One change to a command line's words.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Edit {
+    /// The word at `index` becomes `text`.
+    Replace {
+        /// The word's index.
+        index: usize,
+        /// Its new text.
+        text: String,
+    },
+    /// A word added after the last one.
+    Append(String),
+}
+
+/// Why a flag could not be set.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SetError {
+    /// Absent, and the parser is not known to define it: appending could break the launch.
+    #[error("--{0} is not on the command line and the script's parser is not known to define it")]
+    NotDefined(String),
+}
+
+fn looks_like_flag(word: &str) -> bool {
+    word.starts_with("--") && word.len() > 2
+}
+
+impl Flags {
+    /// Reads `args` (the words after the program) with `rules`.
+    pub fn parse<S: AsRef<str>>(args: &[S], rules: &dyn FlagRules) -> Flags {
+        let mut out = Flags::default();
+        let mut i = 0;
+        let mut options_ended = false;
+        while i < args.len() {
+            let word = args[i].as_ref();
+            if options_ended || !looks_like_flag(word) {
+                if word == "--" {
+                    options_ended = true;
+                } else {
+                    out.positionals.push(i);
+                }
+                i += 1;
+                continue;
+            }
+            let body = &word[2..];
+            let (spelled_key, inline) = match body.split_once('=') {
+                Some((k, v)) => (k, Some(v)),
+                None => (body, None),
+            };
+            let (key, negated) = rules.key(spelled_key);
+            let key = key.into_owned();
+            let spelled = format!("--{spelled_key}");
+            let (value_at, value) = if let Some(v) = inline {
+                (ValueAt::Inline, Some(v.to_string()))
+            } else if negated {
+                (ValueAt::Bare, None)
+            } else {
+                match args.get(i + 1).map(AsRef::as_ref) {
+                    Some(next) if rules.is_bool(&key) => {
+                        if rules.bool_literal(next).is_some() {
+                            (ValueAt::Next(i + 1), Some(next.to_string()))
+                        } else {
+                            (ValueAt::Bare, None)
+                        }
+                    }
+                    Some(next) if !looks_like_flag(next) && next != "--" => {
+                        (ValueAt::Next(i + 1), Some(next.to_string()))
+                    }
+                    _ => (ValueAt::Bare, None),
+                }
+            };
+            out.flags.push(Flag {
+                key,
+                spelled,
+                at: i,
+                value_at,
+                value,
+                negated,
+            });
+            i += if matches!(value_at, ValueAt::Next(_)) {
+                2
+            } else {
+                1
+            };
+        }
+        out
+    }
+
+    /// The flag that sets `key` (its last occurrence: the one the parser keeps).
+    pub fn get(&self, key: &str) -> Option<&Flag> {
+        self.flags.iter().rev().find(|f| f.key == key)
+    }
+
+    /// The text `key` is set to (`None`: absent, or a bare bool).
+    pub fn value(&self, key: &str) -> Option<&str> {
+        self.get(key).and_then(|f| f.value.as_deref())
+    }
+
+    /// A bool `key` as the parser reads it (`--x` is true, `--no_x` false).
+    pub fn bool(&self, key: &str, rules: &dyn FlagRules) -> Option<bool> {
+        let flag = self.get(key)?;
+        if flag.negated {
+            return Some(false);
+        }
+        match &flag.value {
+            None => Some(true),
+            Some(v) => rules.bool_literal(v),
+        }
+    }
+
+    /// The edit that makes the parser read `key` as `value`: the last occurrence's value is
+    /// replaced (keeping how it was written), or `--key=value` is appended when the parser is
+    /// known to define `key`.
+    pub fn set(&self, key: &str, value: &str, rules: &dyn FlagRules) -> Result<Edit, SetError> {
+        let Some(flag) = self.get(key) else {
+            return if rules.defines(key) {
+                Ok(Edit::Append(format!("--{key}={value}")))
+            } else {
+                Err(SetError::NotDefined(key.to_string()))
+            };
+        };
+        Ok(match flag.value_at {
+            ValueAt::Next(index) => Edit::Replace {
+                index,
+                text: value.to_string(),
+            },
+            ValueAt::Inline => Edit::Replace {
+                index: flag.at,
+                text: format!("{}={value}", flag.spelled),
+            },
+            ValueAt::Bare if flag.negated => Edit::Replace {
+                index: flag.at,
+                text: format!("--{key}={value}"),
+            },
+            ValueAt::Bare => Edit::Replace {
+                index: flag.at,
+                text: format!("{}={value}", flag.spelled),
+            },
+        })
+    }
+}
+
+/// `words` with `edits` applied (replacements in place, appends at the end in order).
+pub fn apply<S: AsRef<str>>(words: &[S], edits: &[Edit]) -> Vec<String> {
+    let mut out: Vec<String> = words.iter().map(|w| w.as_ref().to_string()).collect();
+    for edit in edits {
+        match edit {
+            Edit::Replace { index, text } => {
+                if let Some(w) = out.get_mut(*index) {
+                    *w = text.clone();
+                }
+            }
+            Edit::Append(text) => out.push(text.clone()),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> (Vec<String>, Flags) {
+        let words: Vec<String> = s.split_whitespace().map(str::to_string).collect();
+        let flags = Flags::parse(&words, &HfRules);
+        (words, flags)
+    }
+
+    #[test]
+    fn both_forms_both_spellings_last_wins() {
+        let (_, f) = parse(
+            "--per_device_train_batch_size 8 --gradient-accumulation-steps=2 \
+             --per-device-train-batch-size 4 --output_dir out",
+        );
+        assert_eq!(f.value("per_device_train_batch_size"), Some("4"));
+        assert_eq!(f.value("gradient_accumulation_steps"), Some("2"));
+        assert_eq!(f.value("output_dir"), Some("out"));
+    }
+
+    #[test]
+    fn bool_forms() {
+        let (_, f) = parse("--gradient_checkpointing --bf16 false --packing --no_fp16 --lr 1");
+        assert_eq!(f.bool("gradient_checkpointing", &HfRules), Some(true));
+        assert_eq!(f.bool("bf16", &HfRules), Some(false));
+        assert_eq!(f.bool("packing", &HfRules), Some(true));
+        assert_eq!(f.bool("fp16", &HfRules), Some(false));
+        assert_eq!(f.value("lr"), Some("1"));
+        // A bare bool before a positional does not swallow it.
+        let (_, f) = parse("--gradient_checkpointing config.yaml");
+        assert_eq!(f.positionals, [1]);
+    }
+
+    #[test]
+    fn renamed_keys_read_under_the_new_name() {
+        let (_, f) = parse("--max_seq_length 4096");
+        assert_eq!(f.value("max_length"), Some("4096"));
+    }
+
+    #[test]
+    fn set_replaces_the_last_value_as_written() {
+        let (w, f) = parse("--per-device-train-batch-size=8 --per_device_train_batch_size 4 --x 1");
+        let e = f
+            .set("per_device_train_batch_size", "2", &HfRules)
+            .expect("test input");
+        assert_eq!(
+            apply(&w, &[e]).join(" "),
+            "--per-device-train-batch-size=8 --per_device_train_batch_size 2 --x 1"
+        );
+        let (w, f) = parse("--per-device-train-batch-size=8");
+        let e = f
+            .set("per_device_train_batch_size", "2", &HfRules)
+            .expect("test input");
+        assert_eq!(apply(&w, &[e]), ["--per-device-train-batch-size=2"]);
+    }
+
+    #[test]
+    fn set_bools_and_appends_only_defined_keys() {
+        let (w, f) = parse("--no_gradient_checkpointing --bf16");
+        let a = f
+            .set("gradient_checkpointing", "true", &HfRules)
+            .expect("test input");
+        let b = f
+            .set("gradient_accumulation_steps", "8", &HfRules)
+            .expect("test input");
+        let out = apply(&w, &[a, b]);
+        assert_eq!(
+            out,
+            [
+                "--gradient_checkpointing=true",
+                "--bf16",
+                "--gradient_accumulation_steps=8"
+            ]
+        );
+        let again = Flags::parse(&out, &HfRules);
+        assert_eq!(again.bool("gradient_checkpointing", &HfRules), Some(true));
+        assert_eq!(again.value("gradient_accumulation_steps"), Some("8"));
+        assert_eq!(
+            f.set("lora_r", "8", &HfRules),
+            Err(SetError::NotDefined("lora_r".into()))
+        );
+    }
+
+    #[test]
+    fn double_dash_ends_options() {
+        let (_, f) = parse("--a 1 -- --b 2");
+        assert!(f.get("b").is_none());
+        assert_eq!(f.positionals, [3, 4]);
+    }
+}

@@ -1,0 +1,612 @@
+//! The trainer's launch in a container's `command` + `args`: the launcher (`python`,
+//! `python -m`, `torchrun`, `accelerate launch`, `deepspeed`) is found and its own options are
+//! skipped, to the program and the words it receives. A `bash -c` / `sh -c` string is split as
+//! the shell splits it, and the launch may follow other commands (`pip install … && torchrun …`).
+//! Edits to the program's words go back into the same place: an array item, or a byte span of
+//! the shell string, the rest of which is kept byte for byte.
+
+use super::flags::Edit;
+use super::words::{self, SplitError};
+use std::ops::Range;
+
+/// What started the program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Launcher {
+    /// `python script.py` / `python -m module`.
+    Python,
+    /// `torchrun` or `python -m torch.distributed.run|launch`.
+    Torchrun,
+    /// `accelerate launch`.
+    Accelerate,
+    /// `deepspeed`.
+    Deepspeed,
+    /// The program itself (`trl sft …`, `axolotl train …`, `./train.py`).
+    Direct,
+}
+
+/// The program a launcher runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Program {
+    /// A Python file.
+    Script(String),
+    /// A Python module (`-m`).
+    Module(String),
+    /// An executable by name (`trl`, `axolotl`, `llamafactory-cli`, `tune`).
+    Command(String),
+}
+
+impl Program {
+    /// The program's last path component or module name, for matching.
+    pub fn name(&self) -> &str {
+        match self {
+            Program::Script(p) | Program::Command(p) => p.rsplit('/').next().unwrap_or(p),
+            Program::Module(m) => m,
+        }
+    }
+}
+
+/// Where one of the program's words is in the container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Place {
+    /// An item of `command` + `args`.
+    Item(usize),
+    /// A byte span of the shell string in that item.
+    Shell {
+        /// The item that holds the string.
+        item: usize,
+        /// The word's bytes, quotes included.
+        span: Range<usize>,
+    },
+}
+
+/// One word the program receives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Arg {
+    /// Its text as the program sees it.
+    pub text: String,
+    /// Where it is.
+    pub place: Place,
+    /// It holds a shell expansion: its value is not known here.
+    pub expands: bool,
+}
+
+/// A trainer's launch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Launch {
+    /// What started it.
+    pub launcher: Launcher,
+    /// What runs.
+    pub program: Program,
+    /// The words after the program (a subcommand such as `trl sft`'s `sft` is the first: each
+    /// trainer's reader knows its own).
+    pub args: Vec<Arg>,
+    /// The launcher's own options, as `(name, value)` (`--config_file`, `--deepspeed_config_file`).
+    pub launcher_options: Vec<(String, Option<String>)>,
+    /// Where a word appended after the last one goes.
+    end: Place,
+}
+
+/// Why no launch was found.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LaunchError {
+    /// The pod has no command or args.
+    #[error("the container has no command or args")]
+    Empty,
+    /// The shell string could not be split.
+    #[error("the shell string cannot be split: {0}")]
+    Shell(#[from] SplitError),
+    /// `python -c`: the program is inline code.
+    #[error("the trainer is inline code (python -c), which memguard does not read")]
+    InlineCode,
+    /// A launcher with no program after it, or no command that launches anything.
+    #[error("no trainer program found in the command line")]
+    NoProgram,
+    /// The program's name is a shell expansion.
+    #[error("the program is named by a shell expansion ({0})")]
+    Expands(String),
+}
+
+impl Launch {
+    /// The program's words as text.
+    pub fn texts(&self) -> Vec<&str> {
+        self.args.iter().map(|a| a.text.as_str()).collect()
+    }
+
+    /// The container's `command` + `args` items with `edits` to the program's words (indices
+    /// into [`Launch::args`]) applied. A shell string keeps every byte outside the edited words.
+    pub fn apply(&self, items: &[String], edits: &[Edit]) -> Vec<String> {
+        let mut out: Vec<String> = items.to_vec();
+        // Shell edits, per item: (span, text).
+        let mut shell: Vec<(usize, Range<usize>, String)> = Vec::new();
+        let mut appended: Vec<String> = Vec::new();
+        for edit in edits {
+            match edit {
+                Edit::Replace { index, text } => match self.args.get(*index).map(|a| &a.place) {
+                    Some(Place::Item(i)) => {
+                        if let Some(item) = out.get_mut(*i) {
+                            *item = text.clone();
+                        }
+                    }
+                    Some(Place::Shell { item, span }) => {
+                        shell.push((*item, span.clone(), words::quote(text)))
+                    }
+                    None => {}
+                },
+                Edit::Append(text) => appended.push(text.clone()),
+            }
+        }
+        match &self.end {
+            Place::Item(last) => {
+                let at = (*last + 1).min(out.len());
+                for (k, text) in appended.into_iter().enumerate() {
+                    out.insert(at + k, text);
+                }
+            }
+            Place::Shell { item, span } => {
+                if !appended.is_empty() {
+                    let text: String = appended
+                        .iter()
+                        .map(|t| format!(" {}", words::quote(t)))
+                        .collect();
+                    shell.push((*item, span.end..span.end, text));
+                }
+            }
+        }
+        for (i, item) in out.iter_mut().enumerate() {
+            let here: Vec<(Range<usize>, String)> = shell
+                .iter()
+                .filter(|(at, _, _)| *at == i)
+                .map(|(_, r, t)| (r.clone(), t.clone()))
+                .collect();
+            if !here.is_empty() {
+                *item = words::replace_spans(item, &here);
+            }
+        }
+        out
+    }
+}
+
+fn basename(word: &str) -> &str {
+    word.rsplit('/').next().unwrap_or(word)
+}
+
+fn is_shell(word: &str) -> bool {
+    matches!(basename(word), "bash" | "sh" | "dash" | "zsh" | "ash")
+}
+
+fn is_python(word: &str) -> bool {
+    let name = basename(word);
+    name == "python"
+        || name == "python3"
+        || name
+            .strip_prefix("python3.")
+            .is_some_and(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Finds the trainer's launch in a container's `command` followed by its `args`.
+pub fn find(items: &[String]) -> Result<Launch, LaunchError> {
+    let first = items.first().ok_or(LaunchError::Empty)?;
+    if is_shell(first) {
+        // `bash -c STRING`, `bash -lc STRING`, `sh -ec STRING`: the string is the script.
+        let mut i = 1;
+        while let Some(opt) = items.get(i) {
+            if opt.starts_with('-') && !opt.starts_with("--") && opt.len() > 1 {
+                i += 1;
+                if opt.contains('c') {
+                    let Some(script) = items.get(i) else {
+                        return Err(LaunchError::NoProgram);
+                    };
+                    return find_in_shell(i, script);
+                }
+            } else {
+                break;
+            }
+        }
+        // `bash run.sh`: a script memguard cannot see.
+        return Err(LaunchError::NoProgram);
+    }
+    let args: Vec<Arg> = items
+        .iter()
+        .enumerate()
+        .map(|(i, text)| Arg {
+            text: text.clone(),
+            place: Place::Item(i),
+            expands: false,
+        })
+        .collect();
+    let end = Place::Item(items.len() - 1);
+    launch_in(args, end)
+}
+
+fn find_in_shell(item: usize, script: &str) -> Result<Launch, LaunchError> {
+    let tokens = words::split(script)?;
+    let mut error = LaunchError::NoProgram;
+    for command in words::commands(&tokens) {
+        let Some(last) = command.last() else { continue };
+        let end = Place::Shell {
+            item,
+            span: last.span.clone(),
+        };
+        let args: Vec<Arg> = command
+            .iter()
+            .map(|w| Arg {
+                text: w.text.clone(),
+                place: Place::Shell {
+                    item,
+                    span: w.span.clone(),
+                },
+                expands: w.expands,
+            })
+            .collect();
+        match launch_in(args, end) {
+            Ok(launch) => return Ok(launch),
+            // Remember the most telling reason: inline code over "nothing here".
+            Err(e @ (LaunchError::InlineCode | LaunchError::Expands(_))) => error = e,
+            Err(_) => {}
+        }
+    }
+    Err(error)
+}
+
+/// Commands that are trainers themselves (their words are read by the trainer's reader).
+const TRAINER_COMMANDS: &[&str] = &[
+    "trl",
+    "axolotl",
+    "llamafactory-cli",
+    "lmf",
+    "tune",
+    "litgpt",
+    "swift",
+];
+
+/// Words that run the rest of the command: skipped before the launcher.
+const WRAPPERS: &[&str] = &["exec", "env", "nohup", "time", "stdbuf"];
+
+fn launch_in(mut args: Vec<Arg>, end: Place) -> Result<Launch, LaunchError> {
+    // Leading `VAR=value` assignments and wrappers.
+    let mut i = 0;
+    while let Some(a) = args.get(i) {
+        let assignment = a.text.split_once('=').is_some_and(|(k, _)| {
+            !k.is_empty()
+                && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+                && !k.as_bytes()[0].is_ascii_digit()
+        });
+        if assignment || WRAPPERS.contains(&basename(&a.text)) {
+            i += 1;
+        } else {
+            break;
+        }
+    }
+    let head = args.get(i).ok_or(LaunchError::NoProgram)?;
+    if head.expands {
+        return Err(LaunchError::Expands(head.text.clone()));
+    }
+    let name = basename(&head.text).to_string();
+    let mut options = Vec::new();
+    let (launcher, program, rest) = if is_python(&name) {
+        python(&args, i + 1, &mut options)?
+    } else if name == "torchrun" {
+        let (program, rest) = after_options(&args, i + 1, TORCHRUN_BOOLS, &mut options)?;
+        (Launcher::Torchrun, program, rest)
+    } else if name == "accelerate" && args.get(i + 1).is_some_and(|a| a.text == "launch") {
+        let (program, rest) = after_options(&args, i + 2, ACCELERATE_BOOLS, &mut options)?;
+        (Launcher::Accelerate, program, rest)
+    } else if name == "deepspeed" {
+        let (program, rest) = after_options(&args, i + 1, DEEPSPEED_BOOLS, &mut options)?;
+        (Launcher::Deepspeed, program, rest)
+    } else if TRAINER_COMMANDS.contains(&name.as_str()) {
+        (Launcher::Direct, Program::Command(head.text.clone()), i + 1)
+    } else if name.ends_with(".py") {
+        (Launcher::Direct, Program::Script(head.text.clone()), i + 1)
+    } else {
+        return Err(LaunchError::NoProgram);
+    };
+    let args = args.split_off(rest.min(args.len()));
+    Ok(Launch {
+        launcher,
+        program,
+        args,
+        launcher_options: options,
+        end,
+    })
+}
+
+type Found = (Launcher, Program, usize);
+
+fn python(
+    args: &[Arg],
+    mut i: usize,
+    options: &mut Vec<(String, Option<String>)>,
+) -> Result<Found, LaunchError> {
+    while let Some(a) = args.get(i) {
+        let t = a.text.as_str();
+        match t {
+            "-c" => return Err(LaunchError::InlineCode),
+            "-m" => {
+                let module = args.get(i + 1).ok_or(LaunchError::NoProgram)?;
+                return Ok(match module.text.as_str() {
+                    "torch.distributed.run" | "torch.distributed.launch" => {
+                        let (p, rest) = after_options(args, i + 2, TORCHRUN_BOOLS, options)?;
+                        (Launcher::Torchrun, p, rest)
+                    }
+                    "accelerate.commands.launch" => {
+                        let (p, rest) = after_options(args, i + 2, ACCELERATE_BOOLS, options)?;
+                        (Launcher::Accelerate, p, rest)
+                    }
+                    m => (Launcher::Python, Program::Module(m.to_string()), i + 2),
+                });
+            }
+            "-X" | "-W" => i += 2,
+            _ if t.starts_with("-c") => return Err(LaunchError::InlineCode),
+            _ if t.starts_with('-') && t.len() > 1 => i += 1,
+            _ => {
+                if a.expands {
+                    return Err(LaunchError::Expands(a.text.clone()));
+                }
+                return Ok((Launcher::Python, Program::Script(a.text.clone()), i + 1));
+            }
+        }
+    }
+    Err(LaunchError::NoProgram)
+}
+
+/// torchrun's options that take no value.
+const TORCHRUN_BOOLS: &[&str] = &[
+    "standalone",
+    "no_python",
+    "module",
+    "run_path",
+    "use_env",
+    "m",
+];
+/// `accelerate launch`'s options that take no value.
+const ACCELERATE_BOOLS: &[&str] = &[
+    "cpu",
+    "multi_gpu",
+    "tpu",
+    "use_deepspeed",
+    "use_fsdp",
+    "use_megatron_lm",
+    "use_xpu",
+    "module",
+    "m",
+    "no_python",
+    "debug",
+    "quiet",
+    "q",
+    "enable_cpu_affinity",
+    "dynamo_use_fullgraph",
+    "dynamo_use_dynamic",
+    "tpu_use_cluster",
+    "tpu_use_sudo",
+    "downcast_bf16",
+    "same_network",
+];
+/// deepspeed's launcher options that take no value.
+const DEEPSPEED_BOOLS: &[&str] = &[
+    "no_python",
+    "module",
+    "no_local_rank",
+    "no_ssh_check",
+    "no_ssh",
+    "force_multi",
+    "save_pid",
+    "bind_cores_to_rank",
+    "elastic_training",
+    "enable_each_rank_log",
+];
+
+/// Skips a launcher's options to its program: the first word that is not an option or an
+/// option's value. `-m`/`--module` makes it a module, `--no_python` a command.
+fn after_options(
+    args: &[Arg],
+    mut i: usize,
+    bools: &[&str],
+    options: &mut Vec<(String, Option<String>)>,
+) -> Result<(Program, usize), LaunchError> {
+    let mut module = false;
+    let mut no_python = false;
+    while let Some(a) = args.get(i) {
+        let t = a.text.as_str();
+        let Some(body) = t
+            .strip_prefix("--")
+            .or_else(|| t.strip_prefix('-').filter(|b| !b.is_empty()))
+        else {
+            if a.expands {
+                return Err(LaunchError::Expands(a.text.clone()));
+            }
+            let program = if module {
+                Program::Module(t.to_string())
+            } else if no_python {
+                Program::Command(t.to_string())
+            } else {
+                Program::Script(t.to_string())
+            };
+            return Ok((program, i + 1));
+        };
+        let (key, inline) = match body.split_once('=') {
+            Some((k, v)) => (k.replace('-', "_"), Some(v.to_string())),
+            None => (body.replace('-', "_"), None),
+        };
+        module |= key == "m" || key == "module";
+        no_python |= key == "no_python";
+        if inline.is_some() || bools.contains(&key.as_str()) {
+            options.push((key, inline));
+            i += 1;
+        } else {
+            options.push((key, args.get(i + 1).map(|a| a.text.clone())));
+            i += 2;
+        }
+    }
+    Err(LaunchError::NoProgram)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::launch::flags::{Flags, HfRules};
+
+    fn items(s: &[&str]) -> Vec<String> {
+        s.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn launchers_and_their_options_are_skipped() {
+        let cases: &[(&[&str], Launcher, Program, &str)] = &[
+            (
+                &["python", "-u", "train.py", "--a", "1"],
+                Launcher::Python,
+                Program::Script("train.py".into()),
+                "--a",
+            ),
+            (
+                &["python3", "-m", "trl.scripts.sft", "--a"],
+                Launcher::Python,
+                Program::Module("trl.scripts.sft".into()),
+                "--a",
+            ),
+            (
+                &[
+                    "torchrun",
+                    "--nproc_per_node",
+                    "8",
+                    "--standalone",
+                    "run.py",
+                    "--a",
+                ],
+                Launcher::Torchrun,
+                Program::Script("run.py".into()),
+                "--a",
+            ),
+            (
+                &[
+                    "python",
+                    "-m",
+                    "torch.distributed.run",
+                    "--nproc-per-node=2",
+                    "run.py",
+                    "--a",
+                ],
+                Launcher::Torchrun,
+                Program::Script("run.py".into()),
+                "--a",
+            ),
+            (
+                &[
+                    "accelerate",
+                    "launch",
+                    "--config_file",
+                    "c.yaml",
+                    "--multi_gpu",
+                    "-m",
+                    "axolotl.cli.train",
+                    "cfg.yml",
+                ],
+                Launcher::Accelerate,
+                Program::Module("axolotl.cli.train".into()),
+                "cfg.yml",
+            ),
+            (
+                &[
+                    "deepspeed",
+                    "--num_gpus",
+                    "8",
+                    "train.py",
+                    "--deepspeed",
+                    "ds.json",
+                ],
+                Launcher::Deepspeed,
+                Program::Script("train.py".into()),
+                "--deepspeed",
+            ),
+            (
+                &["/usr/local/bin/trl", "sft", "--a"],
+                Launcher::Direct,
+                Program::Command("/usr/local/bin/trl".into()),
+                "sft",
+            ),
+        ];
+        for (cmd, launcher, program, first) in cases {
+            let l = find(&items(cmd)).expect("test input");
+            assert_eq!((&l.launcher, &l.program), (launcher, program), "{cmd:?}");
+            assert_eq!(l.args[0].text, *first, "{cmd:?}");
+        }
+        assert_eq!(
+            find(&items(&["python", "-c", "import x"])),
+            Err(LaunchError::InlineCode)
+        );
+        assert_eq!(
+            find(&items(&["bash", "run.sh"])),
+            Err(LaunchError::NoProgram)
+        );
+        assert_eq!(find(&[]), Err(LaunchError::Empty));
+    }
+
+    #[test]
+    fn shell_string_after_other_commands() {
+        let script = "pip install -q trl && cd /app; NCCL_DEBUG=INFO torchrun --nproc_per_node=8 sft.py \\\n  --per_device_train_batch_size 8 --gradient_accumulation_steps=2 | tee log";
+        let cmd = items(&["/bin/bash", "-lc", script]);
+        let l = find(&cmd).expect("test input");
+        assert_eq!(l.program, Program::Script("sft.py".into()));
+        let flags = Flags::parse(&l.texts(), &HfRules);
+        assert_eq!(flags.value("per_device_train_batch_size"), Some("8"));
+        let edits = [
+            flags
+                .set("per_device_train_batch_size", "2", &HfRules)
+                .expect("test input"),
+            flags
+                .set("gradient_accumulation_steps", "8", &HfRules)
+                .expect("test input"),
+            flags
+                .set("gradient_checkpointing", "true", &HfRules)
+                .expect("test input"),
+        ];
+        let out = l.apply(&cmd, &edits);
+        assert_eq!(
+            out[2],
+            "pip install -q trl && cd /app; NCCL_DEBUG=INFO torchrun --nproc_per_node=8 sft.py \\\n  --per_device_train_batch_size 2 --gradient_accumulation_steps=8 --gradient_checkpointing=true | tee log"
+        );
+        let again = find(&out).expect("test input");
+        let flags = Flags::parse(&again.texts(), &HfRules);
+        assert_eq!(flags.value("gradient_accumulation_steps"), Some("8"));
+        assert_eq!(flags.bool("gradient_checkpointing", &HfRules), Some(true));
+    }
+
+    #[test]
+    fn array_appends_go_after_the_last_word() {
+        let cmd = items(&[
+            "accelerate",
+            "launch",
+            "sft.py",
+            "--per_device_train_batch_size",
+            "8",
+        ]);
+        let l = find(&cmd).expect("test input");
+        let flags = Flags::parse(&l.texts(), &HfRules);
+        let edits = [
+            flags
+                .set("per_device_train_batch_size", "2", &HfRules)
+                .expect("test input"),
+            flags
+                .set("gradient_accumulation_steps", "4", &HfRules)
+                .expect("test input"),
+        ];
+        assert_eq!(
+            l.apply(&cmd, &edits),
+            items(&[
+                "accelerate",
+                "launch",
+                "sft.py",
+                "--per_device_train_batch_size",
+                "2",
+                "--gradient_accumulation_steps=4"
+            ])
+        );
+    }
+
+    #[test]
+    fn expanded_program_is_not_trusted() {
+        let cmd = items(&["sh", "-c", "python $SCRIPT --a 1"]);
+        assert!(matches!(find(&cmd), Err(LaunchError::Expands(_))));
+    }
+}
