@@ -119,6 +119,10 @@ pub const SAFETY_RATIO: &str = "memguard.io/safety-ratio";
 pub const CONTAINER: &str = "memguard.io/container";
 /// The user's own env variables to rewrite: `batch-size=PER_DEVICE_TRAIN_BATCH_SIZE,…`.
 pub const ENV_MAP: &str = "memguard.io/env-map";
+/// `true|false`: the plan may cut quality knobs (sequence length, LoRA rank and layers) down to
+/// the policy's floors, where a cut saves at least 2 % of the budget (default: the policy's
+/// `floors.allowQuality`, itself false).
+pub const ALLOW_QUALITY: &str = "memguard.io/allow-quality";
 /// Output: compact JSON summary of the estimate and plan (written by the webhook).
 pub const ESTIMATE: &str = "memguard.io/estimate";
 /// Output: why the webhook left the pod unchanged (written by the webhook).
@@ -169,6 +173,7 @@ pub const INPUT_KEYS: &[&str] = &[
     WORLD_SIZE,
     GPU_MEMORY,
     SAFETY_RATIO,
+    ALLOW_QUALITY,
     CONTAINER,
     ENV_MAP,
 ];
@@ -221,6 +226,8 @@ pub struct TrainingAnnotations {
     pub gpu_memory: Option<Bytes>,
     /// `safety-ratio`, when given.
     pub safety_ratio: Option<f64>,
+    /// `allow-quality`, when given: the pod's own permission to cut quality knobs.
+    pub allow_quality: Option<bool>,
     /// `container`, when given.
     pub container: Option<String>,
     /// `env-map` entries.
@@ -404,6 +411,7 @@ impl TrainingAnnotations {
                 Err(format!("{r} is not in (0, 1]"))
             }
         });
+        let allow_quality = p.boolean(ALLOW_QUALITY);
         let container = p.get(CONTAINER).map(|s| s.trim().to_string());
         let env_map = p.env_map().unwrap_or_default();
 
@@ -422,6 +430,7 @@ impl TrainingAnnotations {
                 device_given: device.is_some(),
                 gpu_memory,
                 safety_ratio,
+                allow_quality,
                 container,
                 env_map,
             })

@@ -205,6 +205,9 @@ annotation_flags! {
     gpu_memory => "gpu-memory",
     /// Fraction of the memory the plan may use, in (0, 1] (default 0.9).
     safety_ratio => "safety-ratio",
+    /// true|false: the plan may cut sequence length and LoRA rank/layers (quality knobs) where
+    /// a cut saves at least 2 % of the budget (default: the policy's floors.allowQuality, false).
+    allow_quality => "allow-quality",
 }
 
 /// Output format of `memguard estimate`.
@@ -291,7 +294,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let plan = match (&decided, budget) {
         (Some(d), _) => Some(d.plan.clone()),
         (None, Some(budget)) => {
-            match decision::plan_into(cfg, Some(budget), &Calibration::none(), &policy, &bound) {
+            let floors = decision::floors(parsed.allow_quality, &policy);
+            match decision::plan_into(cfg, Some(budget), &Calibration::none(), &floors, &bound) {
                 Ok(plan) => Some(plan),
                 Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
             }

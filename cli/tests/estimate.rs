@@ -740,14 +740,23 @@ fn a_dra_claim_gives_its_device_and_memory_offline() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--dra-claim needs --dra"));
 }
 
-/// `--policy-file`'s floors bound the plan, as at admission: without them the sequence is
-/// halved below 2048 to fit, with a 2048 floor it stays and the config cannot fit.
+/// `--policy-file`'s floors bound the plan, as at admission; the sequence is a quality knob,
+/// cut only with the policy's permission (`floors.allowQuality`) or the pod's
+/// (`--allow-quality`): without either it stays at 4096 and the config does not fit; with
+/// permission it is halved below 2048 to fit; with a 2048 floor it stays there.
 #[test]
 fn the_policy_files_floors_bound_the_plan() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let policy = dir.path().join("floors.yaml");
-    std::fs::write(&policy, "floors: {seqLength: 2048}\n").expect("write");
-    let policy = policy.to_str().expect("utf-8");
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).expect("write");
+        path.to_str().expect("utf-8").to_string()
+    };
+    let allowed = write("allowed.yaml", "floors: {allowQuality: true}\n");
+    let floored = write(
+        "floors.yaml",
+        "floors: {seqLength: 2048, allowQuality: true}\n",
+    );
     let base = [
         "estimate",
         "--model",
@@ -763,16 +772,37 @@ fn the_policy_files_floors_bound_the_plan() {
         &["--budget", "20GiB"][..],
         &["--gpu-memory", "22GiB", "--gpu-resource", "nvidia.com/gpu"][..],
     ] {
-        let free = json(&[&base[..], budget].concat());
-        assert_eq!(free["fits"], true, "{budget:?}: {free}");
-        // Halved below the floor (how far depends on the upper bound the plan checks).
-        let seq = free["config"]["seq_length"].as_u64().expect("seq_length");
-        assert!(seq < 2048, "{budget:?}: {free}");
-        let floored = json(&[&base[..], budget, &["--policy-file", policy]].concat());
+        let denied = json(&[&base[..], budget].concat());
+        assert_eq!(denied["fits"], false, "{budget:?}: {denied}");
+        assert_eq!(denied["config"]["seq_length"], 4096, "{budget:?}: {denied}");
+        for permission in [
+            &["--policy-file", &allowed][..],
+            &["--allow-quality", "true"][..],
+        ] {
+            let free = json(&[&base[..], budget, permission].concat());
+            assert_eq!(free["fits"], true, "{budget:?} {permission:?}: {free}");
+            // Halved below the floor (how far depends on the upper bound the plan checks).
+            let seq = free["config"]["seq_length"].as_u64().expect("seq_length");
+            assert!(seq < 2048, "{budget:?}: {free}");
+        }
+        let floored = json(&[&base[..], budget, &["--policy-file", &floored]].concat());
         assert_eq!(floored["fits"], false, "{budget:?}: {floored}");
         assert_eq!(
             floored["config"]["seq_length"], 2048,
             "{budget:?}: {floored}"
+        );
+        // The pod's word overrides the policy's.
+        let refused = json(
+            &[
+                &base[..],
+                budget,
+                &["--policy-file", &allowed, "--allow-quality", "false"],
+            ]
+            .concat(),
+        );
+        assert_eq!(
+            refused["config"]["seq_length"], 4096,
+            "{budget:?}: {refused}"
         );
     }
 }

@@ -34,5 +34,8 @@ pub use config::{
 };
 pub use estimate::{Component, Estimate, Fitted, estimate, estimate_with};
 pub use inference::{ServingConfig, estimate_serving};
-pub use plan::{DowngradePlan, Floors, LADDER, Rung, Step, plan, plan_against, plan_with_floors};
+pub use plan::{
+    Cost, DowngradePlan, Floors, LADDER, QUALITY_MIN_SAVING, Rung, Step, plan, plan_against,
+    plan_with_floors,
+};
 pub use units::{Bytes, ParseError, parse_bytes, parse_count};

@@ -20,7 +20,7 @@ use memguard_api::pod::{AcceleratorKind, constrains_gpu_memory, gpu_products};
 use memguard_api::policy::PlacementMode;
 use memguard_api::{Policy, TrainingPod};
 use memguard_estimator::{
-    Bound, Bytes, Calibration, Device, DowngradePlan, TrainingConfig, plan_against,
+    Bound, Bytes, Calibration, Device, DowngradePlan, Floors, TrainingConfig, plan_against,
 };
 
 /// Everything decided for one pod, before it is rendered.
@@ -91,21 +91,30 @@ pub fn safety_ratio(training: &TrainingPod, policy: &Policy) -> f64 {
         .unwrap_or(policy.safety_ratio)
 }
 
-/// The downgrade plan of `start` into `budget` (none: no limit) under the policy's floors,
-/// checked against `bound` (the upper bound at the policy's level): the one place the floors
-/// are read. An error is each problem the estimator found in `start`.
+/// The policy's floors, with quality knobs allowed where the pod allows them
+/// (`memguard.io/allow-quality`, which overrides the policy's `floors.allowQuality`).
+pub fn floors(pod_allows_quality: Option<bool>, policy: &Policy) -> Floors {
+    Floors {
+        allow_quality: pod_allows_quality.unwrap_or(policy.floors.allow_quality),
+        ..policy.floors
+    }
+}
+
+/// The downgrade plan of `start` into `budget` (none: no limit) under `floors` ([`floors`]),
+/// checked against `bound` (the upper bound at the policy's level). An error is each problem
+/// the estimator found in `start`.
 pub fn plan_into(
     start: &TrainingConfig,
     budget: Option<Bytes>,
     calibration: &Calibration,
-    policy: &Policy,
+    floors: &Floors,
     bound: &Bound,
 ) -> Result<DowngradePlan, Vec<String>> {
     plan_against(
         start,
         budget.unwrap_or(Bytes(u64::MAX)),
         calibration,
-        &policy.floors,
+        floors,
         bound,
     )
     .map_err(|errs| errs.iter().map(ToString::to_string).collect())
@@ -156,7 +165,8 @@ fn plan(
     let calibration = adjust.effective_calibration();
     // Planned against the upper bound at the policy's level, not the point estimate.
     let bound = adjust.bound(policy.estimate_level);
-    let mut start = adjust.start(&training.config, &policy.floors);
+    let floors = floors(training.annotations.allow_quality, policy);
+    let mut start = adjust.start(&training.config, &floors);
     start.expandable_segments = expandable_segments(
         start.device,
         user_alloc_conf(training.trainer)
@@ -176,7 +186,7 @@ fn plan(
                 &start,
                 &calibration,
                 &bound,
-                &policy.floors,
+                &floors,
                 safety_ratio(training, policy),
                 policy,
             )
@@ -209,7 +219,7 @@ fn plan(
         &start,
         budget.as_ref().map(|b| b.bytes),
         &calibration,
-        policy,
+        &floors,
         &bound,
     )
     .map_err(|errs| errs.join("; "))?;
@@ -234,7 +244,11 @@ fn plan(
         && plan.fits
         && !plan.steps.is_empty()
     {
-        let names: Vec<&str> = plan.steps.iter().map(|s| s.rung.name()).collect();
+        let names: Vec<String> = plan
+            .steps
+            .iter()
+            .map(|s| format!("{} -{}", s.rung.name(), s.saved))
+            .collect();
         warnings.push(truncate(&format!(
             "memguard: downgraded to fit {} ({}); see {}",
             b.bytes,
