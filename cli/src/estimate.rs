@@ -8,8 +8,8 @@ use memguard_api::dra::DraCatalog;
 use memguard_api::policy::DEFAULT_SAFETY_RATIO;
 use memguard_api::{ModelCatalog, Policy, TrainingPod};
 use memguard_estimator::{
-    Bound, Bytes, Calibration, DowngradePlan, Estimate, GradSync, ServingConfig, TrainingConfig,
-    catalog, estimate_serving, parse_bytes,
+    Bound, Bytes, Calibration, DowngradePlan, Estimate, GradSync, ServingConfig, Suggestion,
+    TrainingConfig, catalog, estimate_serving, parse_bytes,
 };
 use memguard_learn::decision;
 use serde_json::{Value, json};
@@ -291,10 +291,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         },
         None => None,
     };
+    let floors = decision::floors(parsed.allow_quality, &policy);
     let plan = match (&decided, budget) {
         (Some(d), _) => Some(d.plan.clone()),
         (None, Some(budget)) => {
-            let floors = decision::floors(parsed.allow_quality, &policy);
             match decision::plan_into(cfg, Some(budget), &Calibration::none(), &floors, &bound) {
                 Ok(plan) => Some(plan),
                 Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
@@ -302,15 +302,27 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         (None, None) => None,
     };
+    // When it cannot fit: what would, outside the knobs, each re-planned into the same budget.
+    let suggestions = match (&decided, &plan) {
+        (Some(d), _) => d.suggestions.clone(),
+        (None, Some(p)) if !p.fits => {
+            memguard_estimator::suggest(cfg, p.budget, &Calibration::none(), &floors, &bound)
+        }
+        _ => Vec::new(),
+    };
     write_output(
         &mut out,
         args.output,
         cfg,
         &estimate,
-        plan.as_ref(),
+        (plan.as_ref(), &suggestions),
         decided.as_ref(),
         (upper, policy.estimate_level),
     )?;
+    // A plan that does not fit is a failure a script must see.
+    if plan.as_ref().is_some_and(|p| !p.fits) {
+        return Ok(ExitCode::from(super::EXIT_DOES_NOT_FIT));
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -359,7 +371,7 @@ fn write_output(
     output: Output,
     cfg: &TrainingConfig,
     estimate: &Estimate,
-    plan: Option<&DowngradePlan>,
+    (plan, suggestions): (Option<&DowngradePlan>, &[Suggestion]),
     decided: Option<&decision::Decision>,
     (upper, level): (Bytes, f64),
 ) -> anyhow::Result<()> {
@@ -376,11 +388,35 @@ fn write_output(
             if let Some(d) = decided {
                 value["profile"] = json!({"name": d.key.name, "spec": d.key.spec});
             }
+            if plan.is_some_and(|p| !p.fits) {
+                let list: Vec<Value> = suggestions
+                    .iter()
+                    .map(|s| {
+                        json!({
+                            "change": s.change,
+                            "upper_bytes": s.upper.0,
+                            "fits": s.fits,
+                            "world_size": s.config.world_size,
+                            "config": config_json(&s.config),
+                        })
+                    })
+                    .collect();
+                value["suggestions"] = json!(list);
+            }
             serde_json::to_writer_pretty(&mut *out, &value)?;
             writeln!(out)?;
         }
         Output::Table => {
             write_table(out, cfg, estimate, plan)?;
+            if !suggestions.is_empty() {
+                writeln!(
+                    out,
+                    "what would fit, outside the knobs (each re-planned into the same budget; its upper bound):"
+                )?;
+                for s in suggestions {
+                    writeln!(out, "  - {s}")?;
+                }
+            }
             // The plan checks its final config's bound against the budget, not this one.
             let planned = plan
                 .map(|p| format!("; {} after the plan (what the budget must hold)", p.upper()))
@@ -628,6 +664,10 @@ fn serve(
                 )?;
             }
         }
+    }
+    // As for training: a ceiling over the budget exits 3.
+    if budget.is_some_and(|b| estimate.total > b) {
+        return Ok(ExitCode::from(super::EXIT_DOES_NOT_FIT));
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -10,15 +10,25 @@ fn memguard(args: &[&str]) -> Output {
         .expect("the memguard binary runs")
 }
 
+/// The JSON output; the exit code must say what `fits` says: 0, or 3 for a plan that does not
+/// fit.
 fn json(args: &[&str]) -> Value {
     let out = memguard(&[args, &["--output", "json"]].concat());
-    assert!(
-        out.status.success(),
-        "exit {:?}: {}",
-        out.status,
+    let value: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|_| {
+        panic!(
+            "exit {:?}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    let expected = if value["fits"] == false { 3 } else { 0 };
+    assert_eq!(
+        out.status.code(),
+        Some(expected),
+        "{value}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
+    value
 }
 
 fn u64_at(v: &Value, key: &str) -> u64 {
@@ -285,10 +295,58 @@ fn table_output_shows_components_and_the_plan() {
         "--budget",
         "1GiB",
     ]);
-    assert!(out.status.success());
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "a plan that does not fit exits 3"
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("weights"), "{text}");
     assert!(text.contains("DOES NOT FIT"), "{text}");
+}
+
+/// The example: Llama 3 8B, full fine-tuning, batch 8, on one 80 GiB GPU. It does not
+/// fit (exit 3) and says what would, each with its estimate: sharding over N GPUs, LoRA, an
+/// 8-bit optimizer, optimizer offload; the sequence is never cut without permission.
+#[test]
+fn an_8b_full_finetune_on_80_gib_ends_with_a_change_that_fits() {
+    let args = [
+        "estimate",
+        "--model",
+        "llama-3-8b",
+        "--method",
+        "full",
+        "--batch-size",
+        "8",
+        "--gpu-memory",
+        "80GiB",
+    ];
+    let v = json(&args);
+    assert_eq!(v["fits"], false, "{v}");
+    assert_eq!(v["config"]["seq_length"], 2048, "{v}");
+    let suggestions = v["suggestions"].as_array().expect("suggestions");
+    let find = |prefix: &str| {
+        suggestions
+            .iter()
+            .find(|s| s["change"].as_str().is_some_and(|c| c.starts_with(prefix)))
+            .unwrap_or_else(|| panic!("{prefix}: {v}"))
+    };
+    let gpus = find("FSDP");
+    assert_eq!(gpus["fits"], true, "{v}");
+    assert!(gpus["world_size"].as_u64().is_some_and(|n| n >= 2), "{v}");
+    assert_eq!(find("LoRA")["fits"], true, "{v}");
+    find("8-bit AdamW");
+    find("optimizer state offloaded");
+    for s in suggestions {
+        let upper = s["upper_bytes"].as_u64().expect("upper");
+        assert_eq!(s["fits"], upper <= u64_at(&v, "budget_bytes"), "{s}");
+    }
+    // The table says the same, after DOES NOT FIT.
+    let out = memguard(&args);
+    assert_eq!(out.status.code(), Some(3));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let tail = text.split_once("DOES NOT FIT").expect("verdict").1;
+    assert!(tail.contains("GPUs: ") && tail.contains("(fits)"), "{text}");
 }
 
 #[test]

@@ -24,6 +24,7 @@ pub mod estimate;
 pub mod inference;
 pub mod params;
 pub mod plan;
+pub mod suggest;
 pub mod units;
 
 pub use bound::Bound;
@@ -38,4 +39,5 @@ pub use plan::{
     Cost, DowngradePlan, Floors, LADDER, QUALITY_MIN_SAVING, Rung, Step, plan, plan_against,
     plan_with_floors,
 };
+pub use suggest::{Suggestion, suggest};
 pub use units::{Bytes, ParseError, parse_bytes, parse_count};

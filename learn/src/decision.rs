@@ -20,7 +20,8 @@ use memguard_api::pod::{AcceleratorKind, constrains_gpu_memory, gpu_products};
 use memguard_api::policy::PlacementMode;
 use memguard_api::{Policy, TrainingPod};
 use memguard_estimator::{
-    Bound, Bytes, Calibration, Device, DowngradePlan, Floors, TrainingConfig, plan_against,
+    Bound, Bytes, Calibration, Device, DowngradePlan, Floors, Suggestion, TrainingConfig,
+    plan_against, suggest,
 };
 
 /// Everything decided for one pod, before it is rendered.
@@ -39,6 +40,9 @@ pub struct Decision {
     pub affinity: Option<Affinity>,
     /// "cannot fit: …": the profile's verdict, or every knob at its floor and still over.
     pub verdict: Option<String>,
+    /// When the plan does not fit: the changes outside the knobs that would
+    /// ([`memguard_estimator::suggest`]), those that fit first, each with its estimate.
+    pub suggestions: Vec<Suggestion>,
     /// Warnings on the way, each cut to size.
     pub warnings: Vec<String>,
 }
@@ -225,18 +229,24 @@ fn plan(
     .map_err(|errs| errs.join("; "))?;
 
     // Every knob at its floor and still over the budget: admitted anyway, at the smallest config
-    // tried, saying so (the profile's verdict, when it has one, says more).
+    // tried, saying so and what would fit (the profile's verdict, when it has one, says more).
+    let suggestions = match &budget {
+        Some(b) if !plan.fits => suggest(&start, b.bytes, &calibration, &floors, &bound),
+        _ => Vec::new(),
+    };
     let floor_verdict = budget.as_ref().filter(|_| !plan.fits).map(|b| {
         format!(
             "cannot fit: estimate {}{} exceeds budget {} with every knob at its floor; smallest \
-             config tried: {}",
+             config tried: {}{}{}",
             plan.total(),
             plan.bound
                 .level
                 .map(|level| format!(" (upper bound {} at {level})", plan.upper()))
                 .unwrap_or_default(),
             b.bytes,
-            describe_knobs(&TrainingKnobs::of(&plan.config))
+            describe_knobs(&TrainingKnobs::of(&plan.config)),
+            quality_note(&plan, &floors),
+            would_fit(&suggestions)
         )
     });
     let verdict = adjust.verdict.clone().or(floor_verdict);
@@ -263,8 +273,59 @@ fn plan(
         adjust,
         affinity: placement.map(|p| p.affinity),
         verdict,
+        suggestions,
         warnings,
     })
+}
+
+/// "; sequence kept (…)" when the plan could have cut a quality knob (the sequence, the
+/// adapter) but had no permission; empty otherwise.
+fn quality_note(plan: &DowngradePlan, floors: &Floors) -> String {
+    use memguard_estimator::Rung;
+    if floors.allow_quality {
+        return String::new();
+    }
+    let allowed = Floors {
+        allow_quality: true,
+        ..*floors
+    };
+    let could = |r: Rung| r.apply(&plan.config, &allowed).is_some();
+    let kept: Vec<&str> = [
+        (could(Rung::HalveSeqLength), "sequence"),
+        (
+            could(Rung::HalveLoraRank) || could(Rung::HalveLoraLayers),
+            "adapter",
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(c, name)| c.then_some(name))
+    .collect();
+    if kept.is_empty() {
+        return String::new();
+    }
+    format!(
+        "; {} kept ({}: \"true\" lets the plan cut {})",
+        kept.join(" and "),
+        keys::ALLOW_QUALITY,
+        if kept.len() > 1 { "them" } else { "it" }
+    )
+}
+
+/// "; would fit: A (estimate), B (estimate)" from the suggestions that fit, else "; nothing
+/// tried fits: …" with the closest; empty without suggestions.
+pub fn would_fit(suggestions: &[Suggestion]) -> String {
+    let fitting: Vec<String> = suggestions
+        .iter()
+        .filter(|s| s.fits)
+        .map(|s| format!("{} ({})", s.change, s.upper))
+        .collect();
+    if !fitting.is_empty() {
+        return format!("; would fit: {}", fitting.join(", "));
+    }
+    match suggestions.iter().min_by_key(|s| s.upper) {
+        Some(s) => format!("; nothing tried fits, closest: {} ({})", s.change, s.upper),
+        None => String::new(),
+    }
 }
 
 /// Placement applies to a pod on whole NVIDIA GPUs, not pinned to a product, not time-sliced,

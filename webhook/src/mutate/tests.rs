@@ -356,14 +356,20 @@ fn a_config_that_cannot_fit_says_so() {
     let tried = error
         .split_once("smallest config tried: ")
         .expect("named")
-        .1;
+        .1
+        .split("; ")
+        .next()
+        .expect("config");
     assert!(
         m.warnings.iter().any(|w| w.starts_with(&format!(
-            "memguard: cannot fit; smallest config tried: {tried} (estimate "
+            "memguard: cannot fit; smallest config tried: {tried}; "
         ))),
         "{:?}",
         m.warnings
     );
+    // And what was tried outside the knobs: nothing fits 1 GiB, the closest is named.
+    assert!(error.contains("; nothing tried fits, closest: "), "{error}");
+
     assert!(
         m.warnings
             .iter()
