@@ -204,7 +204,9 @@ fn plan(
             p.min_label_mib - 1
         );
         if policy.placement == PlacementMode::Required {
-            // Every node the affinity allows has at least this much: plan for it.
+            // Every node the affinity allows has at least this much: plan for it, not the
+            // assumed default.
+            warnings.retain(|w| !w.starts_with(crate::budget::ASSUMED_DEFAULT));
             budget = Some(Budget::new(
                 p.device_memory,
                 safety_ratio(training, policy),
