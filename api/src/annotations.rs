@@ -311,10 +311,10 @@ impl TrainingAnnotations {
         if let Some(v) = p.enum_value::<Method>(METHOD) {
             config.method = v;
         }
-        if let Some(v) = p.count(LORA_RANK) {
+        if let Some(v) = p.whole(LORA_RANK) {
             config.lora_rank = v;
         }
-        config.lora_layers = p.count(LORA_LAYERS);
+        config.lora_layers = p.whole(LORA_LAYERS);
         if let Some(v) = p.enum_value::<LoraTargets>(LORA_TARGETS) {
             config.lora_targets = v;
         }
@@ -324,13 +324,13 @@ impl TrainingAnnotations {
         if let Some(v) = p.enum_value::<Optimizer>(OPTIMIZER) {
             config.optimizer = v;
         }
-        if let Some(v) = p.count(BATCH_SIZE) {
+        if let Some(v) = p.whole(BATCH_SIZE) {
             config.batch_size = v;
         }
-        if let Some(v) = p.count(SEQ_LENGTH) {
+        if let Some(v) = p.whole(SEQ_LENGTH) {
             config.seq_length = v;
         }
-        if let Some(v) = p.count(GRAD_ACCUMULATION) {
+        if let Some(v) = p.whole(GRAD_ACCUMULATION) {
             config.grad_accumulation = v;
         }
         if let Some(v) = p.boolean(GRAD_CHECKPOINTING) {
@@ -390,7 +390,7 @@ impl TrainingAnnotations {
         if let Some(v) = p.enum_value::<Parallelism>(PARALLELISM) {
             config.parallelism = v;
         }
-        if let Some(v) = p.count(WORLD_SIZE) {
+        if let Some(v) = p.whole(WORLD_SIZE) {
             config.world_size = v;
         }
         let gpu_memory = p.parse_with(GPU_MEMORY, |s| {
@@ -440,6 +440,15 @@ impl TrainingAnnotations {
     }
 }
 
+/// `s` as a boolean in memguard's one vocabulary (`true|yes|on|1`, `false|no|off|0`, any case).
+pub fn parse_boolean(s: &str) -> Option<bool> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "true" | "yes" | "on" | "1" => Some(true),
+        "false" | "no" | "off" | "0" => Some(false),
+        _ => None,
+    }
+}
+
 /// The message of a config error without its leading `field: `.
 fn config_message(e: &ConfigError) -> String {
     let full = e.to_string();
@@ -481,6 +490,27 @@ fn unknown_key_message(short: &str) -> String {
         }
         _ => "unknown key".to_string(),
     }
+}
+
+/// The known model (the policy's or the built-in catalog's) closest to `name`, when a few edits
+/// away (up to a third of its length, at least 2): the "did you mean" of an unknown model.
+fn closest_model(name: &str, models: &ModelCatalog) -> Option<String> {
+    let wanted = memguard_estimator::catalog::normalize(name);
+    let known = models.policy_models().iter().map(|m| m.name.clone()).chain(
+        memguard_estimator::catalog::names()
+            .into_iter()
+            .map(str::to_string),
+    );
+    known
+        .map(|k| {
+            (
+                edit_distance(&wanted, &memguard_estimator::catalog::normalize(&k)),
+                k,
+            )
+        })
+        .filter(|(d, _)| *d <= (wanted.len() / 3).max(2))
+        .min()
+        .map(|(_, k)| k)
 }
 
 fn edit_distance(a: &str, b: &str) -> usize {
@@ -538,11 +568,25 @@ impl Parser<'_> {
         })
     }
 
+    /// A training count (batch, sequence, accumulation, rank, layers, ranks): a plain whole
+    /// number, not a size like `7B` (that is for `model-params`).
+    fn whole(&mut self, key: &str) -> Option<u64> {
+        self.parse_with(key, |s| match s.trim().parse::<u64>() {
+            Ok(0) => Err("must be at least 1".into()),
+            Ok(n) => Ok(n),
+            Err(_) => Err(format!(
+                "`{s}` is not a whole number of at least 1 (e.g. `8`; sizes like `7B` are for \
+                 model-params)"
+            )),
+        })
+    }
+
+    /// A boolean in the vocabulary the sidecar and the Python client read too: `true|false`,
+    /// `yes|no`, `on|off`, `1|0`, any case.
     fn boolean(&mut self, key: &str) -> Option<bool> {
-        self.parse_with(key, |s| match s.trim().to_ascii_lowercase().as_str() {
-            "true" => Ok(true),
-            "false" => Ok(false),
-            _ => Err(format!("`{s}` is not `true` or `false`")),
+        self.parse_with(key, |s| {
+            parse_boolean(s)
+                .ok_or_else(|| format!("`{s}` is not a boolean (true|false, yes|no, on|off, 1|0)"))
         })
     }
 
@@ -579,8 +623,11 @@ impl Parser<'_> {
                     self.errors.push(AnnotationError::new(
                         MODEL,
                         format!(
-                            "unknown model `{name}`: {} (see `memguard estimate --list-models`)",
-                            models.searched()
+                            "unknown model `{name}`: {}{} (see `memguard estimate --list-models`)",
+                            models.searched(),
+                            closest_model(name, models)
+                                .map(|m| format!("; did you mean `{m}`?"))
+                                .unwrap_or_default()
                         ),
                     ));
                     return (None, storage);
@@ -830,7 +877,7 @@ mod tests {
         let errs = parse(&annotations(&[
             (MODEL, "gpt2"),
             (LOSS, "liger-ish"),
-            (COMPILE, "yes"),
+            (COMPILE, "perhaps"),
             (GRAD_SYNC, "sometimes"),
         ]))
         .expect_err("invalid");
@@ -939,5 +986,52 @@ mod tests {
             ]))
             .is_ok()
         );
+    }
+
+    /// One boolean vocabulary: what the sidecar and the Python client accept, annotations
+    /// accept (`grad-checkpointing: "yes"` was refused); counts are plain whole numbers.
+    #[test]
+    fn booleans_share_one_vocabulary_and_counts_are_whole_numbers() {
+        for (value, want) in [
+            ("yes", true),
+            ("On", true),
+            ("1", true),
+            ("no", false),
+            ("OFF", false),
+            ("0", false),
+        ] {
+            let a = parse(&annotations(&[
+                (MODEL, "gpt2"),
+                (GRAD_CHECKPOINTING, value),
+            ]))
+            .expect(value);
+            assert_eq!(a.config.grad_checkpointing, want, "{value}");
+        }
+        let errs = parse(&annotations(&[
+            (MODEL, "gpt2"),
+            (GRAD_CHECKPOINTING, "perhaps"),
+        ]))
+        .expect_err("invalid");
+        assert!(errs[0].message.contains("yes|no"), "{errs:?}");
+        for (key, bad) in [(BATCH_SIZE, "7B"), (BATCH_SIZE, "7e9"), (SEQ_LENGTH, "-1")] {
+            let errs = parse(&annotations(&[(MODEL, "gpt2"), (key, bad)])).expect_err(bad);
+            assert!(
+                errs[0]
+                    .message
+                    .contains("is not a whole number of at least 1"),
+                "{bad}: {errs:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_unknown_model_gets_a_did_you_mean() {
+        let errs = parse(&annotations(&[(MODEL, "llama-3-8")])).expect_err("unknown");
+        assert!(
+            errs[0].message.contains("did you mean `llama-3-8b`?"),
+            "{errs:?}"
+        );
+        let errs = parse(&annotations(&[(MODEL, "zzzzzzzzzzzzzz")])).expect_err("unknown");
+        assert!(!errs[0].message.contains("did you mean"), "{errs:?}");
     }
 }

@@ -735,6 +735,14 @@ fn bad_input(messages: impl IntoIterator<Item = String>) -> ExitCode {
 /// `--budget`, else gpu-memory × safety-ratio, else none.
 fn resolve_budget(args: &Args, parsed: &TrainingAnnotations) -> Result<Option<Bytes>, String> {
     if let Some(b) = &args.budget {
+        // A bare number is bytes; one under 1 MiB is never a budget: `--budget 24` meant 24 GiB.
+        if b.trim().parse::<f64>().is_ok_and(|n| n < 1_048_576.0) {
+            return Err(format!(
+                "--budget: `{b}` has no unit; did you mean `{}GiB`? (sizes are like 24GiB, 80Gi, \
+                 23028Mi)",
+                b.trim()
+            ));
+        }
         let bytes = parse_bytes(b).map_err(|e| format!("--budget: {e}"))?;
         if bytes == Bytes::ZERO {
             return Err("--budget: must be more than 0".into());

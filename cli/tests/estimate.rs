@@ -864,3 +864,21 @@ fn the_policy_files_floors_bound_the_plan() {
         );
     }
 }
+
+/// `--budget 24` was 24 bytes, silently; a unit is required, and the message suggests one.
+/// `--batch-size 7B` was taken as 7e9; counts are whole numbers.
+#[test]
+fn a_budget_needs_a_unit_and_a_batch_size_is_a_whole_number() {
+    let base = ["estimate", "--model", "llama-3-8b"];
+    let out = memguard(&[&base[..], &["--budget", "24"]].concat());
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("did you mean `24GiB`"), "{err}");
+    let out = memguard(&[&base[..], &["--batch-size", "7B"]].concat());
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("batch-size") && err.contains("whole number"),
+        "{err}"
+    );
+}
