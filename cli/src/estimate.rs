@@ -608,6 +608,25 @@ fn serve(
     budget: Option<Bytes>,
     out: &mut impl Write,
 ) -> anyhow::Result<ExitCode> {
+    // Serving has no batch, accumulation or training method: say which flags it ignored.
+    let ignored: Vec<&str> = [
+        ("--method", args.method.is_some()),
+        ("--batch-size", args.batch_size.is_some()),
+        ("--grad-accumulation", args.grad_accumulation.is_some()),
+        ("--grad-checkpointing", args.grad_checkpointing.is_some()),
+        ("--optimizer", args.optimizer.is_some()),
+        ("--lora-rank", args.lora_rank.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(flag, given)| given.then_some(flag))
+    .collect();
+    if !ignored.is_empty() {
+        eprintln!(
+            "note: --serve ignores {} (training flags; the KV cache is sized by --max-sequences \
+             and --seq-length)",
+            ignored.join(", ")
+        );
+    }
     let mut serving = ServingConfig::new(cfg.model.clone());
     serving.model_bits = cfg.model_bits.unwrap_or(16);
     serving.max_seq_length = cfg.seq_length;

@@ -882,3 +882,26 @@ fn a_budget_needs_a_unit_and_a_batch_size_is_a_whole_number() {
         "{err}"
     );
 }
+
+/// `--serve` ignored `--method` and `--batch-size` without a word; it says so now.
+#[test]
+fn serve_names_the_training_flags_it_ignores() {
+    let out = memguard(&[
+        "estimate",
+        "--model",
+        "llama-3-8b",
+        "--serve",
+        "--method",
+        "lora",
+        "--batch-size",
+        "4",
+    ]);
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--serve ignores --method, --batch-size"),
+        "{err}"
+    );
+    let out = memguard(&["estimate", "--model", "llama-3-8b", "--serve"]);
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("ignores"));
+}
