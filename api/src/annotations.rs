@@ -122,6 +122,10 @@ pub const ENV_MAP: &str = "memguard.io/env-map";
 /// `false` keeps the webhook from injecting the Python client into this pod (init container,
 /// volume, `PYTHONPATH`); anything else, or no value, leaves the policy's choice.
 pub const INJECT_CLIENT: &str = "memguard.io/inject-client";
+/// `true|false`: the plan may cut quality knobs (sequence length, LoRA rank and layers) down to
+/// the policy's floors, where a cut saves at least 2 % of the budget (default: the policy's
+/// `floors.allowQuality`, itself false).
+pub const ALLOW_QUALITY: &str = "memguard.io/allow-quality";
 /// Output: compact JSON summary of the estimate and plan (written by the webhook).
 pub const ESTIMATE: &str = "memguard.io/estimate";
 /// Output: why the webhook left the pod unchanged (written by the webhook).
@@ -172,6 +176,7 @@ pub const INPUT_KEYS: &[&str] = &[
     WORLD_SIZE,
     GPU_MEMORY,
     SAFETY_RATIO,
+    ALLOW_QUALITY,
     CONTAINER,
     ENV_MAP,
 ];
@@ -227,6 +232,8 @@ pub struct TrainingAnnotations {
     pub gpu_memory: Option<Bytes>,
     /// `safety-ratio`, when given.
     pub safety_ratio: Option<f64>,
+    /// `allow-quality`, when given: the pod's own permission to cut quality knobs.
+    pub allow_quality: Option<bool>,
     /// `container`, when given.
     pub container: Option<String>,
     /// `env-map` entries.
@@ -312,10 +319,10 @@ impl TrainingAnnotations {
         if let Some(v) = p.enum_value::<Method>(METHOD) {
             config.method = v;
         }
-        if let Some(v) = p.count(LORA_RANK) {
+        if let Some(v) = p.whole(LORA_RANK) {
             config.lora_rank = v;
         }
-        config.lora_layers = p.count(LORA_LAYERS);
+        config.lora_layers = p.whole(LORA_LAYERS);
         if let Some(v) = p.enum_value::<LoraTargets>(LORA_TARGETS) {
             config.lora_targets = v;
         }
@@ -325,13 +332,13 @@ impl TrainingAnnotations {
         if let Some(v) = p.enum_value::<Optimizer>(OPTIMIZER) {
             config.optimizer = v;
         }
-        if let Some(v) = p.count(BATCH_SIZE) {
+        if let Some(v) = p.whole(BATCH_SIZE) {
             config.batch_size = v;
         }
-        if let Some(v) = p.count(SEQ_LENGTH) {
+        if let Some(v) = p.whole(SEQ_LENGTH) {
             config.seq_length = v;
         }
-        if let Some(v) = p.count(GRAD_ACCUMULATION) {
+        if let Some(v) = p.whole(GRAD_ACCUMULATION) {
             config.grad_accumulation = v;
         }
         if let Some(v) = p.boolean(GRAD_CHECKPOINTING) {
@@ -391,7 +398,7 @@ impl TrainingAnnotations {
         if let Some(v) = p.enum_value::<Parallelism>(PARALLELISM) {
             config.parallelism = v;
         }
-        if let Some(v) = p.count(WORLD_SIZE) {
+        if let Some(v) = p.whole(WORLD_SIZE) {
             config.world_size = v;
         }
         let gpu_memory = p.parse_with(GPU_MEMORY, |s| {
@@ -412,6 +419,7 @@ impl TrainingAnnotations {
                 Err(format!("{r} is not in (0, 1]"))
             }
         });
+        let allow_quality = p.boolean(ALLOW_QUALITY);
         let container = p.get(CONTAINER).map(|s| s.trim().to_string());
         let env_map = p.env_map().unwrap_or_default();
 
@@ -430,6 +438,7 @@ impl TrainingAnnotations {
                 device_given: device.is_some(),
                 gpu_memory,
                 safety_ratio,
+                allow_quality,
                 container,
                 env_map,
                 knobs_given: Knob::ALL
@@ -440,6 +449,15 @@ impl TrainingAnnotations {
         } else {
             Err(p.errors)
         }
+    }
+}
+
+/// `s` as a boolean in memguard's one vocabulary (`true|yes|on|1`, `false|no|off|0`, any case).
+pub fn parse_boolean(s: &str) -> Option<bool> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "true" | "yes" | "on" | "1" => Some(true),
+        "false" | "no" | "off" | "0" => Some(false),
+        _ => None,
     }
 }
 
@@ -484,6 +502,27 @@ fn unknown_key_message(short: &str) -> String {
         }
         _ => "unknown key".to_string(),
     }
+}
+
+/// The known model (the policy's or the built-in catalog's) closest to `name`, when a few edits
+/// away (up to a third of its length, at least 2): the "did you mean" of an unknown model.
+fn closest_model(name: &str, models: &ModelCatalog) -> Option<String> {
+    let wanted = memguard_estimator::catalog::normalize(name);
+    let known = models.policy_models().iter().map(|m| m.name.clone()).chain(
+        memguard_estimator::catalog::names()
+            .into_iter()
+            .map(str::to_string),
+    );
+    known
+        .map(|k| {
+            (
+                edit_distance(&wanted, &memguard_estimator::catalog::normalize(&k)),
+                k,
+            )
+        })
+        .filter(|(d, _)| *d <= (wanted.len() / 3).max(2))
+        .min()
+        .map(|(_, k)| k)
 }
 
 fn edit_distance(a: &str, b: &str) -> usize {
@@ -541,11 +580,25 @@ impl Parser<'_> {
         })
     }
 
+    /// A training count (batch, sequence, accumulation, rank, layers, ranks): a plain whole
+    /// number, not a size like `7B` (that is for `model-params`).
+    fn whole(&mut self, key: &str) -> Option<u64> {
+        self.parse_with(key, |s| match s.trim().parse::<u64>() {
+            Ok(0) => Err("must be at least 1".into()),
+            Ok(n) => Ok(n),
+            Err(_) => Err(format!(
+                "`{s}` is not a whole number of at least 1 (e.g. `8`; sizes like `7B` are for \
+                 model-params)"
+            )),
+        })
+    }
+
+    /// A boolean in the vocabulary the sidecar and the Python client read too: `true|false`,
+    /// `yes|no`, `on|off`, `1|0`, any case.
     fn boolean(&mut self, key: &str) -> Option<bool> {
-        self.parse_with(key, |s| match s.trim().to_ascii_lowercase().as_str() {
-            "true" => Ok(true),
-            "false" => Ok(false),
-            _ => Err(format!("`{s}` is not `true` or `false`")),
+        self.parse_with(key, |s| {
+            parse_boolean(s)
+                .ok_or_else(|| format!("`{s}` is not a boolean (true|false, yes|no, on|off, 1|0)"))
         })
     }
 
@@ -582,8 +635,11 @@ impl Parser<'_> {
                     self.errors.push(AnnotationError::new(
                         MODEL,
                         format!(
-                            "unknown model `{name}`: {} (see `memguard estimate --list-models`)",
-                            models.searched()
+                            "unknown model `{name}`: {}{} (see `memguard estimate --list-models`)",
+                            models.searched(),
+                            closest_model(name, models)
+                                .map(|m| format!("; did you mean `{m}`?"))
+                                .unwrap_or_default()
                         ),
                     ));
                     return (None, storage);
@@ -833,7 +889,7 @@ mod tests {
         let errs = parse(&annotations(&[
             (MODEL, "gpt2"),
             (LOSS, "liger-ish"),
-            (COMPILE, "yes"),
+            (COMPILE, "perhaps"),
             (GRAD_SYNC, "sometimes"),
         ]))
         .expect_err("invalid");
@@ -942,5 +998,52 @@ mod tests {
             ]))
             .is_ok()
         );
+    }
+
+    /// One boolean vocabulary: what the sidecar and the Python client accept, annotations
+    /// accept (`grad-checkpointing: "yes"` was refused); counts are plain whole numbers.
+    #[test]
+    fn booleans_share_one_vocabulary_and_counts_are_whole_numbers() {
+        for (value, want) in [
+            ("yes", true),
+            ("On", true),
+            ("1", true),
+            ("no", false),
+            ("OFF", false),
+            ("0", false),
+        ] {
+            let a = parse(&annotations(&[
+                (MODEL, "gpt2"),
+                (GRAD_CHECKPOINTING, value),
+            ]))
+            .expect(value);
+            assert_eq!(a.config.grad_checkpointing, want, "{value}");
+        }
+        let errs = parse(&annotations(&[
+            (MODEL, "gpt2"),
+            (GRAD_CHECKPOINTING, "perhaps"),
+        ]))
+        .expect_err("invalid");
+        assert!(errs[0].message.contains("yes|no"), "{errs:?}");
+        for (key, bad) in [(BATCH_SIZE, "7B"), (BATCH_SIZE, "7e9"), (SEQ_LENGTH, "-1")] {
+            let errs = parse(&annotations(&[(MODEL, "gpt2"), (key, bad)])).expect_err(bad);
+            assert!(
+                errs[0]
+                    .message
+                    .contains("is not a whole number of at least 1"),
+                "{bad}: {errs:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_unknown_model_gets_a_did_you_mean() {
+        let errs = parse(&annotations(&[(MODEL, "llama-3-8")])).expect_err("unknown");
+        assert!(
+            errs[0].message.contains("did you mean `llama-3-8b`?"),
+            "{errs:?}"
+        );
+        let errs = parse(&annotations(&[(MODEL, "zzzzzzzzzzzzzz")])).expect_err("unknown");
+        assert!(!errs[0].message.contains("did you mean"), "{errs:?}");
     }
 }

@@ -749,9 +749,75 @@ pub fn parse_mps_limit(value: &str) -> Result<u64, String> {
 /// The `nvidia.com/gpu.product` values the pod is pinned to: the node selector's, else the
 /// union of the required node-affinity terms' `In` values when every term constrains it (terms
 /// are ORed: one unconstrained term means any product). Empty when unknown.
+///
+/// A pod pinned by a cloud's own accelerator label instead ([`CLOUD_ACCELERATOR_LABELS`]: GKE's
+/// `cloud.google.com/gke-accelerator`, EKS's `k8s.amazonaws.com/accelerator`, Karpenter's and
+/// EKS Auto Mode's `instance-gpu-name`) is pinned as surely: each value is read as the
+/// `nvidia.com/gpu.product` GPU feature discovery writes on such a node (the smallest where the
+/// cloud's name covers several, as AWS's `a100` covers 40 and 80 GB), or kept as
+/// `label=value` when unknown (then "not in the policy table", named).
 pub fn gpu_products(pod: &Pod) -> Vec<String> {
-    pinned_values(pod, wellknown::NVIDIA_GPU_PRODUCT_LABEL)
+    let nvidia = pinned_values(pod, wellknown::NVIDIA_GPU_PRODUCT_LABEL);
+    if !nvidia.is_empty() {
+        return nvidia;
+    }
+    for (label, table) in CLOUD_ACCELERATOR_LABELS {
+        let values = pinned_values(pod, label);
+        if !values.is_empty() {
+            return values
+                .iter()
+                .map(|v| {
+                    table
+                        .iter()
+                        .find(|(name, _)| name.eq_ignore_ascii_case(v.trim()))
+                        .map_or_else(|| format!("{label}={v}"), |(_, p)| (*p).to_string())
+                })
+                .collect();
+        }
+    }
+    Vec::new()
 }
+
+/// GKE's and EKS's accelerator values, as GKE documents them (`nvidia-tesla-a100`, …) and EKS
+/// node groups label them; each read as the GPU feature discovery product of that GPU.
+const CLOUD_ACCELERATOR_NAMES: &[(&str, &str)] = &[
+    ("nvidia-tesla-t4", "Tesla-T4"),
+    ("nvidia-tesla-v100", "Tesla-V100-SXM2-16GB"),
+    ("nvidia-tesla-a100", "NVIDIA-A100-SXM4-40GB"),
+    ("nvidia-a100-80gb", "NVIDIA-A100-SXM4-80GB"),
+    ("nvidia-a10g", "NVIDIA-A10G"),
+    ("nvidia-l4", "NVIDIA-L4"),
+    ("nvidia-l40s", "NVIDIA-L40S"),
+    ("nvidia-h100-80gb", "NVIDIA-H100-80GB-HBM3"),
+    ("nvidia-h100-mega-80gb", "NVIDIA-H100-80GB-HBM3"),
+    ("nvidia-h200-141gb", "NVIDIA-H200"),
+    ("nvidia-b200", "NVIDIA-B200"),
+];
+
+/// Karpenter's and EKS Auto Mode's `instance-gpu-name` values (lower-case GPU names); where
+/// AWS offers one name in two sizes (A100 40/80 GB, V100 16/32 GB), the smaller.
+const AWS_GPU_NAMES: &[(&str, &str)] = &[
+    ("t4", "Tesla-T4"),
+    ("t4g", "Tesla-T4"),
+    ("v100", "Tesla-V100-SXM2-16GB"),
+    ("a100", "NVIDIA-A100-SXM4-40GB"),
+    ("a10g", "NVIDIA-A10G"),
+    ("l4", "NVIDIA-L4"),
+    ("l40s", "NVIDIA-L40S"),
+    ("h100", "NVIDIA-H100-80GB-HBM3"),
+    ("h200", "NVIDIA-H200"),
+    ("b200", "NVIDIA-B200"),
+];
+
+/// Node labels by which a cloud names a node's GPU, read after `nvidia.com/gpu.product`, each
+/// with its values. AKS labels GPU nodes `accelerator: nvidia` only (no product): pin those
+/// with `nvidia.com/gpu.product` (the GPU operator's GFD writes it) or `memguard.io/gpu-memory`.
+pub const CLOUD_ACCELERATOR_LABELS: &[(&str, &[(&str, &str)])] = &[
+    ("cloud.google.com/gke-accelerator", CLOUD_ACCELERATOR_NAMES),
+    ("k8s.amazonaws.com/accelerator", CLOUD_ACCELERATOR_NAMES),
+    ("karpenter.k8s.aws/instance-gpu-name", AWS_GPU_NAMES),
+    ("eks.amazonaws.com/instance-gpu-name", AWS_GPU_NAMES),
+];
 
 /// The GPU memory (MiB, GPU feature discovery's `nvidia.com/gpu.memory`) every node the pod may
 /// be scheduled on has at least: each required node-affinity term holds a `Gt` expression on the

@@ -255,6 +255,11 @@ pub struct FloorsSpec {
     /// Fewest adapted layers (default 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora_layers: Option<u64>,
+    /// Whether plans may cut the quality knobs (sequence length, LoRA rank and layers) down to
+    /// these floors, where a cut saves at least 2 % of the budget (default false: a pod may
+    /// allow it with `memguard.io/allow-quality: "true"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allow_quality: Option<bool>,
 }
 
 impl FloorsSpec {
@@ -266,6 +271,7 @@ impl FloorsSpec {
             seq_length: self.seq_length.unwrap_or(d.seq_length).max(1),
             lora_rank: self.lora_rank.unwrap_or(d.lora_rank).max(1),
             lora_layers: self.lora_layers.unwrap_or(d.lora_layers).max(1),
+            allow_quality: self.allow_quality.unwrap_or(d.allow_quality),
         }
     }
 }

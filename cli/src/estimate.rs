@@ -8,8 +8,8 @@ use memguard_api::dra::DraCatalog;
 use memguard_api::policy::DEFAULT_SAFETY_RATIO;
 use memguard_api::{ModelCatalog, Policy, TrainingPod};
 use memguard_estimator::{
-    Bound, Bytes, Calibration, DowngradePlan, Estimate, GradSync, ServingConfig, TrainingConfig,
-    catalog, estimate_serving, parse_bytes,
+    Bound, Bytes, Calibration, DowngradePlan, Estimate, GradSync, ServingConfig, Suggestion,
+    TrainingConfig, catalog, estimate_serving, parse_bytes,
 };
 use memguard_learn::decision;
 use serde_json::{Value, json};
@@ -212,6 +212,9 @@ annotation_flags! {
     gpu_memory => "gpu-memory",
     /// Fraction of the memory the plan may use, in (0, 1] (default 0.9).
     safety_ratio => "safety-ratio",
+    /// true|false: the plan may cut sequence length and LoRA rank/layers (quality knobs) where
+    /// a cut saves at least 2 % of the budget (default: the policy's floors.allowQuality, false).
+    allow_quality => "allow-quality",
 }
 
 /// Output format of `memguard estimate`.
@@ -298,25 +301,38 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         },
         None => None,
     };
+    let floors = decision::floors(parsed.allow_quality, &policy);
     let plan = match (&decided, budget) {
         (Some(d), _) => Some(d.plan.clone()),
         (None, Some(budget)) => {
-            match decision::plan_into(cfg, Some(budget), &Calibration::none(), &policy, &bound) {
+            match decision::plan_into(cfg, Some(budget), &Calibration::none(), &floors, &bound) {
                 Ok(plan) => Some(plan),
                 Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
             }
         }
         (None, None) => None,
     };
+    // When it cannot fit: what would, outside the knobs, each re-planned into the same budget.
+    let suggestions = match (&decided, &plan) {
+        (Some(d), _) => d.suggestions.clone(),
+        (None, Some(p)) if !p.fits => {
+            memguard_estimator::suggest(cfg, p.budget, &Calibration::none(), &floors, &bound)
+        }
+        _ => Vec::new(),
+    };
     write_output(
         &mut out,
         args.output,
         cfg,
         &estimate,
-        plan.as_ref(),
+        (plan.as_ref(), &suggestions),
         decided.as_ref(),
         (upper, policy.estimate_level),
     )?;
+    // A plan that does not fit is a failure a script must see.
+    if plan.as_ref().is_some_and(|p| !p.fits) {
+        return Ok(ExitCode::from(super::EXIT_DOES_NOT_FIT));
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -365,7 +381,7 @@ fn write_output(
     output: Output,
     cfg: &TrainingConfig,
     estimate: &Estimate,
-    plan: Option<&DowngradePlan>,
+    (plan, suggestions): (Option<&DowngradePlan>, &[Suggestion]),
     decided: Option<&decision::Decision>,
     (upper, level): (Bytes, f64),
 ) -> anyhow::Result<()> {
@@ -382,11 +398,35 @@ fn write_output(
             if let Some(d) = decided {
                 value["profile"] = json!({"name": d.key.name, "spec": d.key.spec});
             }
+            if plan.is_some_and(|p| !p.fits) {
+                let list: Vec<Value> = suggestions
+                    .iter()
+                    .map(|s| {
+                        json!({
+                            "change": s.change,
+                            "upper_bytes": s.upper.0,
+                            "fits": s.fits,
+                            "world_size": s.config.world_size,
+                            "config": config_json(&s.config),
+                        })
+                    })
+                    .collect();
+                value["suggestions"] = json!(list);
+            }
             serde_json::to_writer_pretty(&mut *out, &value)?;
             writeln!(out)?;
         }
         Output::Table => {
             write_table(out, cfg, estimate, plan)?;
+            if !suggestions.is_empty() {
+                writeln!(
+                    out,
+                    "what would fit, outside the knobs (each re-planned into the same budget; its upper bound):"
+                )?;
+                for s in suggestions {
+                    writeln!(out, "  - {s}")?;
+                }
+            }
             // The plan checks its final config's bound against the budget, not this one.
             let planned = plan
                 .map(|p| format!("; {} after the plan (what the budget must hold)", p.upper()))
@@ -639,6 +679,25 @@ fn serve(
     budget: Option<Bytes>,
     out: &mut impl Write,
 ) -> anyhow::Result<ExitCode> {
+    // Serving has no batch, accumulation or training method: say which flags it ignored.
+    let ignored: Vec<&str> = [
+        ("--method", args.method.is_some()),
+        ("--batch-size", args.batch_size.is_some()),
+        ("--grad-accumulation", args.grad_accumulation.is_some()),
+        ("--grad-checkpointing", args.grad_checkpointing.is_some()),
+        ("--optimizer", args.optimizer.is_some()),
+        ("--lora-rank", args.lora_rank.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(flag, given)| given.then_some(flag))
+    .collect();
+    if !ignored.is_empty() {
+        eprintln!(
+            "note: --serve ignores {} (training flags; the KV cache is sized by --max-sequences \
+             and --seq-length)",
+            ignored.join(", ")
+        );
+    }
     let mut serving = ServingConfig::new(cfg.model.clone());
     serving.model_bits = cfg.model_bits.unwrap_or(16);
     serving.max_seq_length = cfg.seq_length;
@@ -695,6 +754,10 @@ fn serve(
                 )?;
             }
         }
+    }
+    // As for training: a ceiling over the budget exits 3.
+    if budget.is_some_and(|b| estimate.total > b) {
+        return Ok(ExitCode::from(super::EXIT_DOES_NOT_FIT));
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -762,6 +825,14 @@ fn bad_input(messages: impl IntoIterator<Item = String>) -> ExitCode {
 /// `--budget`, else gpu-memory × safety-ratio, else none.
 fn resolve_budget(args: &Args, parsed: &TrainingAnnotations) -> Result<Option<Bytes>, String> {
     if let Some(b) = &args.budget {
+        // A bare number is bytes; one under 1 MiB is never a budget: `--budget 24` meant 24 GiB.
+        if b.trim().parse::<f64>().is_ok_and(|n| n < 1_048_576.0) {
+            return Err(format!(
+                "--budget: `{b}` has no unit; did you mean `{}GiB`? (sizes are like 24GiB, 80Gi, \
+                 23028Mi)",
+                b.trim()
+            ));
+        }
         let bytes = parse_bytes(b).map_err(|e| format!("--budget: {e}"))?;
         if bytes == Bytes::ZERO {
             return Err("--budget: must be more than 0".into());

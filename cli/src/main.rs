@@ -35,6 +35,9 @@ enum Command {
 
 /// Exit code for bad input (usage errors and invalid values), as clap uses.
 const EXIT_BAD_INPUT: u8 = 2;
+/// Exit code of `memguard estimate` when its plan does not fit the budget (the output, table
+/// or JSON, is written in full, with what would fit).
+const EXIT_DOES_NOT_FIT: u8 = 3;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();

@@ -10,15 +10,25 @@ fn memguard(args: &[&str]) -> Output {
         .expect("the memguard binary runs")
 }
 
+/// The JSON output; the exit code must say what `fits` says: 0, or 3 for a plan that does not
+/// fit.
 fn json(args: &[&str]) -> Value {
     let out = memguard(&[args, &["--output", "json"]].concat());
-    assert!(
-        out.status.success(),
-        "exit {:?}: {}",
-        out.status,
+    let value: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|_| {
+        panic!(
+            "exit {:?}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    let expected = if value["fits"] == false { 3 } else { 0 };
+    assert_eq!(
+        out.status.code(),
+        Some(expected),
+        "{value}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
+    value
 }
 
 fn u64_at(v: &Value, key: &str) -> u64 {
@@ -285,10 +295,58 @@ fn table_output_shows_components_and_the_plan() {
         "--budget",
         "1GiB",
     ]);
-    assert!(out.status.success());
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "a plan that does not fit exits 3"
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("weights"), "{text}");
     assert!(text.contains("DOES NOT FIT"), "{text}");
+}
+
+/// The example: Llama 3 8B, full fine-tuning, batch 8, on one 80 GiB GPU. It does not
+/// fit (exit 3) and says what would, each with its estimate: sharding over N GPUs, LoRA, an
+/// 8-bit optimizer, optimizer offload; the sequence is never cut without permission.
+#[test]
+fn an_8b_full_finetune_on_80_gib_ends_with_a_change_that_fits() {
+    let args = [
+        "estimate",
+        "--model",
+        "llama-3-8b",
+        "--method",
+        "full",
+        "--batch-size",
+        "8",
+        "--gpu-memory",
+        "80GiB",
+    ];
+    let v = json(&args);
+    assert_eq!(v["fits"], false, "{v}");
+    assert_eq!(v["config"]["seq_length"], 2048, "{v}");
+    let suggestions = v["suggestions"].as_array().expect("suggestions");
+    let find = |prefix: &str| {
+        suggestions
+            .iter()
+            .find(|s| s["change"].as_str().is_some_and(|c| c.starts_with(prefix)))
+            .unwrap_or_else(|| panic!("{prefix}: {v}"))
+    };
+    let gpus = find("FSDP");
+    assert_eq!(gpus["fits"], true, "{v}");
+    assert!(gpus["world_size"].as_u64().is_some_and(|n| n >= 2), "{v}");
+    assert_eq!(find("LoRA")["fits"], true, "{v}");
+    find("8-bit AdamW");
+    find("optimizer state offloaded");
+    for s in suggestions {
+        let upper = s["upper_bytes"].as_u64().expect("upper");
+        assert_eq!(s["fits"], upper <= u64_at(&v, "budget_bytes"), "{s}");
+    }
+    // The table says the same, after DOES NOT FIT.
+    let out = memguard(&args);
+    assert_eq!(out.status.code(), Some(3));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let tail = text.split_once("DOES NOT FIT").expect("verdict").1;
+    assert!(tail.contains("GPUs: ") && tail.contains("(fits)"), "{text}");
 }
 
 #[test]
@@ -740,14 +798,23 @@ fn a_dra_claim_gives_its_device_and_memory_offline() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--dra-claim needs --dra"));
 }
 
-/// `--policy-file`'s floors bound the plan, as at admission: without them the sequence is
-/// halved below 2048 to fit, with a 2048 floor it stays and the config cannot fit.
+/// `--policy-file`'s floors bound the plan, as at admission; the sequence is a quality knob,
+/// cut only with the policy's permission (`floors.allowQuality`) or the pod's
+/// (`--allow-quality`): without either it stays at 4096 and the config does not fit; with
+/// permission it is halved below 2048 to fit; with a 2048 floor it stays there.
 #[test]
 fn the_policy_files_floors_bound_the_plan() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let policy = dir.path().join("floors.yaml");
-    std::fs::write(&policy, "floors: {seqLength: 2048}\n").expect("write");
-    let policy = policy.to_str().expect("utf-8");
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).expect("write");
+        path.to_str().expect("utf-8").to_string()
+    };
+    let allowed = write("allowed.yaml", "floors: {allowQuality: true}\n");
+    let floored = write(
+        "floors.yaml",
+        "floors: {seqLength: 2048, allowQuality: true}\n",
+    );
     let base = [
         "estimate",
         "--model",
@@ -763,16 +830,78 @@ fn the_policy_files_floors_bound_the_plan() {
         &["--budget", "20GiB"][..],
         &["--gpu-memory", "22GiB", "--gpu-resource", "nvidia.com/gpu"][..],
     ] {
-        let free = json(&[&base[..], budget].concat());
-        assert_eq!(free["fits"], true, "{budget:?}: {free}");
-        // Halved below the floor (how far depends on the upper bound the plan checks).
-        let seq = free["config"]["seq_length"].as_u64().expect("seq_length");
-        assert!(seq < 2048, "{budget:?}: {free}");
-        let floored = json(&[&base[..], budget, &["--policy-file", policy]].concat());
+        let denied = json(&[&base[..], budget].concat());
+        assert_eq!(denied["fits"], false, "{budget:?}: {denied}");
+        assert_eq!(denied["config"]["seq_length"], 4096, "{budget:?}: {denied}");
+        for permission in [
+            &["--policy-file", &allowed][..],
+            &["--allow-quality", "true"][..],
+        ] {
+            let free = json(&[&base[..], budget, permission].concat());
+            assert_eq!(free["fits"], true, "{budget:?} {permission:?}: {free}");
+            // Halved below the floor (how far depends on the upper bound the plan checks).
+            let seq = free["config"]["seq_length"].as_u64().expect("seq_length");
+            assert!(seq < 2048, "{budget:?}: {free}");
+        }
+        let floored = json(&[&base[..], budget, &["--policy-file", &floored]].concat());
         assert_eq!(floored["fits"], false, "{budget:?}: {floored}");
         assert_eq!(
             floored["config"]["seq_length"], 2048,
             "{budget:?}: {floored}"
         );
+        // The pod's word overrides the policy's.
+        let refused = json(
+            &[
+                &base[..],
+                budget,
+                &["--policy-file", &allowed, "--allow-quality", "false"],
+            ]
+            .concat(),
+        );
+        assert_eq!(
+            refused["config"]["seq_length"], 4096,
+            "{budget:?}: {refused}"
+        );
     }
+}
+
+/// `--budget 24` was 24 bytes, silently; a unit is required, and the message suggests one.
+/// `--batch-size 7B` was taken as 7e9; counts are whole numbers.
+#[test]
+fn a_budget_needs_a_unit_and_a_batch_size_is_a_whole_number() {
+    let base = ["estimate", "--model", "llama-3-8b"];
+    let out = memguard(&[&base[..], &["--budget", "24"]].concat());
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("did you mean `24GiB`"), "{err}");
+    let out = memguard(&[&base[..], &["--batch-size", "7B"]].concat());
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("batch-size") && err.contains("whole number"),
+        "{err}"
+    );
+}
+
+/// `--serve` ignored `--method` and `--batch-size` without a word; it says so now.
+#[test]
+fn serve_names_the_training_flags_it_ignores() {
+    let out = memguard(&[
+        "estimate",
+        "--model",
+        "llama-3-8b",
+        "--serve",
+        "--method",
+        "lora",
+        "--batch-size",
+        "4",
+    ]);
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--serve ignores --method, --batch-size"),
+        "{err}"
+    );
+    let out = memguard(&["estimate", "--model", "llama-3-8b", "--serve"]);
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("ignores"));
 }

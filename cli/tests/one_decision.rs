@@ -124,10 +124,18 @@ fn memguard_json(dir: &Path, args: &[&str], what: &str) -> Value {
         .args(args)
         .output()
         .expect("it runs");
-    // `mutate` exits 2 for a skipped pod; none of these is skipped.
+    // `mutate` exits 2 for a skipped pod; none of these is skipped. `estimate` exits 3 for a
+    // plan that does not fit.
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{what}: {:?}: {stderr}", out.status);
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{what}: {e}"))
+    let value: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{what}: {e}: {:?}: {stderr}", out.status));
+    let expected = if args[0] == "estimate" && value["fits"] == false {
+        3
+    } else {
+        0
+    };
+    assert_eq!(out.status.code(), Some(expected), "{what}: {stderr}");
+    value
 }
 
 /// `memguard mutate` of `pod` under the case's policy (and `profile`), as JSON.

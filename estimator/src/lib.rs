@@ -25,6 +25,7 @@ pub mod inference;
 pub mod params;
 pub mod plan;
 pub mod serving_fit;
+pub mod suggest;
 pub mod units;
 
 pub use bound::Bound;
@@ -35,5 +36,9 @@ pub use config::{
 };
 pub use estimate::{Component, Estimate, Fitted, estimate, estimate_with};
 pub use inference::{ServingConfig, estimate_serving};
-pub use plan::{DowngradePlan, Floors, LADDER, Rung, Step, plan, plan_against, plan_with_floors};
+pub use plan::{
+    Cost, DowngradePlan, Floors, LADDER, QUALITY_MIN_SAVING, Rung, Step, plan, plan_against,
+    plan_with_floors,
+};
+pub use suggest::{Suggestion, suggest};
 pub use units::{Bytes, ParseError, parse_bytes, parse_count};

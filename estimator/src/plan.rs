@@ -1,4 +1,7 @@
-//! The downgrade plan: walk the quality-preserving ladder until the step fits the budget.
+//! The downgrade plan: walk the ladder until the step fits the budget. Each rung has a cost
+//! class ([`Cost`]): free and compute rungs are taken by default; quality rungs (they change what
+//! the model sees or is) only with permission ([`Floors::allow_quality`]) and never for a saving
+//! below [`QUALITY_MIN_SAVING`] of the budget.
 
 use crate::bound::{self, Bound, Class, Figure};
 use crate::calibration::Calibration;
@@ -39,7 +42,45 @@ pub const LADDER: [Rung; 6] = [
     Rung::HalveLoraLayers,
 ];
 
+/// What a rung costs the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "kebab-case"))]
+pub enum Cost {
+    /// Same math: the effective batch and the gradients are what they were.
+    Free,
+    /// Same math, more time: recomputation, communication.
+    Compute,
+    /// Different training: truncated sequences, a smaller adapter. Never applied silently.
+    Quality,
+}
+
+impl Cost {
+    /// Lower-case name, for messages.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Cost::Free => "free",
+            Cost::Compute => "compute",
+            Cost::Quality => "quality",
+        }
+    }
+}
+
+/// The least a quality rung must save, as a share of the budget, to be taken even with
+/// permission: truncating data or shrinking the adapter for less is a trade no one would make.
+pub const QUALITY_MIN_SAVING: f64 = 0.02;
+
 impl Rung {
+    /// What the rung costs: halving the batch (accumulation doubled) is free, checkpointing and
+    /// syncing each batch cost compute, the sequence and the adapter cost quality.
+    pub const fn cost(self) -> Cost {
+        match self {
+            Rung::HalveBatch => Cost::Free,
+            Rung::GradCheckpointing | Rung::SyncEachBatch => Cost::Compute,
+            Rung::HalveSeqLength | Rung::HalveLoraRank | Rung::HalveLoraLayers => Cost::Quality,
+        }
+    }
+
     /// Kebab-case name used in annotations and JSON.
     pub const fn name(self) -> &'static str {
         match self {
@@ -149,16 +190,21 @@ pub struct Floors {
     pub lora_rank: u64,
     /// Fewest adapted layers.
     pub lora_layers: u64,
+    /// Whether quality rungs ([`Cost::Quality`]: sequence, LoRA rank and layers) may be taken at
+    /// all: the policy's or the pod's permission. Off by default.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub allow_quality: bool,
 }
 
 impl Default for Floors {
-    /// Batch 1, sequence 256, rank 4, 1 layer.
+    /// Batch 1, sequence 256, rank 4, 1 layer; no quality rung.
     fn default() -> Self {
         Floors {
             batch_size: 1,
             seq_length: 256,
             lora_rank: 4,
             lora_layers: 1,
+            allow_quality: false,
         }
     }
 }
@@ -173,6 +219,8 @@ pub struct Step {
     pub explanation: String,
     /// Calibrated total after this step.
     pub total_after: Bytes,
+    /// What this step saved: the calibrated total before it less [`total_after`](Self::total_after).
+    pub saved: Bytes,
 }
 
 /// The result of planning against a budget.
@@ -265,7 +313,11 @@ pub fn plan_against(
         bound::apply(factor, e.total, calibration.apply(e.total)) <= budget
     };
 
+    let min_quality_saving = Bytes::from_f64(budget.as_f64() * QUALITY_MIN_SAVING);
     'ladder: for rung in LADDER {
+        if rung.cost() == Cost::Quality && !floors.allow_quality {
+            continue;
+        }
         while !fits(&current, &current_estimate) {
             let Some((next, explanation)) = rung.apply(&current, floors) else {
                 continue 'ladder;
@@ -284,10 +336,18 @@ pub fn plan_against(
             {
                 continue 'ladder;
             }
+            let before = calibration.apply(current_estimate.total);
+            let after = calibration.apply(next_estimate.total);
+            let saved = Bytes(before.0.saturating_sub(after.0));
+            // A quality cut that saves next to nothing is not worth what it costs.
+            if rung.cost() == Cost::Quality && saved < min_quality_saving {
+                continue 'ladder;
+            }
             steps.push(Step {
                 rung,
                 explanation,
-                total_after: calibration.apply(next_estimate.total),
+                total_after: after,
+                saved,
             });
             current = next;
             current_estimate = next_estimate;
@@ -334,6 +394,19 @@ mod tests {
 
     fn total(cfg: &TrainingConfig) -> Bytes {
         estimate(cfg).expect("valid").total
+    }
+
+    /// The default floors with quality rungs allowed.
+    fn allowed() -> Floors {
+        Floors {
+            allow_quality: true,
+            ..Floors::default()
+        }
+    }
+
+    /// Plans with quality rungs allowed.
+    fn plan_allowed(cfg: &TrainingConfig, budget: Bytes) -> DowngradePlan {
+        plan_with_floors(cfg, budget, &Calibration::none(), &allowed()).expect("valid")
     }
 
     fn with(f: impl Fn(&mut TrainingConfig)) -> TrainingConfig {
@@ -386,7 +459,7 @@ mod tests {
             ),
         ];
         for (name, budget, expected) in table {
-            let p = plan(&heavy(), budget, &Calibration::none()).expect("valid");
+            let p = plan_allowed(&heavy(), budget);
             let rungs: Vec<Rung> = p.steps.iter().map(|s| s.rung).collect();
             assert_eq!(rungs, expected, "{name}");
             assert!(p.fits, "{name}");
@@ -402,47 +475,64 @@ mod tests {
 
     #[test]
     fn reaches_lora_rank_and_layers_last() {
-        let floor_everything = with(|c| {
+        // Rank 1024: the adapter is large enough that halving it is worth its cost.
+        let start = with(|c| c.lora_rank = 1024);
+        let target = with(|c| {
             c.grad_checkpointing = true;
             c.batch_size = 1;
             c.seq_length = 256;
-            c.lora_rank = 4;
+            c.lora_rank = 256;
             c.lora_layers = Some(8);
         });
-        let p = plan(&heavy(), total(&floor_everything), &Calibration::none()).expect("valid");
-        assert!(p.fits);
+        let floors = Floors {
+            lora_rank: 256,
+            ..allowed()
+        };
+        let p =
+            plan_with_floors(&start, total(&target), &Calibration::none(), &floors).expect("valid");
+        assert!(p.fits, "{:?}", p.steps);
         let rungs: Vec<Rung> = p.steps.iter().map(|s| s.rung).collect();
         let first = |r: Rung| rungs.iter().position(|x| *x == r);
         assert!(first(Rung::HalveSeqLength) < first(Rung::HalveLoraRank));
         assert!(first(Rung::HalveLoraRank) < first(Rung::HalveLoraLayers));
-        assert_eq!(p.config.lora_rank, 4);
+        assert_eq!(p.config.lora_rank, 256);
         assert_eq!(p.config.lora_layers, Some(8));
     }
 
     #[test]
     fn says_clearly_when_nothing_fits_and_keeps_the_most_downgraded_config() {
-        let p = plan(&heavy(), Bytes::gib(1), &Calibration::none()).expect("valid");
+        let p = plan_allowed(&heavy(), Bytes::gib(1));
         assert!(!p.fits);
         let c = &p.config;
-        let floors = Floors::default();
+        let floors = allowed();
         assert!(c.grad_checkpointing);
         assert_eq!(c.batch_size, floors.batch_size);
         assert_eq!(c.grad_accumulation, 16);
         assert_eq!(c.seq_length, floors.seq_length);
-        assert_eq!(c.lora_rank, floors.lora_rank);
-        assert_eq!(c.lora_layers, Some(floors.lora_layers));
+        // The adapter is cut only while a cut saves 2 % of the budget: rank 64 → 32 does, the
+        // cuts below it save a few MiB each.
+        assert!(c.lora_rank >= floors.lora_rank && c.lora_rank < 64);
+        for step in p.steps.iter().filter(|s| s.rung.cost() == Cost::Quality) {
+            assert!(step.saved.as_f64() >= p.budget.as_f64() * QUALITY_MIN_SAVING);
+        }
         assert!(p.total() > p.budget);
         assert!(p.total() < p.initial_total());
     }
 
     #[test]
     fn every_step_saves_memory_and_a_rung_that_saves_nothing_is_skipped() {
-        let p = plan(&heavy(), Bytes::gib(1), &Calibration::none()).expect("valid");
+        let p = plan_allowed(&heavy(), Bytes::gib(1));
         let mut before = p.initial_total();
         for step in &p.steps {
             assert!(
                 step.total_after < before,
                 "{} saved nothing",
+                step.explanation
+            );
+            assert_eq!(
+                step.saved.0,
+                before.0 - step.total_after.0,
+                "{}",
                 step.explanation
             );
             before = step.total_after;
@@ -457,7 +547,7 @@ mod tests {
     fn full_finetuning_never_touches_lora_rungs() {
         let mut cfg = heavy();
         cfg.method = Method::Full;
-        let p = plan(&cfg, Bytes::gib(1), &Calibration::none()).expect("valid");
+        let p = plan_allowed(&cfg, Bytes::gib(1));
         assert!(!p.fits);
         assert!(
             p.steps
@@ -687,7 +777,8 @@ mod tests {
         let mut cfg = heavy();
         cfg.batch_size = 2;
         cfg.grad_accumulation = crate::config::limits::COUNT;
-        let plan = plan(&cfg, Bytes(1), &Calibration::none()).expect("a plan, not an error");
+        let plan = plan_with_floors(&cfg, Bytes::gib(1), &Calibration::none(), &allowed())
+            .expect("a plan, not an error");
         assert!(!plan.fits);
         assert!(
             plan.steps.iter().all(|s| s.rung != Rung::HalveBatch),
@@ -699,6 +790,66 @@ mod tests {
             plan.steps.iter().any(|s| s.rung == Rung::HalveSeqLength),
             "later rungs still run: {:?}",
             plan.steps
+        );
+    }
+
+    #[test]
+    fn quality_rungs_need_permission() {
+        // Floors reached without permission: free and compute rungs only.
+        let p = plan(&heavy(), Bytes::gib(1), &Calibration::none()).expect("valid");
+        assert!(!p.fits);
+        assert!(
+            p.steps.iter().all(|s| s.rung.cost() != Cost::Quality),
+            "{:?}",
+            p.steps
+        );
+        assert_eq!(p.config.seq_length, 4096);
+        assert_eq!(p.config.lora_rank, 64);
+        assert_eq!(p.config.lora_layers, None);
+        assert_eq!(p.config.batch_size, 1);
+        // With it, the same budget takes them.
+        let p = plan_allowed(&heavy(), Bytes::gib(1));
+        assert!(p.steps.iter().any(|s| s.rung.cost() == Cost::Quality));
+    }
+
+    #[test]
+    fn a_quality_rung_that_saves_under_two_percent_of_the_budget_is_not_taken() {
+        // Batch at its floor, checkpointing on, sequence 4096, rank 64: halving the rank saves
+        // the adapter and its optimizer state (tens of MiB) against a budget of many GiB.
+        let start = with(|c| {
+            c.grad_checkpointing = true;
+            c.batch_size = 1;
+            c.grad_accumulation = 16;
+            c.seq_length = 256;
+        });
+        let (halved, _) = Rung::HalveLoraRank
+            .apply(&start, &allowed())
+            .expect("applies");
+        let saving = total(&start).0 - total(&halved).0;
+        let budget = total(&halved);
+        assert!(
+            (saving as f64) < budget.as_f64() * QUALITY_MIN_SAVING,
+            "the case: a saving of {saving} bytes is small"
+        );
+        let p = plan_allowed(&start, budget);
+        assert!(
+            p.steps.iter().all(|s| s.rung != Rung::HalveLoraRank),
+            "{:?}",
+            p.steps
+        );
+        assert_eq!(p.config.lora_rank, 64);
+    }
+
+    #[test]
+    fn every_rung_has_its_cost_class() {
+        use Rung::*;
+        let class =
+            |c: Cost| -> Vec<Rung> { LADDER.into_iter().filter(|r| r.cost() == c).collect() };
+        assert_eq!(class(Cost::Free), [HalveBatch]);
+        assert_eq!(class(Cost::Compute), [GradCheckpointing, SyncEachBatch]);
+        assert_eq!(
+            class(Cost::Quality),
+            [HalveSeqLength, HalveLoraRank, HalveLoraLayers]
         );
     }
 }

@@ -57,6 +57,10 @@ impl Budget {
     }
 }
 
+/// How the warning that the policy's `defaultGpuMemory` was assumed begins (placement that
+/// bounds the memory replaces the assumption, and its warning).
+pub const ASSUMED_DEFAULT: &str = "memguard: assumed defaultGpuMemory";
+
 /// The container's `limits.memory`: [`memguard_api::pod::memory_limit`].
 pub use memguard_api::pod::memory_limit;
 
@@ -72,12 +76,26 @@ pub fn resolve(
     for problem in &acc.problems {
         warnings.push(truncate(&format!("memguard: ignored {problem}")));
     }
+    let host_only = matches!(training.config.device, Device::Cpu | Device::Metal);
     if !acc.unknown.is_empty() {
+        // An accelerator memguard cannot size: planning it as a CPU job against the host's
+        // memory would be a guess. The pod's own figure, or no plan at all.
+        if host_only && let Some(b) = training.annotations.gpu_memory {
+            return Some(Budget::new(b, safety_ratio, BudgetSource::Annotation));
+        }
         warnings.push(truncate(&format!(
-            "memguard: unknown accelerator {}: its memory is not counted; set {}",
+            "memguard: unknown accelerator {}: {}; set {}",
             acc.unknown.join(", "),
+            if host_only {
+                "no plan"
+            } else {
+                "its memory is not counted"
+            },
             memguard_api::annotations::GPU_MEMORY
         )));
+        if host_only {
+            return None;
+        }
     }
     match training.config.device {
         Device::Cuda | Device::Rocm => {
@@ -248,7 +266,13 @@ fn device_memory(
             BudgetSource::Placement(format!("{NVIDIA_GPU_MEMORY_LABEL}>{}", mib - 1)),
         ),
         None => {
-            if !products.is_empty() {
+            if products.is_empty() {
+                warnings.push(truncate(&format!(
+                    "{ASSUMED_DEFAULT} {} (no GPU product label); set {}",
+                    policy.default_gpu_memory,
+                    memguard_api::annotations::GPU_MEMORY
+                )));
+            } else {
                 warnings.push(truncate(&format!(
                     "memguard: GPU product {} not in the policy table; assuming {}",
                     products.join("|"),

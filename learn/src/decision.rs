@@ -20,7 +20,8 @@ use memguard_api::pod::{AcceleratorKind, constrains_gpu_memory, gpu_products};
 use memguard_api::policy::PlacementMode;
 use memguard_api::{Policy, TrainingPod};
 use memguard_estimator::{
-    Bound, Bytes, Calibration, Device, DowngradePlan, TrainingConfig, plan_against,
+    Bound, Bytes, Calibration, Device, DowngradePlan, Floors, Suggestion, TrainingConfig,
+    plan_against, suggest,
 };
 
 /// Everything decided for one pod, before it is rendered.
@@ -39,6 +40,9 @@ pub struct Decision {
     pub affinity: Option<Affinity>,
     /// "cannot fit: …": the profile's verdict, or every knob at its floor and still over.
     pub verdict: Option<String>,
+    /// When the plan does not fit: the changes outside the knobs that would
+    /// ([`memguard_estimator::suggest`]), those that fit first, each with its estimate.
+    pub suggestions: Vec<Suggestion>,
     /// Warnings on the way, each cut to size.
     pub warnings: Vec<String>,
 }
@@ -91,21 +95,30 @@ pub fn safety_ratio(training: &TrainingPod, policy: &Policy) -> f64 {
         .unwrap_or(policy.safety_ratio)
 }
 
-/// The downgrade plan of `start` into `budget` (none: no limit) under the policy's floors,
-/// checked against `bound` (the upper bound at the policy's level): the one place the floors
-/// are read. An error is each problem the estimator found in `start`.
+/// The policy's floors, with quality knobs allowed where the pod allows them
+/// (`memguard.io/allow-quality`, which overrides the policy's `floors.allowQuality`).
+pub fn floors(pod_allows_quality: Option<bool>, policy: &Policy) -> Floors {
+    Floors {
+        allow_quality: pod_allows_quality.unwrap_or(policy.floors.allow_quality),
+        ..policy.floors
+    }
+}
+
+/// The downgrade plan of `start` into `budget` (none: no limit) under `floors` ([`floors`]),
+/// checked against `bound` (the upper bound at the policy's level). An error is each problem
+/// the estimator found in `start`.
 pub fn plan_into(
     start: &TrainingConfig,
     budget: Option<Bytes>,
     calibration: &Calibration,
-    policy: &Policy,
+    floors: &Floors,
     bound: &Bound,
 ) -> Result<DowngradePlan, Vec<String>> {
     plan_against(
         start,
         budget.unwrap_or(Bytes(u64::MAX)),
         calibration,
-        &policy.floors,
+        floors,
         bound,
     )
     .map_err(|errs| errs.iter().map(ToString::to_string).collect())
@@ -156,7 +169,8 @@ fn plan(
     let calibration = adjust.effective_calibration();
     // Planned against the upper bound at the policy's level, not the point estimate.
     let bound = adjust.bound(policy.estimate_level);
-    let mut start = adjust.start(&training.config, &policy.floors);
+    let floors = floors(training.annotations.allow_quality, policy);
+    let mut start = adjust.start(&training.config, &floors);
     start.expandable_segments = expandable_segments(
         start.device,
         user_alloc_conf(training.trainer)
@@ -176,7 +190,7 @@ fn plan(
                 &start,
                 &calibration,
                 &bound,
-                &policy.floors,
+                &floors,
                 safety_ratio(training, policy),
                 policy,
             )
@@ -190,7 +204,9 @@ fn plan(
             p.min_label_mib - 1
         );
         if policy.placement == PlacementMode::Required {
-            // Every node the affinity allows has at least this much: plan for it.
+            // Every node the affinity allows has at least this much: plan for it, not the
+            // assumed default.
+            warnings.retain(|w| !w.starts_with(crate::budget::ASSUMED_DEFAULT));
             budget = Some(Budget::new(
                 p.device_memory,
                 safety_ratio(training, policy),
@@ -209,24 +225,30 @@ fn plan(
         &start,
         budget.as_ref().map(|b| b.bytes),
         &calibration,
-        policy,
+        &floors,
         &bound,
     )
     .map_err(|errs| errs.join("; "))?;
 
     // Every knob at its floor and still over the budget: admitted anyway, at the smallest config
-    // tried, saying so (the profile's verdict, when it has one, says more).
+    // tried, saying so and what would fit (the profile's verdict, when it has one, says more).
+    let suggestions = match &budget {
+        Some(b) if !plan.fits => suggest(&start, b.bytes, &calibration, &floors, &bound),
+        _ => Vec::new(),
+    };
     let floor_verdict = budget.as_ref().filter(|_| !plan.fits).map(|b| {
         format!(
             "cannot fit: estimate {}{} exceeds budget {} with every knob at its floor; smallest \
-             config tried: {}",
+             config tried: {}{}{}",
             plan.total(),
             plan.bound
                 .level
                 .map(|level| format!(" (upper bound {} at {level})", plan.upper()))
                 .unwrap_or_default(),
             b.bytes,
-            describe_knobs(&TrainingKnobs::of(&plan.config))
+            describe_knobs(&TrainingKnobs::of(&plan.config)),
+            quality_note(&plan, &floors),
+            would_fit(&suggestions)
         )
     });
     let verdict = adjust.verdict.clone().or(floor_verdict);
@@ -234,7 +256,11 @@ fn plan(
         && plan.fits
         && !plan.steps.is_empty()
     {
-        let names: Vec<&str> = plan.steps.iter().map(|s| s.rung.name()).collect();
+        let names: Vec<String> = plan
+            .steps
+            .iter()
+            .map(|s| format!("{} -{}", s.rung.name(), s.saved))
+            .collect();
         warnings.push(truncate(&format!(
             "memguard: downgraded to fit {} ({}); see {}",
             b.bytes,
@@ -249,8 +275,59 @@ fn plan(
         adjust,
         affinity: placement.map(|p| p.affinity),
         verdict,
+        suggestions,
         warnings,
     })
+}
+
+/// "; sequence kept (…)" when the plan could have cut a quality knob (the sequence, the
+/// adapter) but had no permission; empty otherwise.
+fn quality_note(plan: &DowngradePlan, floors: &Floors) -> String {
+    use memguard_estimator::Rung;
+    if floors.allow_quality {
+        return String::new();
+    }
+    let allowed = Floors {
+        allow_quality: true,
+        ..*floors
+    };
+    let could = |r: Rung| r.apply(&plan.config, &allowed).is_some();
+    let kept: Vec<&str> = [
+        (could(Rung::HalveSeqLength), "sequence"),
+        (
+            could(Rung::HalveLoraRank) || could(Rung::HalveLoraLayers),
+            "adapter",
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(c, name)| c.then_some(name))
+    .collect();
+    if kept.is_empty() {
+        return String::new();
+    }
+    format!(
+        "; {} kept ({}: \"true\" lets the plan cut {})",
+        kept.join(" and "),
+        keys::ALLOW_QUALITY,
+        if kept.len() > 1 { "them" } else { "it" }
+    )
+}
+
+/// "; would fit: A (estimate), B (estimate)" from the suggestions that fit, else "; nothing
+/// tried fits: …" with the closest; empty without suggestions.
+pub fn would_fit(suggestions: &[Suggestion]) -> String {
+    let fitting: Vec<String> = suggestions
+        .iter()
+        .filter(|s| s.fits)
+        .map(|s| format!("{} ({})", s.change, s.upper))
+        .collect();
+    if !fitting.is_empty() {
+        return format!("; would fit: {}", fitting.join(", "));
+    }
+    match suggestions.iter().min_by_key(|s| s.upper) {
+        Some(s) => format!("; nothing tried fits, closest: {} ({})", s.change, s.upper),
+        None => String::new(),
+    }
 }
 
 /// Placement applies to a pod on whole NVIDIA GPUs, not pinned to a product, not time-sliced,

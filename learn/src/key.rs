@@ -140,7 +140,7 @@ pub fn object_name(spec: &MemoryProfileSpec) -> String {
         spec.model, spec.method, spec.precision, spec.device
     );
     let mut clean = String::with_capacity(raw.len());
-    for c in raw.chars() {
+    for c in raw.chars().map(|c| c.to_ascii_lowercase()) {
         if c.is_ascii_lowercase() || c.is_ascii_digit() {
             clean.push(c);
         } else if !clean.is_empty() && !clean.ends_with('-') {
@@ -362,6 +362,17 @@ mod tests {
         let lower = spec("m", "lora", "bf16", "a100");
         assert_ne!(object_name(&upper), object_name(&lower));
         assert_eq!(object_name(&lower), "m-lora-bf16-a100");
+        // Upper case is lower-cased, not dropped: an A100 80GB names itself.
+        let a100 = object_name(&spec(
+            "llama-3-8b",
+            "lora",
+            "bf16-mixed",
+            "NVIDIA-A100-SXM4-80GB",
+        ));
+        assert!(
+            a100.starts_with("llama-3-8b-lora-bf16-mixed-nvidia-a100-sxm4-80gb-"),
+            "{a100}"
+        );
     }
 
     #[test]

@@ -4,7 +4,7 @@ use crate::observe::Observation;
 use memguard_api::crd::{MemoryProfileStatus, OomEvent, ProfileRun, Recovery, TrainingKnobs};
 use memguard_api::policy::DEFAULT_MAX_OOM_RECOVERIES;
 use memguard_estimator::calibration::FACTOR_RANGE;
-use memguard_estimator::{Bytes, Floors, GradSync, LADDER, Rung, TrainingConfig};
+use memguard_estimator::{Bytes, Cost, Floors, GradSync, LADDER, Rung, TrainingConfig};
 
 /// What the policy in force says about recovering from OOMs: how many recoveries in a row, and
 /// the floors no recovery steps below (the webhook clamps to the same floors, so a recovery
@@ -117,8 +117,10 @@ pub fn apply_limited(
 /// Rungs stop at `floors`, the policy's: the webhook never plans below them.
 pub fn recovery(obs: &Observation, previous: Option<&Recovery>, floors: &Floors) -> Recovery {
     let died = &obs.ran;
+    // A quality rung only with the policy's permission, as the planner takes them.
     let step = LADDER
         .iter()
+        .filter(|rung| rung.cost() != Cost::Quality || floors.allow_quality)
         .find_map(|rung| rung.apply(died, floors).map(|s| (*rung, s)))
         .map(|(rung, (next, why))| {
             // Syncing each batch without accumulation changes nothing by itself: it is what

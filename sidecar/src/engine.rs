@@ -140,11 +140,12 @@ impl Engine {
                 self.trainer_oom = true;
             }
             let base = out.as_ref().map_or(state, |(s, _)| s).clone();
-            let in_force = pressure::Knobs {
+            let reported = pressure::Knobs {
                 batch_size: r.batch_size.max(1),
                 grad_accumulation: r.grad_accumulation.max(1),
                 grad_checkpointing: r.grad_checkpointing,
             };
+            let in_force = self.keep_effective_batch(reported);
             let next = pressure::sticky_downgrade(&base, in_force, r.new_batch_size, now_ms);
             let step = r.step.map_or_else(|| "?".into(), |s| s.to_string());
             let why = format!("trainer reported a {} {} at step {step}", r.outcome, r.kind);
@@ -167,6 +168,26 @@ impl Engine {
             tracing::warn!(reason = %what, "out of memory");
             (next, what)
         })
+    }
+
+    /// The config an OOM record says was in force, when it keeps the effective batch
+    /// (batch × accumulation) in force here; else the sidecar's own, and the record's config is
+    /// refused (logged, counted in `oom_records_refused_total`): a sticky downgrade from a
+    /// record of 1 × 1 would turn a 4 × 8 run into 1 × 1.
+    fn keep_effective_batch(&self, reported: pressure::Knobs) -> pressure::Knobs {
+        let own = self.state.knobs();
+        let effective = |k: pressure::Knobs| k.batch_size.saturating_mul(k.grad_accumulation);
+        if effective(reported) == effective(own) {
+            return reported;
+        }
+        self.shared.status().oom_records_refused += 1;
+        tracing::warn!(
+            reported = %format!("{} x {}", reported.batch_size, reported.grad_accumulation),
+            in_force = %format!("{} x {}", own.batch_size, own.grad_accumulation),
+            "OOM record refused: its batch x accumulation is not the effective batch in force; \
+             the OOM is counted and the config in force stepped down instead"
+        );
+        own
     }
 
     /// The inode of the trainer's cgroup directory: a cgroup created again under the same
@@ -737,6 +758,41 @@ mod tests {
         assert!(shared.status().pending_oom.is_none(), "taken once");
         e.tick(10_000);
         assert_eq!(on_disk(dir.path()).batch_size, 2, "never relaxed");
+    }
+
+    /// An OOM record whose batch × accumulation is not the effective batch in force (1 × 1
+    /// against 8 × 2) does not set the sticky downgrade: refused, logged and counted; the
+    /// config in force steps down instead, effective batch kept.
+    #[test]
+    fn an_oom_record_that_breaks_the_effective_batch_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut e, shared) = engine(vec![mem(100, true)], FakeGpu(Ok(vec![])), dir.path());
+        e.tick(0);
+        let mut record: memguard_api::OomRecord =
+            serde_json::from_str(include_str!("../../api/fixtures/oom-record-v1.json"))
+                .expect("fixture");
+        record.batch_size = 1;
+        record.grad_accumulation = 1;
+        record.new_batch_size = None;
+        shared.status().pending_oom = Some(record);
+        e.tick(100);
+        let s = on_disk(dir.path());
+        assert_eq!((s.batch_size, s.grad_accumulation), (4, 4), "8 × 2 halved");
+        let st = shared.status();
+        assert_eq!(st.oom_records_refused, 1);
+        assert!(
+            crate::metrics::render(&st, &s).contains("oom_records_refused_total 1"),
+            "the metric says so"
+        );
+    }
+
+    /// A recovery batch that does not divide the effective batch is not taken either.
+    #[test]
+    fn a_new_batch_that_does_not_divide_the_effective_batch_is_ignored() {
+        let start = pressure::State::new(8, 2, false);
+        let in_force = start.knobs();
+        let s = pressure::sticky_downgrade(&start, in_force, Some(3), 0);
+        assert_eq!((s.batch_size, s.grad_accumulation), (4, 4));
     }
 
     #[test]

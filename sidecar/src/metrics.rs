@@ -239,6 +239,11 @@ pub fn render(st: &Status, sig: &Signal) -> String {
         "Reports refused: not JSON, unknown fields, impossible figures.",
         st.reports_rejected as f64,
     );
+    o.counter(
+        "oom_records_refused_total",
+        "OOM records whose batch x accumulation breaks the effective batch in force: config ignored.",
+        st.oom_records_refused as f64,
+    );
     let errors: Vec<(String, f64)> = ["read", "parse", "gpu", "psi"]
         .iter()
         .map(|k| {

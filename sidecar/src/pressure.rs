@@ -369,16 +369,15 @@ pub fn sticky_downgrade(
     } else {
         rung.grad_checkpointing = true;
     }
-    if let Some(b) = at_most_batch.filter(|b| *b >= 1 && *b < rung.batch_size) {
-        let effective = in_force
-            .batch_size
-            .saturating_mul(in_force.grad_accumulation);
+    // Only a batch that divides the effective batch: another would break batch × accumulation.
+    let effective = in_force
+        .batch_size
+        .saturating_mul(in_force.grad_accumulation);
+    if let Some(b) =
+        at_most_batch.filter(|b| *b >= 1 && *b < rung.batch_size && effective.is_multiple_of(*b))
+    {
         rung.batch_size = b;
-        rung.grad_accumulation = if effective.is_multiple_of(b) {
-            effective / b
-        } else {
-            rung.grad_accumulation
-        };
+        rung.grad_accumulation = effective / b;
     }
     let mut next = state.clone();
     let current = state.knobs();

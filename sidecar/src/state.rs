@@ -54,6 +54,9 @@ pub struct Status {
     pub downgrades: u64,
     /// OOM records the trainer reported, by kind and outcome.
     pub oom_records: BTreeMap<(OomKind, OomOutcome), u64>,
+    /// OOM records whose batch × accumulation is not the effective batch in force: their
+    /// config is ignored (the OOM still counts).
+    pub oom_records_refused: u64,
     /// The last OOM record the trainer reported.
     pub last_oom: Option<OomRecord>,
     /// A reported OOM record the sampling loop has not turned into a sticky downgrade yet.

@@ -1120,3 +1120,30 @@ fn a_custom_model_in_the_values_reaches_both_policy_documents() {
         "confg",
     );
 }
+
+/// `helm install --set policy.safetyRatio=0.8` (and the thresholds): helm hands a float from
+/// `--set` over as a string, which the schema refused ("got string, want number"). Accepted
+/// now, written into the policy as numbers; a string out of range is still refused.
+#[test]
+fn numbers_are_settable_with_set() {
+    let Some(helm) = memguard_e2e::helm() else {
+        return;
+    };
+    let text = helm_template(
+        &helm,
+        &[
+            "--set",
+            "policy.safetyRatio=0.8",
+            "--set",
+            "policy.thresholds.warn=0.6",
+            "--set",
+            "policy.thresholds.psiSomeAvg10=12.5",
+        ],
+    )
+    .expect("renders");
+    assert!(text.contains("safetyRatio: 0.8\n"), "{text}");
+    assert!(text.contains("warn: 0.6\n"), "{text}");
+    assert!(text.contains("psiSomeAvg10: 12.5\n"), "{text}");
+    let err = helm_template(&helm, &["--set", "policy.safetyRatio=1.5"]).expect_err("refused");
+    assert!(err.contains("safetyRatio"), "{err}");
+}

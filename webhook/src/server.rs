@@ -136,7 +136,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         None => None,
     };
     // A bad file stops the start (nothing would be in force); a bad resource later never does.
-    let invalid = |errors: Vec<String>| anyhow::anyhow!("invalid policy: {}", errors.join("; "));
+    let source = args
+        .policy_file
+        .as_ref()
+        .map(|p| format!(" in {}", p.display()))
+        .unwrap_or_default();
+    let invalid =
+        |errors: Vec<String>| anyhow::anyhow!("invalid policy{source}: {}", errors.join("; "));
     let file = crate::policy_sources::spec_from_str(policy_text.as_deref()).map_err(invalid)?;
     let overrides = args.overrides();
     let file_policy = Arc::new(

@@ -109,6 +109,12 @@ impl PodBuilder {
         self
     }
 
+    /// A node selector on any label.
+    pub fn node_label(mut self, label: &str, value: &str) -> Self {
+        self.0["spec"]["nodeSelector"] = json!({ label: value });
+        self
+    }
+
     /// Required node affinity: one term per entry; an empty entry is a term without a product.
     pub fn affinity(mut self, terms: &[&[&str]]) -> Self {
         let terms: Vec<Value> = terms

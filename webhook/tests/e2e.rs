@@ -263,7 +263,8 @@ fn a_policy_file_that_is_not_a_policy_stops_the_start_with_a_clear_error() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
-        stderr.contains("invalid policy") && stderr.contains("`kind: ConfigMap` is not a policy"),
+        stderr.contains(&format!("invalid policy in {}", file.display()))
+            && stderr.contains("`kind: ConfigMap` is not a policy"),
         "{stderr}"
     );
     // The name goes into a field selector: only object names are taken.

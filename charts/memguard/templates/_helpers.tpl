@@ -100,10 +100,12 @@ Its shape is memguard_api::PolicySpec (camelCase, unknown fields rejected).
 {{- $p := .Values.policy }}
 {{- $client := dict "inject" $p.client.inject }}
 {{- with $p.client.image }}{{ $_ := set $client "image" . }}{{ end }}
+{{- /* helm --set gives "0.8" as a string: numbers are written as numbers. */}}
+{{- $t := $p.thresholds }}
 {{- $policy := dict
-  "safetyRatio" $p.safetyRatio
+  "safetyRatio" (float64 $p.safetyRatio)
   "defaultGpuMemory" $p.defaultGpuMemory
-  "thresholds" $p.thresholds
+  "thresholds" (dict "warn" (float64 $t.warn) "downgrade" (float64 $t.downgrade) "critical" (float64 $t.critical) "psiSomeAvg10" (float64 $t.psiSomeAvg10))
   "floors" $p.floors
   "maxOomRecoveries" $p.maxOomRecoveries
   "placement" $p.placement

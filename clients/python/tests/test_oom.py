@@ -130,6 +130,22 @@ def test_bad_input_is_a_clear_error() -> None:
         oom.build_record(MemoryError(), None, step=1, outcome="retried")
 
 
+def test_a_recovery_that_grows_the_batch_is_refused(sidecar: FakeSidecar) -> None:
+    with pytest.raises(ValueError, match="new_batch_size 2 is larger than batch_size 1"):
+        oom.build_record(MemoryError(), None, step=1, outcome="recovered",
+                         batch_size=1, new_batch_size=2)
+    # Through record(): refused before anything is reported.
+    guard = Guard(signal_file="", sidecar_url=sidecar.url, env={"MEMGUARD_BATCH_SIZE": "4"},
+                  background=False, oom_hook=False)
+    with pytest.raises(ValueError, match="larger than batch_size 4"):
+        oom.record(MemoryError(), guard, step=3, outcome="recovered", new_batch_size=8)
+    assert sidecar.reports == []
+    # Shrinking is a recovery.
+    rec = oom.build_record(MemoryError(), None, step=1, outcome="recovered",
+                           batch_size=4, new_batch_size=2)
+    assert rec["new_batch_size"] == 2
+
+
 def test_a_recovered_oom_is_reported_and_nothing_is_written(
     sidecar: FakeSidecar, tmp_path: Path
 ) -> None:

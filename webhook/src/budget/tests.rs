@@ -201,17 +201,97 @@ fn time_slicing_without_a_cap_warns_that_the_memory_is_shared() {
 
 #[test]
 fn an_unknown_accelerator_is_a_warning_never_a_guess() {
-    let (b, device, warnings) = decide(
-        trainer_pod()
-            .limit("example.com/npu", "1")
-            .memory_limit("16Gi"),
+    let pod = trainer_pod()
+        .limit("example.com/npu", "1")
+        .memory_limit("16Gi");
+    let Outcome::Mutated(m) = mutate(
+        &pod.clone().build(),
+        &Policy::default(),
+        &ClusterView::default(),
+    ) else {
+        panic!("expected a mutation");
+    };
+    // No plan against the host's memory, no `fits`: a warning saying how to state the memory.
+    assert!(m.budget.is_none(), "{:?}", m.budget);
+    let annotation: serde_json::Value = serde_json::from_str(&m.estimate.to_json()).expect("JSON");
+    assert!(annotation["fits"].is_null(), "{annotation}");
+    assert!(annotation["budget"].is_null(), "{annotation}");
+    assert!(
+        m.warnings
+            .iter()
+            .any(|w| w.contains("unknown accelerator example.com/npu")
+                && w.contains("no plan")
+                && w.contains(keys::GPU_MEMORY)),
+        "{:?}",
+        m.warnings
     );
-    assert_eq!(device, "cpu", "no GPU is assumed");
-    assert_eq!(b.source, BudgetSource::MemoryLimit);
+    // Stated: planned against it.
+    let (b, _, _) = decide(pod.annotate(keys::GPU_MEMORY, "32Gi"));
+    assert_eq!(b.source, BudgetSource::Annotation);
+    assert_eq!(b.device_memory, Bytes::gib(32));
+}
+
+#[test]
+fn a_cloud_accelerator_label_pins_the_product() {
+    let product = |p: &str| BudgetSource::GpuProduct(p.into());
+    for (label, value, source) in [
+        (
+            "cloud.google.com/gke-accelerator",
+            "nvidia-tesla-a100",
+            product("NVIDIA-A100-SXM4-40GB"),
+        ),
+        (
+            "cloud.google.com/gke-accelerator",
+            "nvidia-l4",
+            product("NVIDIA-L4"),
+        ),
+        (
+            "k8s.amazonaws.com/accelerator",
+            "nvidia-a10g",
+            product("NVIDIA-A10G"),
+        ),
+        (
+            "karpenter.k8s.aws/instance-gpu-name",
+            "a100",
+            product("NVIDIA-A100-SXM4-40GB"),
+        ),
+        (
+            "eks.amazonaws.com/instance-gpu-name",
+            "h100",
+            product("NVIDIA-H100-80GB-HBM3"),
+        ),
+    ] {
+        let (b, _, warnings) = decide(trainer_pod().gpus(1).node_label(label, value));
+        assert_eq!(b.source, source, "{label}={value}");
+        assert!(
+            !warnings.iter().any(|w| w.contains("assum")),
+            "{label}={value}: {warnings:?}"
+        );
+    }
+    // An unknown value is named, not taken for a product.
+    let (b, _, warnings) = decide(
+        trainer_pod()
+            .gpus(1)
+            .node_label("cloud.google.com/gke-accelerator", "nvidia-future-9000"),
+    );
+    assert_eq!(b.source, BudgetSource::PolicyDefault);
     assert!(
         warnings
             .iter()
-            .any(|w| w.contains("unknown accelerator example.com/npu")),
+            .any(|w| w.contains("cloud.google.com/gke-accelerator=nvidia-future-9000")),
+        "{warnings:?}"
+    );
+}
+
+#[test]
+fn an_unpinned_gpu_pod_is_told_the_default_was_assumed() {
+    let (b, _, warnings) = decide(trainer_pod().gpus(1));
+    assert_eq!(b.source, BudgetSource::PolicyDefault);
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.starts_with(memguard_learn::budget::ASSUMED_DEFAULT)
+                && w.contains(keys::GPU_MEMORY)),
         "{warnings:?}"
     );
 }

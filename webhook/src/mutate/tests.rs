@@ -282,18 +282,21 @@ fn a_config_that_fits_is_left_as_annotated() {
 
 #[test]
 fn downgrades_are_written_to_env_and_keep_the_effective_batch() {
-    // 8 × 8192 tokens per device on a 24 GiB card needs downgrading under any sane estimate.
+    // 8 × 8192 tokens per device on a 64 GiB card needs downgrading under any sane estimate,
+    // and fits with checkpointing and a smaller batch (no quality cut).
     let m = mutated(
         trainer_pod()
             .gpus(1)
             .annotate(keys::BATCH_SIZE, "8")
             .annotate(keys::SEQ_LENGTH, "8192")
-            .annotate(keys::GPU_MEMORY, "24Gi")
+            .annotate(keys::GPU_MEMORY, "64Gi")
             .annotate(keys::ENV_MAP, "batch-size=BS,grad-accumulation=GA"),
         &Policy::default(),
     );
     assert!(!m.plan.steps.is_empty());
+    assert!(m.plan.fits);
     let cfg = &m.plan.config;
+    assert_eq!(cfg.seq_length, 8192, "no quality cut without permission");
     assert_eq!(
         cfg.batch_size * cfg.grad_accumulation,
         8,
@@ -316,17 +319,28 @@ fn downgrades_are_written_to_env_and_keep_the_effective_batch() {
     assert_eq!(annotation(&m)["steps"], serde_json::json!(steps));
     assert_eq!(m.warnings.len(), 1, "{:?}", m.warnings);
     assert!(m.warnings[0].chars().count() <= MAX_WARNING_CHARS);
+    // The warning states what the first step saved.
+    let first = &m.plan.steps[0];
+    assert!(
+        m.warnings[0].contains(&format!("{} -{}", first.rung.name(), first.saved)),
+        "{:?}",
+        m.warnings
+    );
 }
 
 #[test]
 fn a_config_that_cannot_fit_says_so() {
     let m = mutated(
-        trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "1Gi"),
+        trainer_pod()
+            .gpus(1)
+            .annotate(keys::GPU_MEMORY, "1Gi")
+            .annotate(keys::ALLOW_QUALITY, "true"),
         &Policy::default(),
     );
     assert!(!m.plan.fits);
     assert_eq!(annotation(&m)["fits"], false);
-    // Every knob at its floor: batch 1, checkpointing, the shortest sequence, the smallest rank.
+    // Every knob at its floor (the pod allows quality cuts): batch 1, checkpointing, the
+    // shortest sequence.
     let floors = Policy::default().floors;
     assert_eq!(m.plan.config.batch_size, floors.batch_size);
     assert!(m.plan.config.grad_checkpointing);
@@ -342,14 +356,20 @@ fn a_config_that_cannot_fit_says_so() {
     let tried = error
         .split_once("smallest config tried: ")
         .expect("named")
-        .1;
+        .1
+        .split("; ")
+        .next()
+        .expect("config");
     assert!(
         m.warnings.iter().any(|w| w.starts_with(&format!(
-            "memguard: cannot fit; smallest config tried: {tried} (estimate "
+            "memguard: cannot fit; smallest config tried: {tried}; "
         ))),
         "{:?}",
         m.warnings
     );
+    // And what was tried outside the knobs: nothing fits 1 GiB, the closest is named.
+    assert!(error.contains("; nothing tried fits, closest: "), "{error}");
+
     assert!(
         m.warnings
             .iter()

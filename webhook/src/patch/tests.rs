@@ -21,7 +21,7 @@ fn apply(pod: &Value, policy: &Policy) -> (Patch, Value) {
 }
 
 fn gpu_pod() -> PodBuilder {
-    trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "24Gi")
+    trainer_pod().gpus(1).annotate(keys::GPU_MEMORY, "40Gi")
 }
 
 fn sidecar(out: &Value, list: &str) -> Value {

@@ -217,6 +217,13 @@ def build_record(
     rec["grad_checkpointing"] = bool(grad_checkpointing)
     if _env.non_negative_int(new_batch_size):
         rec["new_batch_size"] = _env.non_negative_int(new_batch_size)
+        # A recovery shrinks the micro-batch; one that grows it would raise the memory that just
+        # ran out and break batch x accumulation.
+        if outcome == "recovered" and rec["new_batch_size"] > rec["batch_size"]:
+            raise ValueError(
+                f"a recovery shrinks the batch: new_batch_size {rec['new_batch_size']} is "
+                f"larger than batch_size {rec['batch_size']}"
+            )
     message = _first_oom_message(exc)
     figures = message_figures(message)
     figures.update(_live_figures(kind))
