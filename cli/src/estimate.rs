@@ -665,7 +665,8 @@ fn server_command(
              python -m vllm.entrypoints.openai.api_server, python -m sglang.launch_server)"
         )])),
         Some(written) => match written? {
-            Ok(()) => Ok(ExitCode::SUCCESS),
+            Ok(true) => Ok(ExitCode::SUCCESS),
+            Ok(false) => Ok(ExitCode::from(super::EXIT_DOES_NOT_FIT)),
             Err(e) => Ok(bad_input([e])),
         },
     }

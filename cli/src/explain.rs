@@ -263,7 +263,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let json = matches!(args.output, Output::Json);
     if let Some(written) = crate::serving::write(&mut out, json, &pod, &ctx.policy, &profiles) {
         return match written? {
-            Ok(()) => Ok(ExitCode::SUCCESS),
+            Ok(_) => Ok(ExitCode::SUCCESS),
             Err(e) => bad_input(e),
         };
     }

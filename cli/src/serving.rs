@@ -141,13 +141,14 @@ pub fn decide(
 }
 
 /// Writes the decision on `pod`'s server as `json` or a table; `None` when it runs no server.
+/// `Ok(Ok(fits))`: whether the server fits its share (as written or after the rewrite).
 pub fn write(
     out: &mut impl Write,
     json: bool,
     pod: &k8s_openapi::api::core::v1::Pod,
     policy: &memguard_api::Policy,
     profiles: &memguard_webhook::ClusterView,
-) -> Option<anyhow::Result<Result<(), String>>> {
+) -> Option<anyhow::Result<Result<bool, String>>> {
     let decided = decide(pod, policy, profiles)?;
     let s = match decided {
         Ok(s) => s,
@@ -167,5 +168,6 @@ pub fn write(
     } else {
         write_table(out, &s, &argv).map_err(anyhow::Error::from)
     };
-    Some(written.map(Ok))
+    let fits = s.error.is_none();
+    Some(written.map(|()| Ok(fits)))
 }
