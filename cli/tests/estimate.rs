@@ -828,7 +828,7 @@ fn the_policy_files_floors_bound_the_plan() {
     ];
     for budget in [
         &["--budget", "20GiB"][..],
-        &["--gpu-memory", "22GiB", "--gpu-resource", "nvidia.com/gpu"][..],
+        &["--gpu-memory", "26GiB", "--gpu-resource", "nvidia.com/gpu"][..],
     ] {
         let denied = json(&[&base[..], budget].concat());
         assert_eq!(denied["fits"], false, "{budget:?}: {denied}");
