@@ -360,11 +360,7 @@ impl<'a> TrainingPod<'a> {
             Ok(Some(m)) => Some(m),
             Ok(None) if has_input => None,
             Err(_) if has_input => None,
-            Ok(None) => {
-                return Err(ResolveError::NoTrainingInput(Some(
-                    "the trainer's launch names no model".into(),
-                )));
-            }
+            Ok(None) => return Err(ResolveError::NoTrainingInput(None)),
             Err(why) => {
                 return Err(ResolveError::NoTrainingInput(Some(format!(
                     "the trainer's launch could not be read ({why})"
@@ -1047,6 +1043,7 @@ pub fn parse_quantity(s: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use memguard_estimator::Method;
 
     /// Resolves against the built-in catalog only.
     fn resolve(pod: &Pod) -> Result<TrainingPod<'_>, ResolveError> {
@@ -1080,6 +1077,86 @@ mod tests {
             }),
             ..Default::default()
         }
+    }
+
+    fn launching(args: &[&str]) -> Container {
+        Container {
+            args: Some(args.iter().map(|a| a.to_string()).collect()),
+            ..gpus("trainer", "1")
+        }
+    }
+
+    /// The model from the launch: `--model_name_or_path`, TRL's `--model`, a cache path; an
+    /// annotation overrides it, an expanded value is not read, and the method follows
+    /// `--use_peft`/`--lora_r`.
+    #[test]
+    fn the_launch_names_the_model_and_the_method() {
+        let cases: [(&[&str], Option<(&str, Method)>); 6] = [
+            (
+                &[
+                    "python",
+                    "train.py",
+                    "--model_name_or_path",
+                    "Qwen/Qwen2.5-7B",
+                ],
+                Some(("qwen2.5-7b", Method::Full)),
+            ),
+            (
+                &["trl", "sft", "--model=google/gemma-2b", "--use_peft"],
+                Some(("gemma-2b", Method::Lora)),
+            ),
+            (
+                &[
+                    "bash",
+                    "-c",
+                    "torchrun t.py --model-name-or-path \
+                  /hf/hub/models--meta-llama--Llama-3.1-8B/snapshots/0e9e --lora_r 8",
+                ],
+                Some(("llama-3.1-8b", Method::Lora)),
+            ),
+            (
+                &[
+                    "trl",
+                    "sft",
+                    "--use_peft",
+                    "--no_use_peft",
+                    "--model",
+                    "gpt2",
+                ],
+                Some(("gpt2", Method::Full)),
+            ),
+            (
+                &["bash", "-c", "python t.py --model_name_or_path $MODEL"],
+                None,
+            ),
+            (
+                &["python", "t.py", "--per_device_train_batch_size", "4"],
+                None,
+            ),
+        ];
+        for (args, want) in cases {
+            let p = pod(&[], vec![launching(args)]);
+            match (resolve(&p), want) {
+                (Ok(t), Some((name, method))) => {
+                    assert_eq!(t.config.model.name.as_deref(), Some(name), "{args:?}");
+                    assert_eq!(t.config.method, method, "{args:?}");
+                    assert_eq!(
+                        t.read_from_args,
+                        BTreeSet::from(["model", "method"]),
+                        "{args:?}"
+                    );
+                }
+                (Err(ResolveError::NoTrainingInput(None)), None) => {}
+                (got, want) => panic!("{args:?}: {got:?}, wanted {want:?}"),
+            }
+        }
+        let annotated = pod(
+            &[(annotations::MODEL, "llama-3-8b")],
+            vec![launching(&["trl", "sft", "--model", "gpt2", "--use_peft"])],
+        );
+        let t = resolve(&annotated).expect("resolves");
+        assert_eq!(t.config.model.name.as_deref(), Some("llama-3-8b"));
+        assert!(t.read_from_args.is_empty(), "the annotation overrides");
     }
 
     /// One reading for the webhook and the controller: the trainer, the device, the world size.
