@@ -1091,7 +1091,9 @@ mod tests {
     /// `--use_peft`/`--lora_r`.
     #[test]
     fn the_launch_names_the_model_and_the_method() {
-        let cases: [(&[&str], Option<(&str, Method)>); 6] = [
+        // The launch, and the model and method it names (`None`: not read, the plain skip).
+        type Case<'a> = (&'a [&'a str], Option<(&'a str, Method)>);
+        let cases: [Case; 6] = [
             (
                 &[
                     "python",
