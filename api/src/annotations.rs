@@ -242,6 +242,14 @@ pub struct TrainingAnnotations {
     pub knobs_given: std::collections::BTreeSet<Knob>,
 }
 
+/// Whether a pod's annotations name the model: by name, or by its shape.
+pub fn names_model(annotations: &BTreeMap<String, String>) -> bool {
+    annotations.contains_key(MODEL)
+        || REQUIRED_SHAPE_KEYS
+            .iter()
+            .any(|k| annotations.contains_key(*k))
+}
+
 /// Whether a pod's annotations carry any memguard input at all.
 pub fn has_training_input(annotations: &BTreeMap<String, String>) -> bool {
     annotations.keys().any(|k| INPUT_KEYS.contains(&k.as_str()))

@@ -46,14 +46,19 @@ pub const AMD_GPU_PRODUCT_LABEL: &str = "amd.com/gpu.product-name";
 /// Why a pod is not a training pod memguard can read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ResolveError {
-    /// Opted in, but no `memguard.io/` training annotation at all.
+    /// Opted in, but no `memguard.io/` training annotation at all, and the trainer's launch
+    /// names no model memguard can read (why, when it says).
     #[error(
-        "labelled {}={} but no training annotations (e.g. {})",
+        "labelled {}={} but no training annotations (e.g. {}){}",
         wellknown::ENABLED_LABEL,
         wellknown::ENABLED_VALUE,
-        annotations::MODEL
+        annotations::MODEL,
+        .0.as_ref().map(|why| format!(", and {why}")).unwrap_or_default()
     )]
-    NoTrainingInput,
+    NoTrainingInput(Option<String>),
+    /// The trainer's launch names a model that neither the catalog nor the policy knows.
+    #[error("{0}")]
+    LaunchModel(String),
     /// The training annotations do not parse: every problem.
     #[error("{}", join(.0))]
     Annotations(Vec<AnnotationError>),
@@ -118,6 +123,8 @@ pub struct TrainingPod<'a> {
     /// Why the trainer's command line could not be read (inline code, a shell expansion as the
     /// program, an unsplittable string): the pod is planned on its annotations.
     pub args_unreadable: Option<String>,
+    /// What the launch gave besides the knobs (`model`, `method`), for the estimate's sources.
+    pub read_from_args: BTreeSet<&'static str>,
 }
 
 /// What memguard wrote at an earlier admission (reinvocation, a pod recreated from its own
@@ -166,16 +173,17 @@ pub const HF_FLAGS: &[(Knob, &str)] = &[
     (Knob::LoraRank, "lora_r"),
 ];
 
-/// Reads the trainer's command line with HF rules into `config`, for the knobs no annotation
-/// gives; each knob read is recorded in `sources` as `args`. `Ok(None)`: no launch, or not one
-/// with HF rules; `Err`: a launch that cannot be read, and why.
-fn read_args(
-    pod: &Pod,
-    trainer: &Container,
-    parsed: &TrainingAnnotations,
-    config: &mut TrainingConfig,
-    sources: &mut BTreeMap<Knob, String>,
-) -> Result<Option<ArgsReading>, String> {
+/// A trainer's launch read with Hugging Face argument rules.
+struct HfLaunch {
+    items: Vec<String>,
+    command_len: usize,
+    launch: crate::launch::Launch,
+    flags: crate::launch::Flags,
+}
+
+/// The trainer's `command` + `args` as a launch with HF rules (Python scripts and modules, and
+/// `trl`). `Ok(None)`: no launch, or not one with HF rules; `Err`: a launch that cannot be read.
+fn hf_launch(trainer: &Container) -> Result<Option<HfLaunch>, String> {
     use crate::launch::{self, Flags, HfRules, Program};
     let command = trainer.command.clone().unwrap_or_default();
     let command_len = command.len();
@@ -188,7 +196,6 @@ fn read_args(
         Err(launch::LaunchError::Empty | launch::LaunchError::NoProgram) => return Ok(None),
         Err(e) => return Err(e.to_string()),
     };
-    // HF argument rules: Python scripts and modules, and `trl`.
     let hf = match &found.program {
         Program::Script(_) | Program::Module(_) => true,
         Program::Command(_) => found.program.name() == "trl",
@@ -197,6 +204,91 @@ fn read_args(
         return Ok(None);
     }
     let flags = Flags::parse(&found.texts(), &HfRules);
+    Ok(Some(HfLaunch {
+        items,
+        command_len,
+        launch: found,
+        flags,
+    }))
+}
+
+/// The flags that name the model in a launch with HF rules: HF scripts, then TRL's `trl sft`.
+const HF_MODEL_FLAGS: &[&str] = &["model_name_or_path", "model"];
+
+/// What a launch says about the model: its HF id and whether it trains LoRA adapters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct LaunchModel {
+    /// The flag as written and its value, for messages.
+    flag: String,
+    value: String,
+    /// The HF id (`org/name`; a cache path `…/models--org--name/snapshots/…` read as one).
+    id: String,
+    /// `--use_peft` or `--lora_r` (TRL): LoRA.
+    lora: bool,
+}
+
+/// The model a launch names (`Ok(None)`: no HF launch, or no model flag, or a value that is
+/// shell-expanded); `Err`: the launch cannot be read, and why.
+fn launch_model(trainer: &Container) -> Result<Option<LaunchModel>, String> {
+    use crate::launch::HfRules;
+    let Some(hf) = hf_launch(trainer)? else {
+        return Ok(None);
+    };
+    let Some(flag) = HF_MODEL_FLAGS.iter().find_map(|k| hf.flags.get(k)) else {
+        return Ok(None);
+    };
+    let value_at = match flag.value_at {
+        crate::launch::flags::ValueAt::Next(i) => Some(i),
+        _ => None,
+    };
+    // A value the shell expands (`$MODEL`) is not the model.
+    let known = [Some(flag.at), value_at]
+        .into_iter()
+        .flatten()
+        .all(|i| hf.launch.args.get(i).is_some_and(|a| !a.expands));
+    let Some(value) = flag.value.clone().filter(|_| known) else {
+        return Ok(None);
+    };
+    let lora =
+        hf.flags.bool("use_peft", &HfRules) == Some(true) || hf.flags.get("lora_r").is_some();
+    Ok(Some(LaunchModel {
+        flag: format!("--{}", flag.spelled.trim_start_matches('-')),
+        id: hf_model_id(&value),
+        value,
+        lora,
+    }))
+}
+
+/// `…/hub/models--meta-llama--Llama-3.1-8B/snapshots/<sha>` → `meta-llama/Llama-3.1-8B` (the
+/// HF cache layout); anything else as it is.
+fn hf_model_id(value: &str) -> String {
+    value
+        .split('/')
+        .find_map(|part| part.strip_prefix("models--"))
+        .map(|repo| repo.replace("--", "/"))
+        .unwrap_or_else(|| value.to_string())
+}
+
+/// Reads the trainer's command line with HF rules into `config`, for the knobs no annotation
+/// gives; each knob read is recorded in `sources` as `args`. `Ok(None)`: no launch, or not one
+/// with HF rules; `Err`: a launch that cannot be read, and why.
+fn read_args(
+    pod: &Pod,
+    trainer: &Container,
+    parsed: &TrainingAnnotations,
+    config: &mut TrainingConfig,
+    sources: &mut BTreeMap<Knob, String>,
+) -> Result<Option<ArgsReading>, String> {
+    use crate::launch::{self, HfRules};
+    let Some(HfLaunch {
+        items,
+        command_len,
+        launch: found,
+        flags,
+    }) = hf_launch(trainer)?
+    else {
+        return Ok(None);
+    };
     for (knob, key) in HF_FLAGS {
         if parsed.knobs_given.contains(knob) {
             continue;
@@ -247,18 +339,72 @@ impl<'a> TrainingPod<'a> {
     ) -> Result<Self, ResolveError> {
         let empty = BTreeMap::new();
         let given = pod.metadata.annotations.as_ref().unwrap_or(&empty);
-        if !annotations::has_training_input(given) {
-            return Err(ResolveError::NoTrainingInput);
-        }
+        let has_input = annotations::has_training_input(given);
+        // The model (and with it the method) from the trainer's launch, unless an annotation
+        // names the model or its shape.
+        let from_launch = if annotations::names_model(given) {
+            Ok(None)
+        } else {
+            let containers = pod
+                .spec
+                .as_ref()
+                .map(|s| s.containers.as_slice())
+                .unwrap_or_default();
+            let named = given.get(annotations::CONTAINER).map(|s| s.trim());
+            match pick_trainer(containers, named) {
+                Ok((_, trainer)) => launch_model(trainer),
+                Err(_) => Ok(None),
+            }
+        };
+        let launched = match from_launch {
+            Ok(Some(m)) => Some(m),
+            Ok(None) if has_input => None,
+            Err(_) if has_input => None,
+            Ok(None) => return Err(ResolveError::NoTrainingInput(None)),
+            Err(why) => {
+                return Err(ResolveError::NoTrainingInput(Some(format!(
+                    "the trainer's launch could not be read ({why})"
+                ))));
+            }
+        };
+        let mut with_launch;
+        let mut read_from_args = BTreeSet::new();
+        let given = match &launched {
+            None => given,
+            Some(m) => {
+                if policy.models.lookup(&m.id).is_none() {
+                    return Err(ResolveError::LaunchModel(format!(
+                        "the trainer's launch names the model `{}` ({} {}): unknown model, {}; \
+                         add it to the policy's spec.models or annotate {}",
+                        m.id,
+                        m.flag,
+                        m.value,
+                        policy.models.searched(),
+                        annotations::MODEL
+                    )));
+                }
+                with_launch = given.clone();
+                with_launch.insert(annotations::MODEL.into(), m.id.clone());
+                read_from_args.insert("model");
+                if !given.contains_key(annotations::METHOD) {
+                    let method = if m.lora { "lora" } else { "full" };
+                    with_launch.insert(annotations::METHOD.into(), method.into());
+                    read_from_args.insert("method");
+                }
+                &with_launch
+            }
+        };
         let parsed =
             TrainingAnnotations::parse(given, &policy.models).map_err(ResolveError::Annotations)?;
-        Self::with_annotations(
+        let mut training = Self::with_annotations(
             pod,
             parsed,
             given.contains_key(annotations::WORLD_SIZE),
             policy,
             dra,
-        )
+        )?;
+        training.read_from_args = read_from_args;
+        Ok(training)
     }
 
     /// [`resolve`](Self::resolve) with the annotations already parsed (`memguard estimate`
@@ -330,6 +476,7 @@ impl<'a> TrainingPod<'a> {
             set_by_trainer,
             args,
             args_unreadable,
+            read_from_args: BTreeSet::new(),
         })
     }
 
@@ -962,6 +1109,7 @@ pub fn parse_quantity(s: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use memguard_estimator::Method;
 
     /// Resolves against the built-in catalog only.
     fn resolve(pod: &Pod) -> Result<TrainingPod<'_>, ResolveError> {
@@ -995,6 +1143,88 @@ mod tests {
             }),
             ..Default::default()
         }
+    }
+
+    fn launching(args: &[&str]) -> Container {
+        Container {
+            args: Some(args.iter().map(|a| a.to_string()).collect()),
+            ..gpus("trainer", "1")
+        }
+    }
+
+    /// The model from the launch: `--model_name_or_path`, TRL's `--model`, a cache path; an
+    /// annotation overrides it, an expanded value is not read, and the method follows
+    /// `--use_peft`/`--lora_r`.
+    #[test]
+    fn the_launch_names_the_model_and_the_method() {
+        // The launch, and the model and method it names (`None`: not read, the plain skip).
+        type Case<'a> = (&'a [&'a str], Option<(&'a str, Method)>);
+        let cases: [Case; 6] = [
+            (
+                &[
+                    "python",
+                    "train.py",
+                    "--model_name_or_path",
+                    "Qwen/Qwen2.5-7B",
+                ],
+                Some(("qwen2.5-7b", Method::Full)),
+            ),
+            (
+                &["trl", "sft", "--model=google/gemma-2b", "--use_peft"],
+                Some(("gemma-2b", Method::Lora)),
+            ),
+            (
+                &[
+                    "bash",
+                    "-c",
+                    "torchrun t.py --model-name-or-path \
+                  /hf/hub/models--meta-llama--Llama-3.1-8B/snapshots/0e9e --lora_r 8",
+                ],
+                Some(("llama-3.1-8b", Method::Lora)),
+            ),
+            (
+                &[
+                    "trl",
+                    "sft",
+                    "--use_peft",
+                    "--no_use_peft",
+                    "--model",
+                    "gpt2",
+                ],
+                Some(("gpt2", Method::Full)),
+            ),
+            (
+                &["bash", "-c", "python t.py --model_name_or_path $MODEL"],
+                None,
+            ),
+            (
+                &["python", "t.py", "--per_device_train_batch_size", "4"],
+                None,
+            ),
+        ];
+        for (args, want) in cases {
+            let p = pod(&[], vec![launching(args)]);
+            match (resolve(&p), want) {
+                (Ok(t), Some((name, method))) => {
+                    assert_eq!(t.config.model.name.as_deref(), Some(name), "{args:?}");
+                    assert_eq!(t.config.method, method, "{args:?}");
+                    assert_eq!(
+                        t.read_from_args,
+                        BTreeSet::from(["model", "method"]),
+                        "{args:?}"
+                    );
+                }
+                (Err(ResolveError::NoTrainingInput(None)), None) => {}
+                (got, want) => panic!("{args:?}: {got:?}, wanted {want:?}"),
+            }
+        }
+        let annotated = pod(
+            &[(annotations::MODEL, "llama-3-8b")],
+            vec![launching(&["trl", "sft", "--model", "gpt2", "--use_peft"])],
+        );
+        let t = resolve(&annotated).expect("resolves");
+        assert_eq!(t.config.model.name.as_deref(), Some("llama-3-8b"));
+        assert!(t.read_from_args.is_empty(), "the annotation overrides");
     }
 
     /// One reading for the webhook and the controller: the trainer, the device, the world size.
@@ -1039,7 +1269,10 @@ mod tests {
     #[test]
     fn resolve_says_why_a_pod_cannot_be_read() {
         let none = pod(&[("other.io/x", "1")], vec![Container::default()]);
-        assert_eq!(resolve(&none), Err(ResolveError::NoTrainingInput));
+        assert!(matches!(
+            resolve(&none),
+            Err(ResolveError::NoTrainingInput(_))
+        ));
         let bad = pod(
             &[
                 (annotations::MODEL, "gpt-9"),

@@ -489,3 +489,73 @@ fn dra_fixtures_read_their_device_from_the_objects_given() {
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(stderr(&out).contains("apiVersion"), "{}", stderr(&out));
 }
+
+/// Issue 27: a pod with only the opt-in label whose trainer is a stock HF/TRL launch is planned
+/// on the model its args name (a full fine-tune of Llama-3.1-8B cannot fit an A10G: admitted
+/// with the verdict), and the LoRA variant's args are rewritten with the effective batch kept.
+#[test]
+fn a_label_only_stock_launch_is_read_from_its_args() {
+    let pod = |extra: &str| {
+        format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata:
+  name: sft
+  labels: {{memguard.io/enabled: "true"}}
+spec:
+  restartPolicy: Never
+  nodeSelector: {{nvidia.com/gpu.product: NVIDIA-A10G}}
+  containers:
+  - name: t
+    image: x
+    resources: {{limits: {{nvidia.com/gpu: "1"}}}}
+    command: [bash, -c]
+    args: ["pip install -q trl && accelerate launch --num_processes 1 sft.py --model_name_or_path {extra} --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --max_seq_length 4096 --bf16 --output_dir /out"]
+"#
+        )
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let run = |text: String| {
+        let path = dir.path().join("pod.yaml");
+        std::fs::write(&path, text).expect("write");
+        let out = memguard(
+            &["mutate", "-f", path.to_str().expect("utf-8"), "-o", "json"],
+            None,
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        let doc: Value = serde_json::from_str(&stdout(&out)).expect("json");
+        let estimate = doc["metadata"]["annotations"]["memguard.io/estimate"]
+            .as_str()
+            .map(|e| serde_json::from_str::<Value>(e).expect("JSON"))
+            .expect("planned: an estimate annotation");
+        (doc, estimate)
+    };
+    let (_, full) = run(pod("meta-llama/Llama-3.1-8B"));
+    assert_eq!(full["sources"]["model"], "args", "{full}");
+    assert_eq!(full["sources"]["method"], "args", "{full}");
+    assert_eq!(full["sources"]["batch-size"], "args", "{full}");
+
+    let (doc, lora) = run(pod("google/gemma-2b --use_peft --lora_r 16"));
+    assert_eq!(lora["sources"]["model"], "args", "{lora}");
+    let script = doc["spec"]["containers"][0]["args"][0]
+        .as_str()
+        .expect("the script");
+    let flag = |name: &str| -> u64 {
+        let after = script
+            .split(&format!("--{name} "))
+            .nth(1)
+            .unwrap_or_else(|| panic!("--{name} in {script}"));
+        after
+            .split(' ')
+            .next()
+            .and_then(|v| v.parse().ok())
+            .expect("a count")
+    };
+    let (batch, accumulation) = (
+        flag("per_device_train_batch_size"),
+        flag("gradient_accumulation_steps"),
+    );
+    assert!(batch < 8, "downgraded: {script}");
+    assert_eq!(batch * accumulation, 16, "effective batch kept: {script}");
+}

@@ -444,6 +444,22 @@ const CATALOG: &[Entry] = &[
         152_064,
         false,
     ),
+    // Gemma 1 2B (GKE's fine-tuning sample): one KV head of 256, GeGLU, tied 256k vocabulary,
+    // no soft-capping (google/gemma-2b config.json).
+    Entry {
+        head_dim: Some(256),
+        ..dense(
+            "gemma-2b",
+            2_506_172_416,
+            2048,
+            18,
+            8,
+            1,
+            16384,
+            256_000,
+            true,
+        )
+    },
     gemma2("gemma-2-2b", 2_614_341_888, 2304, 26, 8, 4, 9216, 256),
     gemma2("gemma-2-9b", 9_241_705_984, 3584, 42, 16, 8, 14336, 256),
     gemma2("gemma-2-27b", 27_227_128_320, 4608, 46, 32, 16, 36864, 128),
@@ -903,6 +919,9 @@ mod tests {
             ("qwen/qwen3-30b-a3b", "qwen3-30b-a3b"),
             ("Qwen/Qwen3-8B-Base", "qwen3-8b"),
             ("google/gemma-3-4b-it", "gemma-3-4b"),
+            ("google/gemma-2b", "gemma-2b"),
+            ("google/gemma-2b-it", "gemma-2b"),
+            ("google/gemma-2-2b", "gemma-2-2b"),
             ("google/gemma-3-1b-pt", "gemma-3-1b"),
             ("mistralai/Mistral-7B-v0.1", "mistral-7b"),
             ("mistralai/Mistral-Nemo-Instruct-2407", "mistral-nemo-12b"),

@@ -498,6 +498,12 @@ fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap<String, St
             };
             (k.name().to_string(), source)
         })
+        .chain(
+            training
+                .read_from_args
+                .iter()
+                .map(|what| (what.to_string(), "args".to_string())),
+        )
         .collect()
 }
 

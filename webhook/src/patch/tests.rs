@@ -784,3 +784,141 @@ fn a_stock_launch_is_planned_on_its_flags_and_rewritten_in_them() {
         roomy["metadata"]["annotations"]
     );
 }
+
+/// Issue 27, defect 3: a pod with only the opt-in label whose trainer is a stock TRL launch
+/// (GKE's fine-tuning sample's model).
+fn label_only_launch(launch: &str) -> PodBuilder {
+    bare_pod()
+        .gpus(1)
+        .node_selector("NVIDIA-A10G")
+        .command_line(&["bash", "-c"], &[launch])
+}
+
+const STOCK_SFT: &str = "pip install -q trl && accelerate launch --num_processes 1 sft.py \
+                         --model_name_or_path google/gemma-2b --use_peft --lora_r 16 \
+                         --per_device_train_batch_size 8 --gradient_accumulation_steps 2 \
+                         --max_seq_length 4096 --bf16 --output_dir /out";
+
+/// The model and the method come from the launch: the pod is planned, its flags rewritten to a
+/// config that fits with the effective batch kept, the estimate says where each value came
+/// from, and a second admission changes nothing.
+#[test]
+fn a_label_only_stock_launch_is_planned_on_its_model_and_rewritten() {
+    let pod = label_only_launch(STOCK_SFT).json();
+    let typed: Pod = serde_json::from_value(pod.clone()).expect("a pod");
+    let Outcome::Mutated(m) = mutate(&typed, &Policy::default(), &ClusterView::default()) else {
+        panic!("mutated")
+    };
+    assert!(m.error.is_none(), "{:?}", m.error);
+    assert_eq!(
+        m.plan.config.model.name.as_deref(),
+        Some("gemma-2b"),
+        "the model of --model_name_or_path"
+    );
+    assert_eq!(m.plan.config.method, memguard_estimator::Method::Lora);
+    for (what, source) in [
+        ("model", "args"),
+        ("method", "args"),
+        ("batch-size", "args"),
+        ("grad-accumulation", "args"),
+        ("seq-length", "args"),
+    ] {
+        assert_eq!(
+            m.estimate.sources.get(what).map(String::as_str),
+            Some(source),
+            "{what}: {:?}",
+            m.estimate.sources
+        );
+    }
+    let cfg = &m.plan.config;
+    assert!(
+        cfg.batch_size < 8,
+        "downgraded on an A10G: {:?}",
+        m.plan.steps
+    );
+    let (_, out) = apply(&pod, &Policy::default());
+    let script = out["spec"]["containers"][0]["args"][0]
+        .as_str()
+        .expect("the script");
+    let items = vec!["bash".to_string(), "-c".into(), script.to_string()];
+    let launch = memguard_api::launch::find(&items).expect("still a launch");
+    let flags = memguard_api::launch::Flags::parse(&launch.texts(), &memguard_api::launch::HfRules);
+    let read = |k| {
+        flags
+            .value(k)
+            .and_then(|v| v.parse::<u64>().ok())
+            .expect("a count")
+    };
+    let (batch, accumulation) = (
+        read("per_device_train_batch_size"),
+        read("gradient_accumulation_steps"),
+    );
+    assert_eq!(batch * accumulation, 16, "effective batch kept: {script}");
+    // The args re-read as the plan, and the plan fits the A10G's budget.
+    assert_eq!(
+        (batch, accumulation, read("max_length")),
+        (cfg.batch_size, cfg.grad_accumulation, cfg.seq_length)
+    );
+    let budget = m.budget.as_ref().expect("an A10G budget");
+    assert!(
+        m.plan.total() <= budget.bytes,
+        "fits: {:?} > {:?}",
+        m.plan.total(),
+        budget.bytes
+    );
+    let (second, _) = apply(&out, &Policy::default());
+    assert!(second.0.is_empty(), "not idempotent: {second:?}");
+}
+
+/// A model given as a Hugging Face cache path is read as its repository id.
+#[test]
+fn a_cache_path_names_its_model() {
+    let launch = "python train.py --model_name_or_path \
+                  /cache/hub/models--google--gemma-2b/snapshots/abc123 \
+                  --per_device_train_batch_size 2";
+    let typed: Pod = serde_json::from_value(label_only_launch(launch).json()).expect("a pod");
+    let Outcome::Mutated(m) = mutate(&typed, &Policy::default(), &ClusterView::default()) else {
+        panic!("mutated")
+    };
+    assert_eq!(m.plan.config.model.name.as_deref(), Some("gemma-2b"));
+    assert_eq!(m.plan.config.method, memguard_estimator::Method::Full);
+    assert_eq!(m.estimate.sources["model"], "args");
+}
+
+/// A model nobody knows is a clear skip that names it and where memguard looked, and the pod is
+/// left as it was.
+#[test]
+fn an_unknown_model_in_the_launch_is_a_clear_skip() {
+    let launch = STOCK_SFT.replace("google/gemma-2b", "acme/secret-13b");
+    let pod = label_only_launch(&launch).json();
+    let typed: Pod = serde_json::from_value(pod.clone()).expect("a pod");
+    match mutate(&typed, &Policy::default(), &ClusterView::default()) {
+        Outcome::Skipped { error, .. } => {
+            assert!(error.contains("acme/secret-13b"), "{error}");
+            assert!(error.contains("--model_name_or_path"), "{error}");
+            assert!(error.contains("unknown model"), "{error}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let (_, out) = apply(&pod, &Policy::default());
+    assert_eq!(out["spec"], pod["spec"], "the pod's spec is unchanged");
+}
+
+/// A label-only pod whose launch cannot be read keeps the skip, and says why.
+#[test]
+fn a_label_only_pod_with_an_unreadable_launch_says_why_it_is_skipped() {
+    let typed: Pod = serde_json::from_value(
+        bare_pod()
+            .gpus(1)
+            .command_line(&["python", "-c"], &["import trl"])
+            .json(),
+    )
+    .expect("a pod");
+    match mutate(&typed, &Policy::default(), &ClusterView::default()) {
+        Outcome::Skipped { error, .. } => {
+            assert!(error.contains("no training annotations"), "{error}");
+            assert!(error.contains("could not be read"), "{error}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
