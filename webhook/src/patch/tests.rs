@@ -797,7 +797,7 @@ fn label_only_launch(launch: &str) -> PodBuilder {
 const STOCK_SFT: &str = "pip install -q trl && accelerate launch --num_processes 1 sft.py \
                          --model_name_or_path google/gemma-2b --use_peft --lora_r 16 \
                          --per_device_train_batch_size 8 --gradient_accumulation_steps 2 \
-                         --max_seq_length 4096 --bf16 --output_dir /out";
+                         --max_seq_length 2048 --bf16 --output_dir /out";
 
 /// The model and the method come from the launch: the pod is planned, its flags rewritten to a
 /// config that fits with the effective batch kept, the estimate says where each value came
