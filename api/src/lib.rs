@@ -21,11 +21,17 @@ pub mod summary;
 pub mod wellknown;
 
 #[cfg(feature = "crd")]
+pub mod cluster;
+#[cfg(feature = "crd")]
 pub mod crd;
 #[cfg(feature = "crd")]
 pub mod dra;
 #[cfg(feature = "crd")]
+pub mod mounted;
+#[cfg(feature = "crd")]
 pub mod pod;
+#[cfg(feature = "crd")]
+pub use cluster::Cluster;
 #[cfg(feature = "crd")]
 pub use pod::{ResolveError, TrainingPod};
 

@@ -7,7 +7,8 @@
 
 use crate::Policy;
 use crate::annotations::{self, AnnotationError, Knob, TrainingAnnotations};
-use crate::dra::{DraCatalog, DraMemory, DraReading};
+use crate::cluster::Cluster;
+use crate::dra::{DraMemory, DraReading};
 use crate::wellknown;
 use k8s_openapi::api::core::v1::{Container, Pod, PodResourceClaim};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -335,7 +336,7 @@ impl<'a> TrainingPod<'a> {
     pub fn resolve(
         pod: &'a Pod,
         policy: &Policy,
-        dra: Option<&dyn DraCatalog>,
+        cluster: Cluster<'_>,
     ) -> Result<Self, ResolveError> {
         let empty = BTreeMap::new();
         let given = pod.metadata.annotations.as_ref().unwrap_or(&empty);
@@ -401,7 +402,7 @@ impl<'a> TrainingPod<'a> {
             parsed,
             given.contains_key(annotations::WORLD_SIZE),
             policy,
-            dra,
+            cluster,
         )?;
         training.read_from_args = read_from_args;
         Ok(training)
@@ -415,7 +416,7 @@ impl<'a> TrainingPod<'a> {
         parsed: TrainingAnnotations,
         world_size_given: bool,
         policy: &Policy,
-        dra: Option<&dyn DraCatalog>,
+        cluster: Cluster<'_>,
     ) -> Result<Self, ResolveError> {
         let containers = pod
             .spec
@@ -444,7 +445,7 @@ impl<'a> TrainingPod<'a> {
             Device::Cpu | Device::Metal => Vec::new(),
         };
         // Last, as admission always did: the claims' driver names a device nothing else named.
-        let reading = crate::dra::read(pod, trainer, dra, policy);
+        let reading = crate::dra::read(pod, trainer, cluster.dra, policy);
         let (device, dra_memory) = reading.on(config.device, parsed.device_given);
         config.device = device;
         let dra_memory = dra_memory.cloned();
@@ -1113,7 +1114,7 @@ mod tests {
 
     /// Resolves against the built-in catalog only.
     fn resolve(pod: &Pod) -> Result<TrainingPod<'_>, ResolveError> {
-        TrainingPod::resolve(pod, &Policy::default(), None)
+        TrainingPod::resolve(pod, &Policy::default(), Cluster::default())
     }
 
     fn pod(annotations: &[(&str, &str)], containers: Vec<Container>) -> Pod {

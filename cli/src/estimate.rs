@@ -261,7 +261,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             parsed.clone(),
             world_size_given,
             &policy,
-            p.dra.as_deref().map(|c| c as &dyn DraCatalog),
+            memguard_api::Cluster::with_dra(p.dra.as_deref().map(|c| c as &dyn DraCatalog)),
         ) {
             Ok(t) => Some(t),
             Err(e) => return Ok(bad_input([e.to_string()])),

@@ -197,8 +197,8 @@ pub struct NextContext {
 }
 
 impl NextContext {
-    fn dra(&self) -> Option<&dyn DraCatalog> {
-        self.dra.as_deref().map(|c| c as &dyn DraCatalog)
+    fn cluster(&self) -> memguard_api::Cluster<'_> {
+        memguard_api::Cluster::with_dra(self.dra.as_deref().map(|c| c as &dyn DraCatalog))
     }
 }
 
@@ -290,7 +290,7 @@ fn read_profile(
         serde_saphyr::from_str(&text).map_err(|e| format!("{shown}: not valid YAML: {e}"))?;
     let profile: MemoryProfile =
         serde_json::from_value(value).map_err(|e| format!("{shown}: not a MemoryProfile: {e}"))?;
-    let key = memguard_learn::key::pod_key(pod, &ctx.policy, ctx.dra())
+    let key = memguard_learn::key::pod_key(pod, &ctx.policy, ctx.cluster())
         .map_err(|e| format!("{shown}: the pod has no profile key to match it with: {e}"))?;
     if profile.spec != key.spec {
         let json = |v: &MemoryProfileSpec| serde_json::to_string(v).unwrap_or_default();
@@ -309,7 +309,7 @@ fn read_profile(
 pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
     let empty = BTreeMap::new();
     let annotations = pod.metadata.annotations.as_ref().unwrap_or(&empty);
-    let training = TrainingPod::resolve(pod, &ctx.policy, ctx.dra()).ok();
+    let training = TrainingPod::resolve(pod, &ctx.policy, ctx.cluster()).ok();
     let trainer = training.as_ref().map(|t| t.trainer.name.clone());
     let ran = training
         .as_ref()
@@ -484,7 +484,7 @@ fn next_view(
     let mut pod = pod.clone();
     pod.metadata.uid.get_or_insert_with(|| "explain".into());
     pod.metadata.name.get_or_insert_with(|| "unnamed".into());
-    let obs = match try_observe(&pod, &ctx.policy, ctx.dra()) {
+    let obs = match try_observe(&pod, &ctx.policy, ctx.cluster()) {
         Ok(obs) => obs,
         Err(why) => {
             return NextView {

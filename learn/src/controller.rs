@@ -15,10 +15,10 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
-use memguard_api::Policy;
 use memguard_api::crd::MemoryProfile;
 use memguard_api::dra::DraCatalog;
 use memguard_api::wellknown;
+use memguard_api::{Cluster, Policy};
 use serde_json::{Map, Value, json};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -162,7 +162,7 @@ impl Recorder {
     /// observation into the status, patch the status (retrying on conflicts).
     pub async fn record(&self, pod: &Pod) -> Result<Recorded, Error> {
         let policy = (self.policy)();
-        let obs = match try_observe(pod, &policy, self.dra.as_deref()) {
+        let obs = match try_observe(pod, &policy, Cluster::with_dra(self.dra.as_deref())) {
             Ok(obs) => obs,
             Err(why) => return Ok(Recorded::Skipped(why)),
         };
@@ -360,7 +360,7 @@ fn finished_id(
     policy: &Policy,
     dra: Option<&dyn DraCatalog>,
 ) -> Option<(String, String)> {
-    let obs = try_observe(pod, policy, dra).ok()?;
+    let obs = try_observe(pod, policy, Cluster::with_dra(dra)).ok()?;
     let final_phase = matches!(
         pod.status.as_ref().and_then(|s| s.phase.as_deref()),
         Some("Succeeded" | "Failed")

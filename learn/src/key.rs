@@ -5,9 +5,9 @@
 //! before the pod has a node, that the controller wrote after it finished.
 
 use k8s_openapi::api::core::v1::Pod;
+use memguard_api::Cluster;
 use memguard_api::Policy;
 use memguard_api::crd::{DeviceClass, MemoryProfileSpec};
-use memguard_api::dra::DraCatalog;
 use memguard_api::pod::{ResolveError, TrainingPod};
 use memguard_estimator::params::total_params;
 use memguard_estimator::{Device, TrainingConfig};
@@ -55,12 +55,8 @@ pub struct PodKey {
 /// The profile key of `pod` ([`PodKey::of`] its [`TrainingPod`]), resolved as the webhook did at
 /// admission: its model looked up in the `policy`'s models, then the built-in catalog; its DRA
 /// claims read from `dra` (the device their driver runs keys a pod that names no other).
-pub fn pod_key(
-    pod: &Pod,
-    policy: &Policy,
-    dra: Option<&dyn DraCatalog>,
-) -> Result<PodKey, KeyError> {
-    Ok(PodKey::of(&TrainingPod::resolve(pod, policy, dra)?))
+pub fn pod_key(pod: &Pod, policy: &Policy, cluster: Cluster<'_>) -> Result<PodKey, KeyError> {
+    Ok(PodKey::of(&TrainingPod::resolve(pod, policy, cluster)?))
 }
 
 impl PodKey {
@@ -232,7 +228,7 @@ mod tests {
             ),
         ];
         for (name, pod, want) in table {
-            let key = pod_key(&pod.build(), &Policy::default(), None)
+            let key = pod_key(&pod.build(), &Policy::default(), Cluster::default())
                 .unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!(key.spec, want, "{name}");
             assert_eq!(key.name, object_name(&want), "{name}");
@@ -260,10 +256,15 @@ mod tests {
             }]);
         }
         let policy = Policy::default();
-        let with = pod_key(&pod, &policy, Some(&catalog as &dyn DraCatalog)).expect("a key");
+        let with = pod_key(
+            &pod,
+            &policy,
+            Cluster::with_dra(Some(&catalog as &dyn DraCatalog)),
+        )
+        .expect("a key");
         assert_eq!(with.spec, spec("llama-3-8b", "full", "bf16-mixed", ANY_GPU));
         assert_eq!(with.config.device, Device::Cuda);
-        let without = pod_key(&pod, &policy, None).expect("a key");
+        let without = pod_key(&pod, &policy, Cluster::default()).expect("a key");
         assert_eq!(without.spec, spec("llama-3-8b", "full", "bf16-mixed", CPU));
     }
 
@@ -273,7 +274,7 @@ mod tests {
             .annotate("model", "no-such-model")
             .build();
         assert!(matches!(
-            pod_key(&bad, &Policy::default(), None),
+            pod_key(&bad, &Policy::default(), Cluster::default()),
             Err(KeyError::Annotations(_))
         ));
         let wrong = PodBuilder::trainer()
@@ -281,7 +282,7 @@ mod tests {
             .annotate("container", "nope")
             .build();
         assert!(matches!(
-            pod_key(&wrong, &Policy::default(), None),
+            pod_key(&wrong, &Policy::default(), Cluster::default()),
             Err(KeyError::Trainer(_))
         ));
     }
@@ -306,11 +307,11 @@ mod tests {
                 .annotate("method", "lora")
                 .gpus(1)
                 .build();
-            let key = pod_key(&pod, &policy, None).expect("a key");
+            let key = pod_key(&pod, &policy, Cluster::default()).expect("a key");
             assert_eq!(key.spec.model, "acme-coder-7b", "{spelling}");
             assert!(
                 matches!(
-                    pod_key(&pod, &Policy::default(), None),
+                    pod_key(&pod, &Policy::default(), Cluster::default()),
                     Err(KeyError::Annotations(_))
                 ),
                 "{spelling}"

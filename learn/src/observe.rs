@@ -4,9 +4,9 @@
 use crate::key::{KeyError, PodKey};
 use k8s_openapi::api::core::v1::{ContainerStateTerminated, ContainerStatus, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use memguard_api::Cluster;
 use memguard_api::annotations as keys;
 use memguard_api::crd::{DeviceClass, TrainingKnobs};
-use memguard_api::dra::DraCatalog;
 use memguard_api::{
     EstimateAnnotation, Level, OomKind, OomOutcome, OomRecord, Policy, Summary, TrainingPod,
     wellknown,
@@ -80,8 +80,8 @@ pub enum NotObserved {
 }
 
 /// [`try_observe`], for callers that do not care why not.
-pub fn observe(pod: &Pod, policy: &Policy, dra: Option<&dyn DraCatalog>) -> Option<Observation> {
-    try_observe(pod, policy, dra).ok()
+pub fn observe(pod: &Pod, policy: &Policy, cluster: Cluster<'_>) -> Option<Observation> {
+    try_observe(pod, policy, cluster).ok()
 }
 
 /// Reads a pod whose trainer has terminated (now, or before a restart in place) into an
@@ -98,7 +98,7 @@ pub fn observe(pod: &Pod, policy: &Policy, dra: Option<&dyn DraCatalog>) -> Opti
 pub fn try_observe(
     pod: &Pod,
     policy: &Policy,
-    dra: Option<&dyn DraCatalog>,
+    cluster: Cluster<'_>,
 ) -> Result<Observation, NotObserved> {
     if !memguard_api::pod::opted_in(pod) {
         return Err(NotObserved::NotOptedIn);
@@ -106,7 +106,7 @@ pub fn try_observe(
     let (Some(name), Some(uid)) = (&pod.metadata.name, &pod.metadata.uid) else {
         return Err(NotObserved::NoIdentity);
     };
-    let training = TrainingPod::resolve(pod, policy, dra)
+    let training = TrainingPod::resolve(pod, policy, cluster)
         .map_err(|e| NotObserved::NoKey(KeyError::from(e).to_string()))?;
     let key = PodKey::of(&training);
     let (terminated, restarted) = terminated_trainer(pod, &key.trainer)?;

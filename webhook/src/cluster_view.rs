@@ -1,7 +1,9 @@
-//! What the decision reads of the cluster, never calling the API: the `MemoryProfile`s and the
-//! DRA objects, from the webhook's watch caches or from files.
+//! What the decision reads of the cluster, never calling the API: the `MemoryProfile`s, the DRA
+//! objects, the ConfigMaps and the nodes' labels, from the webhook's watch caches or from files.
 
 use crate::dra::DraCatalog;
+use memguard_api::Cluster;
+use memguard_api::cluster::{ConfigMaps, NodeLabels};
 use memguard_api::crd::MemoryProfile;
 use memguard_learn::{Adjustments, PodKey, adjustments};
 use std::sync::Arc;
@@ -25,6 +27,10 @@ pub struct ClusterView {
     source: Option<Arc<dyn ProfileSource>>,
     /// The DRA objects (claims, templates, classes, slices) the pod's resolution reads.
     dra: Option<Arc<dyn DraCatalog>>,
+    /// The ConfigMaps a trainer's config file may be mounted from.
+    config_maps: Option<Arc<dyn ConfigMaps>>,
+    /// The nodes' labels (their GPUs).
+    nodes: Option<Arc<dyn NodeLabels>>,
 }
 
 impl std::fmt::Debug for ClusterView {
@@ -33,6 +39,8 @@ impl std::fmt::Debug for ClusterView {
             .field("listed", &self.listed.len())
             .field("source", &self.source.is_some())
             .field("dra", &self.dra.is_some())
+            .field("config_maps", &self.config_maps.is_some())
+            .field("nodes", &self.nodes.is_some())
             .finish()
     }
 }
@@ -43,7 +51,7 @@ impl ClusterView {
         ClusterView {
             listed: Vec::new(),
             source: Some(source),
-            dra: None,
+            ..ClusterView::default()
         }
     }
 
@@ -54,9 +62,30 @@ impl ClusterView {
         self
     }
 
+    /// The same, reading ConfigMaps from `maps`.
+    pub fn with_config_maps(mut self, maps: Arc<dyn ConfigMaps>) -> Self {
+        self.config_maps = Some(maps);
+        self
+    }
+
+    /// The same, reading the nodes' labels from `nodes`.
+    pub fn with_nodes(mut self, nodes: Arc<dyn NodeLabels>) -> Self {
+        self.nodes = Some(nodes);
+        self
+    }
+
     /// The DRA catalog, when there is one.
     pub fn dra(&self) -> Option<&dyn DraCatalog> {
         self.dra.as_deref()
+    }
+
+    /// Everything a pod's reading looks up, borrowed from this view.
+    pub fn cluster(&self) -> Cluster<'_> {
+        Cluster {
+            dra: self.dra.as_deref(),
+            config_maps: self.config_maps.as_deref(),
+            nodes: self.nodes.as_deref(),
+        }
     }
 
     /// Adds a profile; it applies to every pod with its key (`spec`).

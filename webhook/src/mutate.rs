@@ -145,7 +145,8 @@ pub fn skipped(error: String) -> Outcome {
 /// profiles' catalog), run the budget stage every caller shares ([`decision::decide`]: key,
 /// budget, what past runs taught, placement, plan), [`render`] the result.
 fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation, String> {
-    let training = TrainingPod::resolve(pod, policy, profiles.dra()).map_err(|e| e.to_string())?;
+    let training =
+        TrainingPod::resolve(pod, policy, profiles.cluster()).map_err(|e| e.to_string())?;
     // The plan moves only the knobs something applies ([`pinned_floors`]).
     let mut policy_in_play = policy.clone();
     policy_in_play.floors = pinned_floors(&training, policy);

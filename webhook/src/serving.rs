@@ -102,7 +102,7 @@ fn decide(
     })?;
     let model_bits = policy.models.lookup(&model_name).and_then(|m| m.model_bits);
     let shape = parsed.config.model.clone();
-    let training = TrainingPod::with_annotations(pod, parsed, false, policy, profiles.dra())
+    let training = TrainingPod::with_annotations(pod, parsed, false, policy, profiles.cluster())
         .map_err(|e| e.to_string())?;
     let device_kind = training.config.device;
     if !matches!(device_kind, Device::Cuda | Device::Rocm) {

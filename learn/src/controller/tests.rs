@@ -13,7 +13,11 @@ use memguard_api::env;
 fn try_observe(
     pod: &k8s_openapi::api::core::v1::Pod,
 ) -> Result<crate::observe::Observation, crate::observe::NotObserved> {
-    crate::observe::try_observe(pod, &memguard_api::Policy::default(), None)
+    crate::observe::try_observe(
+        pod,
+        &memguard_api::Policy::default(),
+        memguard_api::Cluster::default(),
+    )
 }
 
 const GIB: u64 = 1 << 30;
@@ -31,15 +35,23 @@ fn pod() -> PodBuilder {
 }
 
 fn profile_name() -> String {
-    crate::pod_key(&pod().build(), &memguard_api::Policy::default(), None)
-        .expect("key")
-        .name
+    crate::pod_key(
+        &pod().build(),
+        &memguard_api::Policy::default(),
+        memguard_api::Cluster::default(),
+    )
+    .expect("key")
+    .name
 }
 
 fn key() -> MemoryProfileSpec {
-    crate::pod_key(&pod().build(), &memguard_api::Policy::default(), None)
-        .expect("key")
-        .spec
+    crate::pod_key(
+        &pod().build(),
+        &memguard_api::Policy::default(),
+        memguard_api::Cluster::default(),
+    )
+    .expect("key")
+    .spec
 }
 
 fn profile(rv: &str, status: Option<&MemoryProfileStatus>) -> Value {

@@ -8,7 +8,11 @@ use memguard_api::policy::DEFAULT_MAX_OOM_RECOVERIES as MAX_OOM_RECOVERIES;
 fn try_observe(
     pod: &k8s_openapi::api::core::v1::Pod,
 ) -> Result<crate::observe::Observation, crate::observe::NotObserved> {
-    crate::observe::try_observe(pod, &memguard_api::Policy::default(), None)
+    crate::observe::try_observe(
+        pod,
+        &memguard_api::Policy::default(),
+        memguard_api::Cluster::default(),
+    )
 }
 
 const GIB: u64 = 1 << 30;

@@ -268,11 +268,24 @@ fn a_dra_only_gpu_pods_run_is_learned_under_the_key_its_next_admission_reads() {
         "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled",
                                  "finishedAt": "2026-01-01T00:00:00Z"}}}]});
     let ran: k8s_openapi::api::core::v1::Pod = serde_json::from_value(ran).expect("a pod");
-    let obs = memguard_learn::try_observe(&ran, &policy, Some(catalog.as_ref())).expect("observed");
+    let obs = memguard_learn::try_observe(
+        &ran,
+        &policy,
+        memguard_api::Cluster::with_dra(Some(
+            catalog.as_ref() as &dyn memguard_api::dra::DraCatalog
+        )),
+    )
+    .expect("observed");
     assert_eq!(obs.oom.as_deref(), Some("OOMKilled"));
     assert_eq!(obs.key.spec.device_class, KeyDeviceClass::Gpu);
-    let admission_key =
-        memguard_learn::pod_key(&pod, &policy, Some(catalog.as_ref())).expect("a key");
+    let admission_key = memguard_learn::pod_key(
+        &pod,
+        &policy,
+        memguard_api::Cluster::with_dra(Some(
+            catalog.as_ref() as &dyn memguard_api::dra::DraCatalog
+        )),
+    )
+    .expect("a key");
     assert_eq!(obs.key, admission_key);
 
     let mut profile = MemoryProfile::new(&obs.key.name, obs.key.spec.clone());

@@ -431,7 +431,8 @@ fn lora_knobs_only_for_adapter_methods() {
 
 /// A profile for the key of `pod`, with `status`.
 fn profile_for(pod: &Pod, status: memguard_api::crd::MemoryProfileStatus) -> MemoryProfile {
-    let key = memguard_learn::pod_key(pod, &Policy::default(), None).expect("a key");
+    let key = memguard_learn::pod_key(pod, &Policy::default(), memguard_api::Cluster::default())
+        .expect("a key");
     let mut p = MemoryProfile::new(&key.name, key.spec);
     p.status = Some(status);
     p
