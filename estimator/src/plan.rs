@@ -342,73 +342,25 @@ pub fn plan_against(
     // weighed only when no free or compute rung saves anything: no amount of memory makes a
     // truncation better than a recomputation.
     while !fits(&current, &current_estimate) {
-        let mut best: Option<(f64, Rung, TrainingConfig, Estimate, String)> = None;
-        for quality in [false, true] {
-            if quality && !floors.allow_quality {
-                break;
-            }
-            for rung in LADDER
-                .into_iter()
-                .filter(|r| (r.cost() == Cost::Quality) == quality)
-            {
-                let Some((next, explanation)) = rung.apply(&current, floors) else {
-                    continue;
-                };
-                // A step past a sanity limit (accumulation doubled beyond it) is not a config
-                // anyone can run.
-                let Ok(next_estimate) = estimate(&next) else {
-                    continue;
-                };
-                let saving = |reached: Bytes, units: f64| {
-                    let saved = calibration
-                        .apply(current_estimate.total)
-                        .0
-                        .saturating_sub(calibration.apply(reached).0);
-                    (reached < current_estimate.total).then_some((saved, units))
-                };
-                let mut options = vec![saving(next_estimate.total, rung.cost_units(&next))];
-                // Syncing each batch saves the unsharded gradients by itself when the trainer
-                // accumulates, and otherwise lets the halving after it save: weighed both ways.
-                if rung == Rung::SyncEachBatch
-                    && let Some((halved, total)) = halved(&next, floors)
-                {
-                    let units = rung.cost_units(&next) + Rung::HalveBatch.cost_units(&halved);
-                    options.push(saving(total, units));
-                }
-                let Some((saved, units)) = options
-                    .into_iter()
-                    .flatten()
-                    .max_by(|a, b| (a.0 as f64 / a.1).total_cmp(&(b.0 as f64 / b.1)))
-                else {
-                    continue;
-                };
-                // A quality cut that saves next to nothing is not worth what it costs.
-                if rung.cost() == Cost::Quality && Bytes(saved) < min_quality_saving {
-                    continue;
-                }
-                let score = saved as f64 / units;
-                // Ties go to the rung earlier in [`LADDER`].
-                if best.as_ref().is_none_or(|(b, ..)| score > *b) {
-                    best = Some((score, rung, next, next_estimate, explanation));
-                }
-            }
-            if best.is_some() {
-                break;
-            }
-        }
-        let Some((_, rung, next, next_estimate, explanation)) = best else {
+        let Some(best) = best_step(
+            &current,
+            current_estimate.total,
+            calibration,
+            floors,
+            min_quality_saving,
+        ) else {
             break;
         };
         let before = calibration.apply(current_estimate.total);
-        let after = calibration.apply(next_estimate.total);
+        let after = calibration.apply(best.estimate.total);
         steps.push(Step {
-            rung,
-            explanation,
+            rung: best.rung,
+            explanation: best.explanation,
             total_after: after,
             saved: Bytes(before.0.saturating_sub(after.0)),
         });
-        current = next;
-        current_estimate = next_estimate;
+        current = best.config;
+        current_estimate = best.estimate;
     }
 
     Ok(DowngradePlan {
@@ -421,6 +373,93 @@ pub fn plan_against(
         calibration: *calibration,
         bound: *bound,
     })
+}
+
+/// The step [`best_step`] chose.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BestStep {
+    /// Which rung.
+    pub rung: Rung,
+    /// The config after it.
+    pub config: TrainingConfig,
+    /// Its estimate (uncalibrated).
+    pub estimate: Estimate,
+    /// What changed, in words.
+    pub explanation: String,
+}
+
+/// The one step from `current` (whose uncalibrated total is `total`) that saves the most bytes
+/// per unit of cost ([`Rung::cost_units`]): free and compute rungs first, quality rungs (with
+/// permission) only when none of those saves, and not for under `min_quality_saving`. Ties go
+/// to the rung earlier in [`LADDER`]. `None` when no rung saves. The planner takes it until
+/// the config fits; the profile controller takes one after an OOM kill.
+pub fn best_step(
+    current: &TrainingConfig,
+    total: Bytes,
+    calibration: &Calibration,
+    floors: &Floors,
+    min_quality_saving: Bytes,
+) -> Option<BestStep> {
+    let mut best: Option<(f64, BestStep)> = None;
+    for quality in [false, true] {
+        if quality && !floors.allow_quality {
+            break;
+        }
+        for rung in LADDER
+            .into_iter()
+            .filter(|r| (r.cost() == Cost::Quality) == quality)
+        {
+            let Some((next, explanation)) = rung.apply(current, floors) else {
+                continue;
+            };
+            // A step past a sanity limit (accumulation doubled beyond it) is not a config
+            // anyone can run.
+            let Ok(next_estimate) = estimate(&next) else {
+                continue;
+            };
+            let saving = |reached: Bytes, units: f64| {
+                let saved = calibration
+                    .apply(total)
+                    .0
+                    .saturating_sub(calibration.apply(reached).0);
+                (reached < total).then_some((saved, units))
+            };
+            let mut options = vec![saving(next_estimate.total, rung.cost_units(&next))];
+            // Syncing each batch saves the unsharded gradients by itself when the trainer
+            // accumulates, and otherwise lets the halving after it save: weighed both ways.
+            if rung == Rung::SyncEachBatch
+                && let Some((halved, reached)) = halved(&next, floors)
+            {
+                let units = rung.cost_units(&next) + Rung::HalveBatch.cost_units(&halved);
+                options.push(saving(reached, units));
+            }
+            let Some((saved, units)) = options
+                .into_iter()
+                .flatten()
+                .max_by(|a, b| (a.0 as f64 / a.1).total_cmp(&(b.0 as f64 / b.1)))
+            else {
+                continue;
+            };
+            // A quality cut that saves next to nothing is not worth what it costs.
+            if rung.cost() == Cost::Quality && Bytes(saved) < min_quality_saving {
+                continue;
+            }
+            let score = saved as f64 / units;
+            if best.as_ref().is_none_or(|(b, _)| score > *b) {
+                let step = BestStep {
+                    rung,
+                    config: next,
+                    estimate: next_estimate,
+                    explanation,
+                };
+                best = Some((score, step));
+            }
+        }
+        if best.is_some() {
+            break;
+        }
+    }
+    best.map(|(_, step)| step)
 }
 
 /// `cfg` with its batch halved and its total, when that is a valid config.
