@@ -23,6 +23,8 @@ pub mod wellknown;
 #[cfg(feature = "crd")]
 pub mod cluster;
 #[cfg(feature = "crd")]
+pub mod coupled;
+#[cfg(feature = "crd")]
 pub mod crd;
 #[cfg(feature = "crd")]
 pub mod dra;

@@ -126,6 +126,9 @@ pub struct TrainingPod<'a> {
     pub args_unreadable: Option<String>,
     /// What the launch gave besides the knobs (`model`, `method`), for the estimate's sources.
     pub read_from_args: BTreeSet<&'static str>,
+    /// The launch's coupled settings (a DeepSpeed config that pins the micro-batch, FSDP's own
+    /// activation checkpointing): what a change must respect.
+    pub coupled: crate::coupled::Coupled,
 }
 
 /// What memguard wrote at an earlier admission (reinvocation, a pod recreated from its own
@@ -459,6 +462,19 @@ impl<'a> TrainingPod<'a> {
                 Ok(args) => (args, None),
                 Err(why) => (None, Some(why)),
             };
+        let coupled = args
+            .as_ref()
+            .map(|a| crate::coupled::read(pod, trainer, &a.launch, &a.flags, cluster.config_maps))
+            .unwrap_or_default();
+        // FSDP's own activation checkpointing is checkpointing: the plan counts it as on (and
+        // so never adds `--gradient_checkpointing`, which transformers refuses with it).
+        if let Some(fsdp) = &coupled.fsdp_checkpointing
+            && !parsed.knobs_given.contains(&Knob::GradCheckpointing)
+            && !config.grad_checkpointing
+        {
+            config.grad_checkpointing = true;
+            sources.insert(Knob::GradCheckpointing, fsdp.source.clone());
+        }
         Ok(TrainingPod {
             annotations: parsed,
             trainer_index,
@@ -478,6 +494,7 @@ impl<'a> TrainingPod<'a> {
             args,
             args_unreadable,
             read_from_args: BTreeSet::new(),
+            coupled,
         })
     }
 

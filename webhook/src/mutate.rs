@@ -150,9 +150,23 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
     // The plan moves only the knobs something applies ([`pinned_floors`]).
     let mut policy_in_play = policy.clone();
     policy_in_play.floors = pinned_floors(&training, policy);
-    let decided = decision::decide(&training, &policy_in_play, |key| {
-        profiles.adjustments(pod.metadata.namespace.as_deref(), key)
-    })?;
+    let adjustments = |key: &_| profiles.adjustments(pod.metadata.namespace.as_deref(), key);
+    let mut decided = decision::decide(&training, &policy_in_play, adjustments)?;
+    // A coupled setting (a DeepSpeed config) pins batch and accumulation: a plan that would
+    // change them is made again with them where they are, and says why.
+    if let Some(why) = &training.coupled.batch_pinned
+        && changes_batch(&training.config, &decided.plan.config)
+    {
+        policy_in_play.floors.batch_size = training.config.batch_size;
+        decided = decision::decide(&training, &policy_in_play, adjustments)?;
+        let kept = format!("batch and accumulation kept: {why}");
+        decided
+            .warnings
+            .push(truncate(&format!("memguard: {kept}")));
+        if let Some(verdict) = &mut decided.verdict {
+            verdict.push_str(&format!("; {kept}"));
+        }
+    }
     keeps_effective_batch(&training, policy, &decided.plan.config)?;
     let (command_line, changed) = rewrite_args(&training, &decided.plan.config)?;
     let mut mutation = render(&training, policy, decided);
@@ -260,6 +274,11 @@ fn rewrite_args(
         }),
         changed,
     ))
+}
+
+/// Whether `planned` changes the batch or the accumulation of `before`.
+fn changes_batch(before: &TrainingConfig, planned: &TrainingConfig) -> bool {
+    planned.batch_size != before.batch_size || planned.grad_accumulation != before.grad_accumulation
 }
 
 /// `batch × accumulation` is kept exactly by the trainer's own variables, or the pod is not
