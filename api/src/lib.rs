@@ -29,6 +29,8 @@ pub mod crd;
 #[cfg(feature = "crd")]
 pub mod dra;
 #[cfg(feature = "crd")]
+pub mod job_world;
+#[cfg(feature = "crd")]
 pub mod mounted;
 #[cfg(feature = "crd")]
 pub mod pod;

@@ -129,6 +129,9 @@ pub struct TrainingPod<'a> {
     /// The launch's coupled settings (a DeepSpeed config that pins the micro-batch, FSDP's own
     /// activation checkpointing): what a change must respect.
     pub coupled: crate::coupled::Coupled,
+    /// Where the world size of a multi-pod job was read (`args`, `env:PET_NNODES`); `None`:
+    /// the annotation, or the pod's own GPUs.
+    pub world_size_source: Option<String>,
 }
 
 /// What memguard wrote at an earlier admission (reinvocation, a pod recreated from its own
@@ -436,11 +439,26 @@ impl<'a> TrainingPod<'a> {
         }
         // Data parallelism over the pod's own GPUs unless the user says how many devices take
         // part (a multi-node job must: the pod cannot see its peers).
-        if !world_size_given
+        let data_parallel = !world_size_given
             && config.parallelism != Parallelism::None
-            && matches!(config.device, Device::Cuda | Device::Rocm)
-        {
+            && matches!(config.device, Device::Cuda | Device::Rocm);
+        // A multi-pod job's launch or operator says how many devices take part, the same in
+        // every pod of the job ([`crate::job_world`]).
+        let mut world_size_source = None;
+        if data_parallel {
             config.world_size = gpus.max(1);
+            let items: Vec<String> = trainer
+                .command
+                .iter()
+                .flatten()
+                .chain(trainer.args.iter().flatten())
+                .cloned()
+                .collect();
+            let launch = crate::launch::find(&items).ok();
+            if let Some((n, source)) = crate::job_world::read(launch.as_ref(), trainer, gpus) {
+                config.world_size = n;
+                world_size_source = Some(source);
+            }
         }
         let products = match config.device {
             Device::Cuda => gpu_products(pod),
@@ -495,6 +513,7 @@ impl<'a> TrainingPod<'a> {
             args_unreadable,
             read_from_args: BTreeSet::new(),
             coupled,
+            world_size_source,
         })
     }
 

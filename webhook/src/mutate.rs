@@ -505,8 +505,12 @@ fn sidecar_plan(
 /// Each knob's source, when any was read from the trainer's own config (else empty: the
 /// annotation stays as it was for pods written for memguard).
 fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap<String, String> {
+    let world_size = training
+        .world_size_source
+        .iter()
+        .map(|source| ("world-size".to_string(), source.clone()));
     if training.sources.is_empty() {
-        return Default::default();
+        return world_size.collect();
     }
     Knob::of(&training.config)
         .into_iter()
@@ -524,6 +528,7 @@ fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap<String, St
                 .iter()
                 .map(|what| (what.to_string(), "args".to_string())),
         )
+        .chain(world_size)
         .collect()
 }
 
