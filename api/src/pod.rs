@@ -232,6 +232,21 @@ struct LaunchModel {
     id: String,
     /// `--use_peft` or `--lora_r` (TRL): LoRA.
     lora: bool,
+    /// TRL's `ModelConfig` quantization of the base (bitsandbytes): `--load_in_4bit` → 4 (QLoRA),
+    /// `--load_in_8bit` → 8 (LoRA on an 8-bit base).
+    quantized_bits: Option<u32>,
+}
+
+impl LaunchModel {
+    /// The method the launch trains with: QLoRA on a 4-bit base (TRL trains a quantized base
+    /// only through adapters), LoRA on an 8-bit one or with adapters, else full.
+    fn method(&self) -> &'static str {
+        match (self.quantized_bits, self.lora) {
+            (Some(4), _) => "qlora",
+            (Some(_), _) | (None, true) => "lora",
+            (None, false) => "full",
+        }
+    }
 }
 
 /// The model a launch names (`Ok(None)`: no HF launch, or no model flag, or a value that is
@@ -258,11 +273,22 @@ fn launch_model(trainer: &Container) -> Result<Option<LaunchModel>, String> {
     };
     let lora =
         hf.flags.bool("use_peft", &HfRules) == Some(true) || hf.flags.get("lora_r").is_some();
+    let on = |key| hf.flags.bool(key, &HfRules) == Some(true);
+    // TRL's `get_quantization_config`: 4 bits first, then 8 (`--use_bnb_nested_quant` only
+    // refines the 4-bit one).
+    let quantized_bits = if on("load_in_4bit") {
+        Some(4)
+    } else if on("load_in_8bit") {
+        Some(8)
+    } else {
+        None
+    };
     Ok(Some(LaunchModel {
         flag: format!("--{}", flag.spelled.trim_start_matches('-')),
         id: hf_model_id(&value),
         value,
         lora,
+        quantized_bits,
     }))
 }
 
@@ -394,9 +420,12 @@ impl<'a> TrainingPod<'a> {
                 with_launch.insert(annotations::MODEL.into(), m.id.clone());
                 read_from_args.insert("model");
                 if !given.contains_key(annotations::METHOD) {
-                    let method = if m.lora { "lora" } else { "full" };
-                    with_launch.insert(annotations::METHOD.into(), method.into());
+                    with_launch.insert(annotations::METHOD.into(), m.method().into());
                     read_from_args.insert("method");
+                }
+                if m.quantized_bits == Some(8) && !given.contains_key(annotations::MODEL_BITS) {
+                    with_launch.insert(annotations::MODEL_BITS.into(), "8".into());
+                    read_from_args.insert("model-bits");
                 }
                 &with_launch
             }
