@@ -10,7 +10,7 @@
 //! the patch, computed as a difference against the pod, comes out empty.
 
 use k8s_openapi::api::core::v1::Pod;
-use memguard_api::estimate::{ESTIMATE_VERSION, EstimateAnnotation};
+use memguard_api::estimate::{ArgsChange, ESTIMATE_VERSION, EstimateAnnotation};
 use memguard_api::pod::TrainingPod;
 use memguard_api::policy::{SidecarMode, SidecarResources};
 use memguard_api::{Knob, Policy, env, wellknown};
@@ -112,6 +112,8 @@ pub struct CommandLine {
     pub command: Option<Vec<String>>,
     /// `args`, when the pod has them.
     pub args: Option<Vec<String>>,
+    /// The whole command line before and after, for the estimate annotation.
+    pub change: ArgsChange,
 }
 
 impl Mutation {
@@ -181,6 +183,7 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
             .warnings
             .insert(0, truncate(&format!("memguard: {}", changed.join(", "))));
     }
+    mutation.estimate.args = command_line.as_ref().map(|line| line.change.clone());
     mutation.command_line = command_line;
     mutation.estimate.changed = changed.clone();
     mutation.changed = changed;
@@ -261,6 +264,7 @@ fn rewrite_args(
         return Ok((None, changed));
     }
     let items = reading.launch.apply(&reading.items, &edits);
+    let change = args_change(training, &reading.items, &items);
     let (command, args) = items.split_at(reading.command_len.min(items.len()));
     let trainer = training.trainer;
     Ok((
@@ -271,9 +275,32 @@ fn rewrite_args(
                 .as_ref()
                 .map(|_| args.to_vec())
                 .or_else(|| (!args.is_empty()).then(|| args.to_vec())),
+            change,
         }),
         changed,
     ))
+}
+
+/// The command line before and after the rewrite, for the estimate. A pod that already carries
+/// memguard's rewrite (a second admission) keeps the `before` its estimate recorded.
+fn args_change(training: &TrainingPod, items: &[String], rewritten: &[String]) -> ArgsChange {
+    let now = ArgsChange::new(items, rewritten);
+    let earlier = training
+        .pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(memguard_api::annotations::ESTIMATE))
+        .and_then(|text| EstimateAnnotation::parse(text).ok())
+        .and_then(|e| e.args);
+    match earlier {
+        Some(e) if e.after == now.before => ArgsChange {
+            before: e.before,
+            cut: e.cut || now.cut,
+            ..now
+        },
+        _ => now,
+    }
 }
 
 /// Whether `planned` changes the batch or the accumulation of `before`.
@@ -568,6 +595,7 @@ fn estimate_annotation(
         sources: Default::default(),
         read: Default::default(),
         changed: Vec::new(),
+        args: None,
     }
 }
 
