@@ -151,7 +151,8 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
         TrainingPod::resolve(pod, policy, profiles.cluster()).map_err(|e| e.to_string())?;
     // The plan moves only the knobs something applies ([`pinned_floors`]).
     let mut policy_in_play = policy.clone();
-    policy_in_play.floors = pinned_floors(&training, policy);
+    let kept;
+    (policy_in_play.floors, kept) = pinned_floors(&training, policy);
     let adjustments = |key: &_| profiles.adjustments(pod.metadata.namespace.as_deref(), key);
     let mut decided = decision::decide(&training, &policy_in_play, adjustments)?;
     // A coupled setting (a DeepSpeed config) pins batch and accumulation: a plan that would
@@ -171,7 +172,17 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
     }
     keeps_effective_batch(&training, policy, &decided.plan.config)?;
     let (command_line, changed) = rewrite_args(&training, &decided.plan.config)?;
+    let quality_allowed =
+        decision::floors(training.annotations.allow_quality, policy).allow_quality;
     let mut mutation = render(&training, policy, decided);
+    if quality_allowed && !kept.is_empty() {
+        let names: Vec<&str> = kept.iter().map(|k| k.name()).collect();
+        mutation.warnings.push(truncate(&format!(
+            "memguard: {} kept: nothing in the trainer's launch applies them (no flag, key or \
+             mapped variable)",
+            names.join(", ")
+        )));
+    }
     if let Some(why) = &training.args_unreadable {
         mutation.warnings.push(truncate(&format!(
             "memguard: the trainer's command line was not read ({why}); planned on annotations"
@@ -191,32 +202,61 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
 }
 
 /// The knobs that only a reader can apply (sequence length, LoRA rank and layers: the Python
-/// client does not change them) stay where the trainer's config has them unless the trainer
-/// reads them from a mapped variable or a flag memguard rewrites: their floor is raised to the
-/// current value, so the plan never counts on a change nothing applies.
+/// client does not change them) stay where the trainer's config has them unless something reads
+/// them: a mapped variable, or the trainer's own config (a flag memguard rewrites, a file).
+/// Their floor is raised to the current value, so the plan never counts on a change nothing
+/// applies. Returns the floors and the knobs kept so (when quality cuts were allowed, a
+/// warning names them).
 ///
-/// Applied where memguard read the trainer's launch (a stock script: no client to apply them);
-/// a pod with no readable launch keeps the plan over every knob, as written for memguard.
-pub fn pinned_floors(training: &TrainingPod, policy: &Policy) -> memguard_estimator::Floors {
+/// Applied where memguard recognises the trainer's launch (an HF script, `axolotl`, `tune`,
+/// `llamafactory-cli`, …: a trainer with its own config, which reads no `MEMGUARD_*`
+/// variable); a pod with no recognised launch keeps the plan over every knob, as written for
+/// memguard (its script reads `MEMGUARD_SEQ_LENGTH` and the like).
+pub fn pinned_floors(
+    training: &TrainingPod,
+    policy: &Policy,
+) -> (memguard_estimator::Floors, Vec<Knob>) {
     let mut floors = policy.floors;
-    if training.args.is_none() {
-        return floors;
+    if training.args.is_none() && !recognised_launch(training) {
+        return (floors, Vec::new());
     }
     let map = training.env_map(policy);
     let cfg = &training.config;
-    let in_play = |knob: Knob| {
-        map.contains_key(&knob) || training.sources.get(&knob).is_some_and(|s| s == "args")
-    };
-    if !in_play(Knob::SeqLength) {
-        floors.seq_length = floors.seq_length.max(cfg.seq_length);
+    let in_play = |knob: Knob| map.contains_key(&knob) || training.sources.contains_key(&knob);
+    let mut kept = Vec::new();
+    let adapters = cfg.is_adapter();
+    for (knob, floor, now) in [
+        (Knob::SeqLength, &mut floors.seq_length, cfg.seq_length),
+        (Knob::LoraRank, &mut floors.lora_rank, cfg.lora_rank),
+        (
+            Knob::LoraLayers,
+            &mut floors.lora_layers,
+            cfg.adapted_layers(),
+        ),
+    ] {
+        if in_play(knob) {
+            continue;
+        }
+        if now > *floor && (knob == Knob::SeqLength || adapters) {
+            kept.push(knob);
+        }
+        *floor = (*floor).max(now);
     }
-    if !in_play(Knob::LoraRank) {
-        floors.lora_rank = floors.lora_rank.max(cfg.lora_rank);
-    }
-    if !in_play(Knob::LoraLayers) {
-        floors.lora_layers = floors.lora_layers.max(cfg.adapted_layers());
-    }
-    floors
+    (floors, kept)
+}
+
+/// The trainer's command line is a launch memguard recognises (a launcher, a Python script or
+/// module, or a trainer command), whether or not it reads its flags.
+fn recognised_launch(training: &TrainingPod) -> bool {
+    let trainer = training.trainer;
+    let items: Vec<String> = trainer
+        .command
+        .iter()
+        .flatten()
+        .chain(trainer.args.iter().flatten())
+        .cloned()
+        .collect();
+    memguard_api::launch::find(&items).is_ok()
 }
 
 /// The trainer's command line with the plan's changes to the knobs read from it, in its own
