@@ -149,18 +149,11 @@ fn flag_value(launch: &Launch, flags: &Flags, key: &str) -> Option<(String, Stri
     Some((value, spelled, expands))
 }
 
-/// The value of a launcher's own option (`--name v` or `--name=v`, dash or underscore).
+/// The value of `launcher`'s own option, when `launch` is started by it.
 fn launcher_option(launch: &Launch, launcher: Launcher, name: &str) -> Option<String> {
-    if launch.launcher != launcher {
-        return None;
-    }
-    let canonical = |s: &str| s.trim_start_matches('-').replace('-', "_");
-    launch
-        .launcher_options
-        .iter()
-        .rev()
-        .find(|(k, _)| canonical(k) == name)
-        .and_then(|(_, v)| v.clone())
+    (launch.launcher == launcher)
+        .then(|| crate::job_world::launcher_option(launch, name))
+        .flatten()
 }
 
 /// A JSON config as transformers takes it: an inline object (`{…}`), a file (here: from the

@@ -68,7 +68,7 @@ fn nodes(value: Option<String>) -> Option<u64> {
 }
 
 /// A launcher option's value (dash or underscore spelling, last wins).
-fn launcher_option(launch: &Launch, name: &str) -> Option<String> {
+pub(crate) fn launcher_option(launch: &Launch, name: &str) -> Option<String> {
     let canonical = |s: &str| s.trim_start_matches('-').replace('-', "_");
     launch
         .launcher_options

@@ -45,12 +45,10 @@ fn pod_of(template: &Value, name: &str, namespace: &str) -> Value {
 }
 
 fn label(pod: &mut Value, key: &str, value: &str) {
-    for kind in ["labels"] {
-        if pod["metadata"][kind].is_null() {
-            pod["metadata"][kind] = json!({});
-        }
-        pod["metadata"][kind][key] = json!(value);
+    if pod["metadata"]["labels"].is_null() {
+        pod["metadata"]["labels"] = json!({});
     }
+    pod["metadata"]["labels"][key] = json!(value);
 }
 
 fn annotate(pod: &mut Value, key: &str, value: &str) {
