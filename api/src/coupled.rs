@@ -253,3 +253,124 @@ fn is_true(v: Option<&Value>) -> bool {
         _ => false,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::ConfigMapList;
+    use crate::launch::HfRules;
+
+    fn pod_with(script: &[&str]) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "ml"},
+            "spec": {
+                "containers": [{
+                    "name": "t",
+                    "command": script,
+                    "workingDir": "/w",
+                    "volumeMounts": [{"name": "cfg", "mountPath": "/w/cfg"}],
+                }],
+                "volumes": [{"name": "cfg", "configMap": {"name": "ds"}}],
+            },
+        }))
+        .expect("a pod")
+    }
+
+    fn coupled(script: &[&str], file: Option<&str>) -> Coupled {
+        let pod = pod_with(script);
+        let trainer = &pod.spec.as_ref().expect("spec").containers[0];
+        let items: Vec<String> = script.iter().map(|s| s.to_string()).collect();
+        let launch = crate::launch::find(&items).expect("a launch");
+        let flags = Flags::parse(&launch.texts(), &HfRules);
+        let mut maps = ConfigMapList::default();
+        if let Some(text) = file {
+            maps.0.insert(
+                ("ml".into(), "ds".into()),
+                [("c.json".to_string(), text.to_string())].into(),
+            );
+        }
+        read(&pod, trainer, &launch, &flags, Some(&maps))
+    }
+
+    #[test]
+    fn numbers_pin_the_batch_and_auto_or_the_total_does_not() {
+        let ds = |text| coupled(&["python", "t.py", "--deepspeed", "cfg/c.json"], Some(text));
+        let pinned = ds(r#"{"train_micro_batch_size_per_gpu": 4}"#);
+        let why = pinned.batch_pinned.expect("pinned");
+        assert!(
+            why.starts_with(
+                "configmap:ds/c.json (--deepspeed cfg/c.json) pins train_micro_batch_size_per_gpu=4"
+            ),
+            "{why}"
+        );
+        assert!(
+            ds(r#"{"gradient_accumulation_steps": "8"}"#)
+                .batch_pinned
+                .is_some()
+        );
+        // `train_batch_size` is world × batch × accumulation, which memguard keeps.
+        let total = ds(r#"{"train_batch_size": 64, "train_micro_batch_size_per_gpu": "auto"}"#);
+        assert_eq!(total.batch_pinned, None);
+        assert_eq!(
+            ds(r#"{"gradient_accumulation_steps": "auto"}"#).batch_pinned,
+            None
+        );
+        // Not a JSON object: unreadable, so it may pin.
+        let bad = ds("zero_optimization: 3").batch_pinned.expect("pinned");
+        assert!(bad.contains("cannot be read"), "{bad}");
+    }
+
+    #[test]
+    fn a_config_nothing_holds_or_the_shell_gives_may_pin_the_batch() {
+        let image = coupled(&["python", "t.py", "--deepspeed", "/opt/ds.json"], None);
+        let why = image.batch_pinned.expect("pinned");
+        assert!(why.contains("not in a volume mount"), "{why}");
+        let shell = coupled(&["bash", "-c", "python t.py --deepspeed $DS"], None);
+        assert!(
+            shell
+                .batch_pinned
+                .expect("pinned")
+                .contains("shell expansion")
+        );
+        assert_eq!(coupled(&["python", "t.py"], None), Coupled::default());
+    }
+
+    #[test]
+    fn fsdps_activation_checkpointing_is_read_from_each_place() {
+        let file = coupled(
+            &[
+                "python",
+                "t.py",
+                "--fsdp",
+                "full_shard",
+                "--fsdp_config",
+                "cfg/c.json",
+            ],
+            Some(r#"{"activation_checkpointing": true}"#),
+        );
+        assert_eq!(
+            file.fsdp_checkpointing.map(|f| f.source),
+            Some("configmap:ds/c.json".to_string())
+        );
+        let off = coupled(
+            &["python", "t.py", "--fsdp_config", "cfg/c.json"],
+            Some(r#"{"fsdp_activation_checkpointing": false}"#),
+        );
+        assert_eq!(off.fsdp_checkpointing, None);
+        let launcher = coupled(
+            &[
+                "accelerate",
+                "launch",
+                "--use_fsdp",
+                "--fsdp_activation_checkpointing",
+                "true",
+                "t.py",
+            ],
+            None,
+        );
+        assert_eq!(
+            launcher.fsdp_checkpointing.map(|f| f.source),
+            Some("args".to_string())
+        );
+    }
+}

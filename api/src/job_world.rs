@@ -77,3 +77,119 @@ pub(crate) fn launcher_option(launch: &Launch, name: &str) -> Option<String> {
         .find(|(k, _)| canonical(k) == name)
         .and_then(|(_, v)| v.clone())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::EnvVar;
+
+    fn launch(words: &[&str]) -> Launch {
+        let items: Vec<String> = words.iter().map(|s| s.to_string()).collect();
+        crate::launch::find(&items).expect("a launch")
+    }
+
+    fn trainer(env: &[(&str, &str)]) -> Container {
+        Container {
+            name: "t".into(),
+            env: Some(
+                env.iter()
+                    .map(|(k, v)| EnvVar {
+                        name: k.to_string(),
+                        value: Some(v.to_string()),
+                        value_from: None,
+                    })
+                    .collect(),
+            ),
+            ..Container::default()
+        }
+    }
+
+    #[test]
+    fn launchers_say_the_jobs_devices() {
+        let none = trainer(&[]);
+        let cases: &[(&[&str], Option<u64>)] = &[
+            (
+                &["torchrun", "--nnodes", "2", "--nproc_per_node", "8", "t.py"],
+                Some(16),
+            ),
+            (
+                &["torchrun", "--nnodes=2", "--nproc-per-node=gpu", "t.py"],
+                Some(8),
+            ),
+            // Elastic: the fewest nodes it runs on.
+            (
+                &[
+                    "torchrun",
+                    "--nnodes",
+                    "2:4",
+                    "--nproc_per_node",
+                    "8",
+                    "t.py",
+                ],
+                Some(16),
+            ),
+            (
+                &[
+                    "accelerate",
+                    "launch",
+                    "--num_machines",
+                    "2",
+                    "--num_processes",
+                    "16",
+                    "t.py",
+                ],
+                Some(16),
+            ),
+            (
+                &["deepspeed", "--num_nodes", "3", "--num_gpus", "8", "t.py"],
+                Some(24),
+            ),
+            // A value the shell gives (`$NNODES`) says nothing.
+            (&["torchrun", "--nnodes", "$NNODES", "t.py"], None),
+            (&["python", "t.py"], None),
+        ];
+        for (words, want) in cases {
+            assert_eq!(
+                read(Some(&launch(words)), &none, 4).map(|(n, _)| n),
+                *want,
+                "{words:?}"
+            );
+        }
+    }
+
+    /// The training operator's variables, the same in every pod; `WORLD_SIZE` and ranks are
+    /// not read.
+    #[test]
+    fn the_operators_variables_say_the_jobs_devices() {
+        let pod =
+            |env: &[(&str, &str)]| read(Some(&launch(&["torchrun", "t.py"])), &trainer(env), 8);
+        assert_eq!(
+            pod(&[
+                ("PET_NNODES", "3"),
+                ("PET_NPROC_PER_NODE", "8"),
+                ("WORLD_SIZE", "24")
+            ]),
+            Some((24, "env:PET_NNODES".into()))
+        );
+        // `auto`: the pod's GPUs per node.
+        assert_eq!(
+            pod(&[("PET_NNODES", "3"), ("PET_NPROC_PER_NODE", "auto")]).map(|(n, _)| n),
+            Some(24)
+        );
+        assert_eq!(pod(&[("WORLD_SIZE", "3"), ("RANK", "1")]), None);
+        // The launcher's own options win over the variables.
+        let both = read(
+            Some(&launch(&[
+                "torchrun",
+                "--nnodes",
+                "2",
+                "--nproc_per_node",
+                "8",
+                "t.py",
+            ])),
+            &trainer(&[("PET_NNODES", "3")]),
+            8,
+        );
+        assert_eq!(both, Some((16, "args".into())));
+    }
+}
