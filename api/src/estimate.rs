@@ -95,6 +95,60 @@ pub struct EstimateAnnotation {
     /// The trainer's flags memguard rewrote, in its words (`--per_device_train_batch_size 8→4`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub changed: Vec<String>,
+    /// The trainer's `command` + `args` before and after the rewrite, when memguard rewrote
+    /// them ([`ArgsChange::new`] bounds their size).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args: Option<ArgsChange>,
+}
+
+/// Most characters of the command lines an [`ArgsChange`] keeps, both together: a launch line
+/// of a few hundred characters is kept whole; a long `bash -c` script is cut, far inside the
+/// API server's 256 KiB limit on all of a pod's annotations together.
+pub const MAX_ARGS_CHARS: usize = 8 * 1024;
+
+/// A trainer's command line before and after memguard rewrote it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ArgsChange {
+    /// `command` + `args` as the pod had them.
+    pub before: Vec<String>,
+    /// `command` + `args` as memguard wrote them.
+    pub after: Vec<String>,
+    /// Either was cut to fit [`MAX_ARGS_CHARS`] (a cut item ends in `…`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cut: bool,
+}
+
+impl ArgsChange {
+    /// Both command lines, each cut to half of [`MAX_ARGS_CHARS`].
+    pub fn new(before: &[String], after: &[String]) -> ArgsChange {
+        let (before, cut_before) = bounded(before, MAX_ARGS_CHARS / 2);
+        let (after, cut_after) = bounded(after, MAX_ARGS_CHARS / 2);
+        ArgsChange {
+            before,
+            after,
+            cut: cut_before || cut_after,
+        }
+    }
+}
+
+/// `items` while they fit `budget` characters; the item that does not fit is cut and ends in
+/// `…`, and the rest are left out. Returns whether anything was cut.
+fn bounded(items: &[String], budget: usize) -> (Vec<String>, bool) {
+    let mut left = budget;
+    let mut out = Vec::new();
+    for item in items {
+        let n = item.chars().count();
+        if n <= left {
+            out.push(item.clone());
+            left -= n;
+        } else {
+            let kept: String = item.chars().take(left.saturating_sub(1)).collect();
+            out.push(format!("{kept}…"));
+            return (out, true);
+        }
+    }
+    (out, false)
 }
 
 /// Why an annotation cannot be read.
@@ -143,6 +197,29 @@ mod tests {
     use super::*;
 
     const FIXTURE: &str = include_str!("../fixtures/estimate-v1.json");
+
+    /// A launch line is kept whole; a long script is cut to the bound, marked, and the
+    /// annotation stays far below the API server's 256 KiB.
+    #[test]
+    fn args_change_is_kept_whole_or_cut_to_its_bound() {
+        let words = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let short = ArgsChange::new(
+            &words(&["torchrun", "sft.py", "--per_device_train_batch_size", "8"]),
+            &words(&["torchrun", "sft.py", "--per_device_train_batch_size", "2"]),
+        );
+        assert!(!short.cut);
+        assert_eq!(short.after[3], "2");
+        let script = format!("pip install x && {}", "echo padding; ".repeat(2000));
+        let long = ArgsChange::new(
+            &words(&["bash", "-c", &script]),
+            &words(&["bash", "-c", &script]),
+        );
+        assert!(long.cut);
+        let chars = |v: &[String]| v.iter().map(|s| s.chars().count()).sum::<usize>();
+        assert!(chars(&long.before) + chars(&long.after) <= MAX_ARGS_CHARS);
+        assert!(long.before[2].ends_with('…'));
+        assert_eq!(long.before[..2], words(&["bash", "-c"]));
+    }
 
     #[test]
     fn the_fixture_round_trips() {

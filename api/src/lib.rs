@@ -22,9 +22,13 @@ pub mod wellknown;
 #[cfg(feature = "crd")]
 pub mod cluster;
 #[cfg(feature = "crd")]
+pub mod coupled;
+#[cfg(feature = "crd")]
 pub mod crd;
 #[cfg(feature = "crd")]
 pub mod dra;
+#[cfg(feature = "crd")]
+pub mod job_world;
 #[cfg(feature = "crd")]
 pub mod mounted;
 #[cfg(feature = "crd")]

@@ -126,6 +126,12 @@ pub struct TrainingPod<'a> {
     pub args_unreadable: Option<String>,
     /// What the launch gave besides the knobs (`model`, `method`), for the estimate's sources.
     pub read_from_args: BTreeSet<&'static str>,
+    /// The launch's coupled settings (a DeepSpeed config that pins the micro-batch, FSDP's own
+    /// activation checkpointing): what a change must respect.
+    pub coupled: crate::coupled::Coupled,
+    /// Where the world size of a multi-pod job was read (`args`, `env:PET_NNODES`); `None`:
+    /// the annotation, or the pod's own GPUs.
+    pub world_size_source: Option<String>,
 }
 
 /// What memguard wrote at an earlier admission (reinvocation, a pod recreated from its own
@@ -226,6 +232,21 @@ struct LaunchModel {
     id: String,
     /// `--use_peft` or `--lora_r` (TRL): LoRA.
     lora: bool,
+    /// TRL's `ModelConfig` quantization of the base (bitsandbytes): `--load_in_4bit` → 4 (QLoRA),
+    /// `--load_in_8bit` → 8 (LoRA on an 8-bit base).
+    quantized_bits: Option<u32>,
+}
+
+impl LaunchModel {
+    /// The method the launch trains with: QLoRA on a 4-bit base (TRL trains a quantized base
+    /// only through adapters), LoRA on an 8-bit one or with adapters, else full.
+    fn method(&self) -> &'static str {
+        match (self.quantized_bits, self.lora) {
+            (Some(4), _) => "qlora",
+            (Some(_), _) | (None, true) => "lora",
+            (None, false) => "full",
+        }
+    }
 }
 
 /// The model a launch names (`Ok(None)`: no HF launch, or no model flag, or a value that is
@@ -252,11 +273,22 @@ fn launch_model(trainer: &Container) -> Result<Option<LaunchModel>, String> {
     };
     let lora =
         hf.flags.bool("use_peft", &HfRules) == Some(true) || hf.flags.get("lora_r").is_some();
+    let on = |key| hf.flags.bool(key, &HfRules) == Some(true);
+    // TRL's `get_quantization_config`: 4 bits first, then 8 (`--use_bnb_nested_quant` only
+    // refines the 4-bit one).
+    let quantized_bits = if on("load_in_4bit") {
+        Some(4)
+    } else if on("load_in_8bit") {
+        Some(8)
+    } else {
+        None
+    };
     Ok(Some(LaunchModel {
         flag: format!("--{}", flag.spelled.trim_start_matches('-')),
         id: hf_model_id(&value),
         value,
         lora,
+        quantized_bits,
     }))
 }
 
@@ -388,9 +420,12 @@ impl<'a> TrainingPod<'a> {
                 with_launch.insert(annotations::MODEL.into(), m.id.clone());
                 read_from_args.insert("model");
                 if !given.contains_key(annotations::METHOD) {
-                    let method = if m.lora { "lora" } else { "full" };
-                    with_launch.insert(annotations::METHOD.into(), method.into());
+                    with_launch.insert(annotations::METHOD.into(), m.method().into());
                     read_from_args.insert("method");
+                }
+                if m.quantized_bits == Some(8) && !given.contains_key(annotations::MODEL_BITS) {
+                    with_launch.insert(annotations::MODEL_BITS.into(), "8".into());
+                    read_from_args.insert("model-bits");
                 }
                 &with_launch
             }
@@ -433,11 +468,26 @@ impl<'a> TrainingPod<'a> {
         }
         // Data parallelism over the pod's own GPUs unless the user says how many devices take
         // part (a multi-node job must: the pod cannot see its peers).
-        if !world_size_given
+        let data_parallel = !world_size_given
             && config.parallelism != Parallelism::None
-            && matches!(config.device, Device::Cuda | Device::Rocm)
-        {
+            && matches!(config.device, Device::Cuda | Device::Rocm);
+        // A multi-pod job's launch or operator says how many devices take part, the same in
+        // every pod of the job ([`crate::job_world`]).
+        let mut world_size_source = None;
+        if data_parallel {
             config.world_size = gpus.max(1);
+            let items: Vec<String> = trainer
+                .command
+                .iter()
+                .flatten()
+                .chain(trainer.args.iter().flatten())
+                .cloned()
+                .collect();
+            let launch = crate::launch::find(&items).ok();
+            if let Some((n, source)) = crate::job_world::read(launch.as_ref(), trainer, gpus) {
+                config.world_size = n;
+                world_size_source = Some(source);
+            }
         }
         let products = match config.device {
             Device::Cuda => gpu_products(pod),
@@ -459,6 +509,19 @@ impl<'a> TrainingPod<'a> {
                 Ok(args) => (args, None),
                 Err(why) => (None, Some(why)),
             };
+        let coupled = args
+            .as_ref()
+            .map(|a| crate::coupled::read(pod, trainer, &a.launch, &a.flags, cluster.config_maps))
+            .unwrap_or_default();
+        // FSDP's own activation checkpointing is checkpointing: the plan counts it as on (and
+        // so never adds `--gradient_checkpointing`, which transformers refuses with it).
+        if let Some(fsdp) = &coupled.fsdp_checkpointing
+            && !parsed.knobs_given.contains(&Knob::GradCheckpointing)
+            && !config.grad_checkpointing
+        {
+            config.grad_checkpointing = true;
+            sources.insert(Knob::GradCheckpointing, fsdp.source.clone());
+        }
         Ok(TrainingPod {
             annotations: parsed,
             trainer_index,
@@ -478,6 +541,8 @@ impl<'a> TrainingPod<'a> {
             args,
             args_unreadable,
             read_from_args: BTreeSet::new(),
+            coupled,
+            world_size_source,
         })
     }
 

@@ -90,6 +90,9 @@ pub struct Explanation {
     /// The trainer's flags memguard rewrote, in its words.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     changed: Vec<String>,
+    /// The trainer's command line before and after the rewrite.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    args: Option<memguard_api::estimate::ArgsChange>,
     #[serde(skip_serializing_if = "Option::is_none")]
     estimate: Option<EstimateView>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -374,6 +377,7 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
             .as_ref()
             .map(|a| a.changed.clone())
             .unwrap_or_default(),
+        args: annotation.as_ref().and_then(|a| a.args.clone()),
         // The knobs the trainer was given, named as the annotations and env-map name them.
         config: ran
             .as_ref()
@@ -661,6 +665,20 @@ fn write_table(out: &mut impl Write, e: &Explanation) -> std::io::Result<()> {
     }
     if !e.changed.is_empty() {
         row(out, "rewritten", &e.changed.join(", "))?;
+    }
+    if let Some(args) = &e.args {
+        let line = |items: &[String]| {
+            items
+                .iter()
+                .map(|i| memguard_api::launch::words::quote(i))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        row(out, "args before", &line(&args.before))?;
+        row(out, "args after", &line(&args.after))?;
+        if args.cut {
+            row(out, "args", "cut to fit the annotation")?;
+        }
     }
     if let Some(est) = &e.estimate {
         writeln!(out, "estimate")?;

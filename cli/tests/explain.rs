@@ -439,6 +439,27 @@ spec:
     assert!(text.contains("(args: was 8)"), "{text}");
     assert!(text.contains("rewritten"), "{text}");
     assert!(text.contains("--per_device_train_batch_size 8→"), "{text}");
+    // The whole command line before and after the rewrite.
+    let new_batch = args[1].as_str().expect("a count");
+    assert!(
+        text.contains(
+            "accelerate launch sft.py --per_device_train_batch_size 8 --max_seq_length 4096"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "accelerate launch sft.py --per_device_train_batch_size {new_batch} "
+        )),
+        "{text}"
+    );
+    // A second admission of the rewritten pod keeps the command line as it was first.
+    let again = admit(
+        dir.path(),
+        &serde_json::to_string(&admitted).expect("json"),
+        None,
+    );
+    assert_eq!(again, admitted, "idempotent");
 }
 
 #[test]

@@ -97,6 +97,7 @@ impl PodBuilder {
             sources: BTreeMap::new(),
             read: BTreeMap::new(),
             changed: Vec::new(),
+            args: None,
         };
         self.annotate(annotations::ESTIMATE, &annotation.to_json())
     }

@@ -10,7 +10,7 @@
 //! the patch, computed as a difference against the pod, comes out empty.
 
 use k8s_openapi::api::core::v1::Pod;
-use memguard_api::estimate::{ESTIMATE_VERSION, EstimateAnnotation};
+use memguard_api::estimate::{ArgsChange, ESTIMATE_VERSION, EstimateAnnotation};
 use memguard_api::pod::TrainingPod;
 use memguard_api::policy::{SidecarMode, SidecarResources};
 use memguard_api::{Knob, Policy, env, wellknown};
@@ -112,6 +112,8 @@ pub struct CommandLine {
     pub command: Option<Vec<String>>,
     /// `args`, when the pod has them.
     pub args: Option<Vec<String>>,
+    /// The whole command line before and after, for the estimate annotation.
+    pub change: ArgsChange,
 }
 
 impl Mutation {
@@ -149,13 +151,38 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
         TrainingPod::resolve(pod, policy, profiles.cluster()).map_err(|e| e.to_string())?;
     // The plan moves only the knobs something applies ([`pinned_floors`]).
     let mut policy_in_play = policy.clone();
-    policy_in_play.floors = pinned_floors(&training, policy);
-    let decided = decision::decide(&training, &policy_in_play, |key| {
-        profiles.adjustments(pod.metadata.namespace.as_deref(), key)
-    })?;
+    let kept;
+    (policy_in_play.floors, kept) = pinned_floors(&training, policy);
+    let adjustments = |key: &_| profiles.adjustments(pod.metadata.namespace.as_deref(), key);
+    let mut decided = decision::decide(&training, &policy_in_play, adjustments)?;
+    // A coupled setting (a DeepSpeed config) pins batch and accumulation: a plan that would
+    // change them is made again with them where they are, and says why.
+    if let Some(why) = &training.coupled.batch_pinned
+        && changes_batch(&training.config, &decided.plan.config)
+    {
+        policy_in_play.floors.batch_size = training.config.batch_size;
+        decided = decision::decide(&training, &policy_in_play, adjustments)?;
+        let kept = format!("batch and accumulation kept: {why}");
+        decided
+            .warnings
+            .push(truncate(&format!("memguard: {kept}")));
+        if let Some(verdict) = &mut decided.verdict {
+            verdict.push_str(&format!("; {kept}"));
+        }
+    }
     keeps_effective_batch(&training, policy, &decided.plan.config)?;
     let (command_line, changed) = rewrite_args(&training, &decided.plan.config)?;
+    let quality_allowed =
+        decision::floors(training.annotations.allow_quality, policy).allow_quality;
     let mut mutation = render(&training, policy, decided);
+    if quality_allowed && !kept.is_empty() {
+        let names: Vec<&str> = kept.iter().map(|k| k.name()).collect();
+        mutation.warnings.push(truncate(&format!(
+            "memguard: {} kept: nothing in the trainer's launch applies them (no flag, key or \
+             mapped variable)",
+            names.join(", ")
+        )));
+    }
     if let Some(why) = &training.args_unreadable {
         mutation.warnings.push(truncate(&format!(
             "memguard: the trainer's command line was not read ({why}); planned on annotations"
@@ -167,6 +194,7 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
             .warnings
             .insert(0, truncate(&format!("memguard: {}", changed.join(", "))));
     }
+    mutation.estimate.args = command_line.as_ref().map(|line| line.change.clone());
     mutation.command_line = command_line;
     mutation.estimate.changed = changed.clone();
     mutation.changed = changed;
@@ -174,32 +202,61 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
 }
 
 /// The knobs that only a reader can apply (sequence length, LoRA rank and layers: the Python
-/// client does not change them) stay where the trainer's config has them unless the trainer
-/// reads them from a mapped variable or a flag memguard rewrites: their floor is raised to the
-/// current value, so the plan never counts on a change nothing applies.
+/// client does not change them) stay where the trainer's config has them unless something reads
+/// them: a mapped variable, or the trainer's own config (a flag memguard rewrites, a file).
+/// Their floor is raised to the current value, so the plan never counts on a change nothing
+/// applies. Returns the floors and the knobs kept so (when quality cuts were allowed, a
+/// warning names them).
 ///
-/// Applied where memguard read the trainer's launch (a stock script: no client to apply them);
-/// a pod with no readable launch keeps the plan over every knob, as written for memguard.
-pub fn pinned_floors(training: &TrainingPod, policy: &Policy) -> memguard_estimator::Floors {
+/// Applied where memguard recognises the trainer's launch (an HF script, `axolotl`, `tune`,
+/// `llamafactory-cli`, …: a trainer with its own config, which reads no `MEMGUARD_*`
+/// variable); a pod with no recognised launch keeps the plan over every knob, as written for
+/// memguard (its script reads `MEMGUARD_SEQ_LENGTH` and the like).
+pub fn pinned_floors(
+    training: &TrainingPod,
+    policy: &Policy,
+) -> (memguard_estimator::Floors, Vec<Knob>) {
     let mut floors = policy.floors;
-    if training.args.is_none() {
-        return floors;
+    if training.args.is_none() && !recognised_launch(training) {
+        return (floors, Vec::new());
     }
     let map = training.env_map(policy);
     let cfg = &training.config;
-    let in_play = |knob: Knob| {
-        map.contains_key(&knob) || training.sources.get(&knob).is_some_and(|s| s == "args")
-    };
-    if !in_play(Knob::SeqLength) {
-        floors.seq_length = floors.seq_length.max(cfg.seq_length);
+    let in_play = |knob: Knob| map.contains_key(&knob) || training.sources.contains_key(&knob);
+    let mut kept = Vec::new();
+    let adapters = cfg.is_adapter();
+    for (knob, floor, now) in [
+        (Knob::SeqLength, &mut floors.seq_length, cfg.seq_length),
+        (Knob::LoraRank, &mut floors.lora_rank, cfg.lora_rank),
+        (
+            Knob::LoraLayers,
+            &mut floors.lora_layers,
+            cfg.adapted_layers(),
+        ),
+    ] {
+        if in_play(knob) {
+            continue;
+        }
+        if now > *floor && (knob == Knob::SeqLength || adapters) {
+            kept.push(knob);
+        }
+        *floor = (*floor).max(now);
     }
-    if !in_play(Knob::LoraRank) {
-        floors.lora_rank = floors.lora_rank.max(cfg.lora_rank);
-    }
-    if !in_play(Knob::LoraLayers) {
-        floors.lora_layers = floors.lora_layers.max(cfg.adapted_layers());
-    }
-    floors
+    (floors, kept)
+}
+
+/// The trainer's command line is a launch memguard recognises (a launcher, a Python script or
+/// module, or a trainer command), whether or not it reads its flags.
+fn recognised_launch(training: &TrainingPod) -> bool {
+    let trainer = training.trainer;
+    let items: Vec<String> = trainer
+        .command
+        .iter()
+        .flatten()
+        .chain(trainer.args.iter().flatten())
+        .cloned()
+        .collect();
+    memguard_api::launch::find(&items).is_ok()
 }
 
 /// The trainer's command line with the plan's changes to the knobs read from it, in its own
@@ -247,6 +304,7 @@ fn rewrite_args(
         return Ok((None, changed));
     }
     let items = reading.launch.apply(&reading.items, &edits);
+    let change = args_change(training, &reading.items, &items);
     let (command, args) = items.split_at(reading.command_len.min(items.len()));
     let trainer = training.trainer;
     Ok((
@@ -257,9 +315,37 @@ fn rewrite_args(
                 .as_ref()
                 .map(|_| args.to_vec())
                 .or_else(|| (!args.is_empty()).then(|| args.to_vec())),
+            change,
         }),
         changed,
     ))
+}
+
+/// The command line before and after the rewrite, for the estimate. A pod that already carries
+/// memguard's rewrite (a second admission) keeps the `before` its estimate recorded.
+fn args_change(training: &TrainingPod, items: &[String], rewritten: &[String]) -> ArgsChange {
+    let now = ArgsChange::new(items, rewritten);
+    let earlier = training
+        .pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(memguard_api::annotations::ESTIMATE))
+        .and_then(|text| EstimateAnnotation::parse(text).ok())
+        .and_then(|e| e.args);
+    match earlier {
+        Some(e) if e.after == now.before => ArgsChange {
+            before: e.before,
+            cut: e.cut || now.cut,
+            ..now
+        },
+        _ => now,
+    }
+}
+
+/// Whether `planned` changes the batch or the accumulation of `before`.
+fn changes_batch(before: &TrainingConfig, planned: &TrainingConfig) -> bool {
+    planned.batch_size != before.batch_size || planned.grad_accumulation != before.grad_accumulation
 }
 
 /// `batch × accumulation` is kept exactly by the trainer's own variables, or the pod is not
@@ -486,8 +572,12 @@ fn sidecar_plan(
 /// Each knob's source, when any was read from the trainer's own config (else empty: the
 /// annotation stays as it was for pods written for memguard).
 fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap<String, String> {
+    let world_size = training
+        .world_size_source
+        .iter()
+        .map(|source| ("world-size".to_string(), source.clone()));
     if training.sources.is_empty() {
-        return Default::default();
+        return world_size.collect();
     }
     Knob::of(&training.config)
         .into_iter()
@@ -505,6 +595,7 @@ fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap<String, St
                 .iter()
                 .map(|what| (what.to_string(), "args".to_string())),
         )
+        .chain(world_size)
         .collect()
 }
 
@@ -544,6 +635,7 @@ fn estimate_annotation(
         sources: Default::default(),
         read: Default::default(),
         changed: Vec::new(),
+        args: None,
     }
 }
 

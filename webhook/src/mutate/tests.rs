@@ -897,3 +897,54 @@ fn an_unreadable_launch_is_planned_on_annotations_and_says_so() {
     );
     assert!(m.command_line.is_none());
 }
+
+/// Issue 27, item 2: a trainer whose launch memguard recognises but whose config it does not
+/// read (here `axolotl train` with its YAML in the image) applies no sequence length or LoRA
+/// size from memguard's variables, and the client applies none either: with quality cuts
+/// allowed, the plan keeps them where they are and says so, instead of reporting a cut nothing
+/// applies.
+#[test]
+fn quality_knobs_nothing_applies_are_not_planned_and_the_warning_says_so() {
+    let pod = || {
+        trainer_pod()
+            .gpus(1)
+            .annotate(keys::MODEL, "llama-3-8b")
+            .annotate(keys::METHOD, "lora")
+            .annotate(keys::SEQ_LENGTH, "8192")
+            .annotate(keys::GPU_MEMORY, "24Gi")
+            .annotate("memguard.io/allow-quality", "true")
+    };
+    // As written for memguard (no launch memguard recognises): the sequence is cut, and the
+    // trainer reads MEMGUARD_SEQ_LENGTH.
+    let written = mutated(pod(), &Policy::default());
+    assert!(
+        written.plan.config.seq_length < 8192,
+        "{:?}",
+        written.plan.steps
+    );
+    // `axolotl train config.yaml`: axolotl reads its YAML, not MEMGUARD_SEQ_LENGTH.
+    let axolotl = mutated(
+        pod().command_line(&["axolotl", "train"], &["/app/config.yaml"]),
+        &Policy::default(),
+    );
+    assert_eq!(
+        axolotl.plan.config.seq_length, 8192,
+        "{:?}",
+        axolotl.plan.steps
+    );
+    assert!(
+        !axolotl
+            .plan
+            .steps
+            .iter()
+            .any(|s| s.rung.cost() == memguard_estimator::Cost::Quality),
+        "{:?}",
+        axolotl.plan.steps
+    );
+    assert_eq!(env_of(&axolotl, "MEMGUARD_SEQ_LENGTH"), Some("8192"));
+    let said = axolotl.warnings.join("\n");
+    assert!(
+        said.contains("seq-length") && said.contains("nothing in the trainer's launch applies"),
+        "{said}"
+    );
+}

@@ -922,3 +922,43 @@ fn a_label_only_pod_with_an_unreadable_launch_says_why_it_is_skipped() {
         other => panic!("{other:?}"),
     }
 }
+
+/// TRL's `ModelConfig` quantization flags name the method: `--load_in_4bit` is QLoRA (a 4-bit
+/// base), `--load_in_8bit` LoRA on an 8-bit base, and the plan is made on it: less memory
+/// than LoRA on a 16-bit base. `--use_bnb_nested_quant` alone quantizes nothing.
+#[test]
+fn trl_quantization_flags_make_the_method() {
+    let admit = |extra: &str| {
+        let launch = STOCK_SFT.replace("--use_peft", &format!("--use_peft {extra}"));
+        let typed: Pod = serde_json::from_value(label_only_launch(&launch).json()).expect("a pod");
+        match mutate(&typed, &Policy::default(), &ClusterView::default()) {
+            Outcome::Mutated(m) => *m,
+            other => panic!("mutated: {other:?}"),
+        }
+    };
+    let lora = admit("");
+    let four = admit("--load_in_4bit --use_bnb_nested_quant");
+    let eight = admit("--load_in_8bit");
+    let nested_only = admit("--use_bnb_nested_quant");
+    use memguard_estimator::Method;
+    assert_eq!(lora.plan.config.method, Method::Lora);
+    assert_eq!(four.plan.config.method, Method::Qlora);
+    assert_eq!(four.estimate.sources["method"], "args");
+    assert_eq!(eight.plan.config.method, Method::Lora);
+    assert_eq!(eight.plan.config.model_bits, Some(8));
+    assert_eq!(eight.estimate.sources["model-bits"], "args");
+    assert_eq!(nested_only.plan.config, lora.plan.config);
+    // The estimate of the same config as written: 4-bit < 8-bit < 16-bit base.
+    let weights = |m: &crate::mutate::Mutation| {
+        m.plan
+            .estimate
+            .component(memguard_estimator::Component::Weights)
+    };
+    assert!(
+        weights(&four) < weights(&eight) && weights(&eight) < weights(&lora),
+        "{:?} {:?} {:?}",
+        weights(&four),
+        weights(&eight),
+        weights(&lora)
+    );
+}

@@ -1,0 +1,376 @@
+//! Settings in the trainer's other configs that a knob change must respect (issue 27, "coupled
+//! settings"). Read from the launch; the files they name through [`crate::mounted::read`].
+//!
+//! - **A DeepSpeed config that pins the micro-batch.** transformers fills each `"auto"` value
+//!   of the DeepSpeed config from `TrainingArguments` and refuses a number that differs
+//!   (`HfTrainerDeepSpeedConfig.fill_match`, "Please correct the following DeepSpeed config
+//!   values that mismatch TrainingArguments values"). So a numeric
+//!   `train_micro_batch_size_per_gpu` or `gradient_accumulation_steps` makes a change of
+//!   `--per_device_train_batch_size` or `--gradient_accumulation_steps` break the launch.
+//!   `train_batch_size` is checked against `world × batch × accumulation`, which memguard keeps
+//!   exactly, so it pins nothing by itself. A config that cannot be read (in the image, a shell
+//!   expansion) may pin them: batch and accumulation are then not changed either.
+//! - **FSDP's own activation checkpointing** (`--fsdp_config` with `activation_checkpointing:
+//!   true`, or `accelerate launch --fsdp_activation_checkpointing true`): transformers refuses it
+//!   together with `--gradient_checkpointing` (transformers 5.23.0, `trainer.py`:
+//!   "`fsdp_config['activation_checkpointing']` … and the `activation_checkpointing` training
+//!   argument can't both be set to True"). Checkpointing then counts as on, and memguard never
+//!   writes `--gradient_checkpointing`.
+
+use crate::cluster::ConfigMaps;
+use crate::launch::{Flags, Launch, Launcher};
+use crate::mounted;
+use k8s_openapi::api::core::v1::{Container, Pod};
+use serde_json::Value;
+
+/// The DeepSpeed keys that pin one of the two factors of the effective batch.
+pub const DEEPSPEED_PINNING_KEYS: [&str; 2] = [
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+];
+
+/// What the trainer's coupled settings allow.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Coupled {
+    /// Why batch and accumulation must stay as they are, in words naming the file and key
+    /// (`None`: nothing pins them).
+    pub batch_pinned: Option<String>,
+    /// FSDP's own activation checkpointing, when it is on.
+    pub fsdp_checkpointing: Option<FsdpCheckpointing>,
+}
+
+/// Where FSDP's own activation checkpointing is turned on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FsdpCheckpointing {
+    /// In words (`activation_checkpointing in the FSDP config (--fsdp_config fsdp.json, …)`).
+    pub what: String,
+    /// As a knob's source: `configmap:<name>/<key>` for a file, else `args`.
+    pub source: String,
+}
+
+/// A JSON config named in a launch, read.
+struct JsonConfig {
+    /// How it was named (`--deepspeed ds.json`).
+    named: String,
+    /// Where it was read (`configmap:<name>/<key>`, `inline`).
+    source: String,
+    value: Value,
+}
+
+/// Reads the coupled settings of a launch with HF rules.
+pub fn read(
+    pod: &Pod,
+    trainer: &Container,
+    launch: &Launch,
+    flags: &Flags,
+    maps: Option<&dyn ConfigMaps>,
+) -> Coupled {
+    let mut coupled = Coupled::default();
+    // `--deepspeed` (TrainingArguments), else accelerate's own `--deepspeed_config_file`.
+    let deepspeed = flag_value(launch, flags, "deepspeed").or_else(|| {
+        launcher_option(launch, Launcher::Accelerate, "deepspeed_config_file")
+            .map(|v| (v, "--deepspeed_config_file".to_string(), false))
+    });
+    if let Some((value, named, expands)) = deepspeed {
+        let named = naming(&named, &value);
+        coupled.batch_pinned = match json_config(pod, trainer, &value, named.clone(), expands, maps)
+        {
+            Ok(config) => deepspeed_pins(&config),
+            Err(why) => Some(format!(
+                "{named} may pin the micro-batch: the DeepSpeed config cannot be read ({why})"
+            )),
+        };
+    }
+    if let Some((value, named, expands)) = flag_value(launch, flags, "fsdp_config") {
+        let named = naming(&named, &value);
+        if let Ok(config) = json_config(pod, trainer, &value, named, expands, maps) {
+            let on = ["activation_checkpointing", "fsdp_activation_checkpointing"]
+                .iter()
+                .any(|k| is_true(config.value.get(*k)));
+            if on {
+                let source = if config.source.starts_with("configmap:") {
+                    config.source.clone()
+                } else {
+                    "args".into()
+                };
+                coupled.fsdp_checkpointing = Some(FsdpCheckpointing {
+                    what: format!(
+                        "activation_checkpointing in the FSDP config ({}, {})",
+                        config.named, config.source
+                    ),
+                    source,
+                });
+            }
+        }
+    }
+    if coupled.fsdp_checkpointing.is_none()
+        && let Some(v) = launcher_option(
+            launch,
+            Launcher::Accelerate,
+            "fsdp_activation_checkpointing",
+        )
+        && v.eq_ignore_ascii_case("true")
+    {
+        coupled.fsdp_checkpointing = Some(FsdpCheckpointing {
+            what: "accelerate launch --fsdp_activation_checkpointing true".into(),
+            source: "args".into(),
+        });
+    }
+    coupled
+}
+
+/// How a config was named, short enough for a warning: `--deepspeed ds.json`, `--deepspeed
+/// (inline JSON)`.
+fn naming(flag: &str, value: &str) -> String {
+    if value.trim_start().starts_with('{') {
+        format!("{flag} (inline JSON)")
+    } else if value.chars().count() > 60 {
+        format!("{flag} (a {}-character value)", value.chars().count())
+    } else {
+        format!("{flag} {value}")
+    }
+}
+
+/// The value of an HF flag, its spelling, and whether the shell expands it.
+fn flag_value(launch: &Launch, flags: &Flags, key: &str) -> Option<(String, String, bool)> {
+    let flag = flags.get(key)?;
+    let value = flag.value.clone()?;
+    let expands = [
+        Some(flag.at),
+        match flag.value_at {
+            crate::launch::flags::ValueAt::Next(i) => Some(i),
+            _ => None,
+        },
+    ]
+    .into_iter()
+    .flatten()
+    .any(|i| launch.args.get(i).is_none_or(|a| a.expands));
+    let spelled = format!("--{}", flag.spelled.trim_start_matches('-'));
+    Some((value, spelled, expands))
+}
+
+/// The value of `launcher`'s own option, when `launch` is started by it.
+fn launcher_option(launch: &Launch, launcher: Launcher, name: &str) -> Option<String> {
+    (launch.launcher == launcher)
+        .then(|| crate::job_world::launcher_option(launch, name))
+        .flatten()
+}
+
+/// A JSON config as transformers takes it: an inline object (`{…}`), a file (here: from the
+/// pod's ConfigMaps), or a base64 string of the JSON (accelerate's `HfDeepSpeedConfig`).
+fn json_config(
+    pod: &Pod,
+    trainer: &Container,
+    value: &str,
+    named: String,
+    expands: bool,
+    maps: Option<&dyn ConfigMaps>,
+) -> Result<JsonConfig, String> {
+    if expands {
+        return Err("its value is a shell expansion".into());
+    }
+    let object = |text: &str| {
+        serde_json::from_str::<Value>(text)
+            .ok()
+            .filter(Value::is_object)
+    };
+    if value.trim_start().starts_with('{') {
+        return object(value)
+            .map(|value| JsonConfig {
+                named: named.clone(),
+                source: "inline".into(),
+                value,
+            })
+            .ok_or_else(|| "the inline JSON does not parse as an object".into());
+    }
+    match mounted::read(pod, trainer, value, maps) {
+        Ok(file) => object(&file.text)
+            .map(|value| JsonConfig {
+                named: named.clone(),
+                source: file.source.clone(),
+                value,
+            })
+            .ok_or_else(|| format!("{} is not a JSON object", file.source)),
+        Err(not_mounted) => base64_json(value)
+            .map(|value| JsonConfig {
+                named: format!(
+                    "{} (base64 JSON)",
+                    named.split(' ').next().unwrap_or_default()
+                ),
+                source: "base64".into(),
+                value,
+            })
+            .ok_or_else(|| not_mounted.to_string()),
+    }
+}
+
+/// A value that decodes (URL-safe or standard base64) to a JSON object.
+fn base64_json(value: &str) -> Option<Value> {
+    use base64::Engine;
+    use base64::engine::general_purpose::{STANDARD, URL_SAFE};
+    // A file name is not base64 (`.` is in neither alphabet).
+    if value.contains('.') {
+        return None;
+    }
+    let bytes = URL_SAFE
+        .decode(value)
+        .or_else(|_| STANDARD.decode(value))
+        .ok()?;
+    serde_json::from_slice::<Value>(&bytes)
+        .ok()
+        .filter(Value::is_object)
+}
+
+/// Why a DeepSpeed config pins batch or accumulation: each key with a number.
+fn deepspeed_pins(config: &JsonConfig) -> Option<String> {
+    let pinned: Vec<String> = DEEPSPEED_PINNING_KEYS
+        .iter()
+        .filter_map(|k| {
+            let v = config.value.get(*k)?;
+            (v.is_number() || v.as_str().is_some_and(|s| s.trim().parse::<u64>().is_ok()))
+                .then(|| format!("{k}={v}"))
+        })
+        .collect();
+    let file = if config.source.starts_with("configmap:") {
+        format!("{} ({})", config.source, config.named)
+    } else {
+        config.named.clone()
+    };
+    (!pinned.is_empty()).then(|| {
+        format!(
+            "{file} pins {}: a DeepSpeed config, whose numbers transformers requires the flags \
+             to match; set them to \"auto\" to let memguard change them",
+            pinned.join(", "),
+        )
+    })
+}
+
+/// `true`, `"true"` (any case) as transformers' dict values are.
+fn is_true(v: Option<&Value>) -> bool {
+    match v {
+        Some(Value::Bool(b)) => *b,
+        Some(Value::String(s)) => s.trim().eq_ignore_ascii_case("true"),
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::ConfigMapList;
+    use crate::launch::HfRules;
+
+    fn pod_with(script: &[&str]) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "ml"},
+            "spec": {
+                "containers": [{
+                    "name": "t",
+                    "command": script,
+                    "workingDir": "/w",
+                    "volumeMounts": [{"name": "cfg", "mountPath": "/w/cfg"}],
+                }],
+                "volumes": [{"name": "cfg", "configMap": {"name": "ds"}}],
+            },
+        }))
+        .expect("a pod")
+    }
+
+    fn coupled(script: &[&str], file: Option<&str>) -> Coupled {
+        let pod = pod_with(script);
+        let trainer = &pod.spec.as_ref().expect("spec").containers[0];
+        let items: Vec<String> = script.iter().map(|s| s.to_string()).collect();
+        let launch = crate::launch::find(&items).expect("a launch");
+        let flags = Flags::parse(&launch.texts(), &HfRules);
+        let mut maps = ConfigMapList::default();
+        if let Some(text) = file {
+            maps.0.insert(
+                ("ml".into(), "ds".into()),
+                [("c.json".to_string(), text.to_string())].into(),
+            );
+        }
+        read(&pod, trainer, &launch, &flags, Some(&maps))
+    }
+
+    #[test]
+    fn numbers_pin_the_batch_and_auto_or_the_total_does_not() {
+        let ds = |text| coupled(&["python", "t.py", "--deepspeed", "cfg/c.json"], Some(text));
+        let pinned = ds(r#"{"train_micro_batch_size_per_gpu": 4}"#);
+        let why = pinned.batch_pinned.expect("pinned");
+        assert!(
+            why.starts_with(
+                "configmap:ds/c.json (--deepspeed cfg/c.json) pins train_micro_batch_size_per_gpu=4"
+            ),
+            "{why}"
+        );
+        assert!(
+            ds(r#"{"gradient_accumulation_steps": "8"}"#)
+                .batch_pinned
+                .is_some()
+        );
+        // `train_batch_size` is world × batch × accumulation, which memguard keeps.
+        let total = ds(r#"{"train_batch_size": 64, "train_micro_batch_size_per_gpu": "auto"}"#);
+        assert_eq!(total.batch_pinned, None);
+        assert_eq!(
+            ds(r#"{"gradient_accumulation_steps": "auto"}"#).batch_pinned,
+            None
+        );
+        // Not a JSON object: unreadable, so it may pin.
+        let bad = ds("zero_optimization: 3").batch_pinned.expect("pinned");
+        assert!(bad.contains("cannot be read"), "{bad}");
+    }
+
+    #[test]
+    fn a_config_nothing_holds_or_the_shell_gives_may_pin_the_batch() {
+        let image = coupled(&["python", "t.py", "--deepspeed", "/opt/ds.json"], None);
+        let why = image.batch_pinned.expect("pinned");
+        assert!(why.contains("not in a volume mount"), "{why}");
+        let shell = coupled(&["bash", "-c", "python t.py --deepspeed $DS"], None);
+        assert!(
+            shell
+                .batch_pinned
+                .expect("pinned")
+                .contains("shell expansion")
+        );
+        assert_eq!(coupled(&["python", "t.py"], None), Coupled::default());
+    }
+
+    #[test]
+    fn fsdps_activation_checkpointing_is_read_from_each_place() {
+        let file = coupled(
+            &[
+                "python",
+                "t.py",
+                "--fsdp",
+                "full_shard",
+                "--fsdp_config",
+                "cfg/c.json",
+            ],
+            Some(r#"{"activation_checkpointing": true}"#),
+        );
+        assert_eq!(
+            file.fsdp_checkpointing.map(|f| f.source),
+            Some("configmap:ds/c.json".to_string())
+        );
+        let off = coupled(
+            &["python", "t.py", "--fsdp_config", "cfg/c.json"],
+            Some(r#"{"fsdp_activation_checkpointing": false}"#),
+        );
+        assert_eq!(off.fsdp_checkpointing, None);
+        let launcher = coupled(
+            &[
+                "accelerate",
+                "launch",
+                "--use_fsdp",
+                "--fsdp_activation_checkpointing",
+                "true",
+                "t.py",
+            ],
+            None,
+        );
+        assert_eq!(
+            launcher.fsdp_checkpointing.map(|f| f.source),
+            Some("args".to_string())
+        );
+    }
+}
