@@ -215,11 +215,10 @@ fn rewrite_args(
     };
     let before = &training.config;
     let from_args = |k: &Knob| training.sources.get(k).is_some_and(|s| s == "args");
-    // A flag only TrainingArguments defines says the parser is HfArgumentParser: then the
-    // flags it defines may be appended (a bespoke argparse script would reject them).
-    let hf_trainer = ["per_device_train_batch_size", "output_dir"]
-        .iter()
-        .any(|k| reading.flags.get(k).is_some());
+    // A flag only TrainingArguments defines, or a TRL launch, says the parser is
+    // HfArgumentParser: then the flags it defines may be appended (a bespoke argparse script
+    // would reject them).
+    let hf_trainer = reading.hf_parser;
     let mut edits = Vec::new();
     let mut changed = Vec::new();
     for (knob, key) in memguard_api::pod::HF_FLAGS {

@@ -121,6 +121,9 @@ struct Reading {
     read: BTreeMap<String, String>,
     sources: BTreeMap<String, String>,
     effective_batch: u64,
+    /// The runtime knobs as the trainer runs them (what was read, else the parser's
+    /// defaults), when its parser is known to be `HfArgumentParser`.
+    runtime: Option<BTreeMap<String, String>>,
 }
 
 fn read(pod: &Pod, policy: &Policy, view: &ClusterView) -> Result<Reading, String> {
@@ -135,7 +138,14 @@ fn read(pod: &Pod, policy: &Policy, view: &ClusterView) -> Result<Reading, Strin
         sources.insert((*what).to_string(), "args".into());
     }
     let c = &t.config;
+    let runtime = t.args.as_ref().filter(|a| a.hf_parser).map(|_| {
+        [Knob::BatchSize, Knob::GradAccumulation, Knob::GradCheckpointing]
+            .into_iter()
+            .map(|k| (k.name().to_string(), k.value(c)))
+            .collect()
+    });
     Ok(Reading {
+        runtime,
         model: c.model.name.clone(),
         method: format!("{:?}", c.method).to_ascii_lowercase(),
         read,
@@ -249,6 +259,15 @@ fn check(case: &Case, policy: &Policy, out_dir: &Path) -> Result<(Verdict, PathB
             .ok_or_else(|| format!("unknown knob {knob}"))?;
         if &planned != value {
             return Err(format!("{knob}: re-read {value}, planned {planned}"));
+        }
+    }
+    // Where the parser is known, every runtime knob the plan sets is in the args.
+    if let Some(runtime) = &again.runtime {
+        for (knob, value) in runtime {
+            let planned = Knob::parse(knob).map(|k| k.value(&m.plan.config));
+            if planned.as_deref() != Some(value.as_str()) {
+                return Err(format!("{knob}: the args run {value}, planned {planned:?}"));
+            }
         }
     }
     let verdict = if m.changed.is_empty() {
