@@ -367,10 +367,7 @@ fn hf_defaults(
     vec![
         (Knob::BatchSize, "8"),
         (Knob::GradAccumulation, "1"),
-        (
-            Knob::GradCheckpointing,
-            if trl { "true" } else { "false" },
-        ),
+        (Knob::GradCheckpointing, if trl { "true" } else { "false" }),
     ]
 }
 

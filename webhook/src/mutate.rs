@@ -482,10 +482,10 @@ fn sidecar_plan(
     }
 }
 
-/// Each knob's source, when any was read from the trainer's own config (else empty: the
-/// annotation stays as it was for pods written for memguard).
+/// Each knob's source, when any was read from the trainer's own config, or its launch named the
+/// model (else empty: the annotation stays as it was for pods written for memguard).
 fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap<String, String> {
-    if training.sources.is_empty() {
+    if training.sources.is_empty() && training.read_from_args.is_empty() {
         return Default::default();
     }
     Knob::of(&training.config)

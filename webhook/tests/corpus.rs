@@ -139,10 +139,14 @@ fn read(pod: &Pod, policy: &Policy, view: &ClusterView) -> Result<Reading, Strin
     }
     let c = &t.config;
     let runtime = t.args.as_ref().filter(|a| a.hf_parser).map(|_| {
-        [Knob::BatchSize, Knob::GradAccumulation, Knob::GradCheckpointing]
-            .into_iter()
-            .map(|k| (k.name().to_string(), k.value(c)))
-            .collect()
+        [
+            Knob::BatchSize,
+            Knob::GradAccumulation,
+            Knob::GradCheckpointing,
+        ]
+        .into_iter()
+        .map(|k| (k.name().to_string(), k.value(c)))
+        .collect()
     });
     Ok(Reading {
         runtime,
@@ -192,7 +196,9 @@ fn check(case: &Case, policy: &Policy, out_dir: &Path) -> Result<(Verdict, PathB
             .keys()
             .find(|k| k.starts_with("memguard.io/") && k.as_str() != keys::GPU_MEMORY)
     {
-        return Err(format!("annotation {k}: an entry opts in with the label only"));
+        return Err(format!(
+            "annotation {k}: an entry opts in with the label only"
+        ));
     }
     let pod: Pod = serde_json::from_value(e.pod.clone()).map_err(|e| format!("pod: {e}"))?;
     let view = ClusterView::default().with_config_maps(Arc::new(config_maps(e)?));
@@ -236,6 +242,21 @@ fn check(case: &Case, policy: &Policy, out_dir: &Path) -> Result<(Verdict, PathB
     };
     if let Some(err) = &m.error {
         return Err(format!("memguard.io/error: {err}"));
+    }
+    // The estimate annotation names the source of every knob, as read.
+    for key in m
+        .estimate
+        .config
+        .keys()
+        .filter(|k| Knob::parse(k).is_some())
+    {
+        let want = e.expect.sources.get(key).map_or("default", String::as_str);
+        if m.estimate.sources.get(key).map(String::as_str) != Some(want) {
+            return Err(format!(
+                "estimate sources {:?}: {key} should be {want}",
+                m.estimate.sources
+            ));
+        }
     }
     if m.estimate.fits != Some(true) {
         return Err(format!("does not fit: {:?}", m.estimate));
