@@ -95,15 +95,17 @@ fn load() -> Vec<Case> {
     cases
 }
 
-/// The entry's ConfigMaps, as the webhook's watch cache holds them.
+/// The entry's ConfigMaps, as the webhook's watch cache holds them (in the pod's namespace
+/// unless they name one).
 fn config_maps(entry: &Entry) -> Result<ConfigMapList, String> {
+    let pod_namespace = entry.pod["metadata"]["namespace"]
+        .as_str()
+        .unwrap_or("default");
     let mut maps = BTreeMap::new();
     for cm in &entry.config_maps {
         let meta = &cm["metadata"];
-        let (Some(ns), Some(name)) = (
-            meta["namespace"].as_str().or(Some("default")),
-            meta["name"].as_str(),
-        ) else {
+        let ns = meta["namespace"].as_str().unwrap_or(pod_namespace);
+        let Some(name) = meta["name"].as_str() else {
             return Err("a ConfigMap without metadata.name".into());
         };
         let data: BTreeMap<String, String> = serde_json::from_value(cm["data"].clone())
