@@ -89,6 +89,19 @@ def hf_entries():
 ENTRIES = hf_entries()
 
 
+# The TRL trainers whose config memguard knows cuts sequences at `max_length` 1024 by default.
+TRL_SEQ_DEFAULT = {"sft", "dpo", "reward", "kto", "cpo", "orpo"}
+
+
+def trl_launch(pod, words):
+    """A launch memguard knows as TRL's: the `trl` command, a `trl/scripts/` script, or
+    `--use_peft`."""
+    c = pod["spec"]["containers"][0]
+    text = " ".join((c.get("command") or []) + (c.get("args") or []))
+    return (any(w == "trl" or w.startswith("trl/scripts/") for w in text.split())
+            or "--use_peft" in words)
+
+
 def parser_for(entry, program):
     """The dataclasses the launch's own script parses its args into, and whether the parser is
     the script's whole parser (so every arg must be accepted)."""
@@ -143,6 +156,13 @@ def test_rewritten_launch_reparses_to_the_plan(path):
     seq_flag_taken = not any(w in ("--max_seq_length", "--max_length") for w in rest_before)
     if "seq-length" in read and hasattr(training, "max_length") and seq_flag_taken:
         assert training.max_length == int(planned["seq-length"])
+    # A sequence the args leave out runs at the config's default (TRL's: 1024): memguard plans
+    # on it, or on a longer one where it does not know the trainer (the safe side).
+    elif whole and getattr(training, "max_length", None) is not None:
+        assert training.max_length <= int(planned["seq-length"])
+        if "seq-length" not in read and trl_launch(entry["pod"], before) \
+                and program in TRL_SEQ_DEFAULT:
+            assert training.max_length == int(planned["seq-length"])
     model = next((d for d in now if hasattr(d, "lora_r")), None)
     if "lora-rank" in read and model is not None:
         assert model.lora_r == int(planned["lora-rank"])

@@ -871,8 +871,8 @@ fn a_label_only_stock_launch_is_planned_on_its_model_and_rewritten() {
 }
 
 /// A launch that leaves out the batch runs at the parser's default (8 per device), not
-/// memguard's (1): TRL's `trl sft` with no batch flag is planned at 8, checkpointing on (TRL's
-/// default), and the downgrade is appended in its flags. A bespoke script (no flag only
+/// memguard's (1): TRL's `trl sft` with no batch flag is planned at 8, checkpointing on and
+/// sequence 1024 (TRL's defaults), and the downgrade is appended in its flags. A bespoke script (no flag only
 /// `TrainingArguments` defines) gets no such default.
 #[test]
 fn a_launch_without_batch_flags_is_planned_at_the_parsers_defaults() {
@@ -895,6 +895,9 @@ fn a_launch_without_batch_flags_is_planned_at_the_parsers_defaults() {
             .iter()
             .any(|c| c.contains("gradient_checkpointing"))
     );
+    // TRL's SFTConfig cuts at max_length 1024 by default: planned there, not at 2048.
+    assert_eq!(m.plan.config.seq_length, 1024);
+    assert_eq!(m.estimate.sources["seq-length"], "default");
     let bespoke = "python train.py --model_name_or_path google/gemma-2b --lr 1e-4";
     let typed: Pod = serde_json::from_value(label_only_launch(bespoke).json()).expect("a pod");
     let Outcome::Mutated(m) = mutate(&typed, &Policy::default(), &ClusterView::default()) else {
