@@ -194,7 +194,11 @@ fn hf_launch(trainer: &Container) -> Result<Option<HfLaunch>, String> {
         .collect();
     let found = match launch::find(&items) {
         Ok(found) => found,
-        Err(launch::LaunchError::Empty | launch::LaunchError::NoProgram) => return Ok(None),
+        Err(
+            launch::LaunchError::Empty
+            | launch::LaunchError::NoProgram
+            | launch::LaunchError::NestedShell(_),
+        ) => return Ok(None),
         Err(e) => return Err(e.to_string()),
     };
     let hf = match &found.program {
