@@ -8,6 +8,7 @@
 pub mod flags;
 pub mod launcher;
 pub mod server;
+pub mod tune;
 pub mod words;
 
 pub use flags::{Edit, Flag, FlagRules, Flags, HfRules, SetError};
