@@ -163,6 +163,98 @@ pub struct ArgsReading {
     pub launch: crate::launch::Launch,
     /// Its flags.
     pub flags: crate::launch::Flags,
+    /// A `tune run` launch (its `flags` are then empty: torchtune takes `key=value` overrides).
+    pub tune: Option<TuneReading>,
+}
+
+/// A `tune run` launch as read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TuneReading {
+    /// The recipe, config and overrides.
+    pub run: crate::launch::tune::TuneRun,
+    /// The method its model component trains (`lora`, `qlora`, `full`), when known: LoRA
+    /// overrides are written only to a LoRA model.
+    pub method: Option<&'static str>,
+}
+
+/// The torchtune config key of each knob.
+pub const TUNE_KEYS: &[(Knob, &str)] = &[
+    (Knob::BatchSize, crate::launch::tune::BATCH_SIZE),
+    (
+        Knob::GradAccumulation,
+        crate::launch::tune::GRAD_ACCUMULATION,
+    ),
+    (
+        Knob::GradCheckpointing,
+        crate::launch::tune::ACTIVATION_CHECKPOINTING,
+    ),
+    (Knob::SeqLength, crate::launch::tune::MAX_SEQ_LEN),
+    (Knob::LoraRank, crate::launch::tune::LORA_RANK),
+];
+
+/// What a `tune run`'s config says: its knobs' values, its model component, and the source
+/// to name (`config:<name>` for a built-in config, `configmap:<name>/<key>` for a file).
+struct TuneConfig {
+    values: Vec<(&'static str, String)>,
+    component: Option<String>,
+    source: String,
+}
+
+/// The config of `run`: a built-in one's defaults, or its file read from the ConfigMap the
+/// trainer mounts it from. `Err`: the file cannot be read, and why.
+fn tune_config(
+    pod: &Pod,
+    trainer: &Container,
+    run: &crate::launch::tune::TuneRun,
+    cluster: Cluster<'_>,
+) -> Result<TuneConfig, String> {
+    use crate::launch::tune::{self, ConfigRef};
+    match &run.config {
+        ConfigRef::Builtin(b) => Ok(TuneConfig {
+            values: b.values.iter().map(|(k, v)| (*k, v.to_string())).collect(),
+            component: Some(b.component.to_string()),
+            source: format!("config:{}", b.name),
+        }),
+        ConfigRef::File(path) => {
+            let file = crate::mounted::read(pod, trainer, path, cluster.config_maps)
+                .map_err(|e| format!("tune run --config {path}: {e}"))?;
+            let y = tune::yaml_values(&file.text)
+                .map_err(|e| format!("tune run --config {path} ({}): {e}", file.source))?;
+            Ok(TuneConfig {
+                values: y.values,
+                component: y.component,
+                source: file.source,
+            })
+        }
+    }
+}
+
+/// A trainer's `tune run`: its `command` + `args`, how many are `command`, the launch, the run.
+type TuneLaunch = (
+    Vec<String>,
+    usize,
+    crate::launch::Launch,
+    crate::launch::tune::TuneRun,
+);
+
+/// The trainer's `tune run`, if it runs one. `Err`: a launch that cannot be read.
+fn tune_launch(trainer: &Container) -> Result<Option<TuneLaunch>, String> {
+    use crate::launch;
+    let command = trainer.command.clone().unwrap_or_default();
+    let command_len = command.len();
+    let items: Vec<String> = command
+        .into_iter()
+        .chain(trainer.args.clone().unwrap_or_default())
+        .collect();
+    let found = match launch::find(&items) {
+        Ok(found) => found,
+        Err(_) => return Ok(None),
+    };
+    match launch::tune::TuneRun::read(&found) {
+        Ok(Some(run)) => Ok(Some((items, command_len, found, run))),
+        Ok(None) => Ok(None),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// The HF flag that carries each knob, in its canonical spelling.
@@ -228,14 +320,36 @@ struct LaunchModel {
     value: String,
     /// The HF id (`org/name`; a cache path `…/models--org--name/snapshots/…` read as one).
     id: String,
-    /// `--use_peft` or `--lora_r` (TRL): LoRA.
-    lora: bool,
+    /// `lora` (`--use_peft` or `--lora_r`, TRL), `qlora` or `full`.
+    method: &'static str,
 }
 
 /// The model a launch names (`Ok(None)`: no HF launch, or no model flag, or a value that is
 /// shell-expanded); `Err`: the launch cannot be read, and why.
-fn launch_model(trainer: &Container) -> Result<Option<LaunchModel>, String> {
+fn launch_model(
+    pod: &Pod,
+    trainer: &Container,
+    cluster: Cluster<'_>,
+) -> Result<Option<LaunchModel>, String> {
     use crate::launch::HfRules;
+    if let Some((_, _, _, run)) = tune_launch(trainer)? {
+        let config = tune_config(pod, trainer, &run, cluster)?;
+        let Some(component) = config.component else {
+            return Ok(None);
+        };
+        let Some((id, method)) = crate::launch::tune::component_model(&component) else {
+            return Err(format!(
+                "tune run's model component {component} ({}) is not one memguard knows",
+                config.source
+            ));
+        };
+        return Ok(Some(LaunchModel {
+            flag: "--config".into(),
+            value: component,
+            id: id.to_string(),
+            method,
+        }));
+    }
     let Some(hf) = hf_launch(trainer)? else {
         return Ok(None);
     };
@@ -256,11 +370,12 @@ fn launch_model(trainer: &Container) -> Result<Option<LaunchModel>, String> {
     };
     let lora =
         hf.flags.bool("use_peft", &HfRules) == Some(true) || hf.flags.get("lora_r").is_some();
+    let method = if lora { "lora" } else { "full" };
     Ok(Some(LaunchModel {
         flag: format!("--{}", flag.spelled.trim_start_matches('-')),
         id: hf_model_id(&value),
         value,
-        lora,
+        method,
     }))
 }
 
@@ -283,8 +398,55 @@ fn read_args(
     parsed: &TrainingAnnotations,
     config: &mut TrainingConfig,
     sources: &mut BTreeMap<Knob, String>,
+    cluster: Cluster<'_>,
 ) -> Result<Option<ArgsReading>, String> {
     use crate::launch::{self, HfRules};
+    if let Some((items, command_len, found, run)) = tune_launch(trainer)? {
+        let tc = tune_config(pod, trainer, &run, cluster)?;
+        let earlier = earlier_estimate(pod);
+        for (knob, key) in TUNE_KEYS {
+            if parsed.knobs_given.contains(knob) {
+                continue;
+            }
+            let base = tc
+                .values
+                .iter()
+                .find(|(k, _)| k == key)
+                .map(|(_, v)| v.as_str());
+            let Some((value, origin)) = run.value(key, base) else {
+                continue;
+            };
+            let value = match *knob {
+                // YAML's and OmegaConf's `True`.
+                Knob::GradCheckpointing => match launch::tune::parse_bool(&value) {
+                    Some(b) => b.to_string(),
+                    None => continue,
+                },
+                _ => value,
+            };
+            if let Some(value) = as_read(earlier.as_ref(), *knob, &value)
+                && knob.set(config, value)
+            {
+                let source = match origin {
+                    launch::tune::Origin::Args => "args".to_string(),
+                    launch::tune::Origin::Config => tc.source.clone(),
+                };
+                sources.insert(*knob, source);
+            }
+        }
+        let method = tc
+            .component
+            .as_deref()
+            .and_then(launch::tune::component_model)
+            .map(|(_, method)| method);
+        return Ok(Some(ArgsReading {
+            items,
+            command_len,
+            launch: found,
+            flags: launch::Flags::default(),
+            tune: Some(TuneReading { run, method }),
+        }));
+    }
     let Some(HfLaunch {
         items,
         command_len,
@@ -330,6 +492,7 @@ fn read_args(
         command_len,
         launch: found,
         flags,
+        tune: None,
     }))
 }
 
@@ -357,7 +520,7 @@ impl<'a> TrainingPod<'a> {
                 .unwrap_or_default();
             let named = given.get(annotations::CONTAINER).map(|s| s.trim());
             match pick_trainer(containers, named) {
-                Ok((_, trainer)) => launch_model(trainer),
+                Ok((_, trainer)) => launch_model(pod, trainer, cluster),
                 Err(_) => Ok(None),
             }
         };
@@ -392,8 +555,7 @@ impl<'a> TrainingPod<'a> {
                 with_launch.insert(annotations::MODEL.into(), m.id.clone());
                 read_from_args.insert("model");
                 if !given.contains_key(annotations::METHOD) {
-                    let method = if m.lora { "lora" } else { "full" };
-                    with_launch.insert(annotations::METHOD.into(), method.into());
+                    with_launch.insert(annotations::METHOD.into(), m.method.into());
                     read_from_args.insert("method");
                 }
                 &with_launch
@@ -459,7 +621,7 @@ impl<'a> TrainingPod<'a> {
             set_by_trainer,
         } = read_mapped_env(pod, trainer, &parsed, policy, &mut config);
         let (args, args_unreadable) =
-            match read_args(pod, trainer, &parsed, &mut config, &mut sources) {
+            match read_args(pod, trainer, &parsed, &mut config, &mut sources, cluster) {
                 Ok(args) => (args, None),
                 Err(why) => (None, Some(why)),
             };
