@@ -322,6 +322,9 @@ struct LaunchModel {
     id: String,
     /// `lora` (`--use_peft` or `--lora_r`, TRL), `qlora` or `full`.
     method: &'static str,
+    /// Other annotations the launch implies, with the name `read_from_args` gives them
+    /// (`tune run`'s `*_distributed` recipes shard with FSDP over `nproc_per_node × nnodes`).
+    implied: Vec<(&'static str, &'static str, String)>,
 }
 
 /// The model a launch names (`Ok(None)`: no HF launch, or no model flag, or a value that is
@@ -343,11 +346,25 @@ fn launch_model(
                 config.source
             ));
         };
+        let mut implied = Vec::new();
+        if run.recipe.ends_with("_distributed") {
+            // torchtune's distributed recipes shard parameters, gradients and optimizer state
+            // with FSDP over every rank.
+            implied.push((annotations::PARALLELISM, "parallelism", "fsdp".to_string()));
+            let count = |v: &Option<String>| v.as_deref().and_then(|n| n.parse::<u64>().ok());
+            if let (Some(nproc), Some(nnodes)) = (count(&run.nproc_per_node), count(&run.nnodes))
+                && nnodes > 1
+            {
+                let world = (nproc * nnodes).to_string();
+                implied.push((annotations::WORLD_SIZE, "world-size", world));
+            }
+        }
         return Ok(Some(LaunchModel {
             flag: "--config".into(),
             value: component,
             id: id.to_string(),
             method,
+            implied,
         }));
     }
     let Some(hf) = hf_launch(trainer)? else {
@@ -376,6 +393,7 @@ fn launch_model(
         id: hf_model_id(&value),
         value,
         method,
+        implied: Vec::new(),
     }))
 }
 
@@ -557,6 +575,12 @@ impl<'a> TrainingPod<'a> {
                 if !given.contains_key(annotations::METHOD) {
                     with_launch.insert(annotations::METHOD.into(), m.method.into());
                     read_from_args.insert("method");
+                }
+                for (key, name, value) in &m.implied {
+                    if !given.contains_key(*key) {
+                        with_launch.insert(key.to_string(), value.clone());
+                        read_from_args.insert(name);
+                    }
                 }
                 &with_launch
             }

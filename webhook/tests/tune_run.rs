@@ -307,3 +307,33 @@ fn the_corpus_tune_run_shapes_read_as_expected() {
     }
     assert!(seen >= 3, "{seen} torchtune shapes");
 }
+
+/// A `*_distributed` recipe shards with FSDP over every rank: over the pod's GPUs, or over
+/// `nproc_per_node × nnodes` when the launch names more than one node (the pod cannot see its
+/// peers).
+#[test]
+fn distributed_recipes_shard_over_every_rank() {
+    let args = [
+        "tune",
+        "run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "8",
+        "full_finetune_distributed",
+        "--config",
+        "llama3_1/8B_full",
+    ];
+    let mut p = pod(&args, json!([]), json!([]));
+    if let Some(spec) = p.spec.as_mut() {
+        spec.containers[0].resources =
+            serde_json::from_value(json!({"limits": {"nvidia.com/gpu": "8"}})).expect("resources");
+    }
+    let Outcome::Mutated(m) = mutate(&p, &Policy::default(), &ClusterView::default()) else {
+        panic!("mutated")
+    };
+    let cfg = &m.plan.config;
+    assert_eq!(cfg.parallelism, memguard_estimator::Parallelism::Fsdp);
+    assert_eq!(cfg.world_size, 16);
+    assert_eq!(cfg.method, memguard_estimator::Method::Full);
+}
