@@ -434,7 +434,7 @@ fn read_args(
             let Some((value, origin)) = run.value(key, base) else {
                 continue;
             };
-            let value = match *knob {
+            let found = match *knob {
                 // YAML's and OmegaConf's `True`.
                 Knob::GradCheckpointing => match launch::tune::parse_bool(&value) {
                     Some(b) => b.to_string(),
@@ -442,12 +442,19 @@ fn read_args(
                 },
                 _ => value,
             };
-            if let Some(value) = as_read(earlier.as_ref(), *knob, &value)
+            if let Some(value) = as_read(earlier.as_ref(), *knob, &found)
                 && knob.set(config, value)
             {
-                let source = match origin {
-                    launch::tune::Origin::Args => "args".to_string(),
-                    launch::tune::Origin::Config => tc.source.clone(),
+                // An override memguard appended earlier stands for what the trainer had, from
+                // where it had it: a second admission says the same.
+                let earlier_source = earlier
+                    .as_ref()
+                    .filter(|e| e.config.get(knob.name()) == Some(&found))
+                    .and_then(|e| e.sources.get(knob.name()).cloned());
+                let source = match (earlier_source, origin) {
+                    (Some(source), _) => source,
+                    (None, launch::tune::Origin::Args) => "args".to_string(),
+                    (None, launch::tune::Origin::Config) => tc.source.clone(),
                 };
                 sources.insert(*knob, source);
             }

@@ -153,6 +153,25 @@ fn a_builtin_config_is_planned_on_its_defaults_and_the_overrides() {
     let merged = omegaconf(&nested(&base), &command);
     assert_planned(&merged, cfg);
     assert_eq!(merged["tokenizer"]["max_seq_len"], json!(cfg.seq_length));
+
+    // Admitted again as written: the same plan, read from the same sources; nothing to change.
+    let mut again = pod(&[], json!([]), json!([]));
+    again.spec.as_mut().expect("spec").containers[0].command = line.command.clone();
+    again.spec.as_mut().expect("spec").containers[0].args = line.args.clone();
+    let estimate = m.estimate.to_json();
+    again
+        .metadata
+        .annotations
+        .get_or_insert_default()
+        .insert("memguard.io/estimate".into(), estimate.clone());
+    let Outcome::Mutated(m2) = mutate(&again, &Policy::default(), &ClusterView::default()) else {
+        panic!("mutated")
+    };
+    // (The plan is the same, so its command line is the one the pod has: the patch step
+    // writes nothing.)
+    let line2 = m2.command_line.as_ref().expect("the plan's command line");
+    assert_eq!((&line2.command, &line2.args), (&line.command, &line.args));
+    assert_eq!(m2.estimate.to_json(), estimate);
 }
 
 #[test]
