@@ -37,6 +37,8 @@ python3 -c 'import yaml' 2>/dev/null || py_missing+=(pyyaml)
 # Property-based fuzzing of the Python client's readers (clients/python/tests/test_readers_fuzz.py).
 python3 -c 'import hypothesis' 2>/dev/null || py_missing+=(hypothesis==6.170.15)
 command -v kubernetes-validate >/dev/null 2>&1 || py_missing+=(kubernetes-validate)
+# torchtune's config merge, read back by the real OmegaConf (webhook/tests/tune_run.rs).
+python3 -c 'import omegaconf' 2>/dev/null || py_missing+=(omegaconf==2.4.0)
 # The training stack, pinned: what the adapters are tested against (clients/python/tests,
 # bench/survival; the OOM record tests raise its real exceptions). A fresh install downloads
 # about 4.5 GB (torch's CUDA libraries included).

@@ -172,6 +172,98 @@ pub struct ArgsReading {
     /// Whether its parser is known to be `HfArgumentParser` over `TrainingArguments` (a flag
     /// only that defines, or a TRL launch): then the flags it defines may be appended.
     pub hf_parser: bool,
+    /// A `tune run` launch (its `flags` are then empty: torchtune takes `key=value` overrides).
+    pub tune: Option<TuneReading>,
+}
+
+/// A `tune run` launch as read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TuneReading {
+    /// The recipe, config and overrides.
+    pub run: crate::launch::tune::TuneRun,
+    /// The method its model component trains (`lora`, `qlora`, `full`), when known: LoRA
+    /// overrides are written only to a LoRA model.
+    pub method: Option<&'static str>,
+}
+
+/// The torchtune config key of each knob.
+pub const TUNE_KEYS: &[(Knob, &str)] = &[
+    (Knob::BatchSize, crate::launch::tune::BATCH_SIZE),
+    (
+        Knob::GradAccumulation,
+        crate::launch::tune::GRAD_ACCUMULATION,
+    ),
+    (
+        Knob::GradCheckpointing,
+        crate::launch::tune::ACTIVATION_CHECKPOINTING,
+    ),
+    (Knob::SeqLength, crate::launch::tune::MAX_SEQ_LEN),
+    (Knob::LoraRank, crate::launch::tune::LORA_RANK),
+];
+
+/// What a `tune run`'s config says: its knobs' values, its model component, and the source
+/// to name (`config:<name>` for a built-in config, `configmap:<name>/<key>` for a file).
+struct TuneConfig {
+    values: Vec<(&'static str, String)>,
+    component: Option<String>,
+    source: String,
+}
+
+/// The config of `run`: a built-in one's defaults, or its file read from the ConfigMap the
+/// trainer mounts it from. `Err`: the file cannot be read, and why.
+fn tune_config(
+    pod: &Pod,
+    trainer: &Container,
+    run: &crate::launch::tune::TuneRun,
+    cluster: Cluster<'_>,
+) -> Result<TuneConfig, String> {
+    use crate::launch::tune::{self, ConfigRef};
+    match &run.config {
+        ConfigRef::Builtin(b) => Ok(TuneConfig {
+            values: b.values.iter().map(|(k, v)| (*k, v.to_string())).collect(),
+            component: Some(b.component.to_string()),
+            source: format!("config:{}", b.name),
+        }),
+        ConfigRef::File(path) => {
+            let file = crate::mounted::read(pod, trainer, path, cluster.config_maps)
+                .map_err(|e| format!("tune run --config {path}: {e}"))?;
+            let y = tune::yaml_values(&file.text)
+                .map_err(|e| format!("tune run --config {path} ({}): {e}", file.source))?;
+            Ok(TuneConfig {
+                values: y.values,
+                component: y.component,
+                source: file.source,
+            })
+        }
+    }
+}
+
+/// A trainer's `tune run`: its `command` + `args`, how many are `command`, the launch, the run.
+type TuneLaunch = (
+    Vec<String>,
+    usize,
+    crate::launch::Launch,
+    crate::launch::tune::TuneRun,
+);
+
+/// The trainer's `tune run`, if it runs one. `Err`: a launch that cannot be read.
+fn tune_launch(trainer: &Container) -> Result<Option<TuneLaunch>, String> {
+    use crate::launch;
+    let command = trainer.command.clone().unwrap_or_default();
+    let command_len = command.len();
+    let items: Vec<String> = command
+        .into_iter()
+        .chain(trainer.args.clone().unwrap_or_default())
+        .collect();
+    let found = match launch::find(&items) {
+        Ok(found) => found,
+        Err(_) => return Ok(None),
+    };
+    match launch::tune::TuneRun::read(&found) {
+        Ok(Some(run)) => Ok(Some((items, command_len, found, run))),
+        Ok(None) => Ok(None),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// The HF flag that carries each knob, in its canonical spelling.
@@ -203,7 +295,11 @@ fn hf_launch(trainer: &Container) -> Result<Option<HfLaunch>, String> {
         .collect();
     let found = match launch::find(&items) {
         Ok(found) => found,
-        Err(launch::LaunchError::Empty | launch::LaunchError::NoProgram) => return Ok(None),
+        Err(
+            launch::LaunchError::Empty
+            | launch::LaunchError::NoProgram
+            | launch::LaunchError::NestedShell(_),
+        ) => return Ok(None),
         Err(e) => return Err(e.to_string()),
     };
     let hf = match &found.program {
@@ -233,29 +329,53 @@ struct LaunchModel {
     value: String,
     /// The HF id (`org/name`; a cache path `…/models--org--name/snapshots/…` read as one).
     id: String,
-    /// `--use_peft` or `--lora_r` (TRL): LoRA.
-    lora: bool,
-    /// TRL's `ModelConfig` quantization of the base (bitsandbytes): `--load_in_4bit` → 4 (QLoRA),
-    /// `--load_in_8bit` → 8 (LoRA on an 8-bit base).
-    quantized_bits: Option<u32>,
-}
-
-impl LaunchModel {
-    /// The method the launch trains with: QLoRA on a 4-bit base (TRL trains a quantized base
-    /// only through adapters), LoRA on an 8-bit one or with adapters, else full.
-    fn method(&self) -> &'static str {
-        match (self.quantized_bits, self.lora) {
-            (Some(4), _) => "qlora",
-            (Some(_), _) | (None, true) => "lora",
-            (None, false) => "full",
-        }
-    }
+    /// `lora` (`--use_peft` or `--lora_r`, TRL), `qlora` or `full`.
+    method: &'static str,
+    /// Other annotations the launch implies, with the name `read_from_args` gives them
+    /// (`tune run`'s `*_distributed` recipes shard with FSDP over `nproc_per_node × nnodes`).
+    implied: Vec<(&'static str, &'static str, String)>,
 }
 
 /// The model a launch names (`Ok(None)`: no HF launch, or no model flag, or a value that is
 /// shell-expanded); `Err`: the launch cannot be read, and why.
-fn launch_model(trainer: &Container) -> Result<Option<LaunchModel>, String> {
+fn launch_model(
+    pod: &Pod,
+    trainer: &Container,
+    cluster: Cluster<'_>,
+) -> Result<Option<LaunchModel>, String> {
     use crate::launch::HfRules;
+    if let Some((_, _, _, run)) = tune_launch(trainer)? {
+        let config = tune_config(pod, trainer, &run, cluster)?;
+        let Some(component) = config.component else {
+            return Ok(None);
+        };
+        let Some((id, method)) = crate::launch::tune::component_model(&component) else {
+            return Err(format!(
+                "tune run's model component {component} ({}) is not one memguard knows",
+                config.source
+            ));
+        };
+        let mut implied = Vec::new();
+        if run.recipe.ends_with("_distributed") {
+            // torchtune's distributed recipes shard parameters, gradients and optimizer state
+            // with FSDP over every rank.
+            implied.push((annotations::PARALLELISM, "parallelism", "fsdp".to_string()));
+            let count = |v: &Option<String>| v.as_deref().and_then(|n| n.parse::<u64>().ok());
+            if let (Some(nproc), Some(nnodes)) = (count(&run.nproc_per_node), count(&run.nnodes))
+                && nnodes > 1
+            {
+                let world = (nproc * nnodes).to_string();
+                implied.push((annotations::WORLD_SIZE, "world-size", world));
+            }
+        }
+        return Ok(Some(LaunchModel {
+            flag: "--config".into(),
+            value: component,
+            id: id.to_string(),
+            method,
+            implied,
+        }));
+    }
     let Some(hf) = hf_launch(trainer)? else {
         return Ok(None);
     };
@@ -278,20 +398,26 @@ fn launch_model(trainer: &Container) -> Result<Option<LaunchModel>, String> {
         hf.flags.bool("use_peft", &HfRules) == Some(true) || hf.flags.get("lora_r").is_some();
     let on = |key| hf.flags.bool(key, &HfRules) == Some(true);
     // TRL's `get_quantization_config`: 4 bits first, then 8 (`--use_bnb_nested_quant` only
-    // refines the 4-bit one).
-    let quantized_bits = if on("load_in_4bit") {
-        Some(4)
+    // refines the 4-bit one). TRL trains a quantized base only through adapters: a 4-bit base
+    // is QLoRA, an 8-bit one LoRA on an 8-bit base.
+    let (method, implied) = if on("load_in_4bit") {
+        ("qlora", Vec::new())
     } else if on("load_in_8bit") {
-        Some(8)
+        (
+            "lora",
+            vec![(annotations::MODEL_BITS, "model-bits", "8".to_string())],
+        )
+    } else if lora {
+        ("lora", Vec::new())
     } else {
-        None
+        ("full", Vec::new())
     };
     Ok(Some(LaunchModel {
         flag: format!("--{}", flag.spelled.trim_start_matches('-')),
         id: hf_model_id(&value),
         value,
-        lora,
-        quantized_bits,
+        method,
+        implied,
     }))
 }
 
@@ -314,8 +440,63 @@ fn read_args(
     parsed: &TrainingAnnotations,
     config: &mut TrainingConfig,
     sources: &mut BTreeMap<Knob, String>,
+    cluster: Cluster<'_>,
 ) -> Result<Option<ArgsReading>, String> {
     use crate::launch::{self, HfRules};
+    if let Some((items, command_len, found, run)) = tune_launch(trainer)? {
+        let tc = tune_config(pod, trainer, &run, cluster)?;
+        let earlier = earlier_estimate(pod);
+        for (knob, key) in TUNE_KEYS {
+            if parsed.knobs_given.contains(knob) {
+                continue;
+            }
+            let base = tc
+                .values
+                .iter()
+                .find(|(k, _)| k == key)
+                .map(|(_, v)| v.as_str());
+            let Some((value, origin)) = run.value(key, base) else {
+                continue;
+            };
+            let found = match *knob {
+                // YAML's and OmegaConf's `True`.
+                Knob::GradCheckpointing => match launch::tune::parse_bool(&value) {
+                    Some(b) => b.to_string(),
+                    None => continue,
+                },
+                _ => value,
+            };
+            if let Some(value) = as_read(earlier.as_ref(), *knob, &found)
+                && knob.set(config, value)
+            {
+                // An override memguard appended earlier stands for what the trainer had, from
+                // where it had it: a second admission says the same.
+                let earlier_source = earlier
+                    .as_ref()
+                    .filter(|e| e.config.get(knob.name()) == Some(&found))
+                    .and_then(|e| e.sources.get(knob.name()).cloned());
+                let source = match (earlier_source, origin) {
+                    (Some(source), _) => source,
+                    (None, launch::tune::Origin::Args) => "args".to_string(),
+                    (None, launch::tune::Origin::Config) => tc.source.clone(),
+                };
+                sources.insert(*knob, source);
+            }
+        }
+        let method = tc
+            .component
+            .as_deref()
+            .and_then(launch::tune::component_model)
+            .map(|(_, method)| method);
+        return Ok(Some(ArgsReading {
+            items,
+            command_len,
+            launch: found,
+            flags: launch::Flags::default(),
+            hf_parser: false,
+            tune: Some(TuneReading { run, method }),
+        }));
+    }
     let Some(HfLaunch {
         items,
         command_len,
@@ -369,6 +550,7 @@ fn read_args(
         launch: found,
         flags,
         hf_parser: !defaults.is_empty(),
+        tune: None,
     }))
 }
 
@@ -442,7 +624,7 @@ impl<'a> TrainingPod<'a> {
                 .unwrap_or_default();
             let named = given.get(annotations::CONTAINER).map(|s| s.trim());
             match pick_trainer(containers, named) {
-                Ok((_, trainer)) => launch_model(trainer),
+                Ok((_, trainer)) => launch_model(pod, trainer, cluster),
                 Err(_) => Ok(None),
             }
         };
@@ -477,12 +659,14 @@ impl<'a> TrainingPod<'a> {
                 with_launch.insert(annotations::MODEL.into(), m.id.clone());
                 read_from_args.insert("model");
                 if !given.contains_key(annotations::METHOD) {
-                    with_launch.insert(annotations::METHOD.into(), m.method().into());
+                    with_launch.insert(annotations::METHOD.into(), m.method.into());
                     read_from_args.insert("method");
                 }
-                if m.quantized_bits == Some(8) && !given.contains_key(annotations::MODEL_BITS) {
-                    with_launch.insert(annotations::MODEL_BITS.into(), "8".into());
-                    read_from_args.insert("model-bits");
+                for (key, name, value) in &m.implied {
+                    if !given.contains_key(*key) {
+                        with_launch.insert(key.to_string(), value.clone());
+                        read_from_args.insert(name);
+                    }
                 }
                 &with_launch
             }
@@ -562,7 +746,7 @@ impl<'a> TrainingPod<'a> {
             set_by_trainer,
         } = read_mapped_env(pod, trainer, &parsed, policy, &mut config);
         let (args, args_unreadable) =
-            match read_args(pod, trainer, &parsed, &mut config, &mut sources) {
+            match read_args(pod, trainer, &parsed, &mut config, &mut sources, cluster) {
                 Ok(args) => (args, None),
                 Err(why) => (None, Some(why)),
             };

@@ -271,6 +271,9 @@ fn rewrite_args(
         return Ok((None, Vec::new()));
     };
     let before = &training.config;
+    if let Some(tune) = &reading.tune {
+        return Ok(rewrite_tune(training, reading, tune, planned));
+    }
     let from_args = |k: &Knob| training.sources.get(k).is_some_and(|s| s == "args");
     // A flag only TrainingArguments defines, or a TRL launch, says the parser is
     // HfArgumentParser: then the flags it defines may be appended (a bespoke argparse script
@@ -302,22 +305,58 @@ fn rewrite_args(
     if edits.is_empty() {
         return Ok((None, changed));
     }
-    let items = reading.launch.apply(&reading.items, &edits);
+    Ok((Some(command_line(training, reading, &edits)), changed))
+}
+
+/// The trainer's `command` and `args` with `edits` to its launch.
+fn command_line(
+    training: &TrainingPod,
+    reading: &memguard_api::pod::ArgsReading,
+    edits: &[memguard_api::launch::Edit],
+) -> CommandLine {
+    let items = reading.launch.apply(&reading.items, edits);
     let change = args_change(training, &reading.items, &items);
     let (command, args) = items.split_at(reading.command_len.min(items.len()));
     let trainer = training.trainer;
-    Ok((
-        Some(CommandLine {
-            command: trainer.command.as_ref().map(|_| command.to_vec()),
-            args: trainer
-                .args
-                .as_ref()
-                .map(|_| args.to_vec())
-                .or_else(|| (!args.is_empty()).then(|| args.to_vec())),
-            change,
-        }),
-        changed,
-    ))
+    CommandLine {
+        command: trainer.command.as_ref().map(|_| command.to_vec()),
+        args: trainer
+            .args
+            .as_ref()
+            .map(|_| args.to_vec())
+            .or_else(|| (!args.is_empty()).then(|| args.to_vec())),
+        change,
+    }
+}
+
+/// A `tune run`'s plan as trailing `key=value` overrides (the last one of a key replaced in
+/// place): OmegaConf takes the later value, and the config itself (a built-in one, or a file
+/// in a ConfigMap) is never edited. The LoRA rank is written only to a LoRA model.
+fn rewrite_tune(
+    training: &TrainingPod,
+    reading: &memguard_api::pod::ArgsReading,
+    tune: &memguard_api::pod::TuneReading,
+    planned: &TrainingConfig,
+) -> (Option<CommandLine>, Vec<String>) {
+    let before = &training.config;
+    let mut edits = Vec::new();
+    let mut changed = Vec::new();
+    for (knob, key) in memguard_api::pod::TUNE_KEYS {
+        let lora_model = matches!(tune.method, Some("lora" | "qlora"));
+        if (*knob == Knob::LoraRank && !lora_model) || knob.value(planned) == knob.value(before) {
+            continue;
+        }
+        edits.push(tune.run.set(key, &knob.value(planned)));
+        changed.push(format!(
+            "{key} {}→{}",
+            knob.value(before),
+            knob.value(planned)
+        ));
+    }
+    if edits.is_empty() {
+        return (None, changed);
+    }
+    (Some(command_line(training, reading, &edits)), changed)
 }
 
 /// The command line before and after the rewrite, for the estimate. A pod that already carries

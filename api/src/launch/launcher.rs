@@ -104,6 +104,13 @@ pub enum LaunchError {
     /// The program's name is a shell expansion.
     #[error("the program is named by a shell expansion ({0})")]
     Expands(String),
+    /// A Python launcher runs a script or module named by a shell expansion.
+    #[error("the Python program is named by a shell expansion ({0})")]
+    ScriptExpands(String),
+    /// The launch is in a shell run by a shell script (`bash -c "bash -c '…'"`): its words
+    /// cannot be rewritten in place. The inner shell's words, to read it.
+    #[error("the launch is in a shell started by a shell script, which memguard does not rewrite")]
+    NestedShell(Vec<String>),
 }
 
 impl Launch {
@@ -408,11 +415,41 @@ fn find_in_shell(
             Ok(launch) if accept(&launch) => return Ok(launch),
             Ok(_) => {}
             // Remember the most telling reason: inline code over "nothing here".
-            Err(e @ (LaunchError::InlineCode | LaunchError::Expands(_))) => error = e,
+            Err(
+                e @ (LaunchError::InlineCode
+                | LaunchError::Expands(_)
+                | LaunchError::ScriptExpands(_)
+                | LaunchError::NestedShell(_)),
+            ) => error = e,
             Err(_) => {}
         }
     }
     Err(error)
+}
+
+/// How deep `bash -c "bash -c '…'"` is followed.
+const MAX_SHELL_DEPTH: usize = 4;
+
+/// Whether a container's `command` + `args` start a Python program: a launch ([`find`]: every
+/// launcher and trainer or server command is one, but not a file run by its shebang), inline
+/// code (`python -c`), a Python launcher whose script is a shell expansion, or any of these in
+/// a shell started by a shell script.
+pub fn runs_python(items: &[String]) -> bool {
+    let mut items = items.to_vec();
+    for _ in 0..=MAX_SHELL_DEPTH {
+        match find(&items) {
+            Ok(launch) => {
+                return !matches!(
+                    (launch.launcher, &launch.program),
+                    (Launcher::Direct, Program::Script(_))
+                );
+            }
+            Err(LaunchError::InlineCode | LaunchError::ScriptExpands(_)) => return true,
+            Err(LaunchError::NestedShell(inner)) => items = inner,
+            Err(_) => return false,
+        }
+    }
+    false
 }
 
 /// Commands that are Python programs themselves, trainers and servers (their words are read by
@@ -429,7 +466,9 @@ const COMMANDS: &[&str] = &[
 ];
 
 /// Words that run the rest of the command: skipped before the launcher.
-const WRAPPERS: &[&str] = &["exec", "env", "nohup", "time", "stdbuf"];
+const WRAPPERS: &[&str] = &["exec", "env", "nohup", "time", "nice", "stdbuf"];
+/// Options of the wrappers that take the next word (`env -u NAME`, `nice -n 5`).
+const WRAPPER_VALUED: &[&str] = &["-u", "-C", "-n", "-S", "--unset", "--chdir"];
 
 fn launch_in(mut args: Vec<Arg>, end: Place) -> Result<Launch, LaunchError> {
     // Leading `VAR=value` assignments and wrappers.
@@ -440,8 +479,18 @@ fn launch_in(mut args: Vec<Arg>, end: Place) -> Result<Launch, LaunchError> {
                 && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
                 && !k.as_bytes()[0].is_ascii_digit()
         });
-        if assignment || WRAPPERS.contains(&basename(&a.text)) {
+        if assignment {
             i += 1;
+        } else if WRAPPERS.contains(&basename(&a.text)) {
+            i += 1;
+            // The wrapper's own options are not the program.
+            while let Some(opt) = args.get(i).filter(|o| o.text.starts_with('-')) {
+                i += if WRAPPER_VALUED.contains(&opt.text.as_str()) {
+                    2
+                } else {
+                    1
+                };
+            }
         } else {
             break;
         }
@@ -457,8 +506,16 @@ fn launch_in(mut args: Vec<Arg>, end: Place) -> Result<Launch, LaunchError> {
     } else if name == "torchrun" {
         let (program, rest) = after_options(&args, i + 1, TORCHRUN_BOOLS, &mut options)?;
         (Launcher::Torchrun, program, rest)
-    } else if name == "accelerate" && args.get(i + 1).is_some_and(|a| a.text == "launch") {
-        let (program, rest) = after_options(&args, i + 2, ACCELERATE_BOOLS, &mut options)?;
+    } else if name == "accelerate" {
+        // `accelerate [--debug] launch …`; `accelerate config`, `env`, … launch nothing.
+        let sub = (i + 1..args.len()).find(|&j| !args[j].text.starts_with('-'));
+        let Some(sub) = sub.filter(|&j| args[j].text == "launch") else {
+            return Err(LaunchError::NoProgram);
+        };
+        let (program, rest) = after_options(&args, sub + 1, ACCELERATE_BOOLS, &mut options)?;
+        (Launcher::Accelerate, program, rest)
+    } else if name == "accelerate-launch" {
+        let (program, rest) = after_options(&args, i + 1, ACCELERATE_BOOLS, &mut options)?;
         (Launcher::Accelerate, program, rest)
     } else if name == "deepspeed" {
         let (program, rest) = after_options(&args, i + 1, DEEPSPEED_BOOLS, &mut options)?;
@@ -467,6 +524,9 @@ fn launch_in(mut args: Vec<Arg>, end: Place) -> Result<Launch, LaunchError> {
         (Launcher::Direct, Program::Command(head.text.clone()), i + 1)
     } else if name.ends_with(".py") {
         (Launcher::Direct, Program::Script(head.text.clone()), i + 1)
+    } else if is_shell(&name) {
+        let inner = args[i..].iter().map(|a| a.text.clone()).collect();
+        return Err(LaunchError::NestedShell(inner));
     } else {
         return Err(LaunchError::NoProgram);
     };
@@ -510,7 +570,7 @@ fn python(
             _ if t.starts_with('-') && t.len() > 1 => i += 1,
             _ => {
                 if a.expands {
-                    return Err(LaunchError::Expands(a.text.clone()));
+                    return Err(LaunchError::ScriptExpands(a.text.clone()));
                 }
                 return Ok((Launcher::Python, Program::Script(a.text.clone()), i + 1));
             }
@@ -582,7 +642,7 @@ fn after_options(
             .or_else(|| t.strip_prefix('-').filter(|b| !b.is_empty()))
         else {
             if a.expands {
-                return Err(LaunchError::Expands(a.text.clone()));
+                return Err(LaunchError::ScriptExpands(a.text.clone()));
             }
             let program = if module {
                 Program::Module(t.to_string())
@@ -774,8 +834,41 @@ mod tests {
     }
 
     #[test]
+    fn wrappers_nested_shells_and_python_programs() {
+        let l = find(&items(&[
+            "env", "-u", "X", "nice", "-n", "5", "python", "t.py",
+        ]))
+        .expect("test input");
+        assert_eq!(l.program, Program::Script("t.py".into()));
+        let l = find(&items(&["accelerate", "--debug", "launch", "t.py"])).expect("test input");
+        assert_eq!(l.launcher, Launcher::Accelerate);
+        let nested = items(&["bash", "-lc", "cd /w && bash -c 'accelerate launch t.py'"]);
+        assert_eq!(
+            find(&nested),
+            Err(LaunchError::NestedShell(items(&[
+                "bash",
+                "-c",
+                "accelerate launch t.py"
+            ])))
+        );
+        assert!(runs_python(&nested));
+        assert!(runs_python(&items(&["sh", "-c", "python -c 'import x'"])));
+        assert!(runs_python(&items(&[
+            "sh",
+            "-c",
+            "torchrun --nproc_per_node 2 $S"
+        ])));
+        assert!(!runs_python(&items(&["sh", "-c", "$PY t.py"])));
+        // A file run by its shebang may be anything.
+        assert!(!runs_python(&items(&["./train.py"])));
+        assert!(!runs_python(&items(&["accelerate", "config"])));
+    }
+
+    #[test]
     fn expanded_program_is_not_trusted() {
         let cmd = items(&["sh", "-c", "python $SCRIPT --a 1"]);
+        assert!(matches!(find(&cmd), Err(LaunchError::ScriptExpands(_))));
+        let cmd = items(&["sh", "-c", "$PY train.py --a 1"]);
         assert!(matches!(find(&cmd), Err(LaunchError::Expands(_))));
     }
 }

@@ -8,11 +8,13 @@
 pub mod flags;
 pub mod launcher;
 pub mod server;
+pub mod tune;
 pub mod words;
 
 pub use flags::{Edit, Flag, FlagRules, Flags, HfRules, SetError};
 pub use launcher::{
     Arg, Argv, ArgvEdit, Field, Launch, LaunchError, Launcher, Place, Program, find, find_by,
+    runs_python,
 };
 pub use server::{ServerLaunch, ServerRules};
 pub use words::{SplitError, Token, Word};
