@@ -4,6 +4,7 @@
 //! Pure: no I/O. The webhook reads a pod with it; the fuzz target `launch` feeds it anything.
 
 pub mod flags;
+pub mod config_file;
 pub mod launcher;
 pub mod words;
 
