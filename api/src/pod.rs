@@ -126,6 +126,36 @@ pub struct TrainingPod<'a> {
     pub args_unreadable: Option<String>,
     /// What the launch gave besides the knobs (`model`, `method`), for the estimate's sources.
     pub read_from_args: BTreeSet<&'static str>,
+    /// Why the config file the trainer's launch names could not be read (baked into the image,
+    /// not a ConfigMap, an unknown ConfigMap, not valid YAML): its knobs are planned without it.
+    pub config_unreadable: Option<String>,
+    /// The trainer's config file (axolotl, LLaMA-Factory, TRL or LitGPT `--config`), when its
+    /// launch names one and memguard read it from a ConfigMap.
+    pub config_file: Option<ConfigFileReading>,
+    /// What the config file gave besides the knobs (`model`, `method`), with its source
+    /// (`configmap:<name>/<key>`).
+    pub read_from_file: BTreeMap<&'static str, String>,
+}
+
+/// A trainer's config file read from the ConfigMap its launch names, with the overrides on its
+/// command line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigFileReading {
+    /// The container's `command` followed by its `args`.
+    pub items: Vec<String>,
+    /// How many of `items` are `command`.
+    pub command_len: usize,
+    /// The launch in them.
+    pub launch: crate::launch::Launch,
+    /// The trainer, the file and the overrides as written (memguard's own included).
+    pub config: crate::launch::config_file::ConfigLaunch,
+    /// The file, parsed.
+    pub doc: serde_json::Value,
+    /// Where it came from, `configmap:<name>/<key>`.
+    pub source: String,
+    /// What the trainer reads: the file under the overrides the user wrote (an override
+    /// memguard wrote at an earlier admission is read as the value it replaced).
+    pub reading: crate::launch::config_file::Reading,
 }
 
 /// What memguard wrote at an earlier admission (reinvocation, a pod recreated from its own
@@ -198,7 +228,9 @@ fn hf_launch(trainer: &Container) -> Result<Option<HfLaunch>, String> {
         Err(e) => return Err(e.to_string()),
     };
     let hf = match &found.program {
-        Program::Script(_) | Program::Module(_) => true,
+        // axolotl's module takes fire keyword arguments, read by its config-file reader.
+        Program::Module(m) => m != "axolotl.cli.train",
+        Program::Script(_) => true,
         Program::Command(_) => found.program.name() == "trl",
     };
     if !hf {
@@ -224,8 +256,15 @@ struct LaunchModel {
     value: String,
     /// The HF id (`org/name`; a cache path `…/models--org--name/snapshots/…` read as one).
     id: String,
-    /// `--use_peft` or `--lora_r` (TRL): LoRA.
-    lora: bool,
+    /// The method it trains with: `--use_peft` or `--lora_r` (TRL) is LoRA; a config file
+    /// says (`adapter`, `finetuning_type`, …); `None`: full.
+    method: Option<memguard_estimator::Method>,
+    /// Where the model was read: `None` the command line, else the config file's source.
+    source: Option<String>,
+    /// Where the method was read, likewise.
+    method_source: Option<String>,
+    /// The base model's storage bits the config file sets (8-bit LoRA), with its source.
+    model_bits: Option<(u32, String)>,
 }
 
 /// The model a launch names (`Ok(None)`: no HF launch, or no model flag, or a value that is
@@ -252,11 +291,15 @@ fn launch_model(trainer: &Container) -> Result<Option<LaunchModel>, String> {
     };
     let lora =
         hf.flags.bool("use_peft", &HfRules) == Some(true) || hf.flags.get("lora_r").is_some();
+    let method = lora.then_some(memguard_estimator::Method::Lora);
     Ok(Some(LaunchModel {
         flag: format!("--{}", flag.spelled.trim_start_matches('-')),
         id: hf_model_id(&value),
         value,
-        lora,
+        method,
+        source: None,
+        method_source: None,
+        model_bits: None,
     }))
 }
 
@@ -268,6 +311,131 @@ fn hf_model_id(value: &str) -> String {
         .find_map(|part| part.strip_prefix("models--"))
         .map(|repo| repo.replace("--", "/"))
         .unwrap_or_else(|| value.to_string())
+}
+
+/// The model the trainer's launch names in its flags ([`launch_model`]), else in the config
+/// file it names; the method from the flags (LoRA), else from the file. `Err`: neither could be
+/// read, and why.
+fn launch_or_file_model(
+    pod: &Pod,
+    trainer: &Container,
+    cluster: Cluster<'_>,
+) -> Result<Option<LaunchModel>, String> {
+    use crate::launch::config_file::{Origin, Trainer};
+    let flags = launch_model(trainer);
+    let file = match read_config_file(pod, trainer, cluster) {
+        Ok(file) => file,
+        Err(_) if matches!(flags, Ok(Some(_))) => None,
+        Err(why) => return flags.and(Err(why)),
+    };
+    let Some(file) = file else {
+        return flags;
+    };
+    let method = file.reading.method;
+    let method_source = Some(file.source.clone());
+    if let Some(mut m) = flags? {
+        if m.method.is_none() && method.is_some_and(|m| m != memguard_estimator::Method::Full) {
+            m.method = method;
+            m.method_source = method_source;
+        }
+        return Ok(Some(m));
+    }
+    let Some((value, read)) = &file.reading.model else {
+        return Ok(None);
+    };
+    let id = match file.config.trainer {
+        // LitGPT's checkpoint directory ends `<org>/<name>` (`checkpoints/meta-llama/…`).
+        Trainer::LitGpt => {
+            let parts: Vec<&str> = value.trim_end_matches('/').rsplit('/').take(2).collect();
+            match parts.as_slice() {
+                [name, org] => format!("{org}/{name}"),
+                _ => value.clone(),
+            }
+        }
+        _ => hf_model_id(value),
+    };
+    let source = match read.origin {
+        Origin::Args => None,
+        Origin::File => Some(file.source.clone()),
+    };
+    Ok(Some(LaunchModel {
+        flag: match &source {
+            Some(s) => format!("`{}` in {s}", read.key),
+            None => read.key.to_string(),
+        },
+        value: value.clone(),
+        id,
+        method,
+        source,
+        method_source,
+        model_bits: file.reading.model_bits.map(|b| (b, file.source.clone())),
+    }))
+}
+
+/// The config file the trainer's launch names ([`crate::launch::config_file`]), read from the
+/// pod's ConfigMaps. `Ok(None)`: the launch names none; `Err`: it names one that cannot be
+/// read, and why.
+fn read_config_file(
+    pod: &Pod,
+    trainer: &Container,
+    cluster: Cluster<'_>,
+) -> Result<Option<ConfigFileReading>, String> {
+    use crate::launch::{self, config_file};
+    let command = trainer.command.clone().unwrap_or_default();
+    let command_len = command.len();
+    let items: Vec<String> = command
+        .into_iter()
+        .chain(trainer.args.clone().unwrap_or_default())
+        .collect();
+    let Ok(found) = launch::find(&items) else {
+        return Ok(None);
+    };
+    let Some(config) = config_file::find(&found) else {
+        return Ok(None);
+    };
+    let name = config.trainer.name();
+    let file = crate::mounted::read(pod, trainer, &config.path, cluster.config_maps)
+        .map_err(|e| format!("{name}'s config `{}` was not read: {e}", config.path))?;
+    let doc: serde_json::Value = if config.path.ends_with(".json") {
+        serde_json::from_str(&file.text)
+            .map_err(|e| format!("{name}'s config {} is not valid JSON: {e}", file.source))?
+    } else {
+        serde_saphyr::from_str(&file.text)
+            .map_err(|e| format!("{name}'s config {} is not valid YAML: {e}", file.source))?
+    };
+    if !doc.is_object() {
+        return Err(format!("{name}'s config {} is not a mapping", file.source));
+    }
+    // An override memguard wrote at an earlier admission (it holds the value planned then, and
+    // that differs from the value read then) is not the trainer's: the value read then counts
+    // when it came from the command line (memguard replaced the user's word), the file's
+    // otherwise (memguard appended the word).
+    let earlier = earlier_estimate(pod);
+    let mut own = config.clone();
+    for (knob, read) in config.read(&doc).knobs {
+        let Some(e) = earlier.as_ref().filter(|e| {
+            read.origin == config_file::Origin::Args
+                && e.config.get(knob.name()) == Some(&read.value)
+                && e.read.get(knob.name()) != Some(&read.value)
+        }) else {
+            continue;
+        };
+        let users = e.sources.get(knob.name()).is_some_and(|s| s == "args");
+        match e.read.get(knob.name()).filter(|_| users) {
+            Some(value) => own.restore(read.key, knob, value),
+            None => own.overrides.retain(|o| o.key != read.key),
+        }
+    }
+    let reading = own.read(&doc);
+    Ok(Some(ConfigFileReading {
+        items,
+        command_len,
+        launch: found,
+        config,
+        doc,
+        source: file.source,
+        reading,
+    }))
 }
 
 /// Reads the trainer's command line with HF rules into `config`, for the knobs no annotation
@@ -353,7 +521,7 @@ impl<'a> TrainingPod<'a> {
                 .unwrap_or_default();
             let named = given.get(annotations::CONTAINER).map(|s| s.trim());
             match pick_trainer(containers, named) {
-                Ok((_, trainer)) => launch_model(trainer),
+                Ok((_, trainer)) => launch_or_file_model(pod, trainer, cluster),
                 Err(_) => Ok(None),
             }
         };
@@ -370,6 +538,7 @@ impl<'a> TrainingPod<'a> {
         };
         let mut with_launch;
         let mut read_from_args = BTreeSet::new();
+        let mut read_from_file = BTreeMap::new();
         let given = match &launched {
             None => given,
             Some(m) => {
@@ -386,11 +555,25 @@ impl<'a> TrainingPod<'a> {
                 }
                 with_launch = given.clone();
                 with_launch.insert(annotations::MODEL.into(), m.id.clone());
-                read_from_args.insert("model");
+                let mut read = |what: &'static str, from: &Option<String>| match from {
+                    None => {
+                        read_from_args.insert(what);
+                    }
+                    Some(source) => {
+                        read_from_file.insert(what, source.clone());
+                    }
+                };
+                read("model", &m.source);
                 if !given.contains_key(annotations::METHOD) {
-                    let method = if m.lora { "lora" } else { "full" };
+                    let method = m.method.map(|m| m.name()).unwrap_or("full");
                     with_launch.insert(annotations::METHOD.into(), method.into());
-                    read_from_args.insert("method");
+                    read("method", &m.method_source);
+                }
+                if let Some((bits, source)) = &m.model_bits
+                    && !given.contains_key(annotations::MODEL_BITS)
+                {
+                    with_launch.insert(annotations::MODEL_BITS.into(), bits.to_string());
+                    read_from_file.insert("model-bits", source.clone());
                 }
                 &with_launch
             }
@@ -405,6 +588,7 @@ impl<'a> TrainingPod<'a> {
             cluster,
         )?;
         training.read_from_args = read_from_args;
+        training.read_from_file = read_from_file;
         Ok(training)
     }
 
@@ -459,6 +643,26 @@ impl<'a> TrainingPod<'a> {
                 Ok(args) => (args, None),
                 Err(why) => (None, Some(why)),
             };
+        let (config_file, config_unreadable) = match read_config_file(pod, trainer, cluster) {
+            Ok(file) => (file, None),
+            Err(why) => (None, Some(why)),
+        };
+        if let Some(file) = &config_file {
+            // Precedence: an annotation, then what the command line (or a mapped variable)
+            // says, then the file.
+            for (knob, read) in &file.reading.knobs {
+                if parsed.knobs_given.contains(knob) || sources.contains_key(knob) {
+                    continue;
+                }
+                if knob.set(&mut config, &read.value) {
+                    let source = match read.origin {
+                        crate::launch::config_file::Origin::Args => "args".to_string(),
+                        crate::launch::config_file::Origin::File => file.source.clone(),
+                    };
+                    sources.insert(*knob, source);
+                }
+            }
+        }
         Ok(TrainingPod {
             annotations: parsed,
             trainer_index,
@@ -478,6 +682,9 @@ impl<'a> TrainingPod<'a> {
             args,
             args_unreadable,
             read_from_args: BTreeSet::new(),
+            config_file,
+            config_unreadable,
+            read_from_file: BTreeMap::new(),
         })
     }
 

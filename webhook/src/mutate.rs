@@ -154,11 +154,19 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
         profiles.adjustments(pod.metadata.namespace.as_deref(), key)
     })?;
     keeps_effective_batch(&training, policy, &decided.plan.config)?;
-    let (command_line, changed) = rewrite_args(&training, &decided.plan.config)?;
+    let (command_line, changed) = match &training.config_file {
+        Some(file) => rewrite_config_file(&training, file, &decided.plan.config)?,
+        None => rewrite_args(&training, &decided.plan.config)?,
+    };
     let mut mutation = render(&training, policy, decided);
     if let Some(why) = &training.args_unreadable {
         mutation.warnings.push(truncate(&format!(
             "memguard: the trainer's command line was not read ({why}); planned on annotations"
+        )));
+    }
+    if let Some(why) = &training.config_unreadable {
+        mutation.warnings.push(truncate(&format!(
+            "memguard: {why}; planned without it, its args left as they were"
         )));
     }
     if !changed.is_empty() {
@@ -182,13 +190,15 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
 /// a pod with no readable launch keeps the plan over every knob, as written for memguard.
 pub fn pinned_floors(training: &TrainingPod, policy: &Policy) -> memguard_estimator::Floors {
     let mut floors = policy.floors;
-    if training.args.is_none() {
+    if training.args.is_none() && training.config_file.is_none() {
         return floors;
     }
     let map = training.env_map(policy);
     let cfg = &training.config;
     let in_play = |knob: Knob| {
-        map.contains_key(&knob) || training.sources.get(&knob).is_some_and(|s| s == "args")
+        map.contains_key(&knob)
+            || training.sources.get(&knob).is_some_and(|s| s == "args")
+            || config_file_knobs(training).contains(&knob)
     };
     if !in_play(Knob::SeqLength) {
         floors.seq_length = floors.seq_length.max(cfg.seq_length);
@@ -248,6 +258,61 @@ fn rewrite_args(
     }
     let items = reading.launch.apply(&reading.items, &edits);
     let (command, args) = items.split_at(reading.command_len.min(items.len()));
+    let trainer = training.trainer;
+    Ok((
+        Some(CommandLine {
+            command: trainer.command.as_ref().map(|_| command.to_vec()),
+            args: trainer
+                .args
+                .as_ref()
+                .map(|_| args.to_vec())
+                .or_else(|| (!args.is_empty()).then(|| args.to_vec())),
+        }),
+        changed,
+    ))
+}
+
+/// The knobs a config-file trainer's overrides set: every knob its file has a key for, unless
+/// an annotation or a mapped variable gives it.
+fn config_file_knobs(training: &TrainingPod) -> Vec<Knob> {
+    let Some(file) = &training.config_file else {
+        return Vec::new();
+    };
+    file.config
+        .knobs()
+        .into_iter()
+        .filter(|k| {
+            !training.annotations.knobs_given.contains(k)
+                && training
+                    .sources
+                    .get(k)
+                    .is_none_or(|s| s == "args" || *s == file.source)
+        })
+        .collect()
+}
+
+/// The plan written as the config-file trainer's own overrides (axolotl's options,
+/// LLaMA-Factory's `key=value`, TRL's flags, LitGPT's `--train.…`), the file never edited.
+fn rewrite_config_file(
+    training: &TrainingPod,
+    file: &memguard_api::pod::ConfigFileReading,
+    planned: &TrainingConfig,
+) -> Result<(Option<CommandLine>, Vec<String>), String> {
+    let knobs = config_file_knobs(training);
+    let (edits, changed) = file
+        .config
+        .rewrite(&file.doc, &training.config, planned, &knobs)
+        .map_err(|e| {
+            format!(
+                "the plan cannot be written as {}'s overrides: {e}",
+                file.config.trainer.name()
+            )
+        })?;
+    if edits.is_empty() {
+        return Ok((None, changed));
+    }
+    let items = file.launch.apply(&file.items, &edits);
+    let (command, args) = items.split_at(file.command_len.min(items.len()));
     let trainer = training.trainer;
     Ok((
         Some(CommandLine {
@@ -504,6 +569,12 @@ fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap<String, St
                 .read_from_args
                 .iter()
                 .map(|what| (what.to_string(), "args".to_string())),
+        )
+        .chain(
+            training
+                .read_from_file
+                .iter()
+                .map(|(what, source)| (what.to_string(), source.clone())),
         )
         .collect()
 }

@@ -106,6 +106,9 @@ pub struct Reading {
     pub model: Option<(String, Read)>,
     /// The method the config trains with, when it says.
     pub method: Option<Method>,
+    /// The base model's storage bits when the config quantizes it (8: axolotl's
+    /// `load_in_8bit`, LLaMA-Factory's `quantization_bit: 8`; QLoRA is 4 by its method).
+    pub model_bits: Option<u32>,
     /// Settings the rewrite must respect (`deepspeed`, `fsdp`), as `key: value`.
     pub coupled: Vec<String>,
 }
@@ -175,6 +178,29 @@ impl ConfigLaunch {
             origin: Origin::File,
             key,
         })
+    }
+
+    /// The knobs the trainer's overrides can set (LitGPT's accumulation follows its batch).
+    pub fn knobs(&self) -> Vec<Knob> {
+        let mut out: Vec<Knob> = self.keys().iter().map(|(k, _)| *k).collect();
+        if self.trainer == Trainer::LitGpt {
+            out.push(Knob::GradAccumulation);
+        }
+        out
+    }
+
+    /// Sets the last override of `key` back to `value` of `knob` (as the knob reads it): the
+    /// value the user wrote before memguard replaced it.
+    pub fn restore(&mut self, key: &str, knob: Knob, value: &str) {
+        let raw = match (self.trainer, knob) {
+            (Trainer::LlamaFactory, Knob::GradCheckpointing) => {
+                checkpointing(value).map_or_else(|| value.to_string(), |on| (!on).to_string())
+            }
+            _ => value.to_string(),
+        };
+        if let Some(o) = self.overrides.iter_mut().rev().find(|o| o.key == key) {
+            o.value = raw;
+        }
     }
 
     /// The trainer's key for each knob it reads.
@@ -270,6 +296,9 @@ impl ConfigLaunch {
                     Some("lora") => Method::Lora,
                     _ => Method::Full,
                 });
+                if is("load_in_8bit", "true") && out.method != Some(Method::Qlora) {
+                    out.model_bits = Some(8);
+                }
                 coupled(&get, &["deepspeed", "fsdp", "fsdp_config"], out);
             }
             Trainer::LlamaFactory => {
@@ -304,6 +333,9 @@ impl ConfigLaunch {
                     // `freeze` trains some layers: planned as full, an upper bound.
                     _ => Method::Full,
                 });
+                if is("quantization_bit", "8") {
+                    out.model_bits = Some(8);
+                }
                 coupled(&get, &["deepspeed"], out);
             }
             Trainer::Trl => {
@@ -387,6 +419,18 @@ impl ConfigLaunch {
                 before.grad_accumulation,
                 planned.batch_size,
                 planned.grad_accumulation
+            ));
+        }
+        // A knob the plan moves that this trainer has no setting for is never reported applied.
+        let settable = self.knobs();
+        if let Some(knob) = [Knob::GradCheckpointing, Knob::SeqLength, Knob::LoraRank]
+            .into_iter()
+            .find(|k| !settable.contains(k) && k.value(planned) != k.value(before))
+        {
+            return Err(format!(
+                "{} has no setting for {} that memguard can write",
+                self.trainer.name(),
+                knob.name()
             ));
         }
         let reading = self.read(doc);
@@ -628,7 +672,10 @@ fn dashed_overrides(
                 },
             },
         };
-        let key = match key.strip_prefix("no_").filter(|_| click && inline.is_none()) {
+        let key = match key
+            .strip_prefix("no_")
+            .filter(|_| click && inline.is_none())
+        {
             Some(k) if value_at.is_none() => k.to_string(),
             _ => key,
         };
@@ -717,7 +764,9 @@ fn litgpt(sub: &str, words: &[&str], expands: &Expands) -> Option<ConfigLaunch> 
     ) {
         return None;
     }
-    let config = words.iter().position(|w| *w == "--config" || w.starts_with("--config="))?;
+    let config = words
+        .iter()
+        .position(|w| *w == "--config" || w.starts_with("--config="))?;
     let (path, after) = match words[config].strip_prefix("--config=") {
         Some(p) => (p.to_string(), config + 1),
         None => (words.get(config + 1)?.to_string(), config + 2),

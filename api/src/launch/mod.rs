@@ -3,8 +3,8 @@
 //!
 //! Pure: no I/O. The webhook reads a pod with it; the fuzz target `launch` feeds it anything.
 
-pub mod flags;
 pub mod config_file;
+pub mod flags;
 pub mod launcher;
 pub mod words;
 

@@ -41,7 +41,10 @@ fn axolotl_cli_reads_the_file_under_its_overrides() {
         "--sequence-len=1024",
         "--micro-batch-size=2",
     ]);
-    assert_eq!((c.trainer, c.path.as_str()), (Trainer::AxolotlCli, "/config/qlora.yml"));
+    assert_eq!(
+        (c.trainer, c.path.as_str()),
+        (Trainer::AxolotlCli, "/config/qlora.yml")
+    );
     let doc = json!({"base_model": "NousResearch/Llama-3.2-1B", "adapter": "lora",
         "load_in_4bit": true, "lora_r": 32, "micro_batch_size": 8,
         "gradient_accumulation_steps": 4, "gradient_checkpointing": "offload",
@@ -50,9 +53,15 @@ fn axolotl_cli_reads_the_file_under_its_overrides() {
     assert_eq!(knob(&r, Knob::BatchSize), Some(("2", Origin::Args)));
     assert_eq!(knob(&r, Knob::SeqLength), Some(("1024", Origin::Args)));
     assert_eq!(knob(&r, Knob::GradAccumulation), Some(("4", Origin::File)));
-    assert_eq!(knob(&r, Knob::GradCheckpointing), Some(("true", Origin::File)));
+    assert_eq!(
+        knob(&r, Knob::GradCheckpointing),
+        Some(("true", Origin::File))
+    );
     assert_eq!(knob(&r, Knob::LoraRank), Some(("32", Origin::File)));
-    assert_eq!(r.model.as_ref().map(|m| m.0.as_str()), Some("NousResearch/Llama-3.2-1B"));
+    assert_eq!(
+        r.model.as_ref().map(|m| m.0.as_str()),
+        Some("NousResearch/Llama-3.2-1B")
+    );
     assert_eq!(r.method, Some(Method::Qlora));
     assert_eq!(r.coupled, ["deepspeed: deepspeed_configs/zero2.json"]);
 }
@@ -61,14 +70,25 @@ fn axolotl_cli_reads_the_file_under_its_overrides() {
 /// re-read, the launch gives the plan and keeps batch × accumulation.
 #[test]
 fn axolotl_rewrite_round_trips() {
-    let cmd = ["axolotl", "train", "/config/lora.yml", "--micro-batch-size=8"];
+    let cmd = [
+        "axolotl",
+        "train",
+        "/config/lora.yml",
+        "--micro-batch-size=8",
+    ];
     let (launch, c) = config_launch(&cmd);
     let doc = json!({"base_model": "x", "micro_batch_size": 1, "gradient_accumulation_steps": 2});
     let before = config(8, 2);
     let mut planned = config(2, 8);
     planned.grad_checkpointing = true;
-    let knobs = [Knob::BatchSize, Knob::GradAccumulation, Knob::GradCheckpointing];
-    let (edits, changed) = c.rewrite(&doc, &before, &planned, &knobs).expect("writable");
+    let knobs = [
+        Knob::BatchSize,
+        Knob::GradAccumulation,
+        Knob::GradCheckpointing,
+    ];
+    let (edits, changed) = c
+        .rewrite(&doc, &before, &planned, &knobs)
+        .expect("writable");
     assert_eq!(
         changed,
         [
@@ -93,7 +113,10 @@ fn axolotl_rewrite_round_trips() {
     let r = again.read(&doc);
     assert_eq!(knob(&r, Knob::BatchSize), Some(("2", Origin::Args)));
     assert_eq!(knob(&r, Knob::GradAccumulation), Some(("8", Origin::Args)));
-    assert_eq!(knob(&r, Knob::GradCheckpointing), Some(("true", Origin::Args)));
+    assert_eq!(
+        knob(&r, Knob::GradCheckpointing),
+        Some(("true", Origin::Args))
+    );
 }
 
 /// axolotl derives accumulation from `batch_size` when the file has no
@@ -109,17 +132,29 @@ fn axolotl_derived_accumulation_strict_and_launcher_words() {
     let r = c.read(&doc);
     assert_eq!(knob(&r, Knob::GradAccumulation), Some(("8", Origin::File)));
     let (edits, changed) = c
-        .rewrite(&doc, &config(4, 8), &config(1, 32), &[Knob::BatchSize, Knob::GradAccumulation])
+        .rewrite(
+            &doc,
+            &config(4, 8),
+            &config(1, 32),
+            &[Knob::BatchSize, Knob::GradAccumulation],
+        )
         .expect("writable");
     assert_eq!(
-        launch.apply(&items(&cmd), &edits).last().map(String::as_str),
+        launch
+            .apply(&items(&cmd), &edits)
+            .last()
+            .map(String::as_str),
         Some("--micro_batch_size=1")
     );
-    assert_eq!(changed, ["--micro_batch_size 4→1", "accumulation 8→32 (derived)"]);
+    assert_eq!(
+        changed,
+        ["--micro_batch_size 4→1", "accumulation 8→32 (derived)"]
+    );
     // Batch × accumulation not kept: nothing is written.
-    assert!(c
-        .rewrite(&doc, &config(4, 8), &config(2, 8), &[Knob::BatchSize])
-        .is_err());
+    assert!(
+        c.rewrite(&doc, &config(4, 8), &config(2, 8), &[Knob::BatchSize])
+            .is_err()
+    );
     let strict = json!({"strict": true, "micro_batch_size": 4, "gradient_accumulation_steps": 1});
     let mut planned = config(4, 1);
     planned.grad_checkpointing = true;
@@ -129,7 +164,12 @@ fn axolotl_derived_accumulation_strict_and_launcher_words() {
     assert!(why.contains("strict: true"), "{why}");
     let (_, sealed) = config_launch(&["axolotl", "train", "c.yml", "--", "--num_processes", "2"]);
     let why = sealed
-        .rewrite(&json!({}), &config(4, 1), &planned, &[Knob::GradCheckpointing])
+        .rewrite(
+            &json!({}),
+            &config(4, 1),
+            &planned,
+            &[Knob::GradCheckpointing],
+        )
         .expect_err("sealed");
     assert!(why.contains("after `--`"), "{why}");
 }
@@ -151,20 +191,32 @@ fn llama_factory_dotlist_over_the_file() {
     let r = c.read(&doc);
     assert_eq!(knob(&r, Knob::BatchSize), Some(("4", Origin::Args)));
     assert_eq!(knob(&r, Knob::GradAccumulation), Some(("8", Origin::File)));
-    assert_eq!(knob(&r, Knob::GradCheckpointing), Some(("true", Origin::File)));
+    assert_eq!(
+        knob(&r, Knob::GradCheckpointing),
+        Some(("true", Origin::File))
+    );
     assert_eq!(knob(&r, Knob::SeqLength), Some(("2048", Origin::File)));
     assert_eq!(knob(&r, Knob::LoraRank), Some(("8", Origin::File)));
     assert_eq!(r.method, Some(Method::Qlora));
     let off = c.read(&json!({"disable_gradient_checkpointing": true, "finetuning_type": "full"}));
-    assert_eq!(knob(&off, Knob::GradCheckpointing), Some(("false", Origin::File)));
+    assert_eq!(
+        knob(&off, Knob::GradCheckpointing),
+        Some(("false", Origin::File))
+    );
     assert_eq!(off.method, Some(Method::Full));
 
     let mut before = config(4, 8);
     before.grad_checkpointing = false;
     let mut planned = config(1, 32);
     planned.grad_checkpointing = true;
-    let knobs = [Knob::BatchSize, Knob::GradAccumulation, Knob::GradCheckpointing];
-    let (edits, changed) = c.rewrite(&doc, &before, &planned, &knobs).expect("writable");
+    let knobs = [
+        Knob::BatchSize,
+        Knob::GradAccumulation,
+        Knob::GradCheckpointing,
+    ];
+    let (edits, changed) = c
+        .rewrite(&doc, &before, &planned, &knobs)
+        .expect("writable");
     assert_eq!(
         changed,
         [
@@ -183,8 +235,8 @@ fn llama_factory_dotlist_over_the_file() {
         ]
     );
     // Not a config file: LLaMA-Factory reads plain flags then, not this reader's business.
-    let plain = find_launch(&items(&["llamafactory-cli", "train", "--stage", "sft"]))
-        .expect("a launch");
+    let plain =
+        find_launch(&items(&["llamafactory-cli", "train", "--stage", "sft"])).expect("a launch");
     assert_eq!(find(&plain), None);
 }
 
@@ -198,7 +250,10 @@ fn trl_config_with_flag_overrides() {
         "pip install -q trl && trl sft --config /cfg/sft.yaml --gradient_accumulation_steps 2",
     ];
     let (launch, c) = config_launch(&cmd);
-    assert_eq!((c.trainer, c.path.as_str()), (Trainer::Trl, "/cfg/sft.yaml"));
+    assert_eq!(
+        (c.trainer, c.path.as_str()),
+        (Trainer::Trl, "/cfg/sft.yaml")
+    );
     let doc = json!({"model_name_or_path": "Qwen/Qwen2-0.5B", "per_device_train_batch_size": 8,
         "gradient_accumulation_steps": 16, "max_seq_length": 2048, "use_peft": true, "lora_r": 16});
     let r = c.read(&doc);
@@ -207,7 +262,12 @@ fn trl_config_with_flag_overrides() {
     assert_eq!(knob(&r, Knob::SeqLength), Some(("2048", Origin::File)));
     assert_eq!(r.method, Some(Method::Lora));
     let (edits, _) = c
-        .rewrite(&doc, &config(8, 2), &config(2, 8), &[Knob::BatchSize, Knob::GradAccumulation])
+        .rewrite(
+            &doc,
+            &config(8, 2),
+            &config(2, 8),
+            &[Knob::BatchSize, Knob::GradAccumulation],
+        )
         .expect("writable");
     let out = launch.apply(&items(&cmd), &edits);
     assert_eq!(
@@ -238,7 +298,11 @@ fn litgpt_derives_accumulation_from_the_global_batch() {
     let doc = json!({"quantize": "bnb.nf4", "lora_r": 32,
         "train": {"global_batch_size": 16, "micro_batch_size": 2, "max_seq_length": 512}});
     let r = c.read(&doc);
-    assert_eq!(knob(&r, Knob::BatchSize), Some(("2", Origin::File)), "before --config: overridden");
+    assert_eq!(
+        knob(&r, Knob::BatchSize),
+        Some(("2", Origin::File)),
+        "before --config: overridden"
+    );
     assert_eq!(knob(&r, Knob::GradAccumulation), Some(("4", Origin::File)));
     assert_eq!(knob(&r, Knob::SeqLength), Some(("512", Origin::File)));
     assert_eq!(r.method, Some(Method::Qlora));
@@ -247,11 +311,22 @@ fn litgpt_derives_accumulation_from_the_global_batch() {
         Some("checkpoints/meta-llama/Meta-Llama-3.1-8B")
     );
     let (edits, changed) = c
-        .rewrite(&doc, &config(2, 4), &config(1, 8), &[Knob::BatchSize, Knob::GradAccumulation])
+        .rewrite(
+            &doc,
+            &config(2, 4),
+            &config(1, 8),
+            &[Knob::BatchSize, Knob::GradAccumulation],
+        )
         .expect("writable");
-    assert_eq!(changed, ["--train.micro_batch_size 2→1", "accumulation 4→8 (derived)"]);
+    assert_eq!(
+        changed,
+        ["--train.micro_batch_size 2→1", "accumulation 4→8 (derived)"]
+    );
     let out = launch.apply(&items(&cmd), &edits);
-    assert_eq!(out.last().map(String::as_str), Some("--train.micro_batch_size=1"));
+    assert_eq!(
+        out.last().map(String::as_str),
+        Some("--train.micro_batch_size=1")
+    );
     let (_, again) = config_launch(&out.iter().map(String::as_str).collect::<Vec<_>>());
     let r = again.read(&doc);
     assert_eq!(knob(&r, Knob::BatchSize), Some(("1", Origin::Args)));
@@ -261,13 +336,23 @@ fn litgpt_derives_accumulation_from_the_global_batch() {
 /// A value the shell expands is not read, and not rewritten.
 #[test]
 fn expanded_words_are_not_trusted() {
-    let cmd = ["sh", "-c", "llamafactory-cli train /c/x.yaml per_device_train_batch_size=$BS"];
+    let cmd = [
+        "sh",
+        "-c",
+        "llamafactory-cli train /c/x.yaml per_device_train_batch_size=$BS",
+    ];
     let (_, c) = config_launch(&cmd);
     let doc = json!({"per_device_train_batch_size": 8});
     assert_eq!(knob(&c.read(&doc), Knob::BatchSize), None);
-    assert!(c
-        .rewrite(&doc, &config(8, 1), &config(2, 4), &[Knob::BatchSize, Knob::GradAccumulation])
-        .is_err());
+    assert!(
+        c.rewrite(
+            &doc,
+            &config(8, 1),
+            &config(2, 4),
+            &[Knob::BatchSize, Knob::GradAccumulation]
+        )
+        .is_err()
+    );
     let expanded = find_launch(&items(&["sh", "-c", "axolotl train $CFG"])).expect("a launch");
     assert_eq!(find(&expanded), None);
     let _ = apply::<&str>(&[], &[]);

@@ -1,0 +1,399 @@
+//! Trainers that keep their config in a ConfigMap-mounted file (issue 27), end to end through
+//! `mutate` and `patch::build`: a pod with only the opt-in label whose trainer is a stock axolotl
+//! or LLaMA-Factory launch is admitted with overrides in the trainer's own terms. The output is
+//! applied, its command line re-read with the trainer's rules over the same file, checked to fit
+//! and to keep batch × accumulation, validated by `kubernetes-validate --strict`, and admitted
+//! again with no second patch. A pod that fits keeps its args byte for byte; a file that cannot
+//! be read leaves the args alone and says why.
+//!
+//! The files under `tests/fixtures/config-files/` are upstream examples, verbatim:
+//! axolotl-ai-cloud/axolotl@067b021c8b87a9e5e380b9173c704cf7340e30f5 `examples/llama-3/lora-8b.yml`,
+//! hiyouga/LLaMA-Factory@ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30
+//! `examples/train_lora/qwen3_lora_sft.yaml`.
+
+use k8s_openapi::api::core::v1::Pod;
+use memguard_api::cluster::ConfigMapList;
+use memguard_api::launch::config_file::{self, Origin, Reading};
+use memguard_api::{Knob, Policy};
+use memguard_webhook::{ClusterView, Outcome, mutate, patch};
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+const NAMESPACE: &str = "ml";
+/// Where axolotl's 8-bit Llama-3-8B LoRA at sequence 4096 fits at micro batch 1, not 2.
+const AXOLOTL_GPU: &str = "NVIDIA-A100-SXM4-40GB";
+
+fn fixture(name: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/config-files")
+        .join(name);
+    std::fs::read_to_string(path).expect("fixture")
+}
+
+/// A pod with only the opt-in label, on one A10G, running `argv`, with ConfigMap `config`
+/// mounted at `mount`.
+fn label_only(argv: &[&str], config: &str, mount: &str) -> Value {
+    label_only_on("NVIDIA-A10G", argv, config, mount)
+}
+
+/// The same on GPU `product`.
+fn label_only_on(product: &str, argv: &[&str], config: &str, mount: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "train", "namespace": NAMESPACE,
+                     "labels": {"memguard.io/enabled": "true"}},
+        "spec": {
+            "restartPolicy": "Never",
+            "nodeSelector": {"nvidia.com/gpu.product": product},
+            "containers": [{
+                "name": "trainer",
+                "image": "ghcr.io/example/trainer:1",
+                "command": argv,
+                "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                "volumeMounts": [{"name": "config", "mountPath": mount, "readOnly": true}]
+            }],
+            "volumes": [{"name": "config", "configMap": {"name": config}}]
+        }
+    })
+}
+
+fn view(config: &str, key: &str, text: &str) -> ClusterView {
+    let data = BTreeMap::from([(key.to_string(), text.to_string())]);
+    let maps = ConfigMapList(BTreeMap::from([(
+        (NAMESPACE.to_string(), config.to_string()),
+        data,
+    )]));
+    ClusterView::default().with_config_maps(Arc::new(maps))
+}
+
+struct Admitted {
+    mutation: Box<memguard_webhook::Mutation>,
+    applied: Value,
+}
+
+/// Admits `pod`, applies the patch, and admits the result again: no second patch.
+fn admit(pod: &Value, view: &ClusterView) -> Admitted {
+    let typed: Pod = serde_json::from_value(pod.clone()).expect("a Pod");
+    let outcome = mutate(&typed, &Policy::default(), view);
+    let patch = patch::build(&typed, &outcome);
+    let Outcome::Mutated(mutation) = outcome else {
+        panic!("mutated: {outcome:?}")
+    };
+    let mut applied = pod.clone();
+    json_patch::patch(&mut applied, &patch).expect("patch applies");
+    let again: Pod = serde_json::from_value(applied.clone()).expect("still a Pod");
+    let second = patch::build(&again, &mutate(&again, &Policy::default(), view));
+    assert!(second.0.is_empty(), "not idempotent: {second:?}");
+    Admitted { mutation, applied }
+}
+
+/// The trainer's `command` followed by its `args`.
+fn argv(pod: &Value) -> Vec<String> {
+    let c = &pod["spec"]["containers"][0];
+    ["command", "args"]
+        .iter()
+        .flat_map(|f| c[f].as_array().cloned().unwrap_or_default())
+        .map(|v| v.as_str().expect("a string").to_string())
+        .collect()
+}
+
+/// The trainer's reading of `argv` over the file `text` (its own rules, the file parsed as
+/// YAML).
+fn reread(argv: &[String], text: &str) -> Reading {
+    let launch = memguard_api::launch::find(argv).expect("a launch");
+    let config = config_file::find(&launch).expect("a config-file launch");
+    let doc: Value = serde_saphyr::from_str(text).expect("YAML");
+    config.read(&doc)
+}
+
+fn value(r: &Reading, knob: Knob) -> (u64, Origin) {
+    let (_, read) = r
+        .knobs
+        .iter()
+        .find(|(k, _)| *k == knob)
+        .unwrap_or_else(|| panic!("{knob:?} read: {r:?}"));
+    (read.value.parse().expect("a count"), read.origin)
+}
+
+fn estimate(pod: &Value) -> Value {
+    let text = pod["metadata"]["annotations"]["memguard.io/estimate"]
+        .as_str()
+        .expect("estimate annotation");
+    serde_json::from_str(text).expect("estimate JSON")
+}
+
+/// axolotl's `lora-8b.yml` (Llama-3-8B LoRA, micro batch 2 × 4, sequence 4096) does not fit an
+/// A10G as written: it is admitted with axolotl's click overrides appended, which re-read over
+/// the same file give the plan, keep the effective batch of 8 and fit.
+#[test]
+fn a_label_only_axolotl_pod_gets_axolotl_overrides_that_fit() {
+    let text = fixture("axolotl-lora-8b.yml");
+    let pod = label_only_on(
+        AXOLOTL_GPU,
+        &["axolotl", "train", "/config/lora-8b.yml"],
+        "axolotl",
+        "/config",
+    );
+    let view = view("axolotl", "lora-8b.yml", &text);
+    let Admitted {
+        mutation: m,
+        applied,
+    } = admit(&pod, &view);
+    assert!(m.error.is_none(), "{:?}", m.error);
+    assert_eq!(m.plan.config.model.name.as_deref(), Some("llama-3-8b"));
+    assert_eq!(m.plan.config.method, memguard_estimator::Method::Lora);
+    let source = "configmap:axolotl/lora-8b.yml";
+    for (what, from) in [
+        ("model", source),
+        ("method", source),
+        ("batch-size", source),
+        ("grad-accumulation", source),
+        ("seq-length", source),
+        ("lora-rank", source),
+        ("grad-checkpointing", source),
+    ] {
+        assert_eq!(
+            m.estimate.sources.get(what).map(String::as_str),
+            Some(from),
+            "{what}: {:?}",
+            m.estimate.sources
+        );
+    }
+    assert!(
+        m.plan.config.batch_size < 2,
+        "downgraded: {:?}",
+        m.plan.steps
+    );
+    let out = argv(&applied);
+    assert_eq!(&out[..3], ["axolotl", "train", "/config/lora-8b.yml"]);
+    assert!(
+        out.len() > 3
+            && out[3..]
+                .iter()
+                .all(|w| w.starts_with("--") && w.contains('=')),
+        "click overrides: {out:?}"
+    );
+    let r = reread(&out, &text);
+    let (batch, _) = value(&r, Knob::BatchSize);
+    let (accumulation, _) = value(&r, Knob::GradAccumulation);
+    assert_eq!(batch * accumulation, 8, "effective batch kept: {out:?}");
+    let cfg = &m.plan.config;
+    assert_eq!(
+        (batch, accumulation, value(&r, Knob::SeqLength).0),
+        (cfg.batch_size, cfg.grad_accumulation, cfg.seq_length)
+    );
+    let budget = m.budget.as_ref().expect("a budget");
+    assert!(m.plan.total() <= budget.bytes, "fits");
+    // What changed leads the warnings, in axolotl's words.
+    assert!(
+        m.warnings[0].starts_with("memguard: --micro-batch-size 2→"),
+        "{:?}",
+        m.warnings
+    );
+    assert_eq!(estimate(&applied)["read"]["batch-size"], "2");
+}
+
+/// LLaMA-Factory's `qwen3_lora_sft.yaml` launched with a batch of 16 on the command line: the
+/// `key=value` words are rewritten in place, and re-read (OmegaConf dotlist over the file) they
+/// fit and keep 16 × 8.
+#[test]
+fn a_label_only_llama_factory_pod_gets_dotlist_overrides_that_fit() {
+    let text = fixture("llamafactory-qwen3-lora-sft.yaml");
+    // The catalog knows Qwen3-4B; the example's `-Instruct-2507` build is the same shape.
+    let text = text.replace("Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-4B");
+    let pod = label_only(
+        &[
+            "bash",
+            "-c",
+            "pip install -q llamafactory && FORCE_TORCHRUN=1 llamafactory-cli train \
+             /etc/lf/sft.yaml per_device_train_batch_size=16 report_to=none",
+        ],
+        "lf",
+        "/etc/lf",
+    );
+    let view = view("lf", "sft.yaml", &text);
+    let Admitted {
+        mutation: m,
+        applied,
+    } = admit(&pod, &view);
+    assert!(m.error.is_none(), "{:?}", m.error);
+    assert_eq!(m.plan.config.model.name.as_deref(), Some("qwen3-4b"));
+    assert_eq!(m.plan.config.method, memguard_estimator::Method::Lora);
+    for (what, from) in [
+        ("model", "configmap:lf/sft.yaml"),
+        ("batch-size", "args"),
+        ("seq-length", "configmap:lf/sft.yaml"),
+        ("grad-accumulation", "configmap:lf/sft.yaml"),
+        ("lora-rank", "configmap:lf/sft.yaml"),
+    ] {
+        assert_eq!(
+            m.estimate.sources.get(what).map(String::as_str),
+            Some(from),
+            "{what}: {:?}",
+            m.estimate.sources
+        );
+    }
+    let out = argv(&applied);
+    let script = &out[2];
+    assert!(
+        script.starts_with("pip install -q llamafactory && FORCE_TORCHRUN=1 llamafactory-cli train /etc/lf/sft.yaml per_device_train_batch_size="),
+        "the rest of the string byte for byte: {script}"
+    );
+    let r = reread(&out, &text);
+    let (batch, origin) = value(&r, Knob::BatchSize);
+    assert_eq!(origin, Origin::Args);
+    let (accumulation, _) = value(&r, Knob::GradAccumulation);
+    assert_eq!(
+        batch * accumulation,
+        16 * 8,
+        "effective batch kept: {script}"
+    );
+    let cfg = &m.plan.config;
+    assert_eq!(
+        (batch, accumulation),
+        (cfg.batch_size, cfg.grad_accumulation)
+    );
+    assert!(batch < 16, "downgraded: {:?}", m.plan.steps);
+    let budget = m.budget.as_ref().expect("an A10G budget");
+    assert!(m.plan.total() <= budget.bytes, "fits");
+}
+
+/// A config that fits as written: the args stay byte for byte, the sources are still named.
+#[test]
+fn a_pod_that_fits_keeps_its_args() {
+    let text = fixture("llamafactory-qwen3-lora-sft.yaml")
+        .replace("Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-4B");
+    let pod = label_only(
+        &["llamafactory-cli", "train", "/etc/lf/sft.yaml"],
+        "lf",
+        "/etc/lf",
+    );
+    let Admitted {
+        mutation: m,
+        applied,
+    } = admit(&pod, &view("lf", "sft.yaml", &text));
+    assert!(m.plan.steps.is_empty(), "fits: {:?}", m.plan.steps);
+    assert_eq!(
+        applied["spec"]["containers"][0]["command"],
+        pod["spec"]["containers"][0]["command"]
+    );
+    assert_eq!(m.estimate.sources["batch-size"], "configmap:lf/sft.yaml");
+}
+
+/// A file that cannot be read (no such ConfigMap, baked into the image, not YAML) leaves the
+/// args untouched; a label-only pod is skipped with the reason in `memguard.io/error`.
+#[test]
+fn an_unreadable_config_says_why() {
+    let text = fixture("axolotl-lora-8b.yml");
+    let cases = [
+        (
+            label_only(
+                &["axolotl", "train", "/config/lora-8b.yml"],
+                "axolotl",
+                "/config",
+            ),
+            ClusterView::default(),
+            "ConfigMap `ml/axolotl` is not known",
+        ),
+        (
+            label_only(
+                &["axolotl", "train", "/app/lora-8b.yml"],
+                "axolotl",
+                "/config",
+            ),
+            view("axolotl", "lora-8b.yml", &text),
+            "not in a volume mount (baked into the image?)",
+        ),
+        (
+            label_only(
+                &["axolotl", "train", "/config/lora-8b.yml"],
+                "axolotl",
+                "/config",
+            ),
+            view("axolotl", "lora-8b.yml", "base_model: [unclosed"),
+            "is not valid YAML",
+        ),
+    ];
+    for (pod, view, says) in cases {
+        let typed: Pod = serde_json::from_value(pod.clone()).expect("a Pod");
+        let outcome = mutate(&typed, &Policy::default(), &view);
+        let Outcome::Skipped { error, .. } = &outcome else {
+            panic!("{says}: {outcome:?}")
+        };
+        assert!(error.contains(says), "{says}: {error}");
+        assert!(error.contains("axolotl's config"), "{error}");
+        let mut applied = pod.clone();
+        json_patch::patch(&mut applied, &patch::build(&typed, &outcome)).expect("applies");
+        assert_eq!(applied["spec"], pod["spec"], "args untouched");
+        assert_eq!(
+            applied["metadata"]["annotations"]["memguard.io/error"],
+            *error
+        );
+    }
+    // With the model annotated, the pod is planned on its annotations and a warning says why.
+    let mut annotated = label_only(&["axolotl", "train", "/app/x.yml"], "axolotl", "/config");
+    annotated["metadata"]["annotations"] = json!({"memguard.io/model": "llama-3-8b"});
+    let typed: Pod = serde_json::from_value(annotated).expect("a Pod");
+    let Outcome::Mutated(m) = mutate(&typed, &Policy::default(), &ClusterView::default()) else {
+        panic!("planned on annotations")
+    };
+    assert!(m.command_line.is_none());
+    assert!(
+        m.warnings
+            .iter()
+            .any(|w| w.contains("baked into the image")),
+        "{:?}",
+        m.warnings
+    );
+}
+
+/// Every output is a valid pod for the Kubernetes schema.
+#[test]
+fn every_output_is_valid_kubernetes() {
+    let Some(tool) = memguard_e2e::kubernetes_validate() else {
+        return;
+    };
+    let axolotl = fixture("axolotl-lora-8b.yml");
+    let lf = fixture("llamafactory-qwen3-lora-sft.yaml")
+        .replace("Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-4B");
+    let outputs = [
+        admit(
+            &label_only_on(
+                AXOLOTL_GPU,
+                &["axolotl", "train", "/config/lora-8b.yml"],
+                "axolotl",
+                "/config",
+            ),
+            &view("axolotl", "lora-8b.yml", &axolotl),
+        ),
+        admit(
+            &label_only(
+                &[
+                    "llamafactory-cli",
+                    "train",
+                    "/etc/lf/sft.yaml",
+                    "per_device_train_batch_size=16",
+                ],
+                "lf",
+                "/etc/lf",
+            ),
+            &view("lf", "sft.yaml", &lf),
+        ),
+    ];
+    let dir = tempfile::tempdir().expect("tempdir");
+    let files: Vec<PathBuf> = outputs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            let file = dir.path().join(format!("pod-{i}.json"));
+            std::fs::write(&file, a.applied.to_string()).expect("write");
+            file
+        })
+        .collect();
+    if let Err(out) = memguard_e2e::validate_manifests(&tool, &files) {
+        panic!("kubernetes-validate rejected a pod:\n{out}");
+    }
+}
