@@ -18,7 +18,9 @@ use memguard_api::{Knob, Policy};
 use memguard_webhook::{ClusterView, Outcome, mutate, patch};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 const NAMESPACE: &str = "ml";
@@ -107,6 +109,37 @@ fn reread(argv: &[String], text: &str) -> Reading {
     let config = config_file::find(&launch).expect("a config-file launch");
     let doc: Value = serde_saphyr::from_str(text).expect("YAML");
     config.read(&doc)
+}
+
+/// The trainers' own parsers on the words after the program (`trainer_args.py`: OmegaConf for
+/// LLaMA-Factory, fire for axolotl's module); empty when python3 is missing outside CI.
+fn trainer_parse(trainer: &str, argv: &[String], config: &str) -> Option<Value> {
+    let python = memguard_e2e::find_tool("python3", "PYTHON")
+        .or_else(|| memguard_e2e::missing("python3"))?;
+    let launch = memguard_api::launch::find(argv).expect("a launch");
+    let input = json!([{"trainer": trainer, "words": launch.texts(), "config": config}]);
+    let mut child = Command::new(python)
+        .arg(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/config-files/trainer_args.py"),
+        )
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python runs");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(input.to_string().as_bytes())
+        .expect("write");
+    let out = child.wait_with_output().expect("the parser runs");
+    assert!(
+        out.status.success(),
+        "the trainer's parser failed on {argv:?}"
+    );
+    let mut parsed: Vec<Value> = serde_json::from_slice(&out.stdout).expect("parser JSON");
+    parsed.pop()
 }
 
 fn value(r: &Reading, knob: Knob) -> (u64, Origin) {
@@ -259,6 +292,64 @@ fn a_label_only_llama_factory_pod_gets_dotlist_overrides_that_fit() {
     assert!(batch < 16, "downgraded: {:?}", m.plan.steps);
     let budget = m.budget.as_ref().expect("an A10G budget");
     assert!(m.plan.total() <= budget.bytes, "fits");
+    // LLaMA-Factory's own merge (OmegaConf) reads the same.
+    if let Some(merged) = trainer_parse("llamafactory", &out, &text) {
+        assert_eq!(
+            merged["per_device_train_batch_size"],
+            json!(batch),
+            "{merged}"
+        );
+        assert_eq!(
+            merged["gradient_accumulation_steps"],
+            json!(accumulation),
+            "{merged}"
+        );
+        assert_eq!(merged["cutoff_len"], json!(cfg.seq_length), "{merged}");
+        assert_eq!(
+            merged["report_to"], "none",
+            "the user's own override is kept"
+        );
+    }
+}
+
+/// axolotl's module form (`accelerate launch -m axolotl.cli.train`): fire keyword arguments in
+/// underscore spelling, which fire itself parses back to the plan.
+#[test]
+fn axolotl_module_overrides_are_fire_keyword_arguments() {
+    let text = fixture("axolotl-lora-8b.yml");
+    let pod = label_only_on(
+        AXOLOTL_GPU,
+        &[
+            "accelerate",
+            "launch",
+            "--num_processes",
+            "1",
+            "-m",
+            "axolotl.cli.train",
+            "/config/lora-8b.yml",
+        ],
+        "axolotl",
+        "/config",
+    );
+    let Admitted {
+        mutation: m,
+        applied,
+    } = admit(&pod, &view("axolotl", "lora-8b.yml", &text));
+    let out = argv(&applied);
+    assert_eq!(
+        &out[7..],
+        ["--micro_batch_size=1", "--gradient_accumulation_steps=8"],
+        "{out:?}"
+    );
+    assert_eq!(
+        (m.plan.config.batch_size, m.plan.config.grad_accumulation),
+        (1, 8)
+    );
+    if let Some(kwargs) = trainer_parse("axolotl-fire", &out, &text) {
+        assert_eq!(kwargs["config"], "/config/lora-8b.yml");
+        assert_eq!(kwargs["micro_batch_size"], 1);
+        assert_eq!(kwargs["gradient_accumulation_steps"], 8);
+    }
 }
 
 /// A config that fits as written: the args stay byte for byte, the sources are still named.
@@ -396,4 +487,87 @@ fn every_output_is_valid_kubernetes() {
     if let Err(out) = memguard_e2e::validate_manifests(&tool, &files) {
         panic!("kubernetes-validate rejected a pod:\n{out}");
     }
+}
+
+/// The config-file shapes of the launch corpus (`tests/corpus/launch/`, format in its README):
+/// each resolves to its model and method, reads exactly the knobs and sources it expects, and is
+/// admitted (not skipped) idempotently.
+#[test]
+fn corpus_config_file_shapes_read_as_expected() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/corpus/launch");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).expect("the corpus") {
+        let path = entry.expect("an entry").path();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        let ours = ["axolotl-", "llamafactory-", "litgpt-", "trl-config-"];
+        if !ours.iter().any(|p| name.starts_with(p)) || !name.ends_with(".yaml") {
+            continue;
+        }
+        seen += 1;
+        let text = std::fs::read_to_string(&path).expect("readable");
+        let doc: Value = serde_saphyr::from_str(&text).expect("YAML");
+        let mut maps = BTreeMap::new();
+        for cm in doc["configMaps"].as_array().into_iter().flatten() {
+            let data: BTreeMap<String, String> =
+                serde_json::from_value(cm["data"].clone()).expect("data");
+            let key = (
+                cm["metadata"]["namespace"]
+                    .as_str()
+                    .unwrap_or("default")
+                    .to_string(),
+                cm["metadata"]["name"].as_str().expect("a name").to_string(),
+            );
+            maps.insert(key, data);
+        }
+        let view = ClusterView::default().with_config_maps(Arc::new(ConfigMapList(maps)));
+        let pod: Pod = serde_json::from_value(doc["pod"].clone()).expect("a Pod");
+        let policy = Policy::default();
+        let t = memguard_api::TrainingPod::resolve(&pod, &policy, view.cluster())
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let expect = &doc["expect"];
+        let model = expect["model"].as_str().expect("a model");
+        let want = policy.models.lookup(model).map(|m| m.shape.name.clone());
+        assert_eq!(
+            Some(t.config.model.name.clone()),
+            want,
+            "{name}: the model {model}"
+        );
+        assert_eq!(t.config.method.name(), expect["method"], "{name}");
+        let read: BTreeMap<String, String> = t
+            .sources
+            .keys()
+            .map(|k| (k.name().to_string(), k.value(&t.config)))
+            .collect();
+        let want: BTreeMap<String, String> =
+            serde_json::from_value(expect["read"].clone()).expect("read");
+        assert_eq!(read, want, "{name}: read");
+        let mut sources: BTreeMap<String, String> = t
+            .sources
+            .iter()
+            .map(|(k, s)| (k.name().to_string(), s.clone()))
+            .collect();
+        sources.extend(
+            t.read_from_args
+                .iter()
+                .map(|w| (w.to_string(), "args".into())),
+        );
+        sources.extend(
+            t.read_from_file
+                .iter()
+                .map(|(w, s)| (w.to_string(), s.clone())),
+        );
+        let want: BTreeMap<String, String> =
+            serde_json::from_value(expect["sources"].clone()).expect("sources");
+        assert_eq!(sources, want, "{name}: sources");
+        let outcome = mutate(&pod, &policy, &view);
+        assert!(
+            matches!(outcome, Outcome::Mutated(_)),
+            "{name}: {outcome:?}"
+        );
+        admit(&doc["pod"], &view);
+    }
+    assert_eq!(seen, 7, "the config-file shapes");
 }
