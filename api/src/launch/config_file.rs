@@ -118,12 +118,12 @@ pub struct Reading {
 pub fn find(launch: &Launch) -> Option<ConfigLaunch> {
     let words = launch.texts();
     let expands = |i: usize| launch.args.get(i).is_some_and(|a| a.expands);
-    match &launch.program {
+    let mut found = match &launch.program {
         Program::Command(_) => match (launch.program.name(), words.first().copied()) {
             ("axolotl", Some("train")) => {
                 axolotl_cli(&words, &expands).map(|c| c.with(Trainer::AxolotlCli))
             }
-            ("llamafactory-cli" | "lmf", Some("train")) => llama_factory(&words, &expands),
+            ("llamafactory-cli" | "lmf", Some("train")) => llama_factory(&words, 1, &expands),
             ("litgpt", Some(sub)) => litgpt(sub, &words, &expands),
             ("trl", Some(_)) => trl(&words, 1, &expands),
             _ => None,
@@ -131,8 +131,16 @@ pub fn find(launch: &Launch) -> Option<ConfigLaunch> {
         Program::Module(m) if m == "axolotl.cli.train" => {
             axolotl_fire(&words, &expands).map(|c| c.with(Trainer::AxolotlModule))
         }
+        // LLaMA-Factory's own entry script (`accelerate launch src/train.py CFG.yaml`, its
+        // examples' multi-GPU form) reads its arguments as `llamafactory-cli train` does.
+        Program::Script(path) if path == "src/train.py" || path.ends_with("/src/train.py") => {
+            llama_factory(&words, 0, &expands).or_else(|| trl(&words, 0, &expands))
+        }
         Program::Script(_) | Program::Module(_) => trl(&words, 0, &expands),
-    }
+    }?;
+    // After a bare `--` no parser reads a word as an option: nothing is appended there.
+    found.sealed |= words.contains(&"--");
+    Some(found)
 }
 
 impl ConfigLaunch {
@@ -521,7 +529,7 @@ impl ConfigLaunch {
         }
         if self.sealed {
             return Err(format!(
-                "{key} would be appended after `--`, where {} passes words to its launcher",
+                "{key} would be appended after `--`, where {} does not read options",
                 self.trainer.name()
             ));
         }
@@ -691,19 +699,19 @@ fn dashed_overrides(
     }
 }
 
-/// `llamafactory-cli train CONFIG.yaml [key=value …]`: LLaMA-Factory reads a file only when
-/// the word after `train` ends `.yaml`, `.yml` or `.json`, and merges the rest as an OmegaConf
-/// dotlist over it.
-fn llama_factory(words: &[&str], expands: &Expands) -> Option<ConfigLaunch> {
-    let path = words.get(1)?;
+/// `llamafactory-cli train CONFIG.yaml [key=value …]` (the config at `at`): LLaMA-Factory reads
+/// a file only when that word ends `.yaml`, `.yml` or `.json`, and merges the rest as an
+/// OmegaConf dotlist over it.
+fn llama_factory(words: &[&str], at: usize, expands: &Expands) -> Option<ConfigLaunch> {
+    let path = words.get(at)?;
     let is_config = [".yaml", ".yml", ".json"]
         .iter()
         .any(|ext| path.ends_with(ext));
-    if !is_config || expands(1) {
+    if !is_config || expands(at) {
         return None;
     }
     let mut launch = ConfigLaunch::blank(Trainer::LlamaFactory, path.to_string());
-    for (i, w) in words.iter().enumerate().skip(2) {
+    for (i, w) in words.iter().enumerate().skip(at + 1) {
         let Some((key, value)) = w.split_once('=') else {
             continue;
         };
@@ -792,6 +800,7 @@ fn litgpt(sub: &str, words: &[&str], expands: &Expands) -> Option<ConfigLaunch> 
     let mut tail = ConfigLaunch::blank(Trainer::LitGpt, String::new());
     dashed_overrides(words, after, None, expands, &mut tail, false);
     launch.overrides = tail.overrides;
+    launch.sealed = tail.sealed;
     Some(launch)
 }
 

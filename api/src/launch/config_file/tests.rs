@@ -234,6 +234,22 @@ fn llama_factory_dotlist_over_the_file() {
             "disable_gradient_checkpointing=false"
         ]
     );
+    // Its entry script, as its examples launch it on several GPUs.
+    let (_, script) = config_launch(&[
+        "accelerate",
+        "launch",
+        "--config_file",
+        "examples/accelerate/fsdp_config.yaml",
+        "src/train.py",
+        "examples/extras/fsdp_qlora/llama3_lora_sft.yaml",
+        "cutoff_len=1024",
+    ]);
+    assert_eq!(script.trainer, Trainer::LlamaFactory);
+    assert_eq!(
+        script.path,
+        "examples/extras/fsdp_qlora/llama3_lora_sft.yaml"
+    );
+    assert_eq!(script.overrides[0].key, "cutoff_len");
     // Not a config file: LLaMA-Factory reads plain flags then, not this reader's business.
     let plain =
         find_launch(&items(&["llamafactory-cli", "train", "--stage", "sft"])).expect("a launch");
