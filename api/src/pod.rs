@@ -156,6 +156,9 @@ pub struct ConfigFileReading {
     /// What the trainer reads: the file under the overrides the user wrote (an override
     /// memguard wrote at an earlier admission is read as the value it replaced).
     pub reading: crate::launch::config_file::Reading,
+    /// The DeepSpeed config the file names (`deepspeed: ds.json`), with its path: parsed when it
+    /// is in a ConfigMap too, else why not. A pinned micro-batch there conflicts with a rewrite.
+    pub deepspeed: Option<(String, Result<serde_json::Value, String>)>,
 }
 
 /// What memguard wrote at an earlier admission (reinvocation, a pod recreated from its own
@@ -427,6 +430,18 @@ fn read_config_file(
         }
     }
     let reading = own.read(&doc);
+    let deepspeed = own
+        .lookup_text(&doc, "deepspeed")
+        .filter(|p| !p.is_empty() && p != "null")
+        .map(|path| {
+            let parsed = crate::mounted::read(pod, trainer, &path, cluster.config_maps)
+                .map_err(|e| e.to_string())
+                .and_then(|f| {
+                    serde_json::from_str(&f.text)
+                        .map_err(|e| format!("{} is not valid JSON: {e}", f.source))
+                });
+            (path, parsed)
+        });
     Ok(Some(ConfigFileReading {
         items,
         command_len,
@@ -435,6 +450,7 @@ fn read_config_file(
         doc,
         source: file.source,
         reading,
+        deepspeed,
     }))
 }
 

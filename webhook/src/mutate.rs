@@ -154,11 +154,15 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
         profiles.adjustments(pod.metadata.namespace.as_deref(), key)
     })?;
     keeps_effective_batch(&training, policy, &decided.plan.config)?;
+    let mut file_warnings = Vec::new();
     let (command_line, changed) = match &training.config_file {
-        Some(file) => rewrite_config_file(&training, file, &decided.plan.config)?,
+        Some(file) => {
+            rewrite_config_file(&training, file, &decided.plan.config, &mut file_warnings)?
+        }
         None => rewrite_args(&training, &decided.plan.config)?,
     };
     let mut mutation = render(&training, policy, decided);
+    mutation.warnings.extend(file_warnings);
     if let Some(why) = &training.args_unreadable {
         mutation.warnings.push(truncate(&format!(
             "memguard: the trainer's command line was not read ({why}); planned on annotations"
@@ -297,8 +301,30 @@ fn rewrite_config_file(
     training: &TrainingPod,
     file: &memguard_api::pod::ConfigFileReading,
     planned: &TrainingConfig,
+    warnings: &mut Vec<String>,
 ) -> Result<(Option<CommandLine>, Vec<String>), String> {
     let knobs = config_file_knobs(training);
+    let before = &training.config;
+    if planned.batch_size != before.batch_size
+        && let Some((path, deepspeed)) = &file.deepspeed
+    {
+        match deepspeed {
+            Ok(ds) => {
+                if let Some(pinned) = deepspeed_pins(ds) {
+                    return Err(format!(
+                        "the batch cannot be changed: the DeepSpeed config `{path}` that {}'s \
+                         config names pins {pinned}; set it to \"auto\" or annotate \
+                         memguard.io/batch-size",
+                        file.config.trainer.name()
+                    ));
+                }
+            }
+            Err(why) => warnings.push(truncate(&format!(
+                "memguard: the DeepSpeed config `{path}` was not read ({why}); if it pins the \
+                 micro-batch, the batch change conflicts with it"
+            ))),
+        }
+    }
     let (edits, changed) = file
         .config
         .rewrite(&file.doc, &training.config, planned, &knobs)
@@ -325,6 +351,24 @@ fn rewrite_config_file(
         }),
         changed,
     ))
+}
+
+/// The batch settings a DeepSpeed config pins to a number (`"auto"` lets the trainer set them),
+/// as `key: value`.
+fn deepspeed_pins(ds: &serde_json::Value) -> Option<String> {
+    let pinned: Vec<String> = [
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "train_batch_size",
+    ]
+    .iter()
+    .filter_map(|k| {
+        ds.get(*k)
+            .filter(|v| v.is_number())
+            .map(|v| format!("{k}: {v}"))
+    })
+    .collect();
+    (!pinned.is_empty()).then(|| pinned.join(", "))
 }
 
 /// `batch × accumulation` is kept exactly by the trainer's own variables, or the pod is not

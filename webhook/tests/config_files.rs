@@ -571,3 +571,63 @@ fn corpus_config_file_shapes_read_as_expected() {
     }
     assert_eq!(seen, 7, "the config-file shapes");
 }
+
+/// A DeepSpeed config the file names (`deepspeed: …`): read from the ConfigMap when it is there;
+/// one that pins the micro-batch refuses the batch change with the reason, `"auto"` lets it
+/// through, one that cannot be read lets it through with a warning that says so.
+#[test]
+fn a_deepspeed_config_that_pins_the_micro_batch_refuses_the_rewrite() {
+    let with_ds = |ds_path: &str| {
+        fixture("axolotl-lora-8b.yml").replace(
+            "load_in_8bit: true",
+            &format!("load_in_8bit: true\ndeepspeed: {ds_path}"),
+        )
+    };
+    let pod = label_only_on(
+        AXOLOTL_GPU,
+        &["axolotl", "train", "/config/lora-8b.yml"],
+        "axolotl",
+        "/config",
+    );
+    let typed: Pod = serde_json::from_value(pod.clone()).expect("a Pod");
+    let maps = |ds: &str, config: &str| {
+        let data = BTreeMap::from([
+            ("lora-8b.yml".to_string(), config.to_string()),
+            ("ds.json".to_string(), ds.to_string()),
+        ]);
+        ClusterView::default().with_config_maps(Arc::new(ConfigMapList(BTreeMap::from([(
+            (NAMESPACE.to_string(), "axolotl".to_string()),
+            data,
+        )]))))
+    };
+    let pinned = maps(
+        r#"{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto"}"#,
+        &with_ds("/config/ds.json"),
+    );
+    match mutate(&typed, &Policy::default(), &pinned) {
+        Outcome::Skipped { error, .. } => {
+            assert!(
+                error.contains("`/config/ds.json`")
+                    && error.contains("train_micro_batch_size_per_gpu: 2"),
+                "{error}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    let auto = maps(
+        r#"{"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}}"#,
+        &with_ds("/config/ds.json"),
+    );
+    let Admitted { mutation: m, .. } = admit(&pod, &auto);
+    assert!(m.command_line.is_some(), "rewritten under \"auto\"");
+    let unread = maps("{}", &with_ds("deepspeed_configs/zero2.json"));
+    let Admitted { mutation: m, .. } = admit(&pod, &unread);
+    assert!(m.command_line.is_some());
+    assert!(
+        m.warnings
+            .iter()
+            .any(|w| w.contains("DeepSpeed config `deepspeed_configs/zero2.json` was not read")),
+        "{:?}",
+        m.warnings
+    );
+}

@@ -211,6 +211,11 @@ impl ConfigLaunch {
         }
     }
 
+    /// The text `key` has for the trainer (the last override, else the file's scalar).
+    pub fn lookup_text(&self, doc: &Value, key: &'static str) -> Option<String> {
+        self.lookup(doc, key).map(|r| r.value)
+    }
+
     /// The trainer's key for each knob it reads.
     fn keys(&self) -> &'static [(Knob, &'static str)] {
         match self.trainer {
