@@ -499,10 +499,18 @@ fn read_args(
         };
         let earlier = earlier_estimate(pod);
         if let Some(value) = value
-            && let Some(value) = as_read(earlier.as_ref(), *knob, &value)
-            && knob.set(config, value)
+            && let Some(read) = as_read(earlier.as_ref(), *knob, &value)
+            && knob.set(config, read)
         {
-            sources.insert(*knob, "args".into());
+            // memguard's own flag (appended over a config file's value) keeps the source
+            // the value was read from then.
+            let source = earlier
+                .as_ref()
+                .filter(|e| e.config.get(knob.name()) == Some(&value))
+                .and_then(|e| e.sources.get(knob.name()))
+                .cloned()
+                .unwrap_or_else(|| "args".into());
+            sources.insert(*knob, source);
         }
     }
     Ok(Some(ArgsReading {

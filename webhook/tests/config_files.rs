@@ -631,3 +631,84 @@ fn a_deepspeed_config_that_pins_the_micro_batch_refuses_the_rewrite() {
         m.warnings
     );
 }
+
+/// TRL `--config`: the file's values are the parser's defaults and flags override them, so the
+/// plan is appended as HF flags; re-read (flags over the file) it keeps the effective batch.
+#[test]
+fn a_trl_config_pod_gets_flags_appended() {
+    let text = "model_name_or_path: Qwen/Qwen2.5-3B\nper_device_train_batch_size: 16\n\
+                gradient_accumulation_steps: 2\nmax_length: 2048\ngradient_checkpointing: true\n\
+                use_peft: true\nlora_r: 16\n";
+    let pod = label_only(
+        &[
+            "trl",
+            "sft",
+            "--config",
+            "/config/sft.yaml",
+            "--output_dir",
+            "/out",
+        ],
+        "trl",
+        "/config",
+    );
+    let Admitted {
+        mutation: m,
+        applied,
+    } = admit(&pod, &view("trl", "sft.yaml", text));
+    assert!(m.error.is_none(), "{:?}", m.error);
+    assert_eq!(m.plan.config.model.name.as_deref(), Some("qwen2.5-3b"));
+    assert_eq!(m.plan.config.method, memguard_estimator::Method::Lora);
+    assert_eq!(m.estimate.sources["batch-size"], "configmap:trl/sft.yaml");
+    let out = argv(&applied);
+    assert_eq!(
+        &out[..6],
+        [
+            "trl",
+            "sft",
+            "--config",
+            "/config/sft.yaml",
+            "--output_dir",
+            "/out"
+        ]
+    );
+    let r = reread(&out, text);
+    let (batch, origin) = value(&r, Knob::BatchSize);
+    let (accumulation, _) = value(&r, Knob::GradAccumulation);
+    assert_eq!(origin, Origin::Args, "{out:?}");
+    assert_eq!(batch * accumulation, 32, "{out:?}");
+    assert_eq!(
+        (batch, accumulation),
+        (m.plan.config.batch_size, m.plan.config.grad_accumulation)
+    );
+    assert!(batch < 16);
+}
+
+/// LitGPT has no gradient-checkpointing setting: a plan that needs it is not reported as
+/// applied; the pod is admitted unchanged and `memguard.io/error` says why.
+#[test]
+fn a_litgpt_plan_that_needs_checkpointing_is_refused_with_the_reason() {
+    let text = "checkpoint_dir: checkpoints/meta-llama/Meta-Llama-3.1-8B\nlora_r: 32\n\
+                devices: 1\ntrain:\n  global_batch_size: 16\n  micro_batch_size: 4\n  \
+                max_seq_length: 2048\n";
+    let pod = label_only(
+        &["litgpt", "finetune_lora", "--config", "/config/lora.yaml"],
+        "litgpt",
+        "/config",
+    );
+    let typed: Pod = serde_json::from_value(pod.clone()).expect("a Pod");
+    let outcome = mutate(
+        &typed,
+        &Policy::default(),
+        &view("litgpt", "lora.yaml", text),
+    );
+    let Outcome::Skipped { error, .. } = &outcome else {
+        panic!("{outcome:?}")
+    };
+    assert!(
+        error.contains("LitGPT has no setting for grad-checkpointing"),
+        "{error}"
+    );
+    let mut applied = pod.clone();
+    json_patch::patch(&mut applied, &patch::build(&typed, &outcome)).expect("applies");
+    assert_eq!(applied["spec"], pod["spec"]);
+}
