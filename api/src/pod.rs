@@ -320,16 +320,15 @@ fn hf_model_id(value: &str) -> String {
 /// file it names; the method from the flags (LoRA), else from the file. `Err`: neither could be
 /// read, and why.
 fn launch_or_file_model(
-    pod: &Pod,
     trainer: &Container,
-    cluster: Cluster<'_>,
+    file: &Result<Option<ConfigFileReading>, String>,
 ) -> Result<Option<LaunchModel>, String> {
     use crate::launch::config_file::{Origin, Trainer};
     let flags = launch_model(trainer);
-    let file = match read_config_file(pod, trainer, cluster) {
+    let file = match file {
         Ok(file) => file,
-        Err(_) if matches!(flags, Ok(Some(_))) => None,
-        Err(why) => return flags.and(Err(why)),
+        Err(_) if matches!(flags, Ok(Some(_))) => &None,
+        Err(why) => return flags.and(Err(why.clone())),
     };
     let Some(file) = file else {
         return flags;
@@ -533,6 +532,7 @@ impl<'a> TrainingPod<'a> {
         let empty = BTreeMap::new();
         let given = pod.metadata.annotations.as_ref().unwrap_or(&empty);
         let has_input = annotations::has_training_input(given);
+        let mut file_read = None;
         // The model (and with it the method) from the trainer's launch, unless an annotation
         // names the model or its shape.
         let from_launch = if annotations::names_model(given) {
@@ -545,7 +545,13 @@ impl<'a> TrainingPod<'a> {
                 .unwrap_or_default();
             let named = given.get(annotations::CONTAINER).map(|s| s.trim());
             match pick_trainer(containers, named) {
-                Ok((_, trainer)) => launch_or_file_model(pod, trainer, cluster),
+                Ok((index, trainer)) => {
+                    // Read once: the knobs come from the same file below.
+                    let file = read_config_file(pod, trainer, cluster);
+                    let model = launch_or_file_model(trainer, &file);
+                    file_read = Some((index, file));
+                    model
+                }
                 Err(_) => Ok(None),
             }
         };
@@ -604,12 +610,13 @@ impl<'a> TrainingPod<'a> {
         };
         let parsed =
             TrainingAnnotations::parse(given, &policy.models).map_err(ResolveError::Annotations)?;
-        let mut training = Self::with_annotations(
+        let mut training = Self::with_file(
             pod,
             parsed,
             given.contains_key(annotations::WORLD_SIZE),
             policy,
             cluster,
+            file_read,
         )?;
         training.read_from_args = read_from_args;
         training.read_from_file = read_from_file;
@@ -625,6 +632,19 @@ impl<'a> TrainingPod<'a> {
         world_size_given: bool,
         policy: &Policy,
         cluster: Cluster<'_>,
+    ) -> Result<Self, ResolveError> {
+        Self::with_file(pod, parsed, world_size_given, policy, cluster, None)
+    }
+
+    /// [`with_annotations`](Self::with_annotations), given the config file already read for
+    /// the container at that index (or `None`: read it here).
+    fn with_file(
+        pod: &'a Pod,
+        parsed: TrainingAnnotations,
+        world_size_given: bool,
+        policy: &Policy,
+        cluster: Cluster<'_>,
+        file_read: Option<(usize, Result<Option<ConfigFileReading>, String>)>,
     ) -> Result<Self, ResolveError> {
         let containers = pod
             .spec
@@ -667,7 +687,11 @@ impl<'a> TrainingPod<'a> {
                 Ok(args) => (args, None),
                 Err(why) => (None, Some(why)),
             };
-        let (config_file, config_unreadable) = match read_config_file(pod, trainer, cluster) {
+        let file = match file_read {
+            Some((index, file)) if index == trainer_index => file,
+            _ => read_config_file(pod, trainer, cluster),
+        };
+        let (config_file, config_unreadable) = match file {
             Ok(file) => (file, None),
             Err(why) => (None, Some(why)),
         };
