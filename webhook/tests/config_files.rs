@@ -116,6 +116,13 @@ fn reread(argv: &[String], text: &str) -> Reading {
 fn trainer_parse(trainer: &str, argv: &[String], config: &str) -> Option<Value> {
     let python = memguard_e2e::find_tool("python3", "PYTHON")
         .or_else(|| memguard_e2e::missing("python3"))?;
+    let has_parsers = Command::new(&python)
+        .args(["-c", "import omegaconf, fire"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_parsers {
+        return memguard_e2e::missing("python3's omegaconf and fire (pip install omegaconf fire)");
+    }
     let launch = memguard_api::launch::find(argv).expect("a launch");
     let input = json!([{"trainer": trainer, "words": launch.texts(), "config": config}]);
     let mut child = Command::new(python)
