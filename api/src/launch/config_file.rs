@@ -605,19 +605,30 @@ type Expands<'a> = dyn Fn(usize) -> bool + 'a;
 fn axolotl_cli(words: &[&str], expands: &Expands) -> Option<ConfigLaunch> {
     // axolotl's own options with a value: `--launcher`, `--cloud`, `--sweep`.
     const VALUED: &[&str] = &["--launcher", "--cloud", "--sweep"];
-    let mut path = None;
+    // The config is the first positional; an override before it (`--micro-batch-size 2
+    // cfg.yml`) takes the next word as its value, so a file-like word wins over a bare value.
+    let mut positionals = Vec::new();
     let mut i = 1;
     while let Some(w) = words.get(i) {
-        if VALUED.contains(w) {
-            i += 2;
-        } else if w.starts_with("--") {
-            i += 1;
-        } else {
-            path = Some((i, w.to_string()));
+        if *w == "--" {
             break;
         }
+        if VALUED.contains(w) {
+            i += 2;
+            continue;
+        }
+        if !w.starts_with("--") {
+            positionals.push((i, w.to_string()));
+        }
+        i += 1;
     }
-    let (at, path) = path?;
+    let file_like =
+        |p: &str| [".yml", ".yaml", ".json"].iter().any(|e| p.ends_with(e)) || p.contains('/');
+    let (at, path) = positionals
+        .iter()
+        .find(|(_, p)| file_like(p))
+        .or_else(|| positionals.first())
+        .cloned()?;
     if expands(at) {
         return None;
     }

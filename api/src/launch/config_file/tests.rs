@@ -45,6 +45,10 @@ fn axolotl_cli_reads_the_file_under_its_overrides() {
         (c.trainer, c.path.as_str()),
         (Trainer::AxolotlCli, "/config/qlora.yml")
     );
+    // An override before the config takes its value from the next word.
+    let (_, before) = config_launch(&["axolotl", "train", "--micro-batch-size", "2", "c.yml"]);
+    assert_eq!(before.path, "c.yml");
+    assert_eq!(before.overrides[0].value, "2");
     let doc = json!({"base_model": "NousResearch/Llama-3.2-1B", "adapter": "lora",
         "load_in_4bit": true, "lora_r": 32, "micro_batch_size": 8,
         "gradient_accumulation_steps": 4, "gradient_checkpointing": "offload",
