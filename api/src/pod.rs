@@ -132,6 +132,39 @@ pub struct TrainingPod<'a> {
     /// Where the world size of a multi-pod job was read (`args`, `env:PET_NNODES`); `None`:
     /// the annotation, or the pod's own GPUs.
     pub world_size_source: Option<String>,
+    /// Why the config file the trainer's launch names could not be read (baked into the image,
+    /// not a ConfigMap, an unknown ConfigMap, not valid YAML): its knobs are planned without it.
+    pub config_unreadable: Option<String>,
+    /// The trainer's config file (axolotl, LLaMA-Factory, TRL or LitGPT `--config`), when its
+    /// launch names one and memguard read it from a ConfigMap.
+    pub config_file: Option<ConfigFileReading>,
+    /// What the config file gave besides the knobs (`model`, `method`), with its source
+    /// (`configmap:<name>/<key>`).
+    pub read_from_file: BTreeMap<&'static str, String>,
+}
+
+/// A trainer's config file read from the ConfigMap its launch names, with the overrides on its
+/// command line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigFileReading {
+    /// The container's `command` followed by its `args`.
+    pub items: Vec<String>,
+    /// How many of `items` are `command`.
+    pub command_len: usize,
+    /// The launch in them.
+    pub launch: crate::launch::Launch,
+    /// The trainer, the file and the overrides as written (memguard's own included).
+    pub config: crate::launch::config_file::ConfigLaunch,
+    /// The file, parsed.
+    pub doc: serde_json::Value,
+    /// Where it came from, `configmap:<name>/<key>`.
+    pub source: String,
+    /// What the trainer reads: the file under the overrides the user wrote (an override
+    /// memguard wrote at an earlier admission is read as the value it replaced).
+    pub reading: crate::launch::config_file::Reading,
+    /// The DeepSpeed config the file names (`deepspeed: ds.json`), with its path: parsed when it
+    /// is in a ConfigMap too, else why not. A pinned micro-batch there conflicts with a rewrite.
+    pub deepspeed: Option<(String, Result<serde_json::Value, String>)>,
 }
 
 /// What memguard wrote at an earlier admission (reinvocation, a pod recreated from its own
@@ -303,7 +336,9 @@ fn hf_launch(trainer: &Container) -> Result<Option<HfLaunch>, String> {
         Err(e) => return Err(e.to_string()),
     };
     let hf = match &found.program {
-        Program::Script(_) | Program::Module(_) => true,
+        // axolotl's module takes fire keyword arguments, read by its config-file reader.
+        Program::Module(m) => m != "axolotl.cli.train",
+        Program::Script(_) => true,
         Program::Command(_) => found.program.name() == "trl",
     };
     if !hf {
@@ -329,8 +364,15 @@ struct LaunchModel {
     value: String,
     /// The HF id (`org/name`; a cache path `…/models--org--name/snapshots/…` read as one).
     id: String,
-    /// `lora` (`--use_peft` or `--lora_r`, TRL), `qlora` or `full`.
-    method: &'static str,
+    /// The method it trains with: `--use_peft` or `--lora_r` (TRL) is LoRA; a config file
+    /// says (`adapter`, `finetuning_type`, …); `None`: full.
+    method: Option<memguard_estimator::Method>,
+    /// Where the model was read: `None` the command line, else the config file's source.
+    source: Option<String>,
+    /// Where the method was read, likewise.
+    method_source: Option<String>,
+    /// The base model's storage bits the config file sets (8-bit LoRA), with its source.
+    model_bits: Option<(u32, String)>,
     /// Other annotations the launch implies, with the name `read_from_args` gives them
     /// (`tune run`'s `*_distributed` recipes shard with FSDP over `nproc_per_node × nnodes`).
     implied: Vec<(&'static str, &'static str, String)>,
@@ -368,11 +410,20 @@ fn launch_model(
                 implied.push((annotations::WORLD_SIZE, "world-size", world));
             }
         }
+        let method = match method {
+            "qlora" => Some(memguard_estimator::Method::Qlora),
+            "lora" => Some(memguard_estimator::Method::Lora),
+            _ => None,
+        };
         return Ok(Some(LaunchModel {
             flag: "--config".into(),
             value: component,
             id: id.to_string(),
             method,
+            // The model component is the config's: a built-in one or a mounted file.
+            source: Some(config.source.clone()),
+            method_source: Some(config.source),
+            model_bits: None,
             implied,
         }));
     }
@@ -400,24 +451,25 @@ fn launch_model(
     // TRL's `get_quantization_config`: 4 bits first, then 8 (`--use_bnb_nested_quant` only
     // refines the 4-bit one). TRL trains a quantized base only through adapters: a 4-bit base
     // is QLoRA, an 8-bit one LoRA on an 8-bit base.
-    let (method, implied) = if on("load_in_4bit") {
-        ("qlora", Vec::new())
+    let (method, model_bits) = if on("load_in_4bit") {
+        (Some(memguard_estimator::Method::Qlora), None)
     } else if on("load_in_8bit") {
         (
-            "lora",
-            vec![(annotations::MODEL_BITS, "model-bits", "8".to_string())],
+            Some(memguard_estimator::Method::Lora),
+            Some((8, "args".to_string())),
         )
-    } else if lora {
-        ("lora", Vec::new())
     } else {
-        ("full", Vec::new())
+        (lora.then_some(memguard_estimator::Method::Lora), None)
     };
     Ok(Some(LaunchModel {
         flag: format!("--{}", flag.spelled.trim_start_matches('-')),
         id: hf_model_id(&value),
         value,
         method,
-        implied,
+        source: None,
+        method_source: None,
+        model_bits,
+        implied: Vec::new(),
     }))
 }
 
@@ -429,6 +481,146 @@ fn hf_model_id(value: &str) -> String {
         .find_map(|part| part.strip_prefix("models--"))
         .map(|repo| repo.replace("--", "/"))
         .unwrap_or_else(|| value.to_string())
+}
+
+/// The model the trainer's launch names in its flags ([`launch_model`]), else in the config
+/// file it names; the method from the flags (LoRA), else from the file. `Err`: neither could be
+/// read, and why.
+fn launch_or_file_model(
+    pod: &Pod,
+    trainer: &Container,
+    cluster: Cluster<'_>,
+    file: &Result<Option<ConfigFileReading>, String>,
+) -> Result<Option<LaunchModel>, String> {
+    use crate::launch::config_file::{Origin, Trainer};
+    let flags = launch_model(pod, trainer, cluster);
+    let file = match file {
+        Ok(file) => file,
+        Err(_) if matches!(flags, Ok(Some(_))) => &None,
+        Err(why) => return flags.and(Err(why.clone())),
+    };
+    let Some(file) = file else {
+        return flags;
+    };
+    let method = file.reading.method;
+    let method_source = Some(file.source.clone());
+    if let Some(mut m) = flags? {
+        if m.method.is_none() && method.is_some_and(|m| m != memguard_estimator::Method::Full) {
+            m.method = method;
+            m.method_source = method_source;
+        }
+        return Ok(Some(m));
+    }
+    let Some((value, read)) = &file.reading.model else {
+        return Ok(None);
+    };
+    let id = match file.config.trainer {
+        // LitGPT's checkpoint directory ends `<org>/<name>` (`checkpoints/meta-llama/…`).
+        Trainer::LitGpt => {
+            let parts: Vec<&str> = value.trim_end_matches('/').rsplit('/').take(2).collect();
+            match parts.as_slice() {
+                [name, org] => format!("{org}/{name}"),
+                _ => value.clone(),
+            }
+        }
+        _ => hf_model_id(value),
+    };
+    let source = match read.origin {
+        Origin::Args => None,
+        Origin::File => Some(file.source.clone()),
+    };
+    Ok(Some(LaunchModel {
+        flag: match &source {
+            Some(s) => format!("`{}` in {s}", read.key),
+            None => read.key.to_string(),
+        },
+        value: value.clone(),
+        id,
+        method,
+        source,
+        method_source,
+        model_bits: file.reading.model_bits.map(|b| (b, file.source.clone())),
+        implied: Vec::new(),
+    }))
+}
+
+/// The config file the trainer's launch names ([`crate::launch::config_file`]), read from the
+/// pod's ConfigMaps. `Ok(None)`: the launch names none; `Err`: it names one that cannot be
+/// read, and why.
+fn read_config_file(
+    pod: &Pod,
+    trainer: &Container,
+    cluster: Cluster<'_>,
+) -> Result<Option<ConfigFileReading>, String> {
+    use crate::launch::{self, config_file};
+    let command = trainer.command.clone().unwrap_or_default();
+    let command_len = command.len();
+    let items: Vec<String> = command
+        .into_iter()
+        .chain(trainer.args.clone().unwrap_or_default())
+        .collect();
+    let Ok(found) = launch::find(&items) else {
+        return Ok(None);
+    };
+    let Some(config) = config_file::find(&found) else {
+        return Ok(None);
+    };
+    let name = config.trainer.name();
+    let file = crate::mounted::read(pod, trainer, &config.path, cluster.config_maps)
+        .map_err(|e| format!("{name}'s config `{}` was not read: {e}", config.path))?;
+    let doc: serde_json::Value = if config.path.ends_with(".json") {
+        serde_json::from_str(&file.text)
+            .map_err(|e| format!("{name}'s config {} is not valid JSON: {e}", file.source))?
+    } else {
+        serde_saphyr::from_str(&file.text)
+            .map_err(|e| format!("{name}'s config {} is not valid YAML: {e}", file.source))?
+    };
+    if !doc.is_object() {
+        return Err(format!("{name}'s config {} is not a mapping", file.source));
+    }
+    // An override memguard wrote at an earlier admission (it holds the value planned then, and
+    // that differs from the value read then) is not the trainer's: the value read then counts
+    // when it came from the command line (memguard replaced the user's word), the file's
+    // otherwise (memguard appended the word).
+    let earlier = earlier_estimate(pod);
+    let mut own = config.clone();
+    for (knob, read) in config.read(&doc).knobs {
+        let Some(e) = earlier.as_ref().filter(|e| {
+            read.origin == config_file::Origin::Args
+                && e.config.get(knob.name()) == Some(&read.value)
+                && e.read.get(knob.name()) != Some(&read.value)
+        }) else {
+            continue;
+        };
+        let users = e.sources.get(knob.name()).is_some_and(|s| s == "args");
+        match e.read.get(knob.name()).filter(|_| users) {
+            Some(value) => own.restore(read.key, knob, value),
+            None => own.overrides.retain(|o| o.key != read.key),
+        }
+    }
+    let reading = own.read(&doc);
+    let deepspeed = own
+        .lookup_text(&doc, "deepspeed")
+        .filter(|p| !p.is_empty() && p != "null")
+        .map(|path| {
+            let parsed = crate::mounted::read(pod, trainer, &path, cluster.config_maps)
+                .map_err(|e| e.to_string())
+                .and_then(|f| {
+                    serde_json::from_str(&f.text)
+                        .map_err(|e| format!("{} is not valid JSON: {e}", f.source))
+                });
+            (path, parsed)
+        });
+    Ok(Some(ConfigFileReading {
+        items,
+        command_len,
+        launch: found,
+        config,
+        doc,
+        source: file.source,
+        reading,
+        deepspeed,
+    }))
 }
 
 /// Reads the trainer's command line with HF rules into `config`, for the knobs no annotation
@@ -531,10 +723,18 @@ fn read_args(
         };
         let earlier = earlier_estimate(pod);
         if let Some(value) = value
-            && let Some(value) = as_read(earlier.as_ref(), *knob, &value)
-            && knob.set(config, value)
+            && let Some(read) = as_read(earlier.as_ref(), *knob, &value)
+            && knob.set(config, read)
         {
-            sources.insert(*knob, "args".into());
+            // memguard's own flag (appended over a config file's value) keeps the source
+            // the value was read from then.
+            let source = earlier
+                .as_ref()
+                .filter(|e| e.config.get(knob.name()) == Some(&value))
+                .and_then(|e| e.sources.get(knob.name()))
+                .cloned()
+                .unwrap_or_else(|| "args".into());
+            sources.insert(*knob, source);
         }
     }
     // A knob the launch leaves out runs at the parser's default, not memguard's.
@@ -612,6 +812,7 @@ impl<'a> TrainingPod<'a> {
         let empty = BTreeMap::new();
         let given = pod.metadata.annotations.as_ref().unwrap_or(&empty);
         let has_input = annotations::has_training_input(given);
+        let mut file_read = None;
         // The model (and with it the method) from the trainer's launch, unless an annotation
         // names the model or its shape.
         let from_launch = if annotations::names_model(given) {
@@ -624,7 +825,13 @@ impl<'a> TrainingPod<'a> {
                 .unwrap_or_default();
             let named = given.get(annotations::CONTAINER).map(|s| s.trim());
             match pick_trainer(containers, named) {
-                Ok((_, trainer)) => launch_model(pod, trainer, cluster),
+                Ok((index, trainer)) => {
+                    // Read once: the knobs come from the same file below.
+                    let file = read_config_file(pod, trainer, cluster);
+                    let model = launch_or_file_model(pod, trainer, cluster, &file);
+                    file_read = Some((index, file));
+                    model
+                }
                 Err(_) => Ok(None),
             }
         };
@@ -641,6 +848,7 @@ impl<'a> TrainingPod<'a> {
         };
         let mut with_launch;
         let mut read_from_args = BTreeSet::new();
+        let mut read_from_file = BTreeMap::new();
         let given = match &launched {
             None => given,
             Some(m) => {
@@ -657,10 +865,25 @@ impl<'a> TrainingPod<'a> {
                 }
                 with_launch = given.clone();
                 with_launch.insert(annotations::MODEL.into(), m.id.clone());
-                read_from_args.insert("model");
+                let mut read = |what: &'static str, from: &Option<String>| match from {
+                    None => {
+                        read_from_args.insert(what);
+                    }
+                    Some(source) => {
+                        read_from_file.insert(what, source.clone());
+                    }
+                };
+                read("model", &m.source);
                 if !given.contains_key(annotations::METHOD) {
-                    with_launch.insert(annotations::METHOD.into(), m.method.into());
-                    read_from_args.insert("method");
+                    let method = m.method.map(|m| m.name()).unwrap_or("full");
+                    with_launch.insert(annotations::METHOD.into(), method.into());
+                    read("method", &m.method_source);
+                }
+                if let Some((bits, source)) = &m.model_bits
+                    && !given.contains_key(annotations::MODEL_BITS)
+                {
+                    with_launch.insert(annotations::MODEL_BITS.into(), bits.to_string());
+                    read_from_file.insert("model-bits", source.clone());
                 }
                 for (key, name, value) in &m.implied {
                     if !given.contains_key(*key) {
@@ -673,14 +896,16 @@ impl<'a> TrainingPod<'a> {
         };
         let parsed =
             TrainingAnnotations::parse(given, &policy.models).map_err(ResolveError::Annotations)?;
-        let mut training = Self::with_annotations(
+        let mut training = Self::with_file(
             pod,
             parsed,
             given.contains_key(annotations::WORLD_SIZE),
             policy,
             cluster,
+            file_read,
         )?;
         training.read_from_args = read_from_args;
+        training.read_from_file = read_from_file;
         Ok(training)
     }
 
@@ -693,6 +918,19 @@ impl<'a> TrainingPod<'a> {
         world_size_given: bool,
         policy: &Policy,
         cluster: Cluster<'_>,
+    ) -> Result<Self, ResolveError> {
+        Self::with_file(pod, parsed, world_size_given, policy, cluster, None)
+    }
+
+    /// [`with_annotations`](Self::with_annotations), given the config file already read for
+    /// the container at that index (or `None`: read it here).
+    fn with_file(
+        pod: &'a Pod,
+        parsed: TrainingAnnotations,
+        world_size_given: bool,
+        policy: &Policy,
+        cluster: Cluster<'_>,
+        file_read: Option<(usize, Result<Option<ConfigFileReading>, String>)>,
     ) -> Result<Self, ResolveError> {
         let containers = pod
             .spec
@@ -750,6 +988,30 @@ impl<'a> TrainingPod<'a> {
                 Ok(args) => (args, None),
                 Err(why) => (None, Some(why)),
             };
+        let file = match file_read {
+            Some((index, file)) if index == trainer_index => file,
+            _ => read_config_file(pod, trainer, cluster),
+        };
+        let (config_file, config_unreadable) = match file {
+            Ok(file) => (file, None),
+            Err(why) => (None, Some(why)),
+        };
+        if let Some(file) = &config_file {
+            // Precedence: an annotation, then what the command line (or a mapped variable)
+            // says, then the file.
+            for (knob, read) in &file.reading.knobs {
+                if parsed.knobs_given.contains(knob) || sources.contains_key(knob) {
+                    continue;
+                }
+                if knob.set(&mut config, &read.value) {
+                    let source = match read.origin {
+                        crate::launch::config_file::Origin::Args => "args".to_string(),
+                        crate::launch::config_file::Origin::File => file.source.clone(),
+                    };
+                    sources.insert(*knob, source);
+                }
+            }
+        }
         let coupled = args
             .as_ref()
             .map(|a| crate::coupled::read(pod, trainer, &a.launch, &a.flags, cluster.config_maps))
@@ -784,6 +1046,9 @@ impl<'a> TrainingPod<'a> {
             read_from_args: BTreeSet::new(),
             coupled,
             world_size_source,
+            config_file,
+            config_unreadable,
+            read_from_file: BTreeMap::new(),
         })
     }
 

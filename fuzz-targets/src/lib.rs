@@ -332,6 +332,40 @@ pub fn signal_report(data: &[u8]) {
     }
 }
 
+/// A config-file trainer's launch (axolotl, LLaMA-Factory, TRL or LitGPT `--config`) over an
+/// empty file: a batch change rewritten as its overrides re-reads as written, the accumulation
+/// with it, and the launch stays the same program.
+fn config_file_rewrite(found: &memguard_api::launch::Launch, items: &[String]) {
+    use memguard_api::Knob;
+    use memguard_api::launch::{self, config_file};
+    let Some(config) = config_file::find(found) else {
+        return;
+    };
+    let doc = serde_json::json!({});
+    let _ = config.read(&doc);
+    let mut before =
+        memguard_estimator::TrainingConfig::new(memguard_estimator::ModelShape::default());
+    before.batch_size = 4;
+    before.grad_accumulation = 2;
+    let mut planned = before.clone();
+    planned.batch_size = 2;
+    planned.grad_accumulation = 4;
+    let Ok((edits, _)) = config.rewrite(&doc, &before, &planned, &config.knobs()) else {
+        return;
+    };
+    let out = found.apply(items, &edits);
+    let again = launch::find(&out).expect("a rewritten launch is found again");
+    assert_eq!(again.program, found.program, "the program stays");
+    let reread = config_file::find(&again).expect("still a config-file launch");
+    let r = reread.read(&doc);
+    let batch = r.knobs.iter().find(|(k, _)| *k == Knob::BatchSize);
+    assert_eq!(
+        batch.map(|(_, r)| r.value.as_str()),
+        Some("2"),
+        "the batch re-reads as written: {out:?}"
+    );
+}
+
 /// The command-line reader: shell words, the launch, the flags, and a rewrite. The input is a
 /// container's command, one item per line; a first line `sh -c` makes the rest one shell string.
 /// Invariants: every word's span is inside the string and splits back to the word; a rewrite
@@ -369,6 +403,7 @@ pub fn launch(data: &[u8]) {
     };
     // With no edit, the command is the same, byte for byte.
     assert_eq!(found.apply(&items, &[]), items, "no edit changes nothing");
+    config_file_rewrite(&found, &items);
     let texts = found.texts();
     let flags = Flags::parse(&texts, &HfRules);
     let Some(flag) = flags.flags.last() else {

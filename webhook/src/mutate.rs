@@ -171,10 +171,17 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
         }
     }
     keeps_effective_batch(&training, policy, &decided.plan.config)?;
-    let (command_line, changed) = rewrite_args(&training, &decided.plan.config)?;
+    let mut file_warnings = Vec::new();
+    let (command_line, changed) = match &training.config_file {
+        Some(file) => {
+            rewrite_config_file(&training, file, &decided.plan.config, &mut file_warnings)?
+        }
+        None => rewrite_args(&training, &decided.plan.config)?,
+    };
     let quality_allowed =
         decision::floors(training.annotations.allow_quality, policy).allow_quality;
     let mut mutation = render(&training, policy, decided);
+    mutation.warnings.extend(file_warnings);
     if quality_allowed && !kept.is_empty() {
         let names: Vec<&str> = kept.iter().map(|k| k.name()).collect();
         mutation.warnings.push(truncate(&format!(
@@ -186,6 +193,11 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
     if let Some(why) = &training.args_unreadable {
         mutation.warnings.push(truncate(&format!(
             "memguard: the trainer's command line was not read ({why}); planned on annotations"
+        )));
+    }
+    if let Some(why) = &training.config_unreadable {
+        mutation.warnings.push(truncate(&format!(
+            "memguard: {why}; planned without it, its args left as they were"
         )));
     }
     if !changed.is_empty() {
@@ -217,12 +229,16 @@ pub fn pinned_floors(
     policy: &Policy,
 ) -> (memguard_estimator::Floors, Vec<Knob>) {
     let mut floors = policy.floors;
-    if training.args.is_none() && !recognised_launch(training) {
+    if training.args.is_none() && training.config_file.is_none() && !recognised_launch(training) {
         return (floors, Vec::new());
     }
     let map = training.env_map(policy);
     let cfg = &training.config;
-    let in_play = |knob: Knob| map.contains_key(&knob) || training.sources.contains_key(&knob);
+    let in_play = |knob: Knob| {
+        map.contains_key(&knob)
+            || training.sources.contains_key(&knob)
+            || config_file_knobs(training).contains(&knob)
+    };
     let mut kept = Vec::new();
     let adapters = cfg.is_adapter();
     for (knob, floor, now) in [
@@ -384,6 +400,103 @@ fn args_change(training: &TrainingPod, items: &[String], rewritten: &[String]) -
 /// Whether `planned` changes the batch or the accumulation of `before`.
 fn changes_batch(before: &TrainingConfig, planned: &TrainingConfig) -> bool {
     planned.batch_size != before.batch_size || planned.grad_accumulation != before.grad_accumulation
+}
+
+/// The knobs a config-file trainer's overrides set: every knob its file has a key for, unless
+/// an annotation or a mapped variable gives it.
+fn config_file_knobs(training: &TrainingPod) -> Vec<Knob> {
+    let Some(file) = &training.config_file else {
+        return Vec::new();
+    };
+    file.config
+        .knobs()
+        .into_iter()
+        .filter(|k| {
+            !training.annotations.knobs_given.contains(k)
+                && training
+                    .sources
+                    .get(k)
+                    .is_none_or(|s| s == "args" || *s == file.source)
+        })
+        .collect()
+}
+
+/// The plan written as the config-file trainer's own overrides (axolotl's options,
+/// LLaMA-Factory's `key=value`, TRL's flags, LitGPT's `--train.…`), the file never edited.
+fn rewrite_config_file(
+    training: &TrainingPod,
+    file: &memguard_api::pod::ConfigFileReading,
+    planned: &TrainingConfig,
+    warnings: &mut Vec<String>,
+) -> Result<(Option<CommandLine>, Vec<String>), String> {
+    let knobs = config_file_knobs(training);
+    let before = &training.config;
+    if planned.batch_size != before.batch_size
+        && let Some((path, deepspeed)) = &file.deepspeed
+    {
+        match deepspeed {
+            Ok(ds) => {
+                if let Some(pinned) = deepspeed_pins(ds) {
+                    return Err(format!(
+                        "the batch cannot be changed: the DeepSpeed config `{path}` that {}'s \
+                         config names pins {pinned}; set it to \"auto\" or annotate \
+                         memguard.io/batch-size",
+                        file.config.trainer.name()
+                    ));
+                }
+            }
+            Err(why) => warnings.push(truncate(&format!(
+                "memguard: the DeepSpeed config `{path}` was not read ({why}); if it pins the \
+                 micro-batch, the batch change conflicts with it"
+            ))),
+        }
+    }
+    let (edits, changed) = file
+        .config
+        .rewrite(&file.doc, &training.config, planned, &knobs)
+        .map_err(|e| {
+            format!(
+                "the plan cannot be written as {}'s overrides: {e}",
+                file.config.trainer.name()
+            )
+        })?;
+    if edits.is_empty() {
+        return Ok((None, changed));
+    }
+    let items = file.launch.apply(&file.items, &edits);
+    let change = args_change(training, &file.items, &items);
+    let (command, args) = items.split_at(file.command_len.min(items.len()));
+    let trainer = training.trainer;
+    Ok((
+        Some(CommandLine {
+            command: trainer.command.as_ref().map(|_| command.to_vec()),
+            args: trainer
+                .args
+                .as_ref()
+                .map(|_| args.to_vec())
+                .or_else(|| (!args.is_empty()).then(|| args.to_vec())),
+            change,
+        }),
+        changed,
+    ))
+}
+
+/// The batch settings a DeepSpeed config pins to a number (`"auto"` lets the trainer set them),
+/// as `key: value`.
+fn deepspeed_pins(ds: &serde_json::Value) -> Option<String> {
+    let pinned: Vec<String> = [
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "train_batch_size",
+    ]
+    .iter()
+    .filter_map(|k| {
+        ds.get(*k)
+            .filter(|v| v.is_number())
+            .map(|v| format!("{k}: {v}"))
+    })
+    .collect();
+    (!pinned.is_empty()).then(|| pinned.join(", "))
 }
 
 /// `batch × accumulation` is kept exactly by the trainer's own variables, or the pod is not
@@ -614,7 +727,10 @@ fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap<String, St
         .world_size_source
         .iter()
         .map(|source| ("world-size".to_string(), source.clone()));
-    if training.sources.is_empty() && training.read_from_args.is_empty() {
+    if training.sources.is_empty()
+        && training.read_from_args.is_empty()
+        && training.read_from_file.is_empty()
+    {
         return world_size.collect();
     }
     Knob::of(&training.config)
@@ -632,6 +748,12 @@ fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap<String, St
                 .read_from_args
                 .iter()
                 .map(|what| (what.to_string(), "args".to_string())),
+        )
+        .chain(
+            training
+                .read_from_file
+                .iter()
+                .map(|(what, source)| (what.to_string(), source.clone())),
         )
         .chain(world_size)
         .collect()

@@ -139,6 +139,9 @@ fn read(pod: &Pod, policy: &Policy, view: &ClusterView) -> Result<Reading, Strin
     for what in &t.read_from_args {
         sources.insert((*what).to_string(), "args".into());
     }
+    for (what, source) in &t.read_from_file {
+        sources.insert((*what).to_string(), source.clone());
+    }
     let c = &t.config;
     let runtime = t.args.as_ref().filter(|a| a.hf_parser).map(|_| {
         [

@@ -5,6 +5,7 @@
 //!
 //! Pure: no I/O. The webhook reads a pod with it; the fuzz target `launch` feeds it anything.
 
+pub mod config_file;
 pub mod flags;
 pub mod launcher;
 pub mod server;
