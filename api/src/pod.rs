@@ -373,9 +373,10 @@ struct LaunchModel {
     method_source: Option<String>,
     /// The base model's storage bits the config file sets (8-bit LoRA), with its source.
     model_bits: Option<(u32, String)>,
-    /// Other annotations the launch implies, with the name `read_from_args` gives them
-    /// (`tune run`'s `*_distributed` recipes shard with FSDP over `nproc_per_node × nnodes`).
-    implied: Vec<(&'static str, &'static str, String)>,
+    /// Other annotations the launch implies, with the name the estimate's sources give them
+    /// and their source (`tune run`'s `*_distributed` recipes shard with FSDP over
+    /// `nproc_per_node × nnodes`: `args`; its config's `dtype`: the config).
+    implied: Vec<(&'static str, &'static str, String, String)>,
 }
 
 /// The model a launch names (`Ok(None)`: no HF launch, or no model flag, or a value that is
@@ -398,16 +399,46 @@ fn launch_model(
             ));
         };
         let mut implied = Vec::new();
+        // torchtune trains in its config's dtype throughout (no fp32 master weights): the
+        // estimator's pure-bf16 (or fp32) regime, not mixed precision.
+        let dtype = config
+            .values
+            .iter()
+            .find(|(k, _)| *k == crate::launch::tune::DTYPE)
+            .map(|(_, v)| v.as_str());
+        let (dtype, dtype_source) = match run.value(crate::launch::tune::DTYPE, dtype) {
+            Some((v, crate::launch::tune::Origin::Args)) => (v, "args".to_string()),
+            Some((v, _)) => (v, config.source.clone()),
+            // Every built-in config of the pinned commit sets `dtype: bf16`.
+            None => ("bf16".to_string(), config.source.clone()),
+        };
+        let precision = match dtype.as_str() {
+            "fp32" | "float32" => "fp32",
+            "fp16" | "float16" => "fp16",
+            _ => "bf16",
+        };
+        implied.push((
+            annotations::PRECISION,
+            "precision",
+            precision.to_string(),
+            dtype_source,
+        ));
         if run.recipe.ends_with("_distributed") {
             // torchtune's distributed recipes shard parameters, gradients and optimizer state
             // with FSDP over every rank.
-            implied.push((annotations::PARALLELISM, "parallelism", "fsdp".to_string()));
+            let args = || "args".to_string();
+            implied.push((
+                annotations::PARALLELISM,
+                "parallelism",
+                "fsdp".to_string(),
+                args(),
+            ));
             let count = |v: &Option<String>| v.as_deref().and_then(|n| n.parse::<u64>().ok());
             if let (Some(nproc), Some(nnodes)) = (count(&run.nproc_per_node), count(&run.nnodes))
                 && nnodes > 1
             {
                 let world = (nproc * nnodes).to_string();
-                implied.push((annotations::WORLD_SIZE, "world-size", world));
+                implied.push((annotations::WORLD_SIZE, "world-size", world, args()));
             }
         }
         let method = match method {
@@ -885,10 +916,10 @@ impl<'a> TrainingPod<'a> {
                     with_launch.insert(annotations::MODEL_BITS.into(), bits.to_string());
                     read_from_file.insert("model-bits", source.clone());
                 }
-                for (key, name, value) in &m.implied {
+                for (key, name, value, source) in &m.implied {
                     if !given.contains_key(*key) {
                         with_launch.insert(key.to_string(), value.clone());
-                        read_from_args.insert(name);
+                        read_from_file.insert(name, source.clone());
                     }
                 }
                 &with_launch

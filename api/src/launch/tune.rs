@@ -25,6 +25,10 @@ pub const ACTIVATION_CHECKPOINTING: &str = "enable_activation_checkpointing";
 pub const MAX_SEQ_LEN: &str = "tokenizer.max_seq_len";
 /// The LoRA rank of a LoRA model component.
 pub const LORA_RANK: &str = "model.lora_rank";
+/// The training dtype: torchtune keeps parameters, gradients and optimizer states in it, with
+/// no fp32 master copy (`training.get_dtype(cfg.dtype)`). Every config of the pinned commit sets
+/// `bf16`, the value taken when a config does not say.
+pub const DTYPE: &str = "dtype";
 
 /// A built-in config's defaults.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -423,6 +427,7 @@ pub fn yaml_values(text: &str) -> Result<YamlConfig, String> {
             ACTIVATION_CHECKPOINTING,
             MAX_SEQ_LEN,
             LORA_RANK,
+            DTYPE,
         ]
         .iter()
         .filter_map(|k| get(k).map(|v| (*k, v)))
