@@ -815,7 +815,59 @@ fn rbac_is_least_privilege() {
              "resources": ["resourceclaims", "resourceclaimtemplates", "deviceclasses",
                            "resourceslices"],
              "verbs": ["get", "list", "watch"]},
+            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
         ])
+    );
+    // ConfigMaps in named namespaces only: a Role (read, nothing else) in each, none
+    // cluster-wide, and the webhook told which; off: no rule at all, and told not to read.
+    let scoped = parse_documents(
+        &helm_template(&helm, &["--set", "configMaps.namespaces={ml,team-a}"]).expect("renders"),
+    );
+    let rules = &find_kind(&scoped, "ClusterRole")["rules"];
+    assert!(!rules.to_string().contains("configmaps"), "{rules}");
+    let roles: Vec<&serde_json::Value> = scoped
+        .iter()
+        .filter(|d| d["kind"] == "Role" && d["rules"].to_string().contains("configmaps"))
+        .collect();
+    assert_eq!(roles.len(), 2);
+    for (role, ns) in roles.iter().zip(["ml", "team-a"]) {
+        assert_eq!(role["metadata"]["namespace"], ns);
+        assert_eq!(
+            role["rules"],
+            json!([{"apiGroups": [""], "resources": ["configmaps"],
+                    "verbs": ["get", "list", "watch"]}])
+        );
+    }
+    let bindings = scoped
+        .iter()
+        .filter(|d| {
+            d["kind"] == "RoleBinding" && d["roleRef"]["name"].to_string().contains("config-maps")
+        })
+        .count();
+    assert_eq!(bindings, 2);
+    assert!(
+        serde_json::to_string(&scoped)
+            .expect("json")
+            .contains("MEMGUARD_WEBHOOK_CONFIG_MAP_NAMESPACES")
+    );
+    let off = helm_template(
+        &helm,
+        &[
+            "--set",
+            "configMaps.read=false",
+            "--set",
+            "nodes.read=false",
+        ],
+    )
+    .expect("renders");
+    assert!(
+        !off.contains("configmaps") && !off.contains("\"nodes\""),
+        "no rule when off"
+    );
+    assert!(
+        off.contains("MEMGUARD_WEBHOOK_NO_CONFIG_MAPS")
+            && off.contains("MEMGUARD_WEBHOOK_NO_NODES")
     );
     // dra.enabled=false: no access to resource.k8s.io, and the webhook told not to watch it.
     let off = helm_template(&helm, &["--set", "dra.enabled=false"]).expect("renders");

@@ -99,6 +99,27 @@ pub struct Args {
     #[arg(long, env = "MEMGUARD_WEBHOOK_NO_DRA")]
     pub no_dra: bool,
 
+    /// Do not read ConfigMaps: a trainer whose config is a file in a ConfigMap (axolotl,
+    /// LLaMA-Factory, `tune run --config`, a DeepSpeed JSON) is planned without it, with a
+    /// warning. The chart sets it when `configMaps.read` is false (and grants no RBAC on them).
+    #[arg(long, env = "MEMGUARD_WEBHOOK_NO_CONFIG_MAPS")]
+    pub no_config_maps: bool,
+
+    /// Read ConfigMaps in these namespaces only (comma-separated object names; the chart
+    /// grants a Role in each); default: every namespace.
+    #[arg(
+        long,
+        env = "MEMGUARD_WEBHOOK_CONFIG_MAP_NAMESPACES",
+        value_delimiter = ',',
+        value_parser = parse_policy_name
+    )]
+    pub config_map_namespaces: Vec<String>,
+
+    /// Do not watch Nodes' GPU labels (metadata only): an unpinned GPU pod is planned against
+    /// `defaultGpuMemory`, with a warning.
+    #[arg(long, env = "MEMGUARD_WEBHOOK_NO_NODES")]
+    pub no_nodes: bool,
+
     /// Namespace of the profile controller's leader Lease; default: `$POD_NAMESPACE` (the
     /// chart sets it from the downward API), else the client's default namespace.
     #[arg(long, env = "MEMGUARD_WEBHOOK_LEASE_NAMESPACE")]

@@ -11,6 +11,8 @@
 pub mod args;
 pub mod budget;
 pub mod cluster_view;
+#[cfg(feature = "server")]
+pub mod cluster_watch;
 pub mod dra;
 #[cfg(feature = "server")]
 pub mod dra_watch;

@@ -309,7 +309,7 @@ async fn connect(
         .as_ref()
         .map(|(c, _)| c.clone() as Arc<dyn crate::dra::DraCatalog>);
     let (profiles, tasks) = crate::profiles::start(
-        client,
+        client.clone(),
         metrics,
         crate::profiles::ControllerOptions {
             lease_namespace,
@@ -319,7 +319,7 @@ async fn connect(
         policy,
         catalog,
     );
-    match dra {
+    let (mut profiles, mut tasks) = match dra {
         Some((catalog, task)) => (
             profiles.with_dra(catalog),
             tasks.with(policy_task).with(task),
@@ -328,7 +328,23 @@ async fn connect(
             tracing::info!("--no-dra: DRA claims are admitted with a warning");
             (profiles, tasks.with(policy_task))
         }
+    };
+    if args.no_config_maps {
+        tracing::info!("--no-config-maps: trainers' config files in ConfigMaps are not read");
+    } else {
+        let (maps, task) =
+            crate::cluster_watch::start_config_maps(client.clone(), &args.config_map_namespaces);
+        profiles = profiles.with_config_maps(maps);
+        tasks = tasks.with(task);
     }
+    if args.no_nodes {
+        tracing::info!("--no-nodes: unpinned GPU pods are planned against defaultGpuMemory");
+    } else {
+        let (nodes, task) = crate::cluster_watch::start_nodes(client.clone());
+        profiles = profiles.with_nodes(nodes);
+        tasks = tasks.with(task);
+    }
+    (profiles, tasks)
 }
 
 #[cfg(test)]

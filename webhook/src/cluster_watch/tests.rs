@@ -1,0 +1,167 @@
+//! Against a mocked API server (tower-test): the kube-apiserver cannot run in these tests.
+use super::*;
+use hyper::{Request, Response, StatusCode};
+use kube::client::Body;
+use serde_json::{Value, json};
+use std::time::Duration;
+use tower_test::mock;
+
+type Handle = mock::Handle<Request<Body>, Response<Body>>;
+
+fn client() -> (Client, Handle) {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    (Client::new(service, "default"), handle)
+}
+
+fn answer(status: StatusCode, body: &Value) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .body(Body::from(serde_json::to_vec(body).expect("json")))
+        .expect("response")
+}
+
+/// Polls until `f` holds, for at most 10 s.
+async fn eventually(f: impl Fn() -> bool) -> bool {
+    for _ in 0..200 {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+#[tokio::test]
+async fn config_maps_are_listed_trimmed_and_a_large_one_keeps_no_data() {
+    let (client, mut handle) = client();
+    let (cache, task) = start_config_maps(client, &[]);
+    let server = tokio::spawn(async move {
+        let mut pending = Vec::new();
+        while let Some((request, send)) = handle.next_request().await {
+            let path = request.uri().path().to_string();
+            let query = request.uri().query().unwrap_or_default().to_string();
+            assert_eq!(path, "/api/v1/configmaps", "every namespace: {path}");
+            if query.contains("watch=true") {
+                pending.push(send);
+                continue;
+            }
+            let big = "x".repeat(MAX_CONFIG_MAP_BYTES + 1);
+            send.send_response(answer(
+                StatusCode::OK,
+                &json!({"kind": "ConfigMapList", "apiVersion": "v1",
+                "metadata": {"resourceVersion": "1"},
+                "items": [
+                    {"metadata": {"name": "axolotl", "namespace": "ml"},
+                     "data": {"lora.yml": "micro_batch_size: 2\n"},
+                     "binaryData": {"blob": "AAAA"}},
+                    {"metadata": {"name": "dataset", "namespace": "ml"},
+                     "data": {"train.jsonl": big}},
+                ]}),
+            ));
+        }
+    });
+    assert!(
+        eventually(|| cache.data("ml", "axolotl").is_some()).await,
+        "the listed ConfigMap is answered"
+    );
+    let data = cache.data("ml", "axolotl").expect("cached");
+    assert_eq!(
+        data.get("lora.yml").map(String::as_str),
+        Some("micro_batch_size: 2\n")
+    );
+    assert_eq!(
+        cache.data("ml", "dataset"),
+        None,
+        "over the bound: no data kept"
+    );
+    assert_eq!(cache.data("other", "axolotl"), None, "namespaced lookups");
+    task.abort();
+    server.abort();
+}
+
+#[tokio::test]
+async fn a_forbidden_watch_answers_nothing_and_admission_goes_on() {
+    let (client, mut handle) = client();
+    let (cache, task) = start_config_maps(client, &["ml".to_string()]);
+    let (request, send) = handle.next_request().await.expect("a list");
+    assert_eq!(request.uri().path(), "/api/v1/namespaces/ml/configmaps");
+    send.send_response(answer(
+        StatusCode::FORBIDDEN,
+        &json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                "message": "configmaps is forbidden", "reason": "Forbidden", "code": 403}),
+    ));
+    // The lookup answers "not known" (the pod is planned without its file), and never blocks.
+    assert_eq!(cache.data("ml", "axolotl"), None);
+    // The decision with this cache: the file is "not known", the pod is still admitted.
+    let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(json!({
+        "metadata": {"name": "ax", "namespace": "ml",
+                     "labels": {"memguard.io/enabled": "true"},
+                     "annotations": {"memguard.io/model": "llama-3-8b", "memguard.io/method": "lora"}},
+        "spec": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"},
+            "containers": [{"name": "trainer", "image": "axolotl:latest",
+                "command": ["axolotl", "train", "/config/lora.yml"],
+                "volumeMounts": [{"name": "cfg", "mountPath": "/config"}],
+                "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+            "volumes": [{"name": "cfg", "configMap": {"name": "axolotl"}}]}
+    }))
+    .expect("pod");
+    let view = crate::ClusterView::default().with_config_maps(cache.clone());
+    match crate::mutate(&pod, &memguard_api::Policy::default(), &view) {
+        crate::Outcome::Mutated(m) => assert!(
+            m.warnings.iter().any(|w| w.contains("not known")),
+            "{:?}",
+            m.warnings
+        ),
+        other => panic!("not admitted: {other:?}"),
+    }
+    task.abort();
+}
+
+#[tokio::test]
+async fn nodes_keep_only_their_accelerator_labels() {
+    let (client, mut handle) = client();
+    let (cache, task) = start_nodes(client);
+    let server = tokio::spawn(async move {
+        let mut pending = Vec::new();
+        while let Some((request, send)) = handle.next_request().await {
+            assert_eq!(request.uri().path(), "/api/v1/nodes");
+            let accept = request
+                .headers()
+                .get("accept")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_string();
+            assert!(
+                accept.contains("PartialObjectMetadata"),
+                "metadata only: {accept}"
+            );
+            if request
+                .uri()
+                .query()
+                .unwrap_or_default()
+                .contains("watch=true")
+            {
+                pending.push(send);
+                continue;
+            }
+            send.send_response(answer(
+                StatusCode::OK,
+                &json!({"kind": "PartialObjectMetadataList", "apiVersion": "meta.k8s.io/v1",
+                    "metadata": {"resourceVersion": "1"},
+                    "items": [{"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+                        "metadata": {"name": "gpu-1", "labels": {
+                        "nvidia.com/gpu.product": "NVIDIA-A30", "nvidia.com/gpu.memory": "24576",
+                        "kubernetes.io/hostname": "gpu-1", "team": "ml"}}}]}),
+            ));
+        }
+    });
+    assert!(eventually(|| !cache.labels().is_empty()).await, "listed");
+    let labels = &cache.labels()[0];
+    assert_eq!(
+        labels.get("nvidia.com/gpu.memory").map(String::as_str),
+        Some("24576")
+    );
+    assert!(!labels.contains_key("team") && !labels.contains_key("kubernetes.io/hostname"));
+    task.abort();
+    server.abort();
+}
