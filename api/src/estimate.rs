@@ -34,6 +34,9 @@ pub enum BudgetSource {
     /// A required node affinity on `nvidia.com/gpu.memory` (memguard's `required` placement,
     /// or the user's): the bound, less the largest driver reservation.
     Placement(String),
+    /// The smallest GPU among the nodes an unpinned pod could land on, from their GPU Feature
+    /// Discovery labels (`smallest of 2 GPU nodes: NVIDIA-A30`).
+    Nodes(String),
     /// A DRA claim (`spec.resourceClaims`): the device's `memory` capacity in its
     /// ResourceSlice, or the policy's usable figure for its product when smaller
     /// (`gpu.nvidia.com/gpu-0 on node-a`, `class gpu.nvidia.com: smallest of 4 devices`).

@@ -141,6 +141,45 @@ pub struct TrainingPod<'a> {
     /// What the config file gave besides the knobs (`model`, `method`), with its source
     /// (`configmap:<name>/<key>`).
     pub read_from_file: BTreeMap<&'static str, String>,
+    /// The GPU nodes the pod could land on (their labels match its `nodeSelector`), as GPU
+    /// Feature Discovery labels them; empty when no node's labels are known.
+    pub gpu_nodes: Vec<GpuNode>,
+}
+
+/// A node's GPU, from its labels.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuNode {
+    /// `nvidia.com/gpu.product`.
+    pub product: Option<String>,
+    /// `nvidia.com/gpu.memory`, MiB (NVML's total).
+    pub memory_mib: Option<u64>,
+}
+
+/// The GPU nodes in `cluster` whose labels match `pod`'s `nodeSelector` (a node without a GPU
+/// label is not one).
+fn gpu_nodes(pod: &Pod, cluster: Cluster<'_>) -> Vec<GpuNode> {
+    let Some(nodes) = cluster.nodes else {
+        return Vec::new();
+    };
+    let selector = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_selector.clone())
+        .unwrap_or_default();
+    nodes
+        .labels()
+        .into_iter()
+        .filter(|labels| selector.iter().all(|(k, v)| labels.get(k) == Some(v)))
+        .filter_map(|labels| {
+            let node = GpuNode {
+                product: labels.get("nvidia.com/gpu.product").cloned(),
+                memory_mib: labels
+                    .get(NVIDIA_GPU_MEMORY_LABEL)
+                    .and_then(|m| m.trim().parse().ok()),
+            };
+            (node.product.is_some() || node.memory_mib.is_some()).then_some(node)
+        })
+        .collect()
 }
 
 /// A trainer's config file read from the ConfigMap its launch names, with the overrides on its
@@ -1080,6 +1119,7 @@ impl<'a> TrainingPod<'a> {
             config_file,
             config_unreadable,
             read_from_file: BTreeMap::new(),
+            gpu_nodes: gpu_nodes(pod, cluster),
         })
     }
 

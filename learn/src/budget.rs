@@ -17,7 +17,7 @@ use crate::warnings::truncate;
 use k8s_openapi::api::core::v1::Pod;
 use memguard_api::dra::DraMemory;
 use memguard_api::pod::{
-    AMD_GPU_PRODUCT_LABEL, AcceleratorKind, Accelerators, HAMI_GPUMEM_PERCENTAGE_RESOURCE,
+    AMD_GPU_PRODUCT_LABEL, AcceleratorKind, Accelerators, GpuNode, HAMI_GPUMEM_PERCENTAGE_RESOURCE,
     HAMI_GPUMEM_RESOURCE, KAI_GPU_FRACTION_ANNOTATION, KAI_GPU_MEMORY_ANNOTATION,
     MIG_PRODUCT_INFIX, MPS_PINNED_MEM_ENV, MigProfile, NVIDIA_GPU_MEMORY_LABEL,
     SHARED_PRODUCT_SUFFIX, gpu_memory_floor_mib, gpu_products, pinned_values,
@@ -105,6 +105,7 @@ pub fn resolve(
                 acc,
                 training.annotations.gpu_memory,
                 training.dra_memory.as_ref(),
+                &training.gpu_nodes,
                 policy,
                 warnings,
             );
@@ -143,6 +144,7 @@ pub fn seen_by_process(training: &TrainingPod, budget: &Budget, policy: &Policy)
                 training.pod,
                 training.config.device,
                 acc,
+                &training.gpu_nodes,
                 policy,
                 &mut Vec::new(),
             )
@@ -168,6 +170,7 @@ fn gpu_memory(
     acc: &Accelerators,
     annotated: Option<Bytes>,
     dra: Option<&DraMemory>,
+    nodes: &[GpuNode],
     policy: &Policy,
     warnings: &mut Vec<String>,
 ) -> (Bytes, BudgetSource) {
@@ -178,7 +181,7 @@ fn gpu_memory(
     // is what the pod gets, whatever its node labels say.
     let whole = match dra {
         Some(m) => (m.bytes, BudgetSource::Dra(m.detail.clone())),
-        None => device_memory(pod, device, acc, policy, warnings),
+        None => device_memory(pod, device, acc, nodes, policy, warnings),
     };
     let mib = |n: u64| Bytes::mib(n);
     let share = |f: f64| Bytes::from_f64(whole.0.as_f64() * f);
@@ -229,11 +232,13 @@ fn gpu_memory(
 }
 
 /// One whole device (or MIG slice): the slice's profile, else the smallest pinned product in the
-/// table, else the policy's default.
+/// table, else a required affinity's bound, else the smallest GPU among the nodes the pod could
+/// land on (their labels), else the policy's default.
 fn device_memory(
     pod: &Pod,
     device: Device,
     acc: &Accelerators,
+    nodes: &[GpuNode],
     policy: &Policy,
     warnings: &mut Vec<String>,
 ) -> (Bytes, BudgetSource) {
@@ -266,6 +271,12 @@ fn device_memory(
             BudgetSource::Placement(format!("{NVIDIA_GPU_MEMORY_LABEL}>{}", mib - 1)),
         ),
         None => {
+            if device == Device::Cuda
+                && products.is_empty()
+                && let Some(found) = smallest_node(nodes, policy)
+            {
+                return found;
+            }
             if products.is_empty() {
                 warnings.push(truncate(&format!(
                     "{ASSUMED_DEFAULT} {} (no GPU product label); set {}",
@@ -282,6 +293,35 @@ fn device_memory(
             (policy.default_gpu_memory, BudgetSource::PolicyDefault)
         }
     }
+}
+
+/// The smallest GPU among `nodes`: a product in the policy's table at its usable figure, else
+/// the node's `nvidia.com/gpu.memory` less the largest driver reservation. `None` when no node
+/// says.
+fn smallest_node(nodes: &[GpuNode], policy: &Policy) -> Option<(Bytes, BudgetSource)> {
+    let sized: Vec<(Bytes, String)> = nodes
+        .iter()
+        .filter_map(|n| {
+            let from_table = n.product.as_ref().and_then(|p| {
+                product_memory(p, policy, &mut Vec::new()).map(|(b, _)| (b, p.clone()))
+            });
+            from_table.or_else(|| {
+                n.memory_mib.map(|mib| {
+                    (
+                        Bytes::mib(mib.saturating_sub(MAX_DRIVER_RESERVED_MIB)),
+                        format!("{NVIDIA_GPU_MEMORY_LABEL}={mib}"),
+                    )
+                })
+            })
+        })
+        .collect();
+    let count = sized.len();
+    let (bytes, what) = sized.into_iter().min_by_key(|(b, _)| *b)?;
+    let nodes = if count == 1 { "node" } else { "nodes" };
+    Some((
+        bytes,
+        BudgetSource::Nodes(format!("smallest of {count} GPU {nodes}: {what}")),
+    ))
 }
 
 /// A product label's memory: the table's entry (a `-SHARED` product is its GPU's), else for a

@@ -948,3 +948,64 @@ fn quality_knobs_nothing_applies_are_not_planned_and_the_warning_says_so() {
         "{said}"
     );
 }
+
+/// Issue 29: an unpinned GPU pod is planned for the smallest GPU among the nodes it could land
+/// on (their GPU Feature Discovery labels), not the policy's assumed 80 GiB.
+#[test]
+fn an_unpinned_gpu_pod_is_planned_for_the_smallest_gpu_of_its_nodes() {
+    use memguard_api::cluster::NodeLabelList;
+    use std::collections::BTreeMap;
+    let node = |product: &str, mib: &str, pool: &str| {
+        BTreeMap::from([
+            ("nvidia.com/gpu.product".to_string(), product.to_string()),
+            ("nvidia.com/gpu.memory".to_string(), mib.to_string()),
+            ("pool".to_string(), pool.to_string()),
+        ])
+    };
+    let nodes = NodeLabelList(vec![
+        node("NVIDIA-A30", "24576", "small"),
+        node("NVIDIA-A100-SXM4-80GB", "81920", "big"),
+        // A node without GPU labels is no candidate.
+        BTreeMap::from([("pool".to_string(), "cpu".to_string())]),
+    ]);
+    let view = ClusterView::default().with_nodes(std::sync::Arc::new(nodes));
+    let admit = |pod: PodBuilder| match mutate(&pod.build(), &Policy::default(), &view) {
+        Outcome::Mutated(m) => *m,
+        other => panic!("not mutated: {other:?}"),
+    };
+    let m = admit(trainer_pod().gpus(1));
+    let a = annotation(&m);
+    assert_eq!(a["budgetSource"]["kind"], "nodes", "{a}");
+    assert_eq!(
+        a["budgetSource"]["detail"],
+        "smallest of 2 GPU nodes: nvidia.com/gpu.memory=24576"
+    );
+    let gpu = a["gpuMemory"].as_u64().expect("gpu memory");
+    assert!(gpu < Bytes::gib(24).0 && gpu > Bytes::gib(23).0, "{gpu}");
+    assert!(
+        !m.warnings
+            .iter()
+            .any(|w| w.contains("assumed defaultGpuMemory")),
+        "{:?}",
+        m.warnings
+    );
+    // A nodeSelector narrows the candidates: on the A100 pool, the A100's table figure.
+    let big = admit(
+        trainer_pod()
+            .gpus(1)
+            .spec("nodeSelector", serde_json::json!({"pool": "big"})),
+    );
+    let a = annotation(&big);
+    assert_eq!(
+        a["budgetSource"]["detail"],
+        "smallest of 1 GPU node: NVIDIA-A100-SXM4-80GB"
+    );
+    // No node labels known: the assumed default, said.
+    let none = mutated(trainer_pod().gpus(1), &Policy::default());
+    assert_eq!(annotation(&none)["budgetSource"]["kind"], "policy-default");
+    assert!(
+        none.warnings
+            .iter()
+            .any(|w| w.contains("assumed defaultGpuMemory"))
+    );
+}
