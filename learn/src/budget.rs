@@ -15,7 +15,6 @@
 
 use crate::warnings::truncate;
 use k8s_openapi::api::core::v1::Pod;
-use memguard_api::dra::DraMemory;
 use memguard_api::pod::{
     AMD_GPU_PRODUCT_LABEL, AcceleratorKind, Accelerators, GpuNode, HAMI_GPUMEM_PERCENTAGE_RESOURCE,
     HAMI_GPUMEM_RESOURCE, KAI_GPU_FRACTION_ANNOTATION, KAI_GPU_MEMORY_ANNOTATION,
@@ -99,16 +98,7 @@ pub fn resolve(
     }
     match training.config.device {
         Device::Cuda | Device::Rocm => {
-            let (memory, source) = gpu_memory(
-                training.pod,
-                training.config.device,
-                acc,
-                training.annotations.gpu_memory,
-                training.dra_memory.as_ref(),
-                &training.gpu_nodes,
-                policy,
-                warnings,
-            );
+            let (memory, source) = gpu_memory(training, policy, warnings);
             Some(Budget::new(memory, safety_ratio, source))
         }
         Device::Cpu | Device::Metal => match training.memory_limit {
@@ -165,15 +155,16 @@ pub fn seen_by_process(training: &TrainingPod, budget: &Budget, policy: &Policy)
 }
 
 fn gpu_memory(
-    pod: &Pod,
-    device: Device,
-    acc: &Accelerators,
-    annotated: Option<Bytes>,
-    dra: Option<&DraMemory>,
-    nodes: &[GpuNode],
+    training: &TrainingPod,
     policy: &Policy,
     warnings: &mut Vec<String>,
 ) -> (Bytes, BudgetSource) {
+    let (pod, device, acc) = (training.pod, training.config.device, &training.accelerators);
+    let (annotated, dra, nodes) = (
+        training.annotations.gpu_memory,
+        training.dra_memory.as_ref(),
+        &training.gpu_nodes,
+    );
     if let Some(b) = annotated {
         return (b, BudgetSource::Annotation);
     }
