@@ -10,7 +10,6 @@
 //! given with `--profile`, as `kubectl get memoryprofile -o yaml` gives it, else an empty one),
 //! and the webhook's own decision ([`memguard_webhook::mutate`]) admits the pod again under it.
 
-use anyhow::Context;
 use k8s_openapi::api::core::v1::{ContainerStateTerminated, ContainerStatus, Pod};
 use memguard_api::crd::{MemoryProfile, MemoryProfileSpec, MemoryProfileStatus, TrainingKnobs};
 use memguard_api::dra::{DraCatalog, StaticCatalog};
@@ -24,7 +23,7 @@ use memguard_learn::update::{OomRules, apply_limited, describe_knobs};
 use memguard_webhook::policy_sources::{Overrides, policy_from_str};
 use serde::Serialize;
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -203,11 +202,36 @@ pub struct NextContext {
     pub policy: Policy,
     /// The DRA objects the webhook reads, when given.
     pub dra: Option<Arc<StaticCatalog>>,
+    /// The ConfigMaps in the input (trainers' config files).
+    pub config_maps: memguard_api::cluster::ConfigMapList,
+    /// The Nodes' labels in the input.
+    pub nodes: memguard_api::cluster::NodeLabelList,
 }
 
 impl NextContext {
+    /// The webhook's view of the cluster these objects make (no profile yet).
+    fn view(&self) -> memguard_webhook::ClusterView {
+        let mut view = memguard_webhook::ClusterView::default();
+        if let Some(dra) = &self.dra {
+            view = view.with_dra(dra.clone());
+        }
+        if !self.config_maps.0.is_empty() {
+            view = view.with_config_maps(Arc::new(self.config_maps.clone()));
+        }
+        if !self.nodes.0.is_empty() {
+            view = view.with_nodes(Arc::new(self.nodes.clone()));
+        }
+        view
+    }
+
     fn cluster(&self) -> memguard_api::Cluster<'_> {
-        memguard_api::Cluster::with_dra(self.dra.as_deref().map(|c| c as &dyn DraCatalog))
+        memguard_api::Cluster {
+            dra: self.dra.as_deref().map(|c| c as &dyn DraCatalog),
+            config_maps: (!self.config_maps.0.is_empty())
+                .then_some(&self.config_maps as &dyn memguard_api::cluster::ConfigMaps),
+            nodes: (!self.nodes.0.is_empty())
+                .then_some(&self.nodes as &dyn memguard_api::cluster::NodeLabels),
+        }
     }
 }
 
@@ -219,22 +243,34 @@ fn bad_input(message: impl std::fmt::Display) -> anyhow::Result<ExitCode> {
 
 /// Runs `memguard explain`.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let text = if args.file.as_os_str() == "-" {
-        let mut s = String::new();
-        std::io::stdin()
-            .read_to_string(&mut s)
-            .context("reading stdin")?;
-        s
-    } else {
-        match std::fs::read_to_string(&args.file) {
-            Ok(t) => t,
-            Err(e) => return bad_input(format!("reading {}: {e}", args.file.display())),
-        }
+    let input = match crate::input::read(&args.file) {
+        Ok(input) => input,
+        Err(e) => return bad_input(e),
     };
-    let pod: Pod = match serde_saphyr::from_str(&text) {
-        Ok(p) => p,
-        Err(e) => {
-            return bad_input(format!("{}: not a pod manifest: {e}", args.file.display()));
+    let pods: Vec<&serde_json::Value> = input
+        .documents
+        .iter()
+        .map(|(_, d)| d)
+        .filter(|d| d.get("kind").and_then(serde_json::Value::as_str) == Some("Pod"))
+        .collect();
+    let pod: Pod = match pods.as_slice() {
+        [one] => match serde_json::from_value((*one).clone()) {
+            Ok(p) => p,
+            Err(e) => return bad_input(format!("{}: not a pod manifest: {e}", input.source)),
+        },
+        [] => {
+            return bad_input(format!(
+                "{}: no Pod in the input (explain reads one pod as the API server reports it: \
+                 kubectl get pod NAME -o yaml)",
+                input.source
+            ));
+        }
+        many => {
+            return bad_input(format!(
+                "{}: {} Pods in the input; explain reads one (kubectl get pod NAME -o yaml)",
+                input.source,
+                many.len()
+            ));
         }
     };
     let policy_text = match &args.policy_file {
@@ -256,6 +292,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         profile: None,
         policy,
         dra,
+        config_maps: input.config_maps,
+        nodes: input.nodes,
     };
     if let Some(path) = &args.profile {
         match read_profile(path, &pod, &ctx) {
@@ -265,10 +303,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     let mut out = std::io::stdout().lock();
     // An inference server: the admission's decision on its command line.
-    let mut profiles = memguard_webhook::ClusterView::default();
-    if let Some(dra) = &ctx.dra {
-        profiles = profiles.with_dra(dra.clone());
-    }
+    let profiles = ctx.view();
     let json = matches!(args.output, Output::Json);
     if let Some(written) = crate::serving::write(&mut out, json, &pod, &ctx.policy, &profiles) {
         return match written? {
@@ -532,10 +567,7 @@ fn next_view(
     let after = apply_limited(&before, &obs, &OomRules::of(&ctx.policy));
     let already_recorded = after == before && before.has_run(&obs.uid, &obs.finished_at);
     profile.status = Some(after.clone());
-    let mut profiles = memguard_webhook::ClusterView::default();
-    if let Some(dra) = &ctx.dra {
-        profiles = profiles.with_dra(dra.clone());
-    }
+    let mut profiles = ctx.view();
     profiles.insert(profile.clone());
     // The next pod of the Job: the same manifest (its annotations are memguard's input and are
     // never edited), admitted again under the profile that now knows this pod.

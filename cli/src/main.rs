@@ -4,6 +4,7 @@ mod client;
 mod crdgen;
 mod estimate;
 mod explain;
+mod input;
 mod mutate;
 mod serving;
 

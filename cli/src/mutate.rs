@@ -9,7 +9,7 @@ use memguard_webhook::Outcome;
 use memguard_webhook::manifest::{Mutated, mutate_document};
 use memguard_webhook::policy_sources::{Overrides, policy_from_str};
 use serde_json::Value;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -144,40 +144,31 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         eprintln!("note: {note}");
     }
 
-    let (source, text) = if args.file.as_os_str() == "-" {
-        let mut text = String::new();
-        if let Err(e) = std::io::stdin().read_to_string(&mut text) {
-            return bad_input(format!("reading stdin: {e}"));
-        }
-        ("stdin".to_string(), text)
-    } else {
-        match std::fs::read_to_string(&args.file) {
-            Ok(text) => (args.file.display().to_string(), text),
-            Err(e) => return bad_input(format!("reading {}: {e}", args.file.display())),
-        }
+    let input = match crate::input::read(&args.file) {
+        Ok(input) => input,
+        Err(e) => return bad_input(e),
     };
-    let documents: Vec<Value> = match serde_saphyr::from_multiple(&text) {
-        Ok(docs) => docs.into_iter().filter(|d: &Value| !d.is_null()).collect(),
-        Err(e) => return bad_input(format!("{source}: not valid YAML: {e}")),
-    };
-    if documents.is_empty() {
-        return bad_input(format!("{source}: no documents"));
+    let source = input.source.clone();
+    if input.documents.is_empty() {
+        return bad_input(format!("{source}: no documents to mutate"));
     }
-
     let profiles = match (read_profiles(&args.profiles), read_dra(&args.dra)) {
         (Ok(p), Ok(Some(dra))) => p.with_dra(dra),
         (Ok(p), Ok(None)) => p,
         (Err(e), _) | (_, Err(e)) => return bad_input(e),
     };
+    let profiles = input.cluster_view(profiles);
+    let documents = &input.documents;
     let mut results: Vec<Mutated> = Vec::with_capacity(documents.len());
-    for (i, doc) in documents.iter().enumerate() {
+    for (place, doc) in documents {
         match mutate_document(doc, &policy, &profiles) {
             Ok(m) => results.push(m),
-            Err(e) => return bad_input(format!("{source}: document {}: {e}", i + 1)),
+            Err(e) => return bad_input(format!("{source}: {place}: {e}")),
         }
     }
+    let places: Vec<&str> = documents.iter().map(|(place, _)| place.as_str()).collect();
 
-    let skipped = report(&results);
+    let skipped = report(&results, &places);
     let mut out = std::io::stdout().lock();
     write_output(&mut out, args.output, &results)?;
     out.flush()?;
@@ -190,15 +181,22 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// Each pod's warnings, and why a pod was skipped, on stderr; whether any was skipped.
-fn report(results: &[Mutated]) -> bool {
+/// Each pod's warnings, and why a pod was skipped or left alone, on stderr; whether any was
+/// skipped.
+fn report(results: &[Mutated], places: &[&str]) -> bool {
     let mut skipped = false;
-    for (i, m) in results.iter().enumerate() {
+    for (m, place) in results.iter().zip(places) {
+        if m.pods.is_empty() {
+            eprintln!(
+                "document {place}: not mutated: {}",
+                not_opted_in(&m.document)
+            );
+        }
         for pod in &m.pods {
             let at = if pod.path.is_empty() {
-                format!("document {}", i + 1)
+                place.to_string()
             } else {
-                format!("document {} {}", i + 1, pod.path)
+                format!("{place} {}", pod.path)
             };
             match &pod.outcome {
                 Outcome::Skipped { error, .. } => {
@@ -218,12 +216,49 @@ fn report(results: &[Mutated]) -> bool {
                         eprintln!("{at}: {error}");
                     }
                 }
-                Outcome::Unchanged => {}
+                Outcome::Unchanged => {
+                    let labels = pod_labels(&m.document, &pod.path);
+                    eprintln!("{at}: not mutated: {}", why_not_opted_in(labels.as_ref()));
+                }
             }
         }
     }
 
     skipped
+}
+
+/// The labels of the pod (or pod template) at `path` in `document`.
+fn pod_labels(document: &Value, path: &str) -> Option<Value> {
+    document.pointer(path)?.pointer("/metadata/labels").cloned()
+}
+
+/// Why a document holds no pod memguard would mutate.
+fn not_opted_in(document: &Value) -> String {
+    match document.get("kind").and_then(Value::as_str) {
+        Some("Pod") => why_not_opted_in(document.pointer("/metadata/labels")),
+        Some(kind) => format!(
+            "a {kind} with no pod template labelled {}={:?}",
+            memguard_api::wellknown::ENABLED_LABEL,
+            memguard_api::wellknown::ENABLED_VALUE
+        ),
+        None => "not a Kubernetes object (no kind)".to_string(),
+    }
+}
+
+/// Why a pod with these labels is not opted in: the label is missing, or its value is not
+/// exactly `"true"` (the webhook's object selector matches that value only).
+fn why_not_opted_in(labels: Option<&Value>) -> String {
+    let label = memguard_api::wellknown::ENABLED_LABEL;
+    let want = memguard_api::wellknown::ENABLED_VALUE;
+    match labels.and_then(|l| l.get(label)) {
+        None => format!("no label {label}={want:?} (memguard acts on opted-in pods only)"),
+        Some(Value::String(v)) if v == want => {
+            "opted in, but memguard had nothing to change".to_string()
+        }
+        Some(v) => format!(
+            "label {label} is {v}, not {want:?}: the webhook's selector matches exactly {want:?}"
+        ),
+    }
 }
 
 /// The mutated documents, or their patches, on `out`.

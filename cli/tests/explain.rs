@@ -356,7 +356,22 @@ fn a_file_that_is_not_a_pod_is_a_usage_error() {
     std::fs::write(dir.path().join("x.yaml"), "kind: [unclosed").expect("write");
     let out = memguard(dir.path(), &["explain", "-f", "x.yaml"]);
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("not a pod manifest"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("x.yaml: not valid YAML or JSON"),
+        "{stderr}"
+    );
+    // Several documents: no YAML library's hint, but what explain takes.
+    let two = format!("{POD}---\n{POD}");
+    std::fs::write(dir.path().join("two.yaml"), two).expect("write");
+    let out = memguard(dir.path(), &["explain", "-f", "two.yaml"]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("2 Pods in the input; explain reads one"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("from_str_multiple"), "{stderr}");
 }
 
 /// A model only the policy knows: `explain --policy-file` keys the pod on it and learns from its

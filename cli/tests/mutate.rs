@@ -559,3 +559,96 @@ spec:
     assert!(batch < 8, "downgraded: {script}");
     assert_eq!(batch * accumulation, 16, "effective batch kept: {script}");
 }
+
+/// One reader for `-f`: a `kind: List` (what `kubectl get pods -o yaml` prints) is its items;
+/// ConfigMaps and Nodes in the input are the cluster the decision reads (a stock axolotl pod's
+/// config file, an unpinned pod's nodes); a pod memguard leaves alone says why.
+#[test]
+fn lists_config_maps_and_nodes_in_the_input_reach_the_decision() {
+    let axolotl = std::fs::read_to_string(fixture("config-files/axolotl-lora-8b.yml"))
+        .expect("the upstream axolotl config");
+    let config_map = serde_json::json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "axolotl", "namespace": "ml"},
+        "data": {"lora-8b.yml": axolotl},
+    });
+    let trainer = |name: &str, labels: Value, extra: Value| {
+        let mut pod = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "ml", "labels": labels},
+            "spec": {"containers": [{"name": "trainer", "image": "axolotl:latest",
+                "command": ["axolotl", "train", "/config/lora-8b.yml"],
+                "volumeMounts": [{"name": "cfg", "mountPath": "/config"}],
+                "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+                "volumes": [{"name": "cfg", "configMap": {"name": "axolotl"}}]},
+        });
+        if let Some(obj) = extra.as_object() {
+            for (k, v) in obj {
+                pod["spec"][k] = v.clone();
+            }
+        }
+        pod
+    };
+    let on = serde_json::json!({"memguard.io/enabled": "true"});
+    let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": [
+        trainer("unpinned", on.clone(), Value::Null),
+        trainer("title-case", serde_json::json!({"memguard.io/enabled": "True"}), Value::Null),
+        trainer("unlabelled", serde_json::json!({}), Value::Null),
+    ]});
+    let node = |product: &str, mib: &str| {
+        serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": product,
+            "labels": {"nvidia.com/gpu.product": product, "nvidia.com/gpu.memory": mib}}})
+    };
+    let input = [
+        list,
+        config_map,
+        node("NVIDIA-A30", "24576"),
+        node("NVIDIA-A100-SXM4-80GB", "81920"),
+    ]
+    .iter()
+    .map(|d| serde_json::to_string(d).expect("json"))
+    .collect::<Vec<_>>()
+    .join("\n---\n");
+    let out = memguard(&["mutate", "-f", "-", "-o", "json"], Some(&input));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let pods: Vec<Value> = stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a pod per line"))
+        .collect();
+    assert_eq!(
+        pods.len(),
+        3,
+        "the List's items, not the ConfigMap or the Nodes"
+    );
+    let estimate: Value = serde_json::from_str(
+        pods[0]["metadata"]["annotations"]["memguard.io/estimate"]
+            .as_str()
+            .expect("the unpinned pod is admitted"),
+    )
+    .expect("estimate JSON");
+    // The file came from the ConfigMap in the input; the budget from the smallest node's labels.
+    assert_eq!(
+        estimate["sources"]["batch-size"], "configmap:axolotl/lora-8b.yml",
+        "{estimate}"
+    );
+    assert_eq!(estimate["budgetSource"]["kind"], "nodes", "{estimate}");
+    assert!(estimate["gpuMemory"].as_u64().expect("gpu memory") < 24 * (1 << 30));
+    let said = stderr(&out);
+    assert!(
+        said.contains(
+            "document 1 item 2: not mutated: label memguard.io/enabled is \"True\", \
+             not \"true\": the webhook's selector matches exactly \"true\""
+        ),
+        "{said}"
+    );
+    assert!(
+        said.contains("document 1 item 3: not mutated: no label memguard.io/enabled=\"true\""),
+        "{said}"
+    );
+    for pod in &pods[1..] {
+        assert!(
+            pod["metadata"].get("annotations").is_none(),
+            "left alone: {pod}"
+        );
+    }
+}
