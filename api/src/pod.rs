@@ -1542,7 +1542,8 @@ pub fn parse_mps_limit(value: &str) -> Result<u64, String> {
 ///
 /// A pod pinned by a cloud's own accelerator label instead ([`CLOUD_ACCELERATOR_LABELS`]: GKE's
 /// `cloud.google.com/gke-accelerator`, EKS's `k8s.amazonaws.com/accelerator`, Karpenter's and
-/// EKS Auto Mode's `instance-gpu-name`) is pinned as surely: each value is read as the
+/// EKS Auto Mode's `instance-gpu-name`; AKS's GPU VM sizes by `node.kubernetes.io/instance-type`)
+/// is pinned as surely: each value is read as the
 /// `nvidia.com/gpu.product` GPU feature discovery writes on such a node (the smallest where the
 /// cloud's name covers several, as AWS's `a100` covers 40 and 80 GB), or kept as
 /// `label=value` when unknown (then "not in the policy table", named).
@@ -1550,6 +1551,20 @@ pub fn gpu_products(pod: &Pod) -> Vec<String> {
     let nvidia = pinned_values(pod, wellknown::NVIDIA_GPU_PRODUCT_LABEL);
     if !nvidia.is_empty() {
         return nvidia;
+    }
+    // AKS names no GPU product in a label: its VM size does. An instance type not in the table
+    // (another cloud's, a CPU size) pins nothing here.
+    let sizes: Vec<String> = pinned_values(pod, INSTANCE_TYPE_LABEL)
+        .iter()
+        .filter_map(|v| {
+            AZURE_GPU_VM_SIZES
+                .iter()
+                .find(|(size, _)| size.eq_ignore_ascii_case(v.trim()))
+                .map(|(_, p)| (*p).to_string())
+        })
+        .collect();
+    if !sizes.is_empty() {
+        return sizes;
     }
     for (label, table) in CLOUD_ACCELERATOR_LABELS {
         let values = pinned_values(pod, label);
@@ -1599,9 +1614,38 @@ const AWS_GPU_NAMES: &[(&str, &str)] = &[
     ("b200", "NVIDIA-B200"),
 ];
 
-/// Node labels by which a cloud names a node's GPU, read after `nvidia.com/gpu.product`, each
-/// with its values. AKS labels GPU nodes `accelerator: nvidia` only (no product): pin those
-/// with `nvidia.com/gpu.product` (the GPU operator's GFD writes it) or `memguard.io/gpu-memory`.
+/// The well-known node label of a node's VM size.
+pub const INSTANCE_TYPE_LABEL: &str = "node.kubernetes.io/instance-type";
+
+/// AKS GPU VM sizes and the GPU each carries, as GPU feature discovery names it (Microsoft's VM
+/// size pages: NCasT4_v3, NCv3, NDv2, NC A100 v4, ND A100 v4, ND A100 v4 80GB, NC H100 v5,
+/// ND H100 v5, ND H200 v5). AKS labels GPU nodes `kubernetes.azure.com/accelerator: nvidia`
+/// only: a pod pinned to one of these sizes by `node.kubernetes.io/instance-type` is pinned to
+/// its GPU. Partial-GPU sizes (NVads A10 v5) are left out: their share is not a whole card.
+/// NCv3's V100 is the PCIe card, counted as the table's 16 GB V100 (the same memory).
+const AZURE_GPU_VM_SIZES: &[(&str, &str)] = &[
+    ("Standard_NC4as_T4_v3", "Tesla-T4"),
+    ("Standard_NC8as_T4_v3", "Tesla-T4"),
+    ("Standard_NC16as_T4_v3", "Tesla-T4"),
+    ("Standard_NC64as_T4_v3", "Tesla-T4"),
+    ("Standard_NC6s_v3", "Tesla-V100-SXM2-16GB"),
+    ("Standard_NC12s_v3", "Tesla-V100-SXM2-16GB"),
+    ("Standard_NC24s_v3", "Tesla-V100-SXM2-16GB"),
+    ("Standard_NC24rs_v3", "Tesla-V100-SXM2-16GB"),
+    ("Standard_ND40rs_v2", "Tesla-V100-SXM2-32GB"),
+    ("Standard_NC24ads_A100_v4", "NVIDIA-A100-80GB-PCIe"),
+    ("Standard_NC48ads_A100_v4", "NVIDIA-A100-80GB-PCIe"),
+    ("Standard_NC96ads_A100_v4", "NVIDIA-A100-80GB-PCIe"),
+    ("Standard_ND96asr_v4", "NVIDIA-A100-SXM4-40GB"),
+    ("Standard_ND96amsr_A100_v4", "NVIDIA-A100-SXM4-80GB"),
+    ("Standard_NC40ads_H100_v5", "NVIDIA-H100-NVL"),
+    ("Standard_NC80adis_H100_v5", "NVIDIA-H100-NVL"),
+    ("Standard_ND96isr_H100_v5", "NVIDIA-H100-80GB-HBM3"),
+    ("Standard_ND96isr_H200_v5", "NVIDIA-H200"),
+];
+
+/// Node labels by which a cloud names a node's GPU, read after `nvidia.com/gpu.product` and an
+/// AKS VM size ([`AZURE_GPU_VM_SIZES`]), each with its values.
 pub const CLOUD_ACCELERATOR_LABELS: &[(&str, &[(&str, &str)])] = &[
     ("cloud.google.com/gke-accelerator", CLOUD_ACCELERATOR_NAMES),
     ("k8s.amazonaws.com/accelerator", CLOUD_ACCELERATOR_NAMES),

@@ -260,6 +260,17 @@ fn a_cloud_accelerator_label_pins_the_product() {
             "h100",
             product("NVIDIA-H100-80GB-HBM3"),
         ),
+        // AKS: no product label, the VM size names the GPU.
+        (
+            "node.kubernetes.io/instance-type",
+            "Standard_NC24ads_A100_v4",
+            product("NVIDIA-A100-80GB-PCIe"),
+        ),
+        (
+            "node.kubernetes.io/instance-type",
+            "standard_nc4as_t4_v3",
+            product("Tesla-T4"),
+        ),
     ] {
         let (b, _, warnings) = decide(trainer_pod().gpus(1).node_label(label, value));
         assert_eq!(b.source, source, "{label}={value}");
@@ -268,6 +279,13 @@ fn a_cloud_accelerator_label_pins_the_product() {
             "{label}={value}: {warnings:?}"
         );
     }
+    // Another cloud's instance type (or a CPU size) pins nothing.
+    let (b, _, _) = decide(
+        trainer_pod()
+            .gpus(1)
+            .node_label("node.kubernetes.io/instance-type", "p4d.24xlarge"),
+    );
+    assert_eq!(b.source, BudgetSource::PolicyDefault);
     // An unknown value is named, not taken for a product.
     let (b, _, warnings) = decide(
         trainer_pod()
