@@ -116,7 +116,106 @@ pub fn read(
             source: "args".into(),
         });
     }
+    accelerate_config(pod, trainer, launch, maps, &mut coupled);
     coupled
+}
+
+/// `accelerate launch`'s own DeepSpeed and FSDP settings: its `--gradient_accumulation_steps`
+/// option, and its `--config_file` (a YAML from the pod's ConfigMaps): the DeepSpeed section's
+/// `gradient_accumulation_steps` (accelerate hands DeepSpeed the number, through
+/// `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`) or `deepspeed_config_file`, and the FSDP
+/// section's `fsdp_activation_checkpointing`. A config file memguard cannot read is left alone:
+/// unlike a DeepSpeed config, an accelerate config rarely pins anything.
+fn accelerate_config(
+    pod: &Pod,
+    trainer: &Container,
+    launch: &Launch,
+    maps: Option<&dyn ConfigMaps>,
+    coupled: &mut Coupled,
+) {
+    if launch.launcher != Launcher::Accelerate {
+        return;
+    }
+    let has = |name: &str| {
+        launch
+            .launcher_options
+            .iter()
+            .any(|(k, _)| k.trim_start_matches('-').replace('-', "_") == name)
+    };
+    let file = launcher_option(launch, Launcher::Accelerate, "config_file").and_then(|path| {
+        let file = mounted::read(pod, trainer, &path, maps).ok()?;
+        let value: Value = serde_saphyr::from_str(&file.text).ok()?;
+        Some((
+            format!("{} (--config_file {path})", file.source),
+            file.source,
+            value,
+        ))
+    });
+    let section = |key: &str| file.as_ref().and_then(|(_, _, v)| v.get(key)).cloned();
+    let distributed = file
+        .as_ref()
+        .and_then(|(_, _, v)| v.get("distributed_type"))
+        .and_then(Value::as_str)
+        .map(str::to_ascii_uppercase);
+    let deepspeed = has("use_deepspeed") || distributed.as_deref() == Some("DEEPSPEED");
+    let fsdp = has("use_fsdp") || distributed.as_deref() == Some("FSDP");
+    let count = |v: Option<&Value>| match v {
+        Some(Value::Number(n)) => n.as_u64(),
+        Some(Value::String(s)) => s.trim().parse().ok(),
+        _ => None,
+    };
+    if deepspeed && coupled.batch_pinned.is_none() {
+        let ds = section("deepspeed_config");
+        let from_option =
+            launcher_option(launch, Launcher::Accelerate, "gradient_accumulation_steps")
+                .filter(|v| v.trim().parse::<u64>().is_ok());
+        coupled.batch_pinned = if let Some(n) = from_option {
+            Some(format!(
+                "accelerate launch --gradient_accumulation_steps {n} pins the accumulation: \
+                 accelerate hands DeepSpeed the number, which transformers requires the flags to \
+                 match"
+            ))
+        } else if let (Some(n), Some((named, _, _))) = (
+            count(
+                ds.as_ref()
+                    .and_then(|d| d.get("gradient_accumulation_steps")),
+            ),
+            &file,
+        ) {
+            Some(format!(
+                "{named} pins deepspeed_config.gradient_accumulation_steps={n}: accelerate hands \
+                 DeepSpeed the number, which transformers requires the flags to match"
+            ))
+        } else if let Some(path) = ds
+            .as_ref()
+            .and_then(|d| d.get("deepspeed_config_file"))
+            .and_then(Value::as_str)
+        {
+            let named = format!("deepspeed_config_file {path}");
+            match json_config(pod, trainer, path, named.clone(), false, maps) {
+                Ok(config) => deepspeed_pins(&config),
+                Err(why) => Some(format!(
+                    "{named} may pin the micro-batch: the DeepSpeed config cannot be read ({why})"
+                )),
+            }
+        } else {
+            None
+        };
+    }
+    if fsdp
+        && coupled.fsdp_checkpointing.is_none()
+        && let Some((named, source, _)) = &file
+        && is_true(
+            section("fsdp_config")
+                .as_ref()
+                .and_then(|f| f.get("fsdp_activation_checkpointing")),
+        )
+    {
+        coupled.fsdp_checkpointing = Some(FsdpCheckpointing {
+            what: format!("fsdp_activation_checkpointing in {named}"),
+            source: source.clone(),
+        });
+    }
 }
 
 /// How a config was named, short enough for a warning: `--deepspeed ds.json`, `--deepspeed
@@ -333,6 +432,59 @@ mod tests {
                 .contains("shell expansion")
         );
         assert_eq!(coupled(&["python", "t.py"], None), Coupled::default());
+    }
+
+    /// accelerate's config file and options: its DeepSpeed section pins what it gives as a
+    /// number, its FSDP section turns FSDP's checkpointing on.
+    #[test]
+    fn accelerates_own_config_is_read() {
+        let launch = |opts: &[&str], file: Option<&str>| {
+            let mut words = vec!["accelerate", "launch"];
+            words.extend_from_slice(opts);
+            words.push("t.py");
+            coupled(&words, file)
+        };
+        let config = &["--config_file", "cfg/c.json"];
+        let ds_gas = "distributed_type: DEEPSPEED\ndeepspeed_config:\n  gradient_accumulation_steps: 4\n  zero_stage: 3\n";
+        let why = launch(config, Some(ds_gas)).batch_pinned.expect("pinned");
+        assert!(
+            why.starts_with("configmap:ds/c.json (--config_file cfg/c.json) pins deepspeed_config.gradient_accumulation_steps=4"),
+            "{why}"
+        );
+        let ds_plain = "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n";
+        assert_eq!(launch(config, Some(ds_plain)).batch_pinned, None);
+        let why = launch(
+            &["--use_deepspeed", "--gradient_accumulation_steps", "2"],
+            None,
+        )
+        .batch_pinned
+        .expect("pinned");
+        assert!(
+            why.starts_with("accelerate launch --gradient_accumulation_steps 2"),
+            "{why}"
+        );
+        // Without DeepSpeed the option pins nothing memguard writes against.
+        assert_eq!(
+            launch(&["--gradient_accumulation_steps", "2"], None).batch_pinned,
+            None
+        );
+        let in_image = "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: /opt/ds.json\n";
+        assert!(
+            launch(config, Some(in_image))
+                .batch_pinned
+                .expect("pinned")
+                .contains("cannot be read")
+        );
+        let fsdp = "distributed_type: FSDP\nfsdp_config:\n  fsdp_activation_checkpointing: true\n";
+        assert_eq!(
+            launch(config, Some(fsdp))
+                .fsdp_checkpointing
+                .map(|f| f.source),
+            Some("configmap:ds/c.json".to_string())
+        );
+        let fsdp_off =
+            "distributed_type: FSDP\nfsdp_config:\n  fsdp_activation_checkpointing: false\n";
+        assert_eq!(launch(config, Some(fsdp_off)).fsdp_checkpointing, None);
     }
 
     #[test]
