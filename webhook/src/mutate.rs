@@ -162,6 +162,13 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
     {
         policy_in_play.floors.batch_size = training.config.batch_size;
         decided = decision::decide(&training, &policy_in_play, adjustments)?;
+        // A start below the config (a pending OOM recovery) still moves them: then nothing
+        // is changed.
+        if changes_batch(&training.config, &decided.plan.config) {
+            return Err(format!(
+                "batch and accumulation cannot be changed, and the plan needs them changed: {why}"
+            ));
+        }
         let kept = format!("batch and accumulation kept: {why}");
         decided
             .warnings
