@@ -117,5 +117,8 @@ for cmd in [
     "deepspeed\n--num_gpus\n8\ntrain.py\n--deepspeed\nds.json\n--max_seq_length\n4096",
     "sh -c\npip install -q trl && cd /app; NCCL_DEBUG=INFO torchrun --nproc_per_node=8 sft.py \\\n --per_device_train_batch_size 8 --lr='1e-4' \"x y\" 2>&1 | tee log",
     "sh -c\npython -c 'import x' && python $S --a \"$B\"",
+    # Inference servers (argparse rules).
+    "vllm\nserve\nQwen/Qwen2.5-7B\n--max_model_len=8192\n-tp\n2\n--enforce-eager\n--gpu-memory-utilization\n0.9",
+    "sh -c\npython dl.py && exec python3 -m sglang.launch_server --model-path \"m\" \"--context-length=4096\" --port 30000",
 ]:
     add("launch", cmd)

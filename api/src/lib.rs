@@ -15,7 +15,6 @@ pub mod launch;
 pub mod models;
 pub mod oom;
 pub mod policy;
-pub mod serving_launch;
 pub mod signal;
 pub mod summary;
 pub mod wellknown;

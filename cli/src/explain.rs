@@ -102,9 +102,15 @@ pub struct Explanation {
     /// The pending recovery the webhook applied at admission (after an earlier pod's OOM).
     #[serde(skip_serializing_if = "Option::is_none")]
     admitted_after: Option<String>,
+    /// Whether memguard's webhook admitted the pod (it carries `memguard.io/estimate` or
+    /// `memguard.io/error`).
+    admitted: bool,
     /// What the sidecar measured and did (its termination summary).
     #[serde(skip_serializing_if = "Option::is_none")]
     run: Option<RunView>,
+    /// Why the sidecar's termination message could not be read as its summary.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    summary_error: Option<String>,
     /// The trainer's OOMs: its current and last terminated states.
     ooms: Vec<OomView>,
     restarts: i32,
@@ -336,8 +342,13 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
         .map(|a| a.steps.clone())
         .unwrap_or_default();
 
-    let summary = sidecar_summary(pod);
+    let (summary, summary_error) = match sidecar_summary(pod) {
+        Ok(summary) => (summary, None),
+        Err(why) => (None, Some(why)),
+    };
     let run = summary.as_ref().map(run_view);
+    let admitted =
+        annotations.contains_key(keys::ESTIMATE) || annotations.contains_key(keys::ERROR);
 
     let status = trainer
         .as_deref()
@@ -381,7 +392,9 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
         budget,
         steps,
         admitted_after: annotation.and_then(|a| a.recovery),
+        admitted,
         run,
+        summary_error,
         ooms,
         restarts: status.as_ref().map_or(0, |s| s.restart_count),
         next,
@@ -578,21 +591,40 @@ fn trainer_status<'a>(pod: &'a Pod, trainer: &str) -> Option<&'a ContainerStatus
         .find(|s| s.name == trainer)
 }
 
-fn sidecar_summary(pod: &Pod) -> Option<Summary> {
-    let status = pod.status.as_ref()?;
-    status
-        .init_container_statuses
-        .iter()
-        .flatten()
-        .chain(status.container_statuses.iter().flatten())
-        .find(|s| s.name == wellknown::SIDECAR_CONTAINER)?
-        .state
-        .as_ref()?
-        .terminated
-        .as_ref()?
-        .message
-        .as_deref()
-        .and_then(parse_summary)
+/// The sidecar's summary (its termination message): `Ok(None)` while it runs or when there is
+/// no sidecar; `Err` with the message's start when it terminated with something else.
+fn sidecar_summary(pod: &Pod) -> Result<Option<Summary>, String> {
+    let message = pod.status.as_ref().and_then(|status| {
+        status
+            .init_container_statuses
+            .iter()
+            .flatten()
+            .chain(status.container_statuses.iter().flatten())
+            .find(|s| s.name == wellknown::SIDECAR_CONTAINER)?
+            .state
+            .as_ref()?
+            .terminated
+            .as_ref()?
+            .message
+            .clone()
+    });
+    let Some(message) = message.filter(|m| !m.trim().is_empty()) else {
+        return Ok(None);
+    };
+    match parse_summary(&message) {
+        Some(summary) => Ok(Some(summary)),
+        None => {
+            let start: String = message.trim().chars().take(60).collect();
+            Err(format!(
+                "the sidecar's termination message is not a memguard summary: `{start}`{}",
+                if message.trim().chars().count() > 60 {
+                    "…"
+                } else {
+                    ""
+                }
+            ))
+        }
+    }
 }
 
 fn bytes(b: Option<u64>) -> String {
@@ -612,6 +644,14 @@ fn write_table(out: &mut impl Write, e: &Explanation) -> std::io::Result<()> {
     }
     if let Some(err) = &e.estimate_error {
         row(out, "estimate unreadable", err)?;
+    }
+    if !e.admitted {
+        row(
+            out,
+            "admission",
+            "not admitted by memguard (no memguard.io/estimate: the webhook did not see this pod \
+             or skipped it); the config below is what the pod's own spec says",
+        )?;
     }
     writeln!(out, "config")?;
     for (k, v) in &e.config {
@@ -692,7 +732,10 @@ fn write_table(out: &mut impl Write, e: &Explanation) -> std::io::Result<()> {
             row(out, "oom records", &r.oom_records.to_string())?;
             row(out, "exit", &r.exit_reason)?;
         }
-        None => row(out, "summary", "none (sidecar running or absent)")?,
+        None => match &e.summary_error {
+            Some(why) => row(out, "summary", &format!("unreadable: {why}"))?,
+            None => row(out, "summary", "none (sidecar running or absent)")?,
+        },
     }
     writeln!(out, "ooms (restarts {})", e.restarts)?;
     if e.ooms.is_empty() {
@@ -742,8 +785,12 @@ fn write_table(out: &mut impl Write, e: &Explanation) -> std::io::Result<()> {
         row(out, "correction factor", &factor)?;
         row(out, "oom events", &s.oom_events.len().to_string())?;
         row(out, "ooms in a row", &s.oom_recoveries.to_string())?;
-        if let Some(r) = &s.recovery {
-            row(out, "recovery", &describe_knobs(&r.config))?;
+        // The recovery is what the next pod gets: shown once, under "next pod", unless the
+        // next pod does not take it.
+        if let Some(r) = &s.recovery
+            && e.next.config.as_ref() != Some(&r.config)
+        {
+            row(out, "recovery (pending)", &describe_knobs(&r.config))?;
         }
         if let Some(v) = &s.verdict {
             row(out, "verdict", v)?;

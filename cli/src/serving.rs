@@ -2,7 +2,7 @@
 //! `memguard explain` show it: the webhook's own ([`memguard_webhook::serving::admit`]), so
 //! the three always agree.
 
-use memguard_api::serving_launch::ArgvEdit;
+use memguard_api::launch::ArgvEdit;
 use memguard_webhook::Outcome;
 use memguard_webhook::serving::ServerAdmission;
 use serde_json::{Value, json};

@@ -18,6 +18,7 @@ metadata:
     memguard.io/method: lora
     memguard.io/batch-size: "16"
     memguard.io/seq-length: "2048"
+    memguard.io/grad-checkpointing: "true"
     memguard.io/gpu-memory: "80GiB"
 spec:
   restartPolicy: Never
@@ -140,7 +141,7 @@ fn one_job_through_a_cuda_oom_a_recovery_and_a_success() {
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
 
-    // 1. Admitted: annotated batch 16 fits 80 GiB with checkpointing at batch 8 × 2.
+    // 1. Admitted: annotated batch 16 with checkpointing fits 80 GiB at batch 8 × 2.
     let first = admit(d, POD, None);
     show("1. pod finetune-0 admitted (no profile yet)", &first, None);
     assert_eq!(env_of(&first, "MEMGUARD_BATCH_SIZE"), "8");
@@ -179,7 +180,7 @@ fn one_job_through_a_cuda_oom_a_recovery_and_a_success() {
     );
     assert_eq!(e["budget"]["bytes"].as_u64().map(|b| b > 0), Some(true));
     assert_eq!(e["budget"]["source"], "annotation");
-    assert_eq!(e["steps"], json!(["grad-checkpointing", "halve-batch"]));
+    assert_eq!(e["steps"], json!(["halve-batch"]));
     assert_eq!(e["run"]["gpu_peak_bytes"], 84_000_000_000u64);
     assert_eq!(e["run"]["downgrades"], 1);
     assert_eq!(e["ooms"][0]["reason"], "CudaOOM");
@@ -459,4 +460,46 @@ spec:
         None,
     );
     assert_eq!(again, admitted, "idempotent");
+}
+
+#[test]
+fn explain_says_what_it_could_not_read_and_shows_the_next_config_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    // A pod the webhook never saw: said so, not a bare `total -`.
+    let raw: Value = serde_saphyr::from_str(POD).expect("pod");
+    let table = explain(d, &raw, "table");
+    assert!(table.contains("not admitted by memguard"), "{table}");
+    let admitted = admit(d, POD, None);
+    assert!(!explain(d, &admitted, "table").contains("not admitted"));
+
+    // A sidecar message that is not a summary: unreadable, with its start, not "none".
+    let trainer = json!({"exitCode": 0, "reason": "Completed",
+        "finishedAt": "2026-11-23T22:10:00Z"});
+    let garbled = finished(
+        admitted.clone(),
+        trainer.clone(),
+        json!("panic: oh no"),
+        "Succeeded",
+    );
+    let table = explain(d, &garbled, "table");
+    assert!(
+        table.contains("unreadable: the sidecar's termination message is not a memguard summary"),
+        "{table}"
+    );
+    assert!(
+        !table.contains("none (sidecar running or absent)"),
+        "{table}"
+    );
+
+    // After an OOM the next pod's config is shown once, under "next pod" (the profile's
+    // recovery is the same config).
+    let oom = json!({"exitCode": 137, "reason": "OOMKilled", "finishedAt": "2026-11-23T22:10:00Z"});
+    let summary = json!({"version": 1, "downgrades": 0, "oom_events": 1, "max_level": "critical",
+        "batch_size": 8, "grad_accumulation": 2, "exit_reason": "trainer-exited"});
+    let dead = finished(admitted, oom, summary, "Failed");
+    let table = explain(d, &dead, "table");
+    let e = explain_json(d, &dead, &[]);
+    assert!(e["next"]["config"].is_object(), "{}", e["next"]);
+    assert_eq!(table.matches("recovery").count(), 0, "{table}");
 }

@@ -37,8 +37,8 @@ pub use config::{
 pub use estimate::{Component, Estimate, Fitted, estimate, estimate_with};
 pub use inference::{ServingConfig, estimate_serving};
 pub use plan::{
-    Cost, DowngradePlan, Floors, LADDER, QUALITY_MIN_SAVING, Rung, Step, plan, plan_against,
-    plan_with_floors,
+    BestStep, Cost, DowngradePlan, Floors, LADDER, QUALITY_MIN_SAVING, Rung, Step, best_step, plan,
+    plan_against, plan_with_floors,
 };
 pub use suggest::{Suggestion, suggest};
 pub use units::{Bytes, ParseError, parse_bytes, parse_count};

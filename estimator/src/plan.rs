@@ -1,7 +1,8 @@
-//! The downgrade plan: walk the ladder until the step fits the budget. Each rung has a cost
-//! class ([`Cost`]): free and compute rungs are taken by default; quality rungs (they change what
-//! the model sees or is) only with permission ([`Floors::allow_quality`]) and never for a saving
-//! below [`QUALITY_MIN_SAVING`] of the budget.
+//! The downgrade plan: take steps until the config fits the budget, each time the step that saves
+//! the most bytes per unit of cost ([`Rung::cost_units`]). Each rung has a cost class ([`Cost`]):
+//! free and compute rungs are taken by default; quality rungs (they change what the model sees
+//! or is) only with permission ([`Floors::allow_quality`]), only once no free or compute step
+//! saves anything, and never for a saving below [`QUALITY_MIN_SAVING`] of the budget.
 
 use crate::bound::{self, Bound, Class, Figure};
 use crate::calibration::Calibration;
@@ -31,8 +32,7 @@ pub enum Rung {
     HalveLoraLayers,
 }
 
-/// The ladder, cheapest quality cost first. Each rung is applied as often as it helps (down to
-/// its floor) before the next is tried.
+/// Every rung, cheapest first: the order breaks ties between equal savings per unit of cost.
 pub const LADDER: [Rung; 6] = [
     Rung::GradCheckpointing,
     Rung::SyncEachBatch,
@@ -66,6 +66,11 @@ impl Cost {
     }
 }
 
+/// Tokens per micro-batch at which halving the batch starts to cost speed: a few thousand tokens
+/// keep a GPU's matrix units busy on the models people fine-tune; below that each halving leaves
+/// more of the device idle per step.
+pub const SATURATING_TOKENS: u64 = 4096;
+
 /// The least a quality rung must save, as a share of the budget, to be taken even with
 /// permission: truncating data or shrinking the adapter for less is a trade no one would make.
 pub const QUALITY_MIN_SAVING: f64 = 0.02;
@@ -78,6 +83,24 @@ impl Rung {
             Rung::HalveBatch => Cost::Free,
             Rung::GradCheckpointing | Rung::SyncEachBatch => Cost::Compute,
             Rung::HalveSeqLength | Rung::HalveLoraRank | Rung::HalveLoraLayers => Cost::Quality,
+        }
+    }
+
+    /// What taking the rung to `next` costs, in units where a compute step costs 2: the plan
+    /// takes the step that saves the most bytes per unit. Checkpointing runs the forward pass
+    /// again (about a third more time per step) and syncing each batch adds a reduce-scatter per
+    /// micro-batch: 2 each. Halving the batch keeps the math but not the speed once the
+    /// micro-batch is small: 1 unit at [`SATURATING_TOKENS`] tokens per micro-batch, a quarter
+    /// of that far above it, up to 8 far below. Quality rungs are weighed among themselves only
+    /// (see [`plan_against`]): 1 each.
+    pub fn cost_units(self, next: &TrainingConfig) -> f64 {
+        match self {
+            Rung::HalveBatch => {
+                let tokens = (next.batch_size * next.seq_length).max(1) as f64;
+                (SATURATING_TOKENS as f64 / tokens).clamp(0.25, 8.0)
+            }
+            Rung::GradCheckpointing | Rung::SyncEachBatch => 2.0,
+            Rung::HalveSeqLength | Rung::HalveLoraRank | Rung::HalveLoraLayers => 1.0,
         }
     }
 
@@ -282,8 +305,8 @@ pub fn plan_with_floors(
     plan_against(cfg, budget, calibration, floors, &Bound::POINT)
 }
 
-/// Walks [`LADDER`] from `cfg`, re-estimating (calibrated) after each step and stopping as soon
-/// as `bound`'s figure (the upper bound at its level, or the point estimate) fits `budget`. When
+/// Plans from `cfg`, taking at each step the rung that saves the most per unit of cost
+/// (re-estimated, calibrated), and stopping as soon as `bound`'s figure (the upper bound at its level, or the point estimate) fits `budget`. When
 /// nothing fits, `fits` is false and the config is the most downgraded one reached, so a caller
 /// can still report how far short it is.
 pub fn plan_against(
@@ -314,45 +337,30 @@ pub fn plan_against(
     };
 
     let min_quality_saving = Bytes::from_f64(budget.as_f64() * QUALITY_MIN_SAVING);
-    'ladder: for rung in LADDER {
-        if rung.cost() == Cost::Quality && !floors.allow_quality {
-            continue;
-        }
-        while !fits(&current, &current_estimate) {
-            let Some((next, explanation)) = rung.apply(&current, floors) else {
-                continue 'ladder;
-            };
-            // A step past a sanity limit (accumulation doubled beyond it) is not a config anyone
-            // can run: the rung is exhausted, not the plan.
-            let Ok(next_estimate) = estimate(&next) else {
-                continue 'ladder;
-            };
-            // A rung that saves nothing would cost quality for no memory: try the next one.
-            // Syncing each batch at accumulation 1 saves nothing by itself, but it is what
-            // lets the halving after it save: taken when it does.
-            if next_estimate.total >= current_estimate.total
-                && !(rung == Rung::SyncEachBatch
-                    && halving_saves(&next, current_estimate.total, floors))
-            {
-                continue 'ladder;
-            }
-            let before = calibration.apply(current_estimate.total);
-            let after = calibration.apply(next_estimate.total);
-            let saved = Bytes(before.0.saturating_sub(after.0));
-            // A quality cut that saves next to nothing is not worth what it costs.
-            if rung.cost() == Cost::Quality && saved < min_quality_saving {
-                continue 'ladder;
-            }
-            steps.push(Step {
-                rung,
-                explanation,
-                total_after: after,
-                saved,
-            });
-            current = next;
-            current_estimate = next_estimate;
-        }
-        break;
+    // Greedy, by bytes saved per unit of cost: at each step every rung is tried once from the
+    // current config, and the one that saves the most per unit is taken. Quality rungs are
+    // weighed only when no free or compute rung saves anything: no amount of memory makes a
+    // truncation better than a recomputation.
+    while !fits(&current, &current_estimate) {
+        let Some(best) = best_step(
+            &current,
+            current_estimate.total,
+            calibration,
+            floors,
+            min_quality_saving,
+        ) else {
+            break;
+        };
+        let before = calibration.apply(current_estimate.total);
+        let after = calibration.apply(best.estimate.total);
+        steps.push(Step {
+            rung: best.rung,
+            explanation: best.explanation,
+            total_after: after,
+            saved: Bytes(before.0.saturating_sub(after.0)),
+        });
+        current = best.config;
+        current_estimate = best.estimate;
     }
 
     Ok(DowngradePlan {
@@ -367,12 +375,98 @@ pub fn plan_against(
     })
 }
 
-/// Whether halving the batch of `cfg` gives a total below `than` (a valid config).
-fn halving_saves(cfg: &TrainingConfig, than: Bytes, floors: &Floors) -> bool {
-    Rung::HalveBatch
-        .apply(cfg, floors)
-        .and_then(|(halved, _)| estimate(&halved).ok())
-        .is_some_and(|e| e.total < than)
+/// The step [`best_step`] chose.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BestStep {
+    /// Which rung.
+    pub rung: Rung,
+    /// The config after it.
+    pub config: TrainingConfig,
+    /// Its estimate (uncalibrated).
+    pub estimate: Estimate,
+    /// What changed, in words.
+    pub explanation: String,
+}
+
+/// The one step from `current` (whose uncalibrated total is `total`) that saves the most bytes
+/// per unit of cost ([`Rung::cost_units`]): free and compute rungs first, quality rungs (with
+/// permission) only when none of those saves, and not for under `min_quality_saving`. Ties go
+/// to the rung earlier in [`LADDER`]. `None` when no rung saves. The planner takes it until
+/// the config fits; the profile controller takes one after an OOM kill.
+pub fn best_step(
+    current: &TrainingConfig,
+    total: Bytes,
+    calibration: &Calibration,
+    floors: &Floors,
+    min_quality_saving: Bytes,
+) -> Option<BestStep> {
+    let mut best: Option<(f64, BestStep)> = None;
+    for quality in [false, true] {
+        if quality && !floors.allow_quality {
+            break;
+        }
+        for rung in LADDER
+            .into_iter()
+            .filter(|r| (r.cost() == Cost::Quality) == quality)
+        {
+            let Some((next, explanation)) = rung.apply(current, floors) else {
+                continue;
+            };
+            // A step past a sanity limit (accumulation doubled beyond it) is not a config
+            // anyone can run.
+            let Ok(next_estimate) = estimate(&next) else {
+                continue;
+            };
+            let saving = |reached: Bytes, units: f64| {
+                let saved = calibration
+                    .apply(total)
+                    .0
+                    .saturating_sub(calibration.apply(reached).0);
+                (reached < total).then_some((saved, units))
+            };
+            let mut options = vec![saving(next_estimate.total, rung.cost_units(&next))];
+            // Syncing each batch saves the unsharded gradients by itself when the trainer
+            // accumulates, and otherwise lets the halving after it save: weighed both ways.
+            if rung == Rung::SyncEachBatch
+                && let Some((halved, reached)) = halved(&next, floors)
+            {
+                let units = rung.cost_units(&next) + Rung::HalveBatch.cost_units(&halved);
+                options.push(saving(reached, units));
+            }
+            let Some((saved, units)) = options
+                .into_iter()
+                .flatten()
+                .max_by(|a, b| (a.0 as f64 / a.1).total_cmp(&(b.0 as f64 / b.1)))
+            else {
+                continue;
+            };
+            // A quality cut that saves next to nothing is not worth what it costs.
+            if rung.cost() == Cost::Quality && Bytes(saved) < min_quality_saving {
+                continue;
+            }
+            let score = saved as f64 / units;
+            if best.as_ref().is_none_or(|(b, _)| score > *b) {
+                let step = BestStep {
+                    rung,
+                    config: next,
+                    estimate: next_estimate,
+                    explanation,
+                };
+                best = Some((score, step));
+            }
+        }
+        if best.is_some() {
+            break;
+        }
+    }
+    best.map(|(_, step)| step)
+}
+
+/// `cfg` with its batch halved and its total, when that is a valid config.
+fn halved(cfg: &TrainingConfig, floors: &Floors) -> Option<(TrainingConfig, Bytes)> {
+    let (halved, _) = Rung::HalveBatch.apply(cfg, floors)?;
+    let total = estimate(&halved).ok()?.total;
+    Some((halved, total))
 }
 
 #[cfg(test)]
@@ -423,36 +517,39 @@ mod tests {
     }
 
     #[test]
-    fn walks_the_ladder_in_order_and_stops_as_soon_as_it_fits() {
+    fn takes_the_step_that_saves_most_per_unit_of_cost_and_stops_as_soon_as_it_fits() {
         use Rung::*;
+        // Sequence 4096: even batch 1 is a full micro-batch, so halving the batch (same math,
+        // hardly slower) saves more per unit than checkpointing (a third more time), down to
+        // batch 1. Then checkpointing; the sequence only with permission and last.
         // (name, budget = the total of the config the plan should reach, expected rungs)
         let table: Vec<(&str, Bytes, Vec<Rung>)> = vec![
             ("already fits", total(&heavy()), vec![]),
             (
-                "checkpointing is enough",
-                total(&with(|c| c.grad_checkpointing = true)),
-                vec![GradCheckpointing],
+                "halving twice is enough",
+                total(&with(|c| c.batch_size = 2)),
+                vec![HalveBatch, HalveBatch],
             ),
             (
-                "then the batch, twice",
+                "then checkpointing at batch 1",
                 total(&with(|c| {
                     c.grad_checkpointing = true;
-                    c.batch_size = 2;
+                    c.batch_size = 1;
                 })),
-                vec![GradCheckpointing, HalveBatch, HalveBatch],
+                vec![HalveBatch, HalveBatch, HalveBatch, GradCheckpointing],
             ),
             (
-                "then the sequence once the batch is at its floor",
+                "then the sequence once nothing free or compute is left",
                 total(&with(|c| {
                     c.grad_checkpointing = true;
                     c.batch_size = 1;
                     c.seq_length = 1024;
                 })),
                 vec![
+                    HalveBatch,
+                    HalveBatch,
+                    HalveBatch,
                     GradCheckpointing,
-                    HalveBatch,
-                    HalveBatch,
-                    HalveBatch,
                     HalveSeqLength,
                     HalveSeqLength,
                 ],
@@ -470,6 +567,55 @@ mod tests {
                 16,
                 "{name}: effective batch"
             );
+        }
+    }
+
+    #[test]
+    fn short_sequences_checkpoint_before_the_batch_gets_small() {
+        // Sequence 256, batch 8: 1024 tokens per micro-batch already; halving it would leave
+        // the device idle, so checkpointing (which saves most of the activations) goes first.
+        let start = with(|c| c.seq_length = 256);
+        let target = with(|c| {
+            c.seq_length = 256;
+            c.grad_checkpointing = true;
+        });
+        let p = plan(&start, total(&target), &Calibration::none()).expect("valid");
+        let rungs: Vec<Rung> = p.steps.iter().map(|s| s.rung).collect();
+        assert_eq!(rungs, vec![Rung::GradCheckpointing]);
+        assert_eq!(p.config.batch_size, 8);
+    }
+
+    #[test]
+    fn every_step_is_the_best_saving_per_unit_among_the_rungs_that_apply() {
+        let starts = [
+            heavy(),
+            with(|c| c.seq_length = 512),
+            with(|c| c.seq_length = 256),
+            fsdp(),
+        ];
+        for start in starts {
+            let p = plan_allowed(&start, Bytes::gib(1));
+            let mut current = start.clone();
+            for step in &p.steps {
+                let now = estimate(&current).expect("valid").total;
+                let best_other = LADDER
+                    .into_iter()
+                    .filter(|r| r.cost() == step.rung.cost() || r.cost() != Cost::Quality)
+                    .filter(|r| *r != Rung::SyncEachBatch && *r != step.rung)
+                    .filter_map(|r| {
+                        let (next, _) = r.apply(&current, &allowed())?;
+                        let after = estimate(&next).ok()?.total;
+                        Some(now.0.saturating_sub(after.0) as f64 / r.cost_units(&next))
+                    })
+                    .fold(0.0, f64::max);
+                let (next, _) = step.rung.apply(&current, &allowed()).expect("it applied");
+                let mine = step.saved.as_f64() / step.rung.cost_units(&next);
+                if step.rung != Rung::SyncEachBatch && step.rung.cost() != Cost::Quality {
+                    assert!(mine >= best_other, "{:?} over a better rung", step.rung);
+                }
+                current = next;
+            }
+            assert_eq!(current, p.config);
         }
     }
 
@@ -655,7 +801,8 @@ mod tests {
                     c.batch_size = 4;
                     c.grad_accumulation = 2;
                 })),
-                vec![GradCheckpointing, SyncEachBatch],
+                // The unsharded gradients outweigh the activations here.
+                vec![SyncEachBatch, GradCheckpointing],
             ),
             (
                 "the trainer syncs each batch already: no rung for it",
@@ -665,7 +812,9 @@ mod tests {
                     c.batch_size = 2;
                     c.grad_accumulation = 4;
                 })),
-                vec![GradCheckpointing, HalveBatch, HalveBatch],
+                // Batch 8 → 4 is cheap (long micro-batches), then checkpointing saves more per
+                // unit than 4 → 2.
+                vec![HalveBatch, GradCheckpointing, HalveBatch],
             ),
             (
                 "checkpointing is enough: the trainer's sync is left alone",

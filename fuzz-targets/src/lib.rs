@@ -363,6 +363,7 @@ pub fn launch(data: &[u8]) {
             }
         }
     }
+    launch_server(&items);
     let Ok(found) = launch::find(&items) else {
         return;
     };
@@ -400,5 +401,36 @@ pub fn launch(data: &[u8]) {
             "prefix kept"
         );
         assert!(out[item].ends_with(&items[item][span.end..]), "suffix kept");
+    }
+}
+
+/// The server rules on the same input: a server's memory flags set and read back as set, the
+/// launch still found, the model unchanged.
+fn launch_server(items: &[String]) {
+    use memguard_api::launch::{ArgvEdit, ServerLaunch};
+    let Some(found) = ServerLaunch::find(items, &[], false) else {
+        return;
+    };
+    let flags = found.flags();
+    let set = [
+        (flags.max_length, "1234".to_string()),
+        (flags.fraction, "0.5".to_string()),
+    ];
+    let mut out = items.to_vec();
+    let Ok(edits) = found.rewrite(&set) else {
+        return;
+    };
+    for edit in edits {
+        match edit {
+            ArgvEdit::Replace { index, value, .. } => out[index] = value,
+            ArgvEdit::Append { value, .. } => out.push(value),
+        }
+    }
+    let again = ServerLaunch::find(&out, &[], false).expect("a rewritten server is found again");
+    assert_eq!((again.engine, &again.model), (found.engine, &found.model));
+    // A value the shell expands is not known, so it is not checked.
+    if !out.iter().any(|w| w.contains('$') || w.contains('`')) {
+        assert_eq!(again.flag(flags.max_length), Some("1234"), "{out:?}");
+        assert_eq!(again.flag(flags.fraction), Some("0.5"), "{out:?}");
     }
 }

@@ -4,7 +4,9 @@ use crate::observe::Observation;
 use memguard_api::crd::{MemoryProfileStatus, OomEvent, ProfileRun, Recovery, TrainingKnobs};
 use memguard_api::policy::DEFAULT_MAX_OOM_RECOVERIES;
 use memguard_estimator::calibration::FACTOR_RANGE;
-use memguard_estimator::{Bytes, Cost, Floors, GradSync, LADDER, Rung, TrainingConfig};
+use memguard_estimator::{
+    Bytes, Calibration, Floors, GradSync, Rung, TrainingConfig, best_step, estimate,
+};
 
 /// What the policy in force says about recovering from OOMs: how many recoveries in a row, and
 /// the floors no recovery steps below (the webhook clamps to the same floors, so a recovery
@@ -108,8 +110,8 @@ pub fn apply_limited(
     next
 }
 
-/// The recovery after an OOM kill: start the next pod one rung of the ladder below the config
-/// that died, *and* plan it with the factor the kill implies (the memory the pod had, or its
+/// The recovery after an OOM kill: start the next pod one step below the config that died (the
+/// step the planner would take next: [`best_step`]), *and* plan it with the factor the kill implies (the memory the pod had, or its
 /// measured peak if higher, over the estimate of the config that died). Doing both is at least
 /// as safe as either; the factor also covers an estimate that was far off, the rung a kill that
 /// the factor alone would not prevent (a config already estimated above the limit). A factor
@@ -117,21 +119,21 @@ pub fn apply_limited(
 /// Rungs stop at `floors`, the policy's: the webhook never plans below them.
 pub fn recovery(obs: &Observation, previous: Option<&Recovery>, floors: &Floors) -> Recovery {
     let died = &obs.ran;
-    // A quality rung only with the policy's permission, as the planner takes them.
-    let step = LADDER
-        .iter()
-        .filter(|rung| rung.cost() != Cost::Quality || floors.allow_quality)
-        .find_map(|rung| rung.apply(died, floors).map(|s| (*rung, s)))
-        .map(|(rung, (next, why))| {
+    // The step the planner would take next from the config that died (the most bytes saved
+    // per unit of cost; a quality rung only with the policy's permission).
+    let step = estimate(died)
+        .ok()
+        .and_then(|e| best_step(died, e.total, &Calibration::none(), floors, Bytes::ZERO))
+        .map(|best| {
             // Syncing each batch without accumulation changes nothing by itself: it is what
             // lets the halving after it save, so the recovery takes both (as the planner does).
-            if rung == Rung::SyncEachBatch
+            if best.rung == Rung::SyncEachBatch
                 && died.grad_accumulation == 1
-                && let Some((halved, more)) = Rung::HalveBatch.apply(&next, floors)
+                && let Some((halved, more)) = Rung::HalveBatch.apply(&best.config, floors)
             {
-                return (2, halved, format!("{why}, then {more}"));
+                return (2, halved, format!("{}, then {more}", best.explanation));
             }
-            (1, next, why)
+            (1, best.config, best.explanation)
         });
     let implied = match (obs.limit, obs.estimate) {
         (Some(limit), Some(estimate)) if estimate.0 > 0 => {

@@ -48,9 +48,7 @@ pub fn spec_from_str(text: Option<&str>) -> Result<Option<PolicySpec>, Vec<Strin
     let meta = serde_saphyr::from_str::<TypeMeta>(text).ok();
     let expected = MemguardPolicy::api_version(&());
     match meta.and_then(|m| m.kind.map(|kind| (kind, m.api_version))) {
-        None => serde_saphyr::from_str(text)
-            .map(Some)
-            .map_err(|e| vec![format!("policy document: {e}")]),
+        None => parse_spec(text, "policy document").map(Some),
         Some((kind, api_version)) if kind == MemguardPolicy::kind(&()) => {
             if api_version.as_deref() != Some(&*expected) {
                 return Err(vec![format!(
@@ -58,15 +56,59 @@ pub fn spec_from_str(text: Option<&str>) -> Result<Option<PolicySpec>, Vec<Strin
                     api_version.unwrap_or_default()
                 )]);
             }
-            serde_saphyr::from_str::<MemguardPolicy>(text)
-                .map(|resource| Some(resource.spec.0))
-                .map_err(|e| vec![format!("MemguardPolicy: {e}")])
+            let resource =
+                serde_saphyr::from_str::<serde_json::Map<String, serde_json::Value>>(text)
+                    .map_err(|e| vec![format!("MemguardPolicy: {}", without_snippet(&e))])?;
+            let spec = resource.get("spec").cloned().unwrap_or_default();
+            parse_spec(&spec.to_string(), "MemguardPolicy spec").map(Some)
         }
         Some((kind, _)) => Err(vec![format!(
             "policy document: `kind: {kind}` is not a policy; expected a PolicySpec or a \
              MemguardPolicy ({expected})"
         )]),
     }
+}
+
+/// Parses `text` as a `PolicySpec`. The parser stops at its first problem; then every
+/// top-level field is parsed alone, so that each one that is wrong is listed, and the fields
+/// that parse are checked too: a user fixes the file in one go.
+fn parse_spec(text: &str, what: &str) -> Result<PolicySpec, Vec<String>> {
+    let first = match serde_saphyr::from_str::<PolicySpec>(text) {
+        Ok(spec) => return Ok(spec),
+        Err(e) => format!("{what}: {}", without_snippet(&e)),
+    };
+    let Ok(fields) = serde_saphyr::from_str::<serde_json::Map<String, serde_json::Value>>(text)
+    else {
+        return Err(vec![first]);
+    };
+    let mut problems = Vec::new();
+    let mut good = serde_json::Map::new();
+    for (key, value) in fields {
+        let alone = serde_json::Value::Object([(key.clone(), value.clone())].into_iter().collect());
+        match serde_json::from_value::<PolicySpec>(alone) {
+            Ok(_) => {
+                good.insert(key, value);
+            }
+            Err(e) => problems.push(format!("{what}: {key}: {e}")),
+        }
+    }
+    if problems.is_empty() {
+        return Err(vec![first]);
+    }
+    if let Ok(spec) = serde_json::from_value::<PolicySpec>(serde_json::Value::Object(good))
+        && let Err(more) = spec.resolved()
+    {
+        problems.extend(more);
+    }
+    Err(problems)
+}
+
+/// A YAML error without the parser's source snippet, which names the document `<input>`: the
+/// caller names the file.
+fn without_snippet(e: &impl std::fmt::Display) -> String {
+    let text = e.to_string();
+    let line = text.split("\n -->").next().unwrap_or_default().trim();
+    line.strip_prefix("error: ").unwrap_or(line).to_string()
 }
 
 /// The policy in force: `resource` (the watched `MemguardPolicy`'s spec) when present, else
@@ -202,6 +244,26 @@ spec:
             Ok(None),
             "blank means defaults"
         );
+    }
+
+    #[test]
+    fn every_problem_of_a_policy_document_is_listed_without_the_parsers_snippet() {
+        let text = "safetyRatio: 2\ndefaultGpuMemry: 40Gi\nmaxOomRecoveries: many\n";
+        let errors = policy_from_str(Some(text), &Overrides::default()).expect_err("invalid");
+        let all = errors.join("\n");
+        assert_eq!(errors.len(), 3, "{all}");
+        assert!(all.contains("unknown field `defaultGpuMemry`"), "{all}");
+        assert!(all.contains("maxOomRecoveries: invalid type"), "{all}");
+        assert!(all.contains("safetyRatio: 2 is not in (0, 1]"), "{all}");
+        assert!(!all.contains("<input>"), "{all}");
+        // The same inside a MemguardPolicy.
+        let manifest = format!(
+            "apiVersion: memguard.io/v1alpha1\nkind: MemguardPolicy\nmetadata: {{name: default}}\nspec:\n{}",
+            text.lines().map(|l| format!("  {l}\n")).collect::<String>()
+        );
+        let errors = policy_from_str(Some(&manifest), &Overrides::default()).expect_err("bad");
+        assert_eq!(errors.len(), 3, "{errors:?}");
+        assert!(errors[0].starts_with("MemguardPolicy spec: "), "{errors:?}");
     }
 
     #[test]

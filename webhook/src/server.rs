@@ -190,7 +190,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         metrics: metrics.clone(),
     };
     let handle: Handle<SocketAddr> = Handle::new();
-    let mut https = axum_server::bind_rustls(args.listen, served).handle(handle.clone());
+    // Bound here, not inside the server task, so that a port in use stops the start with its
+    // cause instead of a listener that silently never starts.
+    let listener = std::net::TcpListener::bind(args.listen)
+        .with_context(|| format!("binding the HTTPS listener {}", args.listen))?;
+    listener.set_nonblocking(true)?;
+    let mut https = axum_server::from_tcp_rustls(listener, served)
+        .with_context(|| format!("serving HTTPS on {}", args.listen))?
+        .handle(handle.clone());
     // axum-server turns hyper's header read timeout off: a client that opens a connection and
     // trickles its headers, or never sends them (slowloris), would hold it open forever. The TLS
     // handshake has its own 10 s limit (axum-server's default).
@@ -203,7 +210,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 
     let metrics_listener = tokio::net::TcpListener::bind(args.metrics_listen)
         .await
-        .with_context(|| format!("binding {}", args.metrics_listen))?;
+        .with_context(|| format!("binding the metrics listener {}", args.metrics_listen))?;
     let metrics_addr = metrics_listener.local_addr()?;
     let metrics_server =
         tokio::spawn(async move { axum::serve(metrics_listener, metrics_router(metrics)).await });

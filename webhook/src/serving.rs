@@ -12,8 +12,8 @@
 use crate::mutate::{Outcome, skipped};
 use k8s_openapi::api::core::v1::{Container, Pod};
 use memguard_api::annotations::{self as keys, TrainingAnnotations};
+use memguard_api::launch::{ArgvEdit, ServerLaunch};
 use memguard_api::pod::pick_trainer;
-use memguard_api::serving_launch::{ArgvEdit, ServerLaunch};
 use memguard_api::{BudgetSource, Policy, TrainingPod};
 use memguard_estimator::estimate::runtime_overhead;
 use memguard_estimator::serving_fit::{self, Change, DeviceShare, Engine, FitRules, ServerFit};
@@ -131,7 +131,9 @@ fn decide(
         runtime_overhead(training.config.device),
         rules,
     );
-    let edits = launch.rewrite(&flag_values(launch, &fit));
+    let edits = launch
+        .rewrite(&flag_values(launch, &fit))
+        .map_err(|e| format!("its command line cannot be rewritten: {e}"))?;
     let mut warnings = warnings;
     if !settings.max_length_given {
         warnings.push(crate::mutate::truncate(&format!(
@@ -160,7 +162,7 @@ fn decide(
 
 /// The flag values the fit's changes set. A server that cannot start keeps only a lowered
 /// fraction: it must not take its neighbour's memory while it fails.
-fn flag_values(launch: &ServerLaunch, fit: &ServerFit) -> Vec<(&'static [&'static str], String)> {
+fn flag_values(launch: &ServerLaunch, fit: &ServerFit) -> Vec<(&'static str, String)> {
     let flags = launch.flags();
     let failing = fit.error.is_some();
     fit.changes

@@ -17,13 +17,14 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
     /// A file could not be read.
-    #[error("reading {path}: {source}")]
+    // The cause is in the message and not a `#[source]`: a caller printing the chain would
+    // print it twice.
+    #[error("reading {path}: {error}")]
     Read {
         /// The file.
         path: PathBuf,
         /// Why.
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// No certificate in the PEM.
     #[error("no PEM certificate found")]
@@ -65,12 +66,10 @@ impl CertFiles {
 }
 
 async fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
-    tokio::fs::read(path)
-        .await
-        .map_err(|source| TlsError::Read {
-            path: path.to_path_buf(),
-            source,
-        })
+    tokio::fs::read(path).await.map_err(|error| TlsError::Read {
+        path: path.to_path_buf(),
+        error,
+    })
 }
 
 /// Builds a rustls server config (ring provider, HTTP/1.1) from PEM bytes.

@@ -272,3 +272,58 @@ fn a_policy_file_that_is_not_a_policy_stops_the_start_with_a_clear_error() {
     assert_eq!(out.status.code(), Some(2), "a usage error");
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a Kubernetes object name"));
 }
+
+#[test]
+fn start_up_errors_name_their_cause_once() {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_memguard-webhook"))
+            .args(["--no-kube", "--log-format", "text"])
+            .args(args)
+            .output()
+            .expect("the webhook binary runs");
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    // A missing certificate: the file and the OS error, once.
+    let stderr = run(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--tls-cert-file",
+        "/nonexistent/tls.crt",
+        "--tls-key-file",
+        "/nonexistent/tls.key",
+    ]);
+    assert!(
+        stderr.contains("reading /nonexistent/tls.crt: "),
+        "{stderr}"
+    );
+    assert_eq!(
+        stderr.matches("No such file or directory").count(),
+        1,
+        "{stderr}"
+    );
+
+    // The HTTPS port in use: which listener, which address, and why.
+    let ca = Ca::new();
+    let (cert, key, _) = ca.leaf("memguard-webhook.memguard.svc");
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_secret(dir.path(), 1, &cert, &key);
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let addr = taken.local_addr().expect("addr").to_string();
+    let (crt, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    let stderr = run(&[
+        "--listen",
+        &addr,
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--tls-cert-file",
+        crt.to_str().expect("utf-8"),
+        "--tls-key-file",
+        key.to_str().expect("utf-8"),
+    ]);
+    assert!(
+        stderr.contains(&format!("binding the HTTPS listener {addr}"))
+            && stderr.contains("Address already in use"),
+        "{stderr}"
+    );
+}

@@ -16,7 +16,17 @@ pub trait FlagRules {
     fn is_bool(&self, key: &str) -> bool;
     /// Whether the parser is known to define `key`, so that `--key=value` may be appended.
     fn defines(&self, key: &str) -> bool;
-    /// A bool literal as the parser reads it.
+    /// The word's option text after its dashes (`--k=v` → `k=v`), when the parser reads the
+    /// word as an option. By default only `--long` words are.
+    fn option_body<'a>(&self, word: &'a str) -> Option<&'a str> {
+        word.strip_prefix("--").filter(|body| !body.is_empty())
+    }
+    /// The words appended to set `key`, absent from the command line, to `value`.
+    fn appended(&self, key: &str, value: &str) -> Vec<String> {
+        vec![format!("--{key}={value}")]
+    }
+    /// A bool literal as the parser reads it after a bool flag (`None`: not one, so the flag
+    /// does not take the word).
     fn bool_literal(&self, word: &str) -> Option<bool> {
         match word.to_ascii_lowercase().as_str() {
             "true" | "t" | "yes" | "y" | "1" => Some(true),
@@ -122,7 +132,7 @@ pub enum ValueAt {
 pub struct Flag {
     /// The key it sets, in the parser's canonical spelling.
     pub key: String,
-    /// The key word as written, up to `=`: `--per-device-train-batch-size`.
+    /// The key word as written, up to `=`: `--per-device-train-batch-size`, `-tp`.
     pub spelled: String,
     /// The index of the key's word.
     pub at: usize,
@@ -141,6 +151,8 @@ pub struct Flags {
     pub flags: Vec<Flag>,
     /// The indices of the words that are not flags or their values.
     pub positionals: Vec<usize>,
+    /// The index of `--`, after which every word is positional.
+    pub options_end: Option<usize>,
 }
 
 /// One change to a command line's words.
@@ -163,10 +175,10 @@ pub enum SetError {
     /// Absent, and the parser is not known to define it: appending could break the launch.
     #[error("--{0} is not on the command line and the script's parser is not known to define it")]
     NotDefined(String),
-}
-
-fn looks_like_flag(word: &str) -> bool {
-    word.starts_with("--") && word.len() > 2
+    /// Absent, and the command line ends its options with `--`: an appended flag would be read
+    /// as a positional.
+    #[error("--{0} is not on the command line, which ends its options with `--`")]
+    OptionsEnded(String),
 }
 
 impl Flags {
@@ -177,23 +189,25 @@ impl Flags {
         let mut options_ended = false;
         while i < args.len() {
             let word = args[i].as_ref();
-            if options_ended || !looks_like_flag(word) {
-                if word == "--" {
+            let body = rules.option_body(word).filter(|_| !options_ended);
+            let Some(body) = body else {
+                if word == "--" && !options_ended {
                     options_ended = true;
+                    out.options_end = Some(i);
                 } else {
                     out.positionals.push(i);
                 }
                 i += 1;
                 continue;
-            }
-            let body = &word[2..];
+            };
+            let dashes = &word[..word.len() - body.len()];
             let (spelled_key, inline) = match body.split_once('=') {
                 Some((k, v)) => (k, Some(v)),
                 None => (body, None),
             };
             let (key, negated) = rules.key(spelled_key);
             let key = key.into_owned();
-            let spelled = format!("--{spelled_key}");
+            let spelled = format!("{dashes}{spelled_key}");
             let (value_at, value) = if let Some(v) = inline {
                 (ValueAt::Inline, Some(v.to_string()))
             } else if negated {
@@ -207,7 +221,7 @@ impl Flags {
                             (ValueAt::Bare, None)
                         }
                     }
-                    Some(next) if !looks_like_flag(next) && next != "--" => {
+                    Some(next) if rules.option_body(next).is_none() && next != "--" => {
                         (ValueAt::Next(i + 1), Some(next.to_string()))
                     }
                     _ => (ValueAt::Bare, None),
@@ -252,12 +266,33 @@ impl Flags {
         }
     }
 
+    /// The edits that make the parser read `key` as `value`: as [`Flags::set`], but an absent
+    /// key is appended in the rules' own form ([`FlagRules::appended`]: argparse servers take
+    /// `--key value`, two words).
+    pub fn edits(
+        &self,
+        key: &str,
+        value: &str,
+        rules: &dyn FlagRules,
+    ) -> Result<Vec<Edit>, SetError> {
+        if self.get(key).is_none() && rules.defines(key) && self.options_end.is_none() {
+            return Ok(rules
+                .appended(key, value)
+                .into_iter()
+                .map(Edit::Append)
+                .collect());
+        }
+        self.set(key, value, rules).map(|edit| vec![edit])
+    }
+
     /// The edit that makes the parser read `key` as `value`: the last occurrence's value is
     /// replaced (keeping how it was written), or `--key=value` is appended when the parser is
     /// known to define `key`.
     pub fn set(&self, key: &str, value: &str, rules: &dyn FlagRules) -> Result<Edit, SetError> {
         let Some(flag) = self.get(key) else {
-            return if rules.defines(key) {
+            return if self.options_end.is_some() {
+                Err(SetError::OptionsEnded(key.to_string()))
+            } else if rules.defines(key) {
                 Ok(Edit::Append(format!("--{key}={value}")))
             } else {
                 Err(SetError::NotDefined(key.to_string()))
@@ -389,5 +424,10 @@ mod tests {
         let (_, f) = parse("--a 1 -- --b 2");
         assert!(f.get("b").is_none());
         assert_eq!(f.positionals, [3, 4]);
+        // A flag appended after `--` would be a positional.
+        assert_eq!(
+            f.set("gradient_accumulation_steps", "2", &HfRules),
+            Err(SetError::OptionsEnded("gradient_accumulation_steps".into()))
+        );
     }
 }

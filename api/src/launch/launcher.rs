@@ -128,7 +128,8 @@ impl Launch {
                         }
                     }
                     Some(Place::Shell { item, span }) => {
-                        shell.push((*item, span.clone(), words::quote(text)))
+                        let raw = items.get(*item).and_then(|s| s.get(span.clone()));
+                        shell.push((*item, span.clone(), requote(raw, text)))
                     }
                     None => {}
                 },
@@ -166,6 +167,152 @@ impl Launch {
     }
 }
 
+/// `text` written in place of the shell word `raw`: a word quoted whole around its `=`
+/// (`"--k=v"`) keeps that quoting when `text` is the same `--k=`, anything else is
+/// [`words::quote`]d.
+fn requote(raw: Option<&str>, text: &str) -> String {
+    let quoted_whole = raw.and_then(|raw| {
+        let q = raw.chars().next().filter(|c| matches!(c, '"' | '\''))?;
+        let inner = raw.strip_prefix(q)?.strip_suffix(q)?;
+        let (key, _) = inner.split_once('=')?;
+        let forbidden: &[char] = if q == '"' {
+            &['"', '\\', '$', '`']
+        } else {
+            &['\'']
+        };
+        let same_key = text.split_once('=').is_some_and(|(k, _)| k == key);
+        (same_key && !inner.contains(forbidden) && !text.contains(forbidden)).then_some(q)
+    });
+    match quoted_whole {
+        Some(q) => format!("{q}{text}{q}"),
+        None => words::quote(text),
+    }
+}
+
+/// A container field that holds argv.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    /// `command`.
+    Command,
+    /// `args`.
+    Args,
+}
+
+impl Field {
+    /// The field's name in the pod spec.
+    pub fn name(self) -> &'static str {
+        match self {
+            Field::Command => "command",
+            Field::Args => "args",
+        }
+    }
+}
+
+/// One change to a container's argv, element by element, in the order they apply (a JSON patch
+/// names each element, so a pod's other elements are never rewritten).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ArgvEdit {
+    /// Element `index` of `field` becomes `value`.
+    Replace {
+        /// The field.
+        field: Field,
+        /// Its element.
+        index: usize,
+        /// The new value.
+        value: String,
+    },
+    /// `value` is appended to `field` (created when absent).
+    Append {
+        /// The field.
+        field: Field,
+        /// The new element.
+        value: String,
+    },
+}
+
+/// A container's `command` followed by its `args`, as [`find`] reads them, with what it takes
+/// to write edits back into the two fields.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Argv {
+    /// `command` + `args`.
+    pub items: Vec<String>,
+    /// How many of `items` are `command`.
+    pub command_len: usize,
+    /// `args` is present in the spec (even empty): appended words go there.
+    pub has_args: bool,
+}
+
+impl Argv {
+    /// A container's `command` and `args`.
+    pub fn new(command: Option<&[String]>, args: Option<&[String]>) -> Argv {
+        let command = command.unwrap_or_default();
+        Argv {
+            items: command
+                .iter()
+                .chain(args.unwrap_or_default())
+                .cloned()
+                .collect(),
+            command_len: command.len(),
+            has_args: args.is_some(),
+        }
+    }
+
+    /// `edits` to `launch`'s words as edits to the container's fields: each changed element
+    /// replaced (in the edits' order; a shell string once, whole), then the appended words.
+    pub fn edits(&self, launch: &Launch, edits: &[Edit]) -> Vec<ArgvEdit> {
+        let after = launch.apply(&self.items, edits);
+        let mut out = Vec::new();
+        let mut replaced = Vec::new();
+        let changed: Vec<usize> = edits
+            .iter()
+            .filter_map(|e| match e {
+                Edit::Replace { index, .. } => launch.args.get(*index).map(|a| match a.place {
+                    Place::Item(i) | Place::Shell { item: i, .. } => i,
+                }),
+                Edit::Append(_) => match launch.end {
+                    Place::Shell { item, .. } => Some(item),
+                    Place::Item(_) => None,
+                },
+            })
+            .collect();
+        for i in changed {
+            if replaced.contains(&i) || after.get(i) == self.items.get(i) {
+                continue;
+            }
+            replaced.push(i);
+            let (field, index) = self.locate(i);
+            out.push(ArgvEdit::Replace {
+                field,
+                index,
+                value: after[i].clone(),
+            });
+        }
+        let field = if self.has_args || self.command_len == 0 {
+            Field::Args
+        } else {
+            Field::Command
+        };
+        out.extend(
+            after
+                .iter()
+                .skip(self.items.len())
+                .map(|value| ArgvEdit::Append {
+                    field,
+                    value: value.clone(),
+                }),
+        );
+        out
+    }
+
+    fn locate(&self, item: usize) -> (Field, usize) {
+        if item < self.command_len {
+            (Field::Command, item)
+        } else {
+            (Field::Args, item - self.command_len)
+        }
+    }
+}
+
 fn basename(word: &str) -> &str {
     word.rsplit('/').next().unwrap_or(word)
 }
@@ -185,18 +332,27 @@ fn is_python(word: &str) -> bool {
 
 /// Finds the trainer's launch in a container's `command` followed by its `args`.
 pub fn find(items: &[String]) -> Result<Launch, LaunchError> {
+    find_by(items, &|_| true)
+}
+
+/// Finds the first launch in a container's `command` followed by its `args` that `accept`s
+/// (an inference server, say: a script may run a download before it).
+pub fn find_by(items: &[String], accept: &dyn Fn(&Launch) -> bool) -> Result<Launch, LaunchError> {
     let first = items.first().ok_or(LaunchError::Empty)?;
     if is_shell(first) {
-        // `bash -c STRING`, `bash -lc STRING`, `sh -ec STRING`: the string is the script.
+        // `bash -c STRING`, `bash -lc STRING`, `sh -ec STRING`, `bash --login -c STRING`: the
+        // string is the script.
         let mut i = 1;
         while let Some(opt) = items.get(i) {
-            if opt.starts_with('-') && !opt.starts_with("--") && opt.len() > 1 {
+            if opt.starts_with("--") && opt.len() > 2 {
+                i += 1;
+            } else if opt.starts_with('-') && opt.len() > 1 {
                 i += 1;
                 if opt.contains('c') {
                     let Some(script) = items.get(i) else {
                         return Err(LaunchError::NoProgram);
                     };
-                    return find_in_shell(i, script);
+                    return find_in_shell(i, script, accept);
                 }
             } else {
                 break;
@@ -215,10 +371,20 @@ pub fn find(items: &[String]) -> Result<Launch, LaunchError> {
         })
         .collect();
     let end = Place::Item(items.len() - 1);
-    launch_in(args, end)
+    launch_in(args, end).and_then(|l| {
+        if accept(&l) {
+            Ok(l)
+        } else {
+            Err(LaunchError::NoProgram)
+        }
+    })
 }
 
-fn find_in_shell(item: usize, script: &str) -> Result<Launch, LaunchError> {
+fn find_in_shell(
+    item: usize,
+    script: &str,
+    accept: &dyn Fn(&Launch) -> bool,
+) -> Result<Launch, LaunchError> {
     let tokens = words::split(script)?;
     let mut error = LaunchError::NoProgram;
     for command in words::commands(&tokens) {
@@ -239,7 +405,8 @@ fn find_in_shell(item: usize, script: &str) -> Result<Launch, LaunchError> {
             })
             .collect();
         match launch_in(args, end) {
-            Ok(launch) => return Ok(launch),
+            Ok(launch) if accept(&launch) => return Ok(launch),
+            Ok(_) => {}
             // Remember the most telling reason: inline code over "nothing here".
             Err(e @ (LaunchError::InlineCode | LaunchError::Expands(_))) => error = e,
             Err(_) => {}
@@ -248,8 +415,10 @@ fn find_in_shell(item: usize, script: &str) -> Result<Launch, LaunchError> {
     Err(error)
 }
 
-/// Commands that are trainers themselves (their words are read by the trainer's reader).
-const TRAINER_COMMANDS: &[&str] = &[
+/// Commands that are Python programs themselves, trainers and servers (their words are read by
+/// their own reader).
+const COMMANDS: &[&str] = &[
+    "vllm",
     "trl",
     "axolotl",
     "llamafactory-cli",
@@ -294,7 +463,7 @@ fn launch_in(mut args: Vec<Arg>, end: Place) -> Result<Launch, LaunchError> {
     } else if name == "deepspeed" {
         let (program, rest) = after_options(&args, i + 1, DEEPSPEED_BOOLS, &mut options)?;
         (Launcher::Deepspeed, program, rest)
-    } else if TRAINER_COMMANDS.contains(&name.as_str()) {
+    } else if COMMANDS.contains(&name.as_str()) {
         (Launcher::Direct, Program::Command(head.text.clone()), i + 1)
     } else if name.ends_with(".py") {
         (Launcher::Direct, Program::Script(head.text.clone()), i + 1)

@@ -167,13 +167,26 @@ fn recovery_decisions() {
     // (name, observation, previous recovery factor, expected (rungs, batch, checkpointing, factor))
     let table: Vec<(&str, Observation, Option<f64>, Want)> = vec![
         (
-            "checkpointing off: switch it on first",
+            // The planner's next step: halving 16 long sequences saves more per unit of cost
+            // than checkpointing.
+            "checkpointing off, batch 16: the batch halves first",
             with(&|o| {
                 o.ran.grad_checkpointing = false;
+                o.ran.batch_size = 16;
                 o.knobs = knobs(16, false);
             }),
             None,
-            (1, Some(16), Some(true), Some(16.0 / 12.0)),
+            (1, Some(8), Some(false), Some(16.0 / 12.0)),
+        ),
+        (
+            "checkpointing off at batch 1: switch it on",
+            with(&|o| {
+                o.ran.grad_checkpointing = false;
+                o.ran.batch_size = 1;
+                o.knobs = knobs(1, false);
+            }),
+            None,
+            (1, Some(1), Some(true), Some(16.0 / 12.0)),
         ),
         (
             "peak above the limit: the peak sets the factor",

@@ -407,7 +407,7 @@ fn a_user_variable_from_value_from_is_replaced_with_a_warning() {
         trainer_pod()
             .gpus(1)
             .env_from_configmap("BS")
-            .annotate(keys::ENV_MAP, "batch-size=BS"),
+            .annotate(keys::ENV_MAP, "batch-size=BS,grad-accumulation=GA"),
         &Policy::default(),
     );
     assert!(
@@ -768,22 +768,18 @@ fn grad_sync_is_written_for_fsdp_across_ranks_only_and_follows_the_plan() {
     assert_eq!(env_of(&roomy, "TRAINER_GRAD_SYNC"), Some("accumulate"));
     assert_eq!(annotation(&roomy)["config"]["grad-sync"], "accumulate");
 
-    // Tight: checkpointing is not enough, so the plan syncs each batch, and the trainer, its
-    // own variable and the estimate annotation all say so.
+    // Tight: the plan syncs each batch (accumulating, the unsharded gradients are the largest
+    // saving), and the trainer, its own variable and the estimate annotation all say so.
     let tight = mutated(
         fsdp().annotate(keys::GPU_MEMORY, "72GiB"),
         &Policy::default(),
     );
     let rungs: Vec<&str> = tight.plan.steps.iter().map(|s| s.rung.name()).collect();
-    assert_eq!(
-        rungs[..2],
-        ["grad-checkpointing", "sync-each-batch"],
-        "{rungs:?}"
-    );
+    assert_eq!(rungs[0], "sync-each-batch", "{rungs:?}");
     assert_eq!(env_of(&tight, env::GRAD_SYNC), Some("each-batch"));
     assert_eq!(env_of(&tight, "TRAINER_GRAD_SYNC"), Some("each-batch"));
     assert_eq!(annotation(&tight)["config"]["grad-sync"], "each-batch");
-    assert_eq!(annotation(&tight)["steps"][1], "sync-each-batch");
+    assert_eq!(annotation(&tight)["steps"][0], "sync-each-batch");
 
     // One rank, or not FSDP: the variable would mean nothing and is not written.
     for (key, value) in [(keys::WORLD_SIZE, "1"), (keys::PARALLELISM, "ddp")] {

@@ -1,4 +1,5 @@
 use super::*;
+use crate::launch::Field;
 
 fn strings(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
@@ -8,8 +9,14 @@ fn find(command: &[&str], args: &[&str]) -> Option<ServerLaunch> {
     ServerLaunch::find(&strings(command), &strings(args), !args.is_empty())
 }
 
-fn set(names: &'static [&'static str], value: &str) -> (&'static [&'static str], String) {
-    (names, value.to_string())
+impl ServerLaunch {
+    fn rewrite_ok(&self, set: &[(&str, String)]) -> Vec<ArgvEdit> {
+        self.rewrite(set).expect("writable")
+    }
+}
+
+fn set(key: &'static str, value: &str) -> (&'static str, String) {
+    (key, value.to_string())
 }
 
 #[test]
@@ -114,7 +121,7 @@ fn flags_follow_argparse_last_wins_both_forms_and_vllm_underscores() {
     assert_eq!(l.flag(VLLM_FLAGS.max_length), Some("8192"));
     assert_eq!(l.flag(VLLM_FLAGS.fraction), Some("0.8"));
     assert_eq!(l.flag(VLLM_FLAGS.tensor_parallel), Some("2"));
-    assert!(l.switch("--enforce-eager"));
+    assert!(l.switch("enforce-eager"));
     // SGLang's argparse has no underscore spelling.
     let s = find(
         &["python", "-m", SGLANG_MODULE],
@@ -193,7 +200,7 @@ fn argv_rewrites_replace_values_in_place_and_append_what_is_missing() {
         &["m", "--max-model-len=32768", "--port", "8000"],
     )
     .expect("server");
-    let edits = l.rewrite(&[
+    let edits = l.rewrite_ok(&[
         set(VLLM_FLAGS.max_length, "16384"),
         set(VLLM_FLAGS.fraction, "0.48"),
     ]);
@@ -222,7 +229,7 @@ fn argv_rewrites_replace_values_in_place_and_append_what_is_missing() {
     )
     .expect("server");
     assert_eq!(
-        l.rewrite(&[set(VLLM_FLAGS.fraction, "0.48")]),
+        l.rewrite_ok(&[set(VLLM_FLAGS.fraction, "0.48")]),
         vec![ArgvEdit::Replace {
             field: Field::Command,
             index: 4,
@@ -235,7 +242,7 @@ fn argv_rewrites_replace_values_in_place_and_append_what_is_missing() {
 fn script_rewrites_keep_every_other_byte() {
     let script = "set -e\n# serve\nexec python3 -m sglang.launch_server \\\n  --model-path \"Qwen/Qwen2.5-7B\" --context-length=\"32768\" --port 30000 && echo done";
     let l = find(&["bash", "-c", script], &[]).expect("server");
-    let edits = l.rewrite(&[
+    let edits = l.rewrite_ok(&[
         set(SGLANG_FLAGS.max_length, "9000"),
         set(SGLANG_FLAGS.fraction, "0.375"),
     ]);
@@ -256,7 +263,7 @@ fn script_rewrites_keep_every_other_byte() {
     );
     // A quoted `"--k=v"` word keeps its closing quote.
     let l = find(&["sh", "-c", "vllm serve m \"--max-model-len=4096\""], &[]).expect("server");
-    let edits = l.rewrite(&[set(VLLM_FLAGS.max_length, "2048")]);
+    let edits = l.rewrite_ok(&[set(VLLM_FLAGS.max_length, "2048")]);
     let [ArgvEdit::Replace { value, .. }] = edits.as_slice() else {
         panic!("{edits:?}");
     };
@@ -264,14 +271,45 @@ fn script_rewrites_keep_every_other_byte() {
 }
 
 #[test]
-fn shell_words_follow_posix_quoting() {
-    let words: Vec<String> = shell_words(r#"a 'b c' "d \"e\" $F" g\ h # no"#, 0)
-        .into_iter()
-        .map(|w| w.text)
-        .collect();
-    assert_eq!(words, vec!["a", "b c", "d \"e\" $F", "g h"]);
-    let w = shell_words("x;y && z\nw", 0);
-    assert_eq!(w.iter().filter(|w| w.separator).count(), 3);
+fn a_server_after_another_python_program_is_found() {
+    // `launch::find` alone stops at the first launch (the download); the server is after it.
+    let l = find(
+        &["bash", "--login", "-c"],
+        &["python download.py && exec env HF_HOME=/c vllm serve m --max_model_len 4096"],
+    )
+    .expect("server");
+    assert_eq!((l.engine, l.model.as_str()), (Engine::Vllm, "m"));
+    assert_eq!(l.flag(VLLM_FLAGS.max_length), Some("4096"));
+    // A switch does not take the next word; `--no-…` turns it off.
+    let l = find(
+        &[
+            "vllm",
+            "serve",
+            "m",
+            "--enforce-eager",
+            "--no-enforce-eager",
+        ],
+        &[],
+    )
+    .expect("server");
+    assert!(!l.switch("enforce-eager"));
+    // After `--` a flag cannot be appended.
+    let l = find(&["vllm", "serve", "m", "--", "x"], &[]).expect("server");
+    assert_eq!(
+        l.rewrite(&[set(VLLM_FLAGS.fraction, "0.5")]),
+        Err(SetError::OptionsEnded(VLLM_FLAGS.fraction.into()))
+    );
+    // `-tp=2` is an option too.
+    let l = find(&["vllm", "serve", "m", "-tp=2"], &[]).expect("server");
+    assert_eq!(l.flag(VLLM_FLAGS.tensor_parallel), Some("2"));
+    assert_eq!(
+        l.rewrite_ok(&[set(VLLM_FLAGS.tensor_parallel, "4")]),
+        vec![ArgvEdit::Replace {
+            field: Field::Command,
+            index: 3,
+            value: "-tp=4".into()
+        }]
+    );
 }
 
 #[test]
@@ -293,7 +331,7 @@ fn a_script_in_args_is_rewritten_in_args() {
     .expect("server");
     assert!(l.in_script());
     assert_eq!(
-        l.rewrite(&[set(VLLM_FLAGS.fraction, "0.48")]),
+        l.rewrite_ok(&[set(VLLM_FLAGS.fraction, "0.48")]),
         vec![ArgvEdit::Replace {
             field: Field::Args,
             index: 0,
@@ -301,11 +339,11 @@ fn a_script_in_args_is_rewritten_in_args() {
         }]
     );
     // Setting what is already there changes nothing.
-    assert!(l.rewrite(&[set(VLLM_FLAGS.fraction, "0.95")]).is_empty());
+    assert!(l.rewrite_ok(&[set(VLLM_FLAGS.fraction, "0.95")]).is_empty());
     // Empty `args` next to a full `command`: appended flags follow the command, in `args`.
     let l = ServerLaunch::find(&strings(&["vllm", "serve", "m"]), &[], true).expect("server");
     assert_eq!(
-        l.rewrite(&[set(VLLM_FLAGS.max_length, "4096")])[0],
+        l.rewrite_ok(&[set(VLLM_FLAGS.max_length, "4096")])[0],
         ArgvEdit::Append {
             field: Field::Args,
             value: "--max-model-len".into()
