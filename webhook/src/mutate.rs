@@ -579,12 +579,12 @@ fn sidecar_plan(
 /// Each knob's source, when any was read from the trainer's own config (else empty: the
 /// annotation stays as it was for pods written for memguard).
 fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap<String, String> {
-    let world_size = training
-        .world_size_source
+    let setup = training
+        .setup_sources
         .iter()
-        .map(|source| ("world-size".to_string(), source.clone()));
+        .map(|(what, source)| (what.to_string(), source.clone()));
     if training.sources.is_empty() {
-        return world_size.collect();
+        return setup.collect();
     }
     Knob::of(&training.config)
         .into_iter()
@@ -602,7 +602,7 @@ fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap<String, St
                 .iter()
                 .map(|what| (what.to_string(), "args".to_string())),
         )
-        .chain(world_size)
+        .chain(setup)
         .collect()
 }
 
