@@ -236,6 +236,8 @@ struct LaunchModel {
     /// TRL's `ModelConfig` quantization of the base (bitsandbytes): `--load_in_4bit` → 4 (QLoRA),
     /// `--load_in_8bit` → 8 (LoRA on an 8-bit base).
     quantized_bits: Option<u32>,
+    /// `--use_bnb_nested_quant` with 4 bits: the quantization constants quantized again.
+    nested_quant: bool,
 }
 
 impl LaunchModel {
@@ -290,6 +292,7 @@ fn launch_model(trainer: &Container) -> Result<Option<LaunchModel>, String> {
         value,
         lora,
         quantized_bits,
+        nested_quant: quantized_bits == Some(4) && on("use_bnb_nested_quant"),
     }))
 }
 
@@ -423,6 +426,10 @@ impl<'a> TrainingPod<'a> {
                 if !given.contains_key(annotations::METHOD) {
                     with_launch.insert(annotations::METHOD.into(), m.method().into());
                     read_from_args.insert("method");
+                }
+                if m.nested_quant && !given.contains_key(annotations::DOUBLE_QUANT) {
+                    with_launch.insert(annotations::DOUBLE_QUANT.into(), "true".into());
+                    read_from_args.insert("double-quant");
                 }
                 if m.quantized_bits == Some(8) && !given.contains_key(annotations::MODEL_BITS) {
                     with_launch.insert(annotations::MODEL_BITS.into(), "8".into());
