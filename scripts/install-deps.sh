@@ -44,6 +44,10 @@ for pin in torch==2.15.0 transformers==5.23.0 accelerate==1.15.0 peft==0.21.2; d
   have=$(python3 -c "import importlib.metadata as m; print(m.version('${pin%%==*}'))" 2>/dev/null || true)
   [[ $have == "${pin#*==}" ]] || py_missing+=("$pin")
 done
+# TRL's configs (SFTConfig, DPOConfig, …): tests/launch re-parses the rewritten corpus launches
+# with them. About 1 MB, plus datasets/pyarrow/pandas (installs in ~15 s).
+have=$(python3 -c "import importlib.metadata as m; print(m.version('trl'))" 2>/dev/null || true)
+[[ $have == 1.16.0 ]] || py_missing+=(trl==1.16.0)
 # MLX's CPU backend on Linux (tests/test_mlx.py, the MLX survival arm) and mlx_lm for its LoRA
 # recipe (mlx-lm needs transformers, pinned above).
 python3 -c 'import mlx.core' 2>/dev/null || py_missing+=("mlx[cpu]==0.32.4")

@@ -170,6 +170,9 @@ pub struct ArgsReading {
     pub launch: crate::launch::Launch,
     /// Its flags.
     pub flags: crate::launch::Flags,
+    /// Whether its parser is known to be `HfArgumentParser` over `TrainingArguments` (a flag
+    /// only that defines, or a TRL launch): then the flags it defines may be appended.
+    pub hf_parser: bool,
 }
 
 /// The HF flag that carries each knob, in its canonical spelling.
@@ -357,12 +360,62 @@ fn read_args(
             sources.insert(*knob, "args".into());
         }
     }
+    // A knob the launch leaves out runs at the parser's default, not memguard's.
+    let defaults = hf_defaults(&found, &flags);
+    for (knob, value) in &defaults {
+        if !parsed.knobs_given.contains(knob) && !sources.contains_key(knob) {
+            knob.set(config, value);
+        }
+    }
     Ok(Some(ArgsReading {
         items,
         command_len,
         launch: found,
         flags,
+        hf_parser: !defaults.is_empty(),
     }))
+}
+
+/// The defaults of the knobs a launch with HF rules runs at when its flags leave them out,
+/// where the parser is known: `TrainingArguments` (8 per device, accumulation 1, no
+/// checkpointing) when a flag only it defines is there, and TRL's configs (the `trl` command,
+/// `trl/scripts/…`, or TRL's `--use_peft`), whose base config turns checkpointing on, and whose
+/// SFT, DPO, reward, KTO, CPO and ORPO configs cut sequences at `max_length` 1024.
+fn hf_defaults(
+    launch: &crate::launch::Launch,
+    flags: &crate::launch::Flags,
+) -> Vec<(Knob, &'static str)> {
+    use crate::launch::Program;
+    let program = &launch.program;
+    let trl = match program {
+        Program::Command(_) => program.name() == "trl",
+        Program::Script(path) => path.contains("trl/scripts/"),
+        Program::Module(m) => m.starts_with("trl."),
+    } || flags.get("use_peft").is_some();
+    let training_arguments = [
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "output_dir",
+    ]
+    .iter()
+    .any(|k| flags.get(k).is_some());
+    if !trl && !training_arguments {
+        return Vec::new();
+    }
+    let mut defaults = vec![
+        (Knob::BatchSize, "8"),
+        (Knob::GradAccumulation, "1"),
+        (Knob::GradCheckpointing, if trl { "true" } else { "false" }),
+    ];
+    // The trainer: `trl sft`'s subcommand, else the script's name (`…/dpo.py`).
+    let trainer = match program {
+        Program::Command(_) => launch.args.first().map_or("", |a| a.text.as_str()),
+        _ => program.name().trim_end_matches(".py"),
+    };
+    if trl && ["sft", "dpo", "reward", "kto", "cpo", "orpo"].contains(&trainer) {
+        defaults.push((Knob::SeqLength, "1024"));
+    }
+    defaults
 }
 
 impl<'a> TrainingPod<'a> {

@@ -378,6 +378,20 @@ const CATALOG: &[Entry] = &[
         151_936,
         true,
     ),
+    // Qwen2-0.5B (TRL's example model): its config.json has the same shapes as Qwen2.5-0.5B's
+    // (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocabulary 151 936,
+    // tied embeddings); only the context length (131 072) differs.
+    dense(
+        "qwen2-0.5b",
+        494_032_768,
+        896,
+        24,
+        14,
+        2,
+        4864,
+        151_936,
+        true,
+    ),
     dense(
         "qwen2.5-1.5b",
         1_543_714_304,
@@ -765,7 +779,9 @@ const CATALOG: &[Entry] = &[
     // A sequence classifier: no vocabulary projection, so no B·S·V logits.
     // `attention_probs_dropout_prob` 0.1.
     Entry {
-        aliases: &["bert-large"],
+        // `bert-large-uncased-whole-word-masking` (transformers' run_glue example) differs in
+        // its pre-training only: the same config.json.
+        aliases: &["bert-large", "bert-large-uncased-whole-word-masking"],
         gated: false,
         attention_dropout: true,
         lm_head: false,
@@ -920,6 +936,14 @@ mod tests {
             ("Qwen/Qwen3-8B-Base", "qwen3-8b"),
             ("google/gemma-3-4b-it", "gemma-3-4b"),
             ("google/gemma-2b", "gemma-2b"),
+            ("Qwen/Qwen2-0.5B", "qwen2-0.5b"),
+            ("Qwen/Qwen2-0.5B-Instruct", "qwen2-0.5b"),
+            ("Qwen/Qwen2.5-0.5B", "qwen2.5-0.5b"),
+            ("gpt2", "gpt2"),
+            (
+                "bert-large-uncased-whole-word-masking",
+                "bert-large-uncased",
+            ),
             ("google/gemma-2b-it", "gemma-2b"),
             ("google/gemma-2-2b", "gemma-2-2b"),
             ("google/gemma-3-1b-pt", "gemma-3-1b"),

@@ -279,11 +279,10 @@ fn rewrite_args(
     };
     let before = &training.config;
     let from_args = |k: &Knob| training.sources.get(k).is_some_and(|s| s == "args");
-    // A flag only TrainingArguments defines says the parser is HfArgumentParser: then the
-    // flags it defines may be appended (a bespoke argparse script would reject them).
-    let hf_trainer = ["per_device_train_batch_size", "output_dir"]
-        .iter()
-        .any(|k| reading.flags.get(k).is_some());
+    // A flag only TrainingArguments defines, or a TRL launch, says the parser is
+    // HfArgumentParser: then the flags it defines may be appended (a bespoke argparse script
+    // would reject them).
+    let hf_trainer = reading.hf_parser;
     let mut edits = Vec::new();
     let mut changed = Vec::new();
     for (knob, key) in memguard_api::pod::HF_FLAGS {
@@ -576,14 +575,14 @@ fn sidecar_plan(
     }
 }
 
-/// Each knob's source, when any was read from the trainer's own config (else empty: the
-/// annotation stays as it was for pods written for memguard).
+/// Each knob's source, when any was read from the trainer's own config, or its launch named the
+/// model (else empty: the annotation stays as it was for pods written for memguard).
 fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap<String, String> {
     let setup = training
         .setup_sources
         .iter()
         .map(|(what, source)| (what.to_string(), source.clone()));
-    if training.sources.is_empty() {
+    if training.sources.is_empty() && training.read_from_args.is_empty() {
         return setup.collect();
     }
     Knob::of(&training.config)

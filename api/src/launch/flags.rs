@@ -287,13 +287,19 @@ impl Flags {
 
     /// The edit that makes the parser read `key` as `value`: the last occurrence's value is
     /// replaced (keeping how it was written), or `--key=value` is appended when the parser is
-    /// known to define `key`.
+    /// known to define `key` (a bool turned on as the bare `--key`, which argparse's
+    /// `store_true` takes too: scripts that look like HF ones often use it).
     pub fn set(&self, key: &str, value: &str, rules: &dyn FlagRules) -> Result<Edit, SetError> {
         let Some(flag) = self.get(key) else {
             return if self.options_end.is_some() {
                 Err(SetError::OptionsEnded(key.to_string()))
             } else if rules.defines(key) {
-                Ok(Edit::Append(format!("--{key}={value}")))
+                let on = rules.is_bool(key) && rules.bool_literal(value) == Some(true);
+                Ok(Edit::Append(if on {
+                    format!("--{key}")
+                } else {
+                    format!("--{key}={value}")
+                }))
             } else {
                 Err(SetError::NotDefined(key.to_string()))
             };
@@ -310,6 +316,11 @@ impl Flags {
             ValueAt::Bare if flag.negated => Edit::Replace {
                 index: flag.at,
                 text: format!("--{key}={value}"),
+            },
+            // Already on, as a bare `--key`: left as written.
+            ValueAt::Bare if rules.bool_literal(value) == Some(true) => Edit::Replace {
+                index: flag.at,
+                text: flag.spelled.clone(),
             },
             ValueAt::Bare => Edit::Replace {
                 index: flag.at,
@@ -394,6 +405,17 @@ mod tests {
 
     #[test]
     fn set_bools_and_appends_only_defined_keys() {
+        let (w, f) = parse("--bf16");
+        let on = f
+            .set("gradient_checkpointing", "true", &HfRules)
+            .expect("test input");
+        let out = apply(&w, &[on]);
+        assert_eq!(out, ["--bf16", "--gradient_checkpointing"]);
+        // Set again, the bare flag stays as it is.
+        let again = Flags::parse(&out, &HfRules)
+            .set("gradient_checkpointing", "true", &HfRules)
+            .expect("test input");
+        assert_eq!(apply(&out, &[again]), out);
         let (w, f) = parse("--no_gradient_checkpointing --bf16");
         let a = f
             .set("gradient_checkpointing", "true", &HfRules)

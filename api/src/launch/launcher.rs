@@ -733,7 +733,7 @@ mod tests {
         let out = l.apply(&cmd, &edits);
         assert_eq!(
             out[2],
-            "pip install -q trl && cd /app; NCCL_DEBUG=INFO torchrun --nproc_per_node=8 sft.py \\\n  --per_device_train_batch_size 2 --gradient_accumulation_steps=8 --gradient_checkpointing=true | tee log"
+            "pip install -q trl && cd /app; NCCL_DEBUG=INFO torchrun --nproc_per_node=8 sft.py \\\n  --per_device_train_batch_size 2 --gradient_accumulation_steps=8 --gradient_checkpointing | tee log"
         );
         let again = find(&out).expect("test input");
         let flags = Flags::parse(&again.texts(), &HfRules);

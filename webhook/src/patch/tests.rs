@@ -870,6 +870,43 @@ fn a_label_only_stock_launch_is_planned_on_its_model_and_rewritten() {
     assert!(second.0.is_empty(), "not idempotent: {second:?}");
 }
 
+/// A launch that leaves out the batch runs at the parser's default (8 per device), not
+/// memguard's (1): TRL's `trl sft` with no batch flag is planned at 8, checkpointing on and
+/// sequence 1024 (TRL's defaults), and the downgrade is appended in its flags. A bespoke script (no flag only
+/// `TrainingArguments` defines) gets no such default.
+#[test]
+fn a_launch_without_batch_flags_is_planned_at_the_parsers_defaults() {
+    let launch = "trl sft --model_name_or_path google/gemma-2b --dataset_name trl-lib/Capybara";
+    let typed: Pod = serde_json::from_value(label_only_launch(launch).json()).expect("a pod");
+    let Outcome::Mutated(m) = mutate(&typed, &Policy::default(), &ClusterView::default()) else {
+        panic!("mutated")
+    };
+    assert_eq!(m.estimate.sources["batch-size"], "default");
+    assert_eq!(m.estimate.sources["model"], "args");
+    assert!(
+        m.changed
+            .iter()
+            .any(|c| c.starts_with("--per_device_train_batch_size 8→")),
+        "{:?}",
+        m.changed
+    );
+    assert!(
+        !m.changed
+            .iter()
+            .any(|c| c.contains("gradient_checkpointing"))
+    );
+    // TRL's SFTConfig cuts at max_length 1024 by default: planned there, not at 2048.
+    assert_eq!(m.plan.config.seq_length, 1024);
+    assert_eq!(m.estimate.sources["seq-length"], "default");
+    let bespoke = "python train.py --model_name_or_path google/gemma-2b --lr 1e-4";
+    let typed: Pod = serde_json::from_value(label_only_launch(bespoke).json()).expect("a pod");
+    let Outcome::Mutated(m) = mutate(&typed, &Policy::default(), &ClusterView::default()) else {
+        panic!("mutated")
+    };
+    assert!(m.changed.is_empty(), "{:?}", m.changed);
+    assert_eq!(m.plan.config.batch_size, 1, "memguard's own default");
+}
+
 /// A model given as a Hugging Face cache path is read as its repository id.
 #[test]
 fn a_cache_path_names_its_model() {

@@ -14,8 +14,10 @@ use std::sync::Arc;
 
 /// gemma-2b LoRA at batch 8 × accumulation 2, seq 2048 on an A10G: a plan that lowers the
 /// batch (and turns checkpointing on) when nothing pins them.
+// Not TRL (no `--use_peft`, no `trl` script): checkpointing is off until memguard turns it on
+// (TRL's configs default it to on).
 const SFT: &str = "accelerate launch --num_processes 1 sft.py \
-                   --model_name_or_path google/gemma-2b --use_peft --lora_r 16 \
+                   --model_name_or_path google/gemma-2b --lora_r 16 \
                    --per_device_train_batch_size 8 --gradient_accumulation_steps 2 \
                    --max_seq_length 2048 --bf16 --output_dir /out";
 
