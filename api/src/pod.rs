@@ -379,7 +379,7 @@ fn read_args(
 /// The defaults of the knobs a launch with HF rules runs at when its flags leave them out,
 /// where the parser is known: `TrainingArguments` (8 per device, accumulation 1, no
 /// checkpointing) when a flag only it defines is there, and TRL's configs (the `trl` command,
-/// `trl/scripts/…`, or TRL's `--use_peft`), whose base config turns checkpointing on, and whose
+/// `trl/scripts/…` or TRL's `examples/scripts/…`, or TRL's `--use_peft`), whose base config turns checkpointing on, and whose
 /// SFT, DPO, reward, KTO, CPO and ORPO configs cut sequences at `max_length` 1024.
 fn hf_defaults(
     launch: &crate::launch::Launch,
@@ -389,7 +389,11 @@ fn hf_defaults(
     let program = &launch.program;
     let trl = match program {
         Program::Command(_) => program.name() == "trl",
-        Program::Script(path) => path.contains("trl/scripts/"),
+        // TRL's own layout: its package's scripts, and the repository's examples (its docs
+        // launch them as `python examples/scripts/orpo.py …`).
+        Program::Script(path) => {
+            path.contains("trl/scripts/") || path.contains("examples/scripts/")
+        }
         Program::Module(m) => m.starts_with("trl."),
     } || flags.get("use_peft").is_some();
     let training_arguments = [
