@@ -21,6 +21,7 @@ use crate::cluster::ConfigMaps;
 use crate::launch::{Flags, Launch, Launcher};
 use crate::mounted;
 use k8s_openapi::api::core::v1::{Container, Pod};
+use memguard_estimator::Parallelism;
 use serde_json::Value;
 
 /// The DeepSpeed keys that pin one of the two factors of the effective batch.
@@ -37,6 +38,10 @@ pub struct Coupled {
     pub batch_pinned: Option<String>,
     /// FSDP's own activation checkpointing, when it is on.
     pub fsdp_checkpointing: Option<FsdpCheckpointing>,
+    /// How the launch shards the model over its devices (`--fsdp full_shard`, a DeepSpeed
+    /// config's ZeRO stage, accelerate's `--use_fsdp`), with its source (`args`,
+    /// `configmap:<name>/<key>`).
+    pub parallelism: Option<(Parallelism, String)>,
 }
 
 /// Where FSDP's own activation checkpointing is turned on.
@@ -75,11 +80,19 @@ pub fn read(
         let named = naming(&named, &value);
         coupled.batch_pinned = match json_config(pod, trainer, &value, named.clone(), expands, maps)
         {
-            Ok(config) => deepspeed_pins(&config),
+            Ok(config) => {
+                coupled.parallelism = zero_stage(&config);
+                deepspeed_pins(&config)
+            }
             Err(why) => Some(format!(
                 "{named} may pin the micro-batch: the DeepSpeed config cannot be read ({why})"
             )),
         };
+    }
+    if coupled.parallelism.is_none()
+        && let Some((value, _, false)) = flag_value(launch, flags, "fsdp")
+    {
+        coupled.parallelism = fsdp_strategy(&value).map(|p| (p, "args".to_string()));
     }
     if let Some((value, named, expands)) = flag_value(launch, flags, "fsdp_config") {
         let named = naming(&named, &value);
@@ -116,7 +129,193 @@ pub fn read(
             source: "args".into(),
         });
     }
+    accelerate_config(pod, trainer, launch, maps, &mut coupled);
     coupled
+}
+
+/// `accelerate launch`'s own DeepSpeed and FSDP settings: its `--gradient_accumulation_steps`
+/// option, and its `--config_file` (a YAML from the pod's ConfigMaps): the DeepSpeed section's
+/// `gradient_accumulation_steps` (accelerate hands DeepSpeed the number, through
+/// `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`) or `deepspeed_config_file`, and the FSDP
+/// section's `fsdp_activation_checkpointing`. A config file memguard cannot read is left alone:
+/// unlike a DeepSpeed config, an accelerate config rarely pins anything.
+fn accelerate_config(
+    pod: &Pod,
+    trainer: &Container,
+    launch: &Launch,
+    maps: Option<&dyn ConfigMaps>,
+    coupled: &mut Coupled,
+) {
+    if launch.launcher != Launcher::Accelerate {
+        return;
+    }
+    let has = |name: &str| {
+        launch
+            .launcher_options
+            .iter()
+            .any(|(k, _)| k.trim_start_matches('-').replace('-', "_") == name)
+    };
+    let file = launcher_option(launch, Launcher::Accelerate, "config_file").and_then(|path| {
+        let file = mounted::read(pod, trainer, &path, maps).ok()?;
+        let value: Value = serde_saphyr::from_str(&file.text).ok()?;
+        Some((
+            format!("{} (--config_file {path})", file.source),
+            file.source,
+            value,
+        ))
+    });
+    let section = |key: &str| file.as_ref().and_then(|(_, _, v)| v.get(key)).cloned();
+    let distributed = file
+        .as_ref()
+        .and_then(|(_, _, v)| v.get("distributed_type"))
+        .and_then(Value::as_str)
+        .map(str::to_ascii_uppercase);
+    let deepspeed = has("use_deepspeed") || distributed.as_deref() == Some("DEEPSPEED");
+    let fsdp = has("use_fsdp") || distributed.as_deref() == Some("FSDP");
+    let count = |v: Option<&Value>| match v {
+        Some(Value::Number(n)) => n.as_u64(),
+        Some(Value::String(s)) => s.trim().parse().ok(),
+        _ => None,
+    };
+    if coupled.parallelism.is_none() {
+        let from_file = |section: &str, key: &str| {
+            section_value(file.as_ref().map(|(_, _, v)| v), section, key)
+        };
+        let file_source = || file.as_ref().map(|(_, source, _)| source.clone());
+        coupled.parallelism = if fsdp {
+            let strategy = launcher_option(launch, Launcher::Accelerate, "fsdp_sharding_strategy")
+                .map(|s| (s, "args".to_string()))
+                .or_else(|| {
+                    let v = from_file("fsdp_config", "fsdp_sharding_strategy")?;
+                    Some((v, file_source()?))
+                });
+            match strategy {
+                Some((s, source)) => fsdp_strategy(&s).map(|p| (p, source)),
+                // accelerate's default: FULL_SHARD.
+                None => Some((
+                    Parallelism::Fsdp,
+                    if has("use_fsdp") {
+                        "args".into()
+                    } else {
+                        file_source().unwrap_or_default()
+                    },
+                )),
+            }
+        } else if deepspeed {
+            launcher_option(launch, Launcher::Accelerate, "zero_stage")
+                .map(|s| (s, "args".to_string()))
+                .or_else(|| Some((from_file("deepspeed_config", "zero_stage")?, file_source()?)))
+                .and_then(|(s, source)| stage(s.trim().parse().ok()?).map(|p| (p, source)))
+        } else {
+            None
+        };
+    }
+    if deepspeed && coupled.batch_pinned.is_none() {
+        let ds = section("deepspeed_config");
+        let from_option =
+            launcher_option(launch, Launcher::Accelerate, "gradient_accumulation_steps")
+                .filter(|v| v.trim().parse::<u64>().is_ok());
+        coupled.batch_pinned = if let Some(n) = from_option {
+            Some(format!(
+                "accelerate launch --gradient_accumulation_steps {n} pins the accumulation: \
+                 accelerate hands DeepSpeed the number, which transformers requires the flags to \
+                 match"
+            ))
+        } else if let (Some(n), Some((named, _, _))) = (
+            count(
+                ds.as_ref()
+                    .and_then(|d| d.get("gradient_accumulation_steps")),
+            ),
+            &file,
+        ) {
+            Some(format!(
+                "{named} pins deepspeed_config.gradient_accumulation_steps={n}: accelerate hands \
+                 DeepSpeed the number, which transformers requires the flags to match"
+            ))
+        } else if let Some(path) = ds
+            .as_ref()
+            .and_then(|d| d.get("deepspeed_config_file"))
+            .and_then(Value::as_str)
+        {
+            let named = format!("deepspeed_config_file {path}");
+            match json_config(pod, trainer, path, named.clone(), false, maps) {
+                Ok(config) => {
+                    if let Some(p) = zero_stage(&config) {
+                        coupled.parallelism = Some(p);
+                    }
+                    deepspeed_pins(&config)
+                }
+                Err(why) => Some(format!(
+                    "{named} may pin the micro-batch: the DeepSpeed config cannot be read ({why})"
+                )),
+            }
+        } else {
+            None
+        };
+    }
+    if fsdp
+        && coupled.fsdp_checkpointing.is_none()
+        && let Some((named, source, _)) = &file
+        && is_true(
+            section("fsdp_config")
+                .as_ref()
+                .and_then(|f| f.get("fsdp_activation_checkpointing")),
+        )
+    {
+        coupled.fsdp_checkpointing = Some(FsdpCheckpointing {
+            what: format!("fsdp_activation_checkpointing in {named}"),
+            source: source.clone(),
+        });
+    }
+}
+
+/// A section's value as text (`fsdp_config.fsdp_sharding_strategy: FULL_SHARD`, `1`).
+fn section_value(config: Option<&Value>, section: &str, key: &str) -> Option<String> {
+    match config?.get(section)?.get(key)? {
+        Value::String(s) => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+/// An FSDP sharding strategy, as transformers' `--fsdp` words (`full_shard auto_wrap`) or
+/// accelerate's names (`FULL_SHARD`, `1`): full and hybrid sharding shard everything, like
+/// ZeRO-3; `shard_grad_op` shards gradients and states, like ZeRO-2; `no_shard` nothing.
+fn fsdp_strategy(value: &str) -> Option<Parallelism> {
+    let v = value.to_ascii_lowercase();
+    let has = |w: &str| v.split([' ', ',']).any(|t| t == w);
+    if has("full_shard") || has("hybrid_shard") || has("1") || has("4") {
+        Some(Parallelism::Fsdp)
+    } else if has("shard_grad_op") || has("hybrid_shard_zero2") || has("2") || has("5") {
+        Some(Parallelism::Zero2)
+    } else {
+        None
+    }
+}
+
+/// A ZeRO stage as parallelism (stage 0 shards nothing).
+fn stage(n: u64) -> Option<Parallelism> {
+    match n {
+        1 => Some(Parallelism::Zero1),
+        2 => Some(Parallelism::Zero2),
+        3 => Some(Parallelism::Zero3),
+        _ => None,
+    }
+}
+
+/// The ZeRO stage of a DeepSpeed config (`zero_optimization.stage`), with where it was read.
+fn zero_stage(config: &JsonConfig) -> Option<(Parallelism, String)> {
+    let n = config
+        .value
+        .get("zero_optimization")?
+        .get("stage")?
+        .as_u64()?;
+    let source = if config.source.starts_with("configmap:") {
+        config.source.clone()
+    } else {
+        "args".into()
+    };
+    stage(n).map(|p| (p, source))
 }
 
 /// How a config was named, short enough for a warning: `--deepspeed ds.json`, `--deepspeed
@@ -333,6 +532,121 @@ mod tests {
                 .contains("shell expansion")
         );
         assert_eq!(coupled(&["python", "t.py"], None), Coupled::default());
+    }
+
+    /// accelerate's config file and options: its DeepSpeed section pins what it gives as a
+    /// number, its FSDP section turns FSDP's checkpointing on.
+    #[test]
+    fn accelerates_own_config_is_read() {
+        let launch = |opts: &[&str], file: Option<&str>| {
+            let mut words = vec!["accelerate", "launch"];
+            words.extend_from_slice(opts);
+            words.push("t.py");
+            coupled(&words, file)
+        };
+        let config = &["--config_file", "cfg/c.json"];
+        let ds_gas = "distributed_type: DEEPSPEED\ndeepspeed_config:\n  gradient_accumulation_steps: 4\n  zero_stage: 3\n";
+        let why = launch(config, Some(ds_gas)).batch_pinned.expect("pinned");
+        assert!(
+            why.starts_with("configmap:ds/c.json (--config_file cfg/c.json) pins deepspeed_config.gradient_accumulation_steps=4"),
+            "{why}"
+        );
+        let ds_plain = "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n";
+        assert_eq!(launch(config, Some(ds_plain)).batch_pinned, None);
+        let why = launch(
+            &["--use_deepspeed", "--gradient_accumulation_steps", "2"],
+            None,
+        )
+        .batch_pinned
+        .expect("pinned");
+        assert!(
+            why.starts_with("accelerate launch --gradient_accumulation_steps 2"),
+            "{why}"
+        );
+        // Without DeepSpeed the option pins nothing memguard writes against.
+        assert_eq!(
+            launch(&["--gradient_accumulation_steps", "2"], None).batch_pinned,
+            None
+        );
+        let in_image = "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: /opt/ds.json\n";
+        assert!(
+            launch(config, Some(in_image))
+                .batch_pinned
+                .expect("pinned")
+                .contains("cannot be read")
+        );
+        let fsdp = "distributed_type: FSDP\nfsdp_config:\n  fsdp_activation_checkpointing: true\n";
+        assert_eq!(
+            launch(config, Some(fsdp))
+                .fsdp_checkpointing
+                .map(|f| f.source),
+            Some("configmap:ds/c.json".to_string())
+        );
+        let fsdp_off =
+            "distributed_type: FSDP\nfsdp_config:\n  fsdp_activation_checkpointing: false\n";
+        assert_eq!(launch(config, Some(fsdp_off)).fsdp_checkpointing, None);
+    }
+
+    /// The launch's sharding: HF's `--fsdp`, a DeepSpeed config's ZeRO stage, accelerate's
+    /// options and config file.
+    #[test]
+    fn the_launchs_sharding_is_read() {
+        let p = |words: &[&str], file: Option<&str>| {
+            coupled(words, file)
+                .parallelism
+                .map(|(p, source)| (p.name().to_string(), source))
+        };
+        let at = |p: &str, s: &str| Some((p.to_string(), s.to_string()));
+        assert_eq!(
+            p(&["python", "t.py", "--fsdp", "full_shard auto_wrap"], None),
+            at("fsdp", "args")
+        );
+        assert_eq!(
+            p(&["python", "t.py", "--fsdp", "shard_grad_op"], None),
+            at("zero2", "args")
+        );
+        assert_eq!(p(&["python", "t.py", "--fsdp", "no_shard"], None), None);
+        assert_eq!(
+            p(
+                &["python", "t.py", "--deepspeed", "cfg/c.json"],
+                Some(r#"{"zero_optimization": {"stage": 3}}"#)
+            ),
+            at("zero3", "configmap:ds/c.json")
+        );
+        assert_eq!(
+            p(
+                &[
+                    "accelerate",
+                    "launch",
+                    "--use_deepspeed",
+                    "--zero_stage",
+                    "2",
+                    "t.py"
+                ],
+                None
+            ),
+            at("zero2", "args")
+        );
+        assert_eq!(
+            p(&["accelerate", "launch", "--use_fsdp", "t.py"], None),
+            at("fsdp", "args")
+        );
+        assert_eq!(
+            p(
+                &[
+                    "accelerate",
+                    "launch",
+                    "--config_file",
+                    "cfg/c.json",
+                    "t.py"
+                ],
+                Some(
+                    "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n"
+                )
+            ),
+            at("zero2", "configmap:ds/c.json")
+        );
+        assert_eq!(p(&["torchrun", "t.py"], None), None);
     }
 
     #[test]

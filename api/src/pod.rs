@@ -129,9 +129,10 @@ pub struct TrainingPod<'a> {
     /// The launch's coupled settings (a DeepSpeed config that pins the micro-batch, FSDP's own
     /// activation checkpointing): what a change must respect.
     pub coupled: crate::coupled::Coupled,
-    /// Where the world size of a multi-pod job was read (`args`, `env:PET_NNODES`); `None`:
-    /// the annotation, or the pod's own GPUs.
-    pub world_size_source: Option<String>,
+    /// Where the job's setup was read from the launch: `parallelism` (`args`,
+    /// `configmap:<name>/<key>`) and `world-size` (`args`, `env:PET_NNODES`); absent: the
+    /// annotation, or the default (the pod's own GPUs).
+    pub setup_sources: BTreeMap<&'static str, String>,
     /// Why the config file the trainer's launch names could not be read (baked into the image,
     /// not a ConfigMap, an unknown ConfigMap, not valid YAML): its knobs are planned without it.
     pub config_unreadable: Option<String>,
@@ -531,6 +532,17 @@ fn launch_model(
     } else {
         (lora.then_some(memguard_estimator::Method::Lora), None)
     };
+    // `--use_bnb_nested_quant` with 4 bits: the quantization constants quantized again.
+    let implied = if on("load_in_4bit") && on("use_bnb_nested_quant") {
+        vec![(
+            annotations::DOUBLE_QUANT,
+            "double-quant",
+            "true".to_string(),
+            "args".to_string(),
+        )]
+    } else {
+        Vec::new()
+    };
     Ok(Some(LaunchModel {
         flag: format!("--{}", flag.spelled.trim_start_matches('-')),
         id: hf_model_id(&value),
@@ -539,7 +551,7 @@ fn launch_model(
         source: None,
         method_source: None,
         model_bits,
-        implied: Vec::new(),
+        implied,
     }))
 }
 
@@ -1015,29 +1027,7 @@ impl<'a> TrainingPod<'a> {
         if !parsed.device_given {
             config.device = accelerators.default_device(pod);
         }
-        // Data parallelism over the pod's own GPUs unless the user says how many devices take
-        // part (a multi-node job must: the pod cannot see its peers).
-        let data_parallel = !world_size_given
-            && config.parallelism != Parallelism::None
-            && matches!(config.device, Device::Cuda | Device::Rocm);
-        // A multi-pod job's launch or operator says how many devices take part, the same in
-        // every pod of the job ([`crate::job_world`]).
-        let mut world_size_source = None;
-        if data_parallel {
-            config.world_size = gpus.max(1);
-            let items: Vec<String> = trainer
-                .command
-                .iter()
-                .flatten()
-                .chain(trainer.args.iter().flatten())
-                .cloned()
-                .collect();
-            let launch = crate::launch::find(&items).ok();
-            if let Some((n, source)) = crate::job_world::read(launch.as_ref(), trainer, gpus) {
-                config.world_size = n;
-                world_size_source = Some(source);
-            }
-        }
+        let on_gpus = matches!(config.device, Device::Cuda | Device::Rocm);
         let products = match config.device {
             Device::Cuda => gpu_products(pod),
             Device::Rocm => pinned_values(pod, AMD_GPU_PRODUCT_LABEL),
@@ -1095,6 +1085,35 @@ impl<'a> TrainingPod<'a> {
             config.grad_checkpointing = true;
             sources.insert(Knob::GradCheckpointing, fsdp.source.clone());
         }
+        let mut setup_sources = BTreeMap::new();
+        // The launch's sharding, unless the annotation says.
+        let parallelism_given = pod
+            .metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key(annotations::PARALLELISM));
+        if !parallelism_given && let Some((parallelism, source)) = &coupled.parallelism {
+            config.parallelism = *parallelism;
+            setup_sources.insert("parallelism", source.clone());
+        }
+        // Data parallelism over the pod's own GPUs unless the user says how many devices take
+        // part; a multi-pod job's launch or operator says it, the same in every pod of the job
+        // ([`crate::job_world`]).
+        if !world_size_given && config.parallelism != Parallelism::None && on_gpus {
+            config.world_size = gpus.max(1);
+            let items: Vec<String> = trainer
+                .command
+                .iter()
+                .flatten()
+                .chain(trainer.args.iter().flatten())
+                .cloned()
+                .collect();
+            let launch = crate::launch::find(&items).ok();
+            if let Some((n, source)) = crate::job_world::read(launch.as_ref(), trainer, gpus) {
+                config.world_size = n;
+                setup_sources.insert("world-size", source);
+            }
+        }
         Ok(TrainingPod {
             annotations: parsed,
             trainer_index,
@@ -1115,7 +1134,7 @@ impl<'a> TrainingPod<'a> {
             args_unreadable,
             read_from_args: BTreeSet::new(),
             coupled,
-            world_size_source,
+            setup_sources,
             config_file,
             config_unreadable,
             read_from_file: BTreeMap::new(),

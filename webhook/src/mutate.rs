@@ -162,6 +162,13 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
     {
         policy_in_play.floors.batch_size = training.config.batch_size;
         decided = decision::decide(&training, &policy_in_play, adjustments)?;
+        // A start below the config (a pending OOM recovery) still moves them: then nothing
+        // is changed.
+        if changes_batch(&training.config, &decided.plan.config) {
+            return Err(format!(
+                "batch and accumulation cannot be changed, and the plan needs them changed: {why}"
+            ));
+        }
         let kept = format!("batch and accumulation kept: {why}");
         decided
             .warnings
@@ -723,15 +730,15 @@ fn sidecar_plan(
 /// Each knob's source, when any was read from the trainer's own config, or its launch named the
 /// model (else empty: the annotation stays as it was for pods written for memguard).
 fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap<String, String> {
-    let world_size = training
-        .world_size_source
+    let setup = training
+        .setup_sources
         .iter()
-        .map(|source| ("world-size".to_string(), source.clone()));
+        .map(|(what, source)| (what.to_string(), source.clone()));
     if training.sources.is_empty()
         && training.read_from_args.is_empty()
         && training.read_from_file.is_empty()
     {
-        return world_size.collect();
+        return setup.collect();
     }
     Knob::of(&training.config)
         .into_iter()
@@ -755,7 +762,7 @@ fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap<String, St
                 .iter()
                 .map(|(what, source)| (what.to_string(), source.clone())),
         )
-        .chain(world_size)
+        .chain(setup)
         .collect()
 }
 

@@ -43,8 +43,13 @@ pub trait FlagRules {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HfRules;
 
-/// Old key → the key it became (TRL 0.20 renamed `max_seq_length` to `max_length`).
-const HF_RENAMES: &[(&str, &str)] = &[("max_seq_length", "max_length")];
+/// A key → the key it is read under: TRL 0.20 renamed `max_seq_length` to `max_length`;
+/// transformers 5 named `gradient_checkpointing` `activation_checkpointing` (keeping the old
+/// name as an alias), and memguard writes the name both 4.x and 5.x take.
+const HF_RENAMES: &[(&str, &str)] = &[
+    ("max_seq_length", "max_length"),
+    ("activation_checkpointing", "gradient_checkpointing"),
+];
 
 /// Bools of `TrainingArguments` and TRL's configs that the planner reads or writes, or that
 /// often stand bare before another flag.
@@ -384,6 +389,16 @@ mod tests {
     fn renamed_keys_read_under_the_new_name() {
         let (_, f) = parse("--max_seq_length 4096");
         assert_eq!(f.value("max_length"), Some("4096"));
+        // transformers 5's name; a rewrite keeps the spelling it found.
+        let (w, f) = parse("--activation_checkpointing false --bf16");
+        assert_eq!(f.bool("gradient_checkpointing", &HfRules), Some(false));
+        let e = f
+            .set("gradient_checkpointing", "true", &HfRules)
+            .expect("test input");
+        assert_eq!(
+            apply(&w, &[e]),
+            ["--activation_checkpointing", "true", "--bf16"]
+        );
     }
 
     #[test]

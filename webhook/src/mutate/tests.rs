@@ -1009,3 +1009,60 @@ fn an_unpinned_gpu_pod_is_planned_for_the_smallest_gpu_of_its_nodes() {
             .any(|w| w.contains("assumed defaultGpuMemory"))
     );
 }
+
+/// A pending OOM recovery starts below a batch that a DeepSpeed config pins: the batch stays
+/// (writing it would break the launch), the recovery is still said, and so is why the batch
+/// was kept.
+#[test]
+fn a_recovery_below_a_pinned_batch_keeps_the_batch_and_says_why() {
+    let pod = || {
+        bare_pod()
+            .annotate(keys::MODEL, "llama-3-8b")
+            .annotate(keys::METHOD, "lora")
+            .gpus(1)
+            .annotate(keys::GPU_MEMORY, "100Ti")
+            .command_line(
+                &["python"],
+                &[
+                    "sft.py",
+                    "--per_device_train_batch_size",
+                    "16",
+                    "--deepspeed",
+                    r#"{"train_micro_batch_size_per_gpu": 16}"#,
+                    "--output_dir",
+                    "/out",
+                ],
+            )
+    };
+    let status = memguard_api::crd::MemoryProfileStatus {
+        recovery: Some(memguard_api::crd::Recovery {
+            rungs: 1,
+            config: memguard_api::crd::TrainingKnobs {
+                batch_size: Some(8),
+                grad_accumulation: Some(2),
+                ..Default::default()
+            },
+            factor: None,
+            reason: "pod t-0 OOMKilled at batch 16: start with batch 16 → 8".into(),
+        }),
+        ..Default::default()
+    };
+    let mut profiles = ClusterView::default();
+    profiles.insert(profile_for(&pod().build(), status));
+    let Outcome::Mutated(m) = mutate(&pod().build(), &Policy::default(), &profiles) else {
+        panic!("mutated")
+    };
+    assert_eq!(m.plan.config.batch_size, 16);
+    assert_eq!(m.plan.config.grad_accumulation, 1);
+    assert!(
+        m.changed.iter().all(|c| !c.contains("batch")),
+        "{:?}",
+        m.changed
+    );
+    let said = m.warnings.join("\n");
+    assert!(said.contains("memguard: recovery: pod t-0"), "{said}");
+    assert!(
+        said.contains("batch and accumulation kept: --deepspeed (inline JSON) pins"),
+        "{said}"
+    );
+}

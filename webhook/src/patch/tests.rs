@@ -962,7 +962,8 @@ fn a_label_only_pod_with_an_unreadable_launch_says_why_it_is_skipped() {
 
 /// TRL's `ModelConfig` quantization flags name the method: `--load_in_4bit` is QLoRA (a 4-bit
 /// base), `--load_in_8bit` LoRA on an 8-bit base, and the plan is made on it: less memory
-/// than LoRA on a 16-bit base. `--use_bnb_nested_quant` alone quantizes nothing.
+/// than LoRA on a 16-bit base. `--use_bnb_nested_quant` quantizes the 4-bit base's constants
+/// again (`double-quant`); alone it quantizes nothing.
 #[test]
 fn trl_quantization_flags_make_the_method() {
     let admit = |extra: &str| {
@@ -981,6 +982,9 @@ fn trl_quantization_flags_make_the_method() {
     assert_eq!(lora.plan.config.method, Method::Lora);
     assert_eq!(four.plan.config.method, Method::Qlora);
     assert_eq!(four.estimate.sources["method"], "args");
+    assert!(four.plan.config.double_quant, "--use_bnb_nested_quant");
+    assert_eq!(four.estimate.sources["double-quant"], "args");
+    assert!(!admit("--load_in_4bit").plan.config.double_quant);
     assert_eq!(eight.plan.config.method, Method::Lora);
     assert_eq!(eight.plan.config.model_bits, Some(8));
     assert_eq!(eight.estimate.sources["model-bits"], "args");

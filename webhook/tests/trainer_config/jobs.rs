@@ -301,6 +301,9 @@ fn same_rewrite(pods: &[Value], trainer: &str, world_size: u64, source: &str) {
     let e = estimate(first);
     assert_eq!(e["config"]["world-size"], world_size.to_string(), "{e}");
     assert_eq!(e["sources"]["world-size"], source, "{e}");
+    // Sharded as the launch says (`--fsdp full_shard`, `accelerate launch --use_fsdp`), with
+    // only the opt-in label.
+    assert_eq!(e["sources"]["parallelism"], "args", "{e}");
     assert_eq!(e["fits"], true, "planned into the GPU: {e}");
     for (pod, out) in pods.iter().zip(&admitted).skip(1) {
         let name = &pod["metadata"]["name"];
