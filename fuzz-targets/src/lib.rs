@@ -371,7 +371,7 @@ fn config_file_rewrite(found: &memguard_api::launch::Launch, items: &[String]) {
 /// Invariants: every word's span is inside the string and splits back to the word; a rewrite
 /// of each flag's value re-reads as that value, and the rest of the string is kept.
 pub fn launch(data: &[u8]) {
-    use memguard_api::launch::{self, Flags, HfRules, Place, words};
+    use memguard_api::launch::{self, FlagRules, Flags, HfRules, Place, words};
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
@@ -413,7 +413,9 @@ pub fn launch(data: &[u8]) {
         return;
     }
     let key = flag.key.clone();
-    let Ok(edit) = flags.set(&key, "7", &HfRules) else {
+    // A value the parser takes for the key: memguard writes a bool flag only as true/false.
+    let value = if HfRules.is_bool(&key) { "false" } else { "7" };
+    let Ok(edit) = flags.set(&key, value, &HfRules) else {
         return;
     };
     let out = found.apply(&items, &[edit]);
@@ -423,7 +425,7 @@ pub fn launch(data: &[u8]) {
     if !flag.negated && flag.value.is_some() {
         assert_eq!(
             reread.value(&key),
-            Some("7"),
+            Some(value),
             "{key} re-reads as set: {out:?}"
         );
     }
