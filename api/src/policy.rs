@@ -5,9 +5,9 @@
 //! document; [`PolicySpec::resolved`] fills the documented defaults.
 
 use crate::annotations::{EnvMap, edit_distance, env_map_entry};
-use crate::knobs::Knob;
 use crate::duration::{format_duration, parse_duration};
 use crate::env;
+use crate::knobs::Knob;
 use crate::models::{ModelCatalog, ModelSpec};
 use memguard_estimator::{Bytes, parse_bytes};
 use serde::{Deserialize, Serialize};
@@ -340,14 +340,14 @@ pub struct PolicySpec {
     /// `memguard.io/error` with the numbers instead). docs/serving.md.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serving_shorten_max_length: Option<bool>,
-    /// Flag names of bespoke training scripts, by container image: a trainer whose image
-    /// matches `image` (`*` matches any run of characters) is read and rewritten with these
-    /// flags, knob → flag (docs/webhook.md, "Flag maps"). The first matching entry wins.
+    /// Flag names of bespoke training scripts, by container image: for a trainer whose image
+    /// matches `image` (`*` matches any run of characters), knob → the script's flag. The first
+    /// matching entry wins. Checked at load; the webhook does not read or rewrite with them yet.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub flag_maps: Vec<FlagMapSpec>,
 }
 
-/// One entry of [`PolicySpec::flag_maps`], as written.
+/// One entry of the policy's `flagMaps`, as written.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -411,7 +411,9 @@ fn flag_map(spec: &FlagMapSpec, at: &str) -> Result<FlagMap, Vec<String>> {
         ));
     }
     if spec.flags.is_empty() {
-        errors.push(format!("{at}.flags: empty (map at least one knob to a flag)"));
+        errors.push(format!(
+            "{at}.flags: empty (map at least one knob to a flag)"
+        ));
     }
     let mut flags = BTreeMap::new();
     let mut seen: BTreeMap<&str, &str> = BTreeMap::new();
@@ -422,7 +424,7 @@ fn flag_map(spec: &FlagMapSpec, at: &str) -> Result<FlagMap, Vec<String>> {
         };
         let flag = flag.trim();
         let valid = flag.starts_with('-')
-            && flag.trim_start_matches('-').len() > 0
+            && !flag.trim_start_matches('-').is_empty()
             && !flag.contains(['=', ' ', '\t']);
         if !valid {
             errors.push(format!(
@@ -689,11 +691,19 @@ mod tests {
         assert_eq!(map.flags[&Knob::BatchSize], "--bs");
         assert_eq!(map.flags[&Knob::GradAccumulation], "--accum");
         assert_eq!(map.flags.get(&Knob::GradCheckpointing), None);
-        let map = p.flag_map_for("other.io/x/trainer:3").expect("second entry");
+        let map = p
+            .flag_map_for("other.io/x/trainer:3")
+            .expect("second entry");
         assert_eq!(map.flags[&Knob::BatchSize], "--batch");
         assert_eq!(p.flag_map_for("other.io/x/serve:3"), None);
         assert_eq!(p.flag_map_for("registry.example.com/team/other:1"), None);
-        assert!(PolicySpec::default().resolved().expect("valid").flag_maps.is_empty());
+        assert!(
+            PolicySpec::default()
+                .resolved()
+                .expect("valid")
+                .flag_maps
+                .is_empty()
+        );
     }
 
     #[test]
@@ -705,9 +715,15 @@ mod tests {
         assert!(glob_match("abc", "abc"));
         assert!(glob_match("*", ""));
         assert!(glob_match("a*b*a", "aba"));
-        assert!(!glob_match("ab*ba", "aba"), "prefix and suffix may not overlap");
+        assert!(
+            !glob_match("ab*ba", "aba"),
+            "prefix and suffix may not overlap"
+        );
         assert!(glob_match("reg/*/t:*", "reg/team/t:1"));
-        assert!(!glob_match("reg/t?", "reg/t1"), "`?` is itself, not a wildcard");
+        assert!(
+            !glob_match("reg/t?", "reg/t1"),
+            "`?` is itself, not a wildcard"
+        );
     }
 
     /// An unknown knob names the closest known one and lists them all; bad globs and flags are
