@@ -4,9 +4,10 @@
 //! `MemguardPolicy` CRD, so the three can never drift apart. Every field is optional in the
 //! document; [`PolicySpec::resolved`] fills the documented defaults.
 
-use crate::annotations::{EnvMap, env_map_entry};
+use crate::annotations::{EnvMap, edit_distance, env_map_entry};
 use crate::duration::{format_duration, parse_duration};
 use crate::env;
+use crate::knobs::Knob;
 use crate::models::{ModelCatalog, ModelSpec};
 use memguard_estimator::{Bytes, parse_bytes};
 use serde::{Deserialize, Serialize};
@@ -339,6 +340,130 @@ pub struct PolicySpec {
     /// `memguard.io/error` with the numbers instead). docs/serving.md.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serving_shorten_max_length: Option<bool>,
+    /// Flag names of bespoke training scripts, by container image: for a trainer whose image
+    /// matches `image` (`*` matches any run of characters), knob → the script's flag. The first
+    /// matching entry wins. Checked at load; the webhook does not read or rewrite with them yet.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub flag_maps: Vec<FlagMapSpec>,
+}
+
+/// One entry of the policy's `flagMaps`, as written.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FlagMapSpec {
+    /// The trainer's container image, `*` matching any run of characters, e.g.
+    /// `registry.example.com/team/trainer*`.
+    pub image: String,
+    /// Knob name (as in the annotations, e.g. `batch-size`) → the script's flag (e.g. `--bs`).
+    pub flags: BTreeMap<String, String>,
+}
+
+/// A checked [`FlagMapSpec`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlagMap {
+    /// The image glob (only `*` is special).
+    pub image: String,
+    /// Knob → flag, each flag starting with `-`.
+    pub flags: BTreeMap<Knob, String>,
+}
+
+impl FlagMap {
+    /// Whether `image` matches the glob: `*` matches any run of characters, all else itself.
+    pub fn matches(&self, image: &str) -> bool {
+        glob_match(&self.image, image)
+    }
+}
+
+/// `*`-only glob matching, anchored at both ends.
+fn glob_match(pattern: &str, text: &str) -> bool {
+    let mut parts = pattern.split('*');
+    let first = parts.next().unwrap_or("");
+    let Some(mut rest) = text.strip_prefix(first) else {
+        return false;
+    };
+    let mut middle: Vec<&str> = parts.collect();
+    let Some(last) = middle.pop() else {
+        // No `*`: the whole text must be the pattern.
+        return rest.is_empty();
+    };
+    for part in middle {
+        match rest.find(part) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    rest.len() >= last.len() && rest.ends_with(last)
+}
+
+/// Checks one flag-map entry; `at` names it in errors.
+fn flag_map(spec: &FlagMapSpec, at: &str) -> Result<FlagMap, Vec<String>> {
+    let mut errors = Vec::new();
+    let image = spec.image.trim();
+    if image.is_empty() || image.chars().any(char::is_whitespace) {
+        errors.push(format!(
+            "{at}.image: `{}` is not an image pattern (a name with optional `*`, no spaces)",
+            spec.image
+        ));
+    } else if image.contains(['?', '[', ']']) {
+        errors.push(format!(
+            "{at}.image: `{image}`: only `*` is a wildcard (`?` and `[...]` are not supported)"
+        ));
+    }
+    if spec.flags.is_empty() {
+        errors.push(format!(
+            "{at}.flags: empty (map at least one knob to a flag)"
+        ));
+    }
+    let mut flags = BTreeMap::new();
+    let mut seen: BTreeMap<&str, &str> = BTreeMap::new();
+    for (name, flag) in &spec.flags {
+        let Some(knob) = Knob::parse(name.trim()) else {
+            errors.push(format!("{at}.flags[{name}]: {}", unknown_knob(name.trim())));
+            continue;
+        };
+        let flag = flag.trim();
+        let valid = flag.starts_with('-')
+            && !flag.trim_start_matches('-').is_empty()
+            && !flag.contains(['=', ' ', '\t']);
+        if !valid {
+            errors.push(format!(
+                "{at}.flags[{name}]: `{flag}` is not a flag (like `--bs` or `-b`, no `=` or spaces)"
+            ));
+            continue;
+        }
+        if let Some(other) = seen.insert(flag, name) {
+            errors.push(format!(
+                "{at}.flags[{name}]: `{flag}` is also the flag of `{other}`"
+            ));
+            continue;
+        }
+        flags.insert(knob, flag.to_string());
+    }
+    if errors.is_empty() {
+        Ok(FlagMap {
+            image: image.to_string(),
+            flags,
+        })
+    } else {
+        Err(errors)
+    }
+}
+
+/// "unknown knob" with the closest known one when a couple of edits away, and the full list.
+fn unknown_knob(name: &str) -> String {
+    let known = Knob::ALL.map(Knob::name);
+    let suggestion = known
+        .iter()
+        .map(|k| (edit_distance(name, k), *k))
+        .min()
+        .filter(|(d, k)| *d <= 3 || k.replace('-', "") == name.replace(['-', '_'], ""))
+        .map(|(_, k)| format!(" (did you mean `{k}`?)"))
+        .unwrap_or_default();
+    format!(
+        "unknown knob `{name}`{suggestion}; known knobs: {}",
+        known.join(", ")
+    )
 }
 
 /// A policy with every default applied and every quantity parsed.
@@ -379,6 +504,8 @@ pub struct Policy {
     pub models: ModelCatalog,
     /// Whether an inference server's maximum length may be lowered to fit.
     pub serving_shorten_max_length: bool,
+    /// Flag maps of bespoke training scripts, in order (the first match wins).
+    pub flag_maps: Vec<FlagMap>,
 }
 
 impl Default for Policy {
@@ -472,6 +599,13 @@ impl PolicySpec {
                 None
             }
         };
+        let mut flag_maps = Vec::new();
+        for (i, spec) in self.flag_maps.iter().enumerate() {
+            match flag_map(spec, &format!("flagMaps[{i}]")) {
+                Ok(map) => flag_maps.push(map),
+                Err(problems) => errors.extend(problems),
+            }
+        }
         if !errors.is_empty() {
             return Err(errors);
         }
@@ -504,11 +638,17 @@ impl PolicySpec {
             placement: self.placement.unwrap_or_default(),
             models,
             serving_shorten_max_length: self.serving_shorten_max_length.unwrap_or(false),
+            flag_maps,
         })
     }
 }
 
 impl Policy {
+    /// The flag map of the first entry whose image glob matches `image`, if any.
+    pub fn flag_map_for(&self, image: &str) -> Option<&FlagMap> {
+        self.flag_maps.iter().find(|m| m.matches(image))
+    }
+
     /// The `MEMGUARD_SIDECAR_*` variables that carry the policy's sidecar settings (interval and
     /// thresholds), spelled so the sidecar's own flag parsing reads back the same values.
     pub fn sidecar_env(&self) -> Vec<(&'static str, String)> {
@@ -529,6 +669,104 @@ impl Policy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn flag_maps(json: serde_json::Value) -> Result<Policy, Vec<String>> {
+        serde_json::from_value::<PolicySpec>(serde_json::json!({ "flagMaps": json }))
+            .expect("a policy")
+            .resolved()
+    }
+
+    /// A flag map is checked at load and the first entry whose image glob matches wins.
+    #[test]
+    fn flag_maps_resolve_to_knobs_and_the_first_matching_image_wins() {
+        let p = flag_maps(serde_json::json!([
+            {"image": "registry.example.com/team/trainer*",
+             "flags": {"batch-size": "--bs", "grad-accumulation": "--accum", "seq-length": "--seq"}},
+            {"image": "*/trainer:*", "flags": {"batch-size": "--batch"}},
+        ]))
+        .expect("valid");
+        let map = p
+            .flag_map_for("registry.example.com/team/trainer:1.2")
+            .expect("first entry");
+        assert_eq!(map.flags[&Knob::BatchSize], "--bs");
+        assert_eq!(map.flags[&Knob::GradAccumulation], "--accum");
+        assert_eq!(map.flags.get(&Knob::GradCheckpointing), None);
+        let map = p
+            .flag_map_for("other.io/x/trainer:3")
+            .expect("second entry");
+        assert_eq!(map.flags[&Knob::BatchSize], "--batch");
+        assert_eq!(p.flag_map_for("other.io/x/serve:3"), None);
+        assert_eq!(p.flag_map_for("registry.example.com/team/other:1"), None);
+        assert!(
+            PolicySpec::default()
+                .resolved()
+                .expect("valid")
+                .flag_maps
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn image_globs_match_only_with_star_and_are_anchored() {
+        assert!(glob_match("a*c", "abbbc"));
+        assert!(glob_match("a*c", "ac"));
+        assert!(!glob_match("a*c", "abcd"));
+        assert!(!glob_match("abc", "abcd"));
+        assert!(glob_match("abc", "abc"));
+        assert!(glob_match("*", ""));
+        assert!(glob_match("a*b*a", "aba"));
+        assert!(
+            !glob_match("ab*ba", "aba"),
+            "prefix and suffix may not overlap"
+        );
+        assert!(glob_match("reg/*/t:*", "reg/team/t:1"));
+        assert!(
+            !glob_match("reg/t?", "reg/t1"),
+            "`?` is itself, not a wildcard"
+        );
+    }
+
+    /// An unknown knob names the closest known one and lists them all; bad globs and flags are
+    /// refused with their place; every problem is reported at once.
+    #[test]
+    fn bad_flag_maps_are_refused_with_a_did_you_mean() {
+        let errs = flag_maps(serde_json::json!([
+            {"image": "reg/trainer*", "flags": {"batch_size": "--bs", "seq-lenght": "--seq"}},
+        ]))
+        .expect_err("unknown knobs");
+        assert_eq!(errs.len(), 2, "{errs:?}");
+        assert!(
+            errs[0].starts_with("flagMaps[0].flags[batch_size]: unknown knob `batch_size`")
+                && errs[0].contains("did you mean `batch-size`?")
+                && errs[0].contains("known knobs: batch-size, grad-accumulation"),
+            "{errs:?}"
+        );
+        assert!(errs[1].contains("did you mean `seq-length`?"), "{errs:?}");
+        let errs = flag_maps(serde_json::json!([
+            {"image": "reg/trainer*", "flags": {"zzz": "--z"}},
+        ]))
+        .expect_err("unknown knob");
+        assert!(!errs[0].contains("did you mean"), "{errs:?}");
+        let errs = flag_maps(serde_json::json!([
+            {"image": "reg/trainer?", "flags": {"batch-size": "bs"}},
+            {"image": " ", "flags": {"batch-size": "--bs", "seq-length": "--bs"}},
+            {"image": "reg/x", "flags": {"batch-size": "--bs=2"}},
+            {"image": "reg/y", "flags": {}},
+        ]))
+        .expect_err("bad entries");
+        let expected = [
+            "flagMaps[0].image: `reg/trainer?`: only `*` is a wildcard",
+            "flagMaps[0].flags[batch-size]: `bs` is not a flag",
+            "flagMaps[1].image: ` ` is not an image pattern",
+            "flagMaps[1].flags[seq-length]: `--bs` is also the flag of `batch-size`",
+            "flagMaps[2].flags[batch-size]: `--bs=2` is not a flag",
+            "flagMaps[3].flags: empty",
+        ];
+        assert_eq!(errs.len(), expected.len(), "{errs:?}");
+        for (e, want) in errs.iter().zip(expected) {
+            assert!(e.starts_with(want), "{e} should start with {want}");
+        }
+    }
 
     #[test]
     fn empty_spec_resolves_to_documented_defaults() {
