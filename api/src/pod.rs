@@ -245,6 +245,9 @@ pub struct ArgsReading {
     /// Whether its parser is known to be `HfArgumentParser` over `TrainingArguments` (a flag
     /// only that defines, or a TRL launch): then the flags it defines may be appended.
     pub hf_parser: bool,
+    /// The policy's flag map for the trainer's image (knob → flag as written), when one
+    /// matches: the launch was read, and is rewritten, with [`crate::launch::MappedRules`].
+    pub flag_map: Option<Vec<(Knob, String)>>,
     /// A `tune run` launch (its `flags` are then empty: torchtune takes `key=value` overrides).
     pub tune: Option<TuneReading>,
 }
@@ -705,6 +708,78 @@ fn read_config_file(
     }))
 }
 
+/// Reads a bespoke script's command line with the policy's flag map for its image: the
+/// knobs it maps, from the flags as written (`--bs 16`, `--bs=16`; the last wins), for the
+/// knobs no annotation gives, each recorded as `args`. Any program: the map says the script
+/// defines these flags.
+fn read_mapped_flags(
+    pod: &Pod,
+    trainer: &Container,
+    parsed: &TrainingAnnotations,
+    config: &mut TrainingConfig,
+    sources: &mut BTreeMap<Knob, String>,
+    map: &crate::policy::FlagMap,
+) -> Result<Option<ArgsReading>, String> {
+    use crate::launch::{self, Flags, MappedRules};
+    let command = trainer.command.clone().unwrap_or_default();
+    let command_len = command.len();
+    let items: Vec<String> = command
+        .into_iter()
+        .chain(trainer.args.clone().unwrap_or_default())
+        .collect();
+    let found = match launch::find(&items) {
+        Ok(found) => found,
+        Err(launch::LaunchError::Empty | launch::LaunchError::NoProgram) => return Ok(None),
+        Err(e) => return Err(e.to_string()),
+    };
+    let bools = map
+        .flags
+        .iter()
+        .filter(|(k, _)| **k == Knob::GradCheckpointing)
+        .map(|(_, f)| f.as_str());
+    let rules = MappedRules::new(map.flags.values().map(String::as_str), bools);
+    let flags = Flags::parse(&found.texts(), &rules);
+    let earlier = earlier_estimate(pod);
+    for (knob, flag) in &map.flags {
+        if parsed.knobs_given.contains(knob) {
+            continue;
+        }
+        let key = MappedRules::key_of(flag);
+        let Some(f) = flags.get(&key) else { continue };
+        let known = [
+            Some(f.at),
+            match f.value_at {
+                launch::flags::ValueAt::Next(i) => Some(i),
+                _ => None,
+            },
+        ]
+        .into_iter()
+        .flatten()
+        .all(|i| found.args.get(i).is_some_and(|a| !a.expands));
+        let value = if *knob == Knob::GradCheckpointing {
+            flags.bool(&key, &rules).map(|b| b.to_string())
+        } else {
+            f.value.clone()
+        };
+        if known
+            && let Some(value) = value
+            && let Some(value) = as_read(earlier.as_ref(), *knob, &value)
+            && knob.set(config, value)
+        {
+            sources.insert(*knob, "args".into());
+        }
+    }
+    Ok(Some(ArgsReading {
+        items,
+        command_len,
+        launch: found,
+        flags,
+        hf_parser: false,
+        flag_map: Some(map.flags.iter().map(|(k, f)| (*k, f.clone())).collect()),
+        tune: None,
+    }))
+}
+
 /// Reads the trainer's command line with HF rules into `config`, for the knobs no annotation
 /// gives; each knob read is recorded in `sources` as `args`. `Ok(None)`: no launch, or not one
 /// with HF rules; `Err`: a launch that cannot be read, and why.
@@ -715,8 +790,13 @@ fn read_args(
     config: &mut TrainingConfig,
     sources: &mut BTreeMap<Knob, String>,
     cluster: Cluster<'_>,
+    policy: &Policy,
 ) -> Result<Option<ArgsReading>, String> {
     use crate::launch::{self, HfRules};
+    let image = trainer.image.as_deref().unwrap_or_default();
+    if let Some(map) = policy.flag_map_for(image) {
+        return read_mapped_flags(pod, trainer, parsed, config, sources, map);
+    }
     if let Some((items, command_len, found, run)) = tune_launch(trainer)? {
         let tc = tune_config(pod, trainer, &run, cluster)?;
         let earlier = earlier_estimate(pod);
@@ -768,6 +848,7 @@ fn read_args(
             launch: found,
             flags: launch::Flags::default(),
             hf_parser: false,
+            flag_map: None,
             tune: Some(TuneReading { run, method }),
         }));
     }
@@ -832,6 +913,7 @@ fn read_args(
         launch: found,
         flags,
         hf_parser: !defaults.is_empty(),
+        flag_map: None,
         tune: None,
     }))
 }
@@ -1043,11 +1125,18 @@ impl<'a> TrainingPod<'a> {
             unreadable,
             set_by_trainer,
         } = read_mapped_env(pod, trainer, &parsed, policy, &mut config);
-        let (args, args_unreadable) =
-            match read_args(pod, trainer, &parsed, &mut config, &mut sources, cluster) {
-                Ok(args) => (args, None),
-                Err(why) => (None, Some(why)),
-            };
+        let (args, args_unreadable) = match read_args(
+            pod,
+            trainer,
+            &parsed,
+            &mut config,
+            &mut sources,
+            cluster,
+            policy,
+        ) {
+            Ok(args) => (args, None),
+            Err(why) => (None, Some(why)),
+        };
         let file = match file_read {
             Some((index, file)) if index == trainer_index => file,
             _ => read_config_file(pod, trainer, cluster),

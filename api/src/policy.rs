@@ -342,7 +342,8 @@ pub struct PolicySpec {
     pub serving_shorten_max_length: Option<bool>,
     /// Flag names of bespoke training scripts, by container image: for a trainer whose image
     /// matches `image` (`*` matches any run of characters), knob → the script's flag. The first
-    /// matching entry wins. Checked at load; the webhook does not read or rewrite with them yet.
+    /// matching entry wins. The trainer's command line is read and rewritten with these flags
+    /// (`--bs 16`, `--bs=16`; an absent mapped flag is appended).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub flag_maps: Vec<FlagMapSpec>,
 }

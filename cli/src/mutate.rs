@@ -187,10 +187,7 @@ fn report(results: &[Mutated], places: &[&str]) -> bool {
     let mut skipped = false;
     for (m, place) in results.iter().zip(places) {
         if m.pods.is_empty() {
-            eprintln!(
-                "document {place}: not mutated: {}",
-                not_opted_in(&m.document)
-            );
+            eprintln!("{place}: not mutated: {}", not_opted_in(&m.document));
         }
         for pod in &m.pods {
             let at = if pod.path.is_empty() {

@@ -297,6 +297,9 @@ fn rewrite_args(
     if let Some(tune) = &reading.tune {
         return Ok(rewrite_tune(training, reading, tune, planned));
     }
+    if let Some(map) = &reading.flag_map {
+        return rewrite_mapped(training, reading, map, planned);
+    }
     let from_args = |k: &Knob| training.sources.get(k).is_some_and(|s| s == "args");
     // A flag only TrainingArguments defines, or a TRL launch, says the parser is
     // HfArgumentParser: then the flags it defines may be appended (a bespoke argparse script
@@ -324,6 +327,62 @@ fn rewrite_args(
             knob.value(planned)
         ));
         edits.push(edit);
+    }
+    if edits.is_empty() {
+        return Ok((None, changed));
+    }
+    Ok((Some(command_line(training, reading, &edits)), changed))
+}
+
+/// The plan in a bespoke script's own flags, named by the policy's flag map for its image: a
+/// flag there has its value replaced, an absent one is appended (the map says the script
+/// defines it). Batch and accumulation move together or not at all: a map that names only one
+/// of them cannot keep the effective batch, and the pod is left unchanged with the reason.
+fn rewrite_mapped(
+    training: &TrainingPod,
+    reading: &memguard_api::pod::ArgsReading,
+    map: &[(Knob, String)],
+    planned: &TrainingConfig,
+) -> Result<(Option<CommandLine>, Vec<String>), String> {
+    use memguard_api::launch::MappedRules;
+    let before = &training.config;
+    let mapped = |k: Knob| map.iter().any(|(m, _)| *m == k);
+    let batch_moves = before.batch_size != planned.batch_size
+        || before.grad_accumulation != planned.grad_accumulation;
+    if batch_moves && !(mapped(Knob::BatchSize) && mapped(Knob::GradAccumulation)) {
+        return Err(format!(
+            "the effective batch cannot be kept: the plan takes batch {} × accumulation {} to \
+             {} × {}, but the policy's flag map for image {} names only one of batch-size and \
+             grad-accumulation",
+            before.batch_size,
+            before.grad_accumulation,
+            planned.batch_size,
+            planned.grad_accumulation,
+            training.trainer.image.as_deref().unwrap_or_default()
+        ));
+    }
+    let bools = map
+        .iter()
+        .filter(|(k, _)| *k == Knob::GradCheckpointing)
+        .map(|(_, f)| f.as_str());
+    let rules = MappedRules::new(map.iter().map(|(_, f)| f.as_str()), bools);
+    let mut edits = Vec::new();
+    let mut changed = Vec::new();
+    for (knob, flag) in map {
+        if knob.value(planned) == knob.value(before) {
+            continue;
+        }
+        let key = MappedRules::key_of(flag);
+        let more = reading
+            .flags
+            .edits(&key, &knob.value(planned), &rules)
+            .map_err(|e| format!("the plan cannot be written in the trainer's flags: {e}"))?;
+        changed.push(format!(
+            "{flag} {}→{}",
+            knob.value(before),
+            knob.value(planned)
+        ));
+        edits.extend(more);
     }
     if edits.is_empty() {
         return Ok((None, changed));

@@ -36,6 +36,72 @@ pub trait FlagRules {
     }
 }
 
+/// A bespoke argparse script's rules, from the policy's per-image flag map: only the mapped
+/// flags are known (so only they are appended), each read `--k v` or `--k=v` (a single-dash
+/// flag as `-k v`), the last occurrence winning; the checkpointing flag is a bool, on when bare.
+#[derive(Debug, Clone, Default)]
+pub struct MappedRules {
+    /// Each mapped flag as written in the map (`--bs`, `-b`), with its key (`bs`, `b`).
+    flags: Vec<(String, String)>,
+    /// The keys of bool flags.
+    bools: Vec<String>,
+}
+
+impl MappedRules {
+    /// Rules for `flags` (as written in the map); `bools` among them are bools.
+    pub fn new<'a>(
+        flags: impl IntoIterator<Item = &'a str>,
+        bools: impl IntoIterator<Item = &'a str>,
+    ) -> Self {
+        let key = |f: &str| f.trim_start_matches('-').to_string();
+        MappedRules {
+            flags: flags.into_iter().map(|f| (f.to_string(), key(f))).collect(),
+            bools: bools.into_iter().map(key).collect(),
+        }
+    }
+
+    /// The key a mapped flag sets (`--bs` → `bs`).
+    pub fn key_of(flag: &str) -> String {
+        flag.trim_start_matches('-').to_string()
+    }
+}
+
+impl FlagRules for MappedRules {
+    fn key<'a>(&self, spelled: &'a str) -> (Cow<'a, str>, bool) {
+        (Cow::Borrowed(spelled), false)
+    }
+    fn is_bool(&self, key: &str) -> bool {
+        self.bools.iter().any(|b| b == key)
+    }
+    fn defines(&self, key: &str) -> bool {
+        self.flags.iter().any(|(_, k)| k == key)
+    }
+    fn option_body<'a>(&self, word: &'a str) -> Option<&'a str> {
+        if let Some(body) = word.strip_prefix("--") {
+            return (!body.is_empty()).then_some(body);
+        }
+        // A single-dash word is an option only when the map names it.
+        let body = word.strip_prefix('-')?;
+        let key = body.split('=').next().unwrap_or_default();
+        self.flags
+            .iter()
+            .any(|(flag, k)| k == key && !flag.starts_with("--"))
+            .then_some(body)
+    }
+    fn appended(&self, key: &str, value: &str) -> Vec<String> {
+        let flag = self
+            .flags
+            .iter()
+            .find(|(_, k)| k == key)
+            .map_or_else(|| format!("--{key}"), |(f, _)| f.clone());
+        if self.is_bool(key) && self.bool_literal(value) == Some(true) {
+            vec![flag]
+        } else {
+            vec![format!("{flag}={value}")]
+        }
+    }
+}
+
 /// `HfArgumentParser`'s rules (transformers' `TrainingArguments`, TRL's configs, the dataclass
 /// arguments of the example scripts): `--k v` and `--k=v`, `--a-b` is `--a_b`, a bool is set
 /// by `--x`, `--x true|false` or `--no_x`, the last occurrence wins, and renamed keys are read

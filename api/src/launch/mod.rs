@@ -12,7 +12,7 @@ pub mod server;
 pub mod tune;
 pub mod words;
 
-pub use flags::{Edit, Flag, FlagRules, Flags, HfRules, SetError};
+pub use flags::{Edit, Flag, FlagRules, Flags, HfRules, MappedRules, SetError};
 pub use launcher::{
     Arg, Argv, ArgvEdit, Field, Launch, LaunchError, Launcher, Place, Program, find, find_by,
     runs_python,

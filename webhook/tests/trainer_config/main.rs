@@ -2,4 +2,5 @@
 //! every pod of a job. One test binary (each costs CI a link).
 
 mod coupled;
+mod flag_maps;
 mod jobs;

@@ -1,0 +1,139 @@
+//! A bespoke training script read and rewritten with the policy's per-image flag map.
+
+use base64::Engine;
+use memguard_api::launch::{MappedRules, find};
+use memguard_api::{Policy, PolicySpec};
+use memguard_webhook::mutate::ClusterView;
+use memguard_webhook::review::review;
+use serde_json::{Value, json};
+
+fn policy() -> Policy {
+    serde_json::from_value::<PolicySpec>(json!({"flagMaps": [{
+        "image": "registry.example.com/team/trainer*",
+        "flags": {"batch-size": "--bs", "grad-accumulation": "--accum",
+                  "grad-checkpointing": "--ckpt", "seq-length": "--seq"}}]}))
+    .expect("policy")
+    .resolved()
+    .expect("valid")
+}
+
+fn pod(image: &str, args: &[&str]) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "t", "namespace": "ml", "labels": {"memguard.io/enabled": "true"},
+            "annotations": {"memguard.io/model": "llama-3-8b", "memguard.io/method": "lora"}},
+        "spec": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A10G"},
+            "containers": [{"name": "trainer", "image": image,
+                "command": ["python", "train.py"], "args": args,
+                "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
+    })
+}
+
+/// The pod after admission, and the estimate annotation.
+fn admit(pod: &Value, policy: &Policy) -> (Value, Value) {
+    let body = json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {"uid": "u1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "name": "t", "namespace": "ml", "operation": "CREATE",
+            "userInfo": {"username": "u"}, "object": pod, "dryRun": false},
+    });
+    let reviewed =
+        review(body.to_string().as_bytes(), policy, &ClusterView::default()).expect("a review");
+    let response = serde_json::to_value(&reviewed.review).expect("JSON")["response"].clone();
+    let mut out = pod.clone();
+    if let Some(encoded) = response["patch"].as_str() {
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(encoded)
+            .expect("base64");
+        let patch: json_patch::Patch = serde_json::from_slice(&bytes).expect("a patch");
+        json_patch::patch(&mut out, &patch).expect("applies");
+    }
+    let estimate = out["metadata"]["annotations"]["memguard.io/estimate"]
+        .as_str()
+        .map(|t| serde_json::from_str(t).expect("JSON"))
+        .unwrap_or(Value::Null);
+    (out, estimate)
+}
+
+/// The mapped flags' values in the admitted pod, read back with the map's rules.
+fn read_back(pod: &Value, key: &str) -> Option<String> {
+    let c = &pod["spec"]["containers"][0];
+    let items: Vec<String> = c["command"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .chain(c["args"].as_array().into_iter().flatten())
+        .filter_map(|v| v.as_str().map(str::to_string))
+        .collect();
+    let launch = find(&items).expect("a launch");
+    let rules = MappedRules::new(["--bs", "--accum", "--ckpt", "--seq"], ["--ckpt"]);
+    memguard_api::launch::Flags::parse(&launch.texts(), &rules)
+        .value(key)
+        .map(str::to_string)
+}
+
+#[test]
+fn a_bespoke_script_is_read_and_rewritten_in_its_own_flags() {
+    let policy = policy();
+    let args = ["--bs", "16", "--accum=1", "--seq", "4096", "--out", "/o"];
+    let p = pod("registry.example.com/team/trainer:1.2", &args);
+    let (out, estimate) = admit(&p, &policy);
+    // Read from the script's flags, with their source.
+    for knob in ["batch-size", "grad-accumulation", "seq-length"] {
+        assert_eq!(estimate["sources"][knob], "args", "{knob}: {estimate}");
+    }
+    assert_eq!(estimate["read"]["batch-size"], "16");
+    assert_eq!(estimate["read"]["seq-length"], "4096");
+    // Rewritten in them: batch down, accumulation up, their product kept; the sequence (a
+    // quality knob) untouched.
+    let batch: u64 = read_back(&out, "bs").expect("--bs").parse().expect("n");
+    let accum: u64 = read_back(&out, "accum")
+        .expect("--accum")
+        .parse()
+        .expect("n");
+    assert!(batch < 16, "{batch}");
+    assert_eq!(batch * accum, 16);
+    assert_eq!(read_back(&out, "seq").as_deref(), Some("4096"));
+    assert_eq!(estimate["config"]["batch-size"], batch.to_string());
+    assert!(
+        estimate["changed"].to_string().contains("--bs 16→"),
+        "{estimate}"
+    );
+    // Idempotent: a second admission changes nothing.
+    let (again, _) = admit(&out, &policy);
+    assert_eq!(again["spec"], out["spec"]);
+
+    // An image the map does not name keeps its args: its flags mean nothing to memguard.
+    let other = pod("registry.example.com/other:1", &args);
+    let (kept, _) = admit(&other, &policy);
+    assert_eq!(
+        kept["spec"]["containers"][0]["args"],
+        other["spec"]["containers"][0]["args"]
+    );
+}
+
+#[test]
+fn a_map_without_accumulation_never_breaks_the_effective_batch() {
+    let policy: Policy = serde_json::from_value::<PolicySpec>(json!({"flagMaps": [{
+        "image": "registry.example.com/team/trainer*", "flags": {"batch-size": "--bs"}}]}))
+    .expect("policy")
+    .resolved()
+    .expect("valid");
+    let p = pod(
+        "registry.example.com/team/trainer:1",
+        &["--bs", "16", "--seq", "4096"],
+    );
+    let (out, _) = admit(&p, &policy);
+    assert_eq!(
+        out["spec"]["containers"][0]["args"], p["spec"]["containers"][0]["args"],
+        "unchanged"
+    );
+    let error = out["metadata"]["annotations"]["memguard.io/error"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        error.contains("the effective batch cannot be kept"),
+        "{error}"
+    );
+}
