@@ -359,6 +359,47 @@ struct HfLaunch {
     flags: crate::launch::Flags,
 }
 
+/// ms-swift's `swift sft|pt|rlhf`: `HfArgumentParser` over its own arguments (ms-swift 3.x,
+/// `swift/llm/argument/train_args.py`), `--model`, `--train_type`, `--lora_rank`.
+fn is_swift(launch: &crate::launch::Launch) -> bool {
+    launch.program.name() == "swift"
+        && launch
+            .texts()
+            .first()
+            .is_some_and(|sub| matches!(*sub, "sft" | "pt" | "rlhf"))
+}
+
+/// ms-swift's flag for each knob, read and rewritten as a flag map with its own names.
+fn swift_flags() -> crate::policy::FlagMap {
+    crate::policy::FlagMap {
+        image: String::new(),
+        flags: [
+            (Knob::BatchSize, "--per_device_train_batch_size"),
+            (Knob::GradAccumulation, "--gradient_accumulation_steps"),
+            (Knob::GradCheckpointing, "--gradient_checkpointing"),
+            (Knob::SeqLength, "--max_length"),
+            (Knob::LoraRank, "--lora_rank"),
+        ]
+        .into_iter()
+        .map(|(k, f)| (k, f.to_string()))
+        .collect(),
+    }
+}
+
+/// The method of a `swift` launch: `--train_type` (ms-swift's default `lora`; `full` is full
+/// fine-tuning), QLoRA with `--quant_bits 4`, an 8-bit base with `--quant_bits 8`.
+fn swift_method(
+    flags: &crate::launch::Flags,
+) -> (Option<memguard_estimator::Method>, Option<(u32, String)>) {
+    use memguard_estimator::Method;
+    let adapters = flags.value("train_type").unwrap_or("lora") != "full";
+    match flags.value("quant_bits") {
+        Some("4") if adapters => (Some(Method::Qlora), None),
+        Some("8") if adapters => (Some(Method::Lora), Some((8, "args".to_string()))),
+        _ => (adapters.then_some(Method::Lora), None),
+    }
+}
+
 /// The trainer's `command` + `args` as a launch with HF rules (Python scripts and modules, and
 /// `trl`). `Ok(None)`: no launch, or not one with HF rules; `Err`: a launch that cannot be read.
 fn hf_launch(trainer: &Container) -> Result<Option<HfLaunch>, String> {
@@ -382,7 +423,7 @@ fn hf_launch(trainer: &Container) -> Result<Option<HfLaunch>, String> {
         // axolotl's module takes fire keyword arguments, read by its config-file reader.
         Program::Module(m) => m != "axolotl.cli.train",
         Program::Script(_) => true,
-        Program::Command(_) => found.program.name() == "trl",
+        Program::Command(_) => found.program.name() == "trl" || is_swift(&found),
     };
     if !hf {
         return Ok(None);
@@ -525,7 +566,9 @@ fn launch_model(
     // TRL's `get_quantization_config`: 4 bits first, then 8 (`--use_bnb_nested_quant` only
     // refines the 4-bit one). TRL trains a quantized base only through adapters: a 4-bit base
     // is QLoRA, an 8-bit one LoRA on an 8-bit base.
-    let (method, model_bits) = if on("load_in_4bit") {
+    let (method, model_bits) = if is_swift(&hf.launch) {
+        swift_method(&hf.flags)
+    } else if on("load_in_4bit") {
         (Some(memguard_estimator::Method::Qlora), None)
     } else if on("load_in_8bit") {
         (
@@ -796,6 +839,11 @@ fn read_args(
     let image = trainer.image.as_deref().unwrap_or_default();
     if let Some(map) = policy.flag_map_for(image) {
         return read_mapped_flags(pod, trainer, parsed, config, sources, map);
+    }
+    if let Some(hf) = hf_launch(trainer)?
+        && is_swift(&hf.launch)
+    {
+        return read_mapped_flags(pod, trainer, parsed, config, sources, &swift_flags());
     }
     if let Some((items, command_len, found, run)) = tune_launch(trainer)? {
         let tc = tune_config(pod, trainer, &run, cluster)?;

@@ -137,3 +137,51 @@ fn a_map_without_accumulation_never_breaks_the_effective_batch() {
         "{error}"
     );
 }
+
+/// ms-swift's `swift sft`, label-only: its own flag names (`--lora_rank`, `--train_type`) are
+/// read, and the plan written in them.
+#[test]
+fn a_label_only_swift_sft_launch_is_read_and_rewritten() {
+    let policy = Policy::default();
+    let mut p = pod(
+        "modelscope/ms-swift:3",
+        &[
+            "sft",
+            "--model",
+            "Qwen/Qwen2.5-7B-Instruct",
+            "--train_type",
+            "lora",
+            "--lora_rank",
+            "8",
+            "--per_device_train_batch_size",
+            "8",
+            "--gradient_accumulation_steps",
+            "2",
+            "--max_length",
+            "2048",
+            "--output_dir",
+            "/out",
+        ],
+    );
+    p["metadata"]["annotations"] = json!({});
+    p["spec"]["containers"][0]["command"] = json!(["swift"]);
+    let (out, estimate) = admit(&p, &policy);
+    assert_eq!(estimate["sources"]["model"], "args", "{estimate}");
+    assert_eq!(estimate["sources"]["method"], "args", "{estimate}");
+    assert_eq!(estimate["sources"]["lora-rank"], "args", "{estimate}");
+    assert_eq!(estimate["read"]["batch-size"], "8", "{estimate}");
+    let args = out["spec"]["containers"][0]["args"].clone();
+    let at = |flag: &str| -> u64 {
+        let a = args.as_array().expect("args");
+        let i = a.iter().position(|w| w == flag).expect(flag);
+        a[i + 1].as_str().expect("value").parse().expect("number")
+    };
+    let (batch, accum) = (
+        at("--per_device_train_batch_size"),
+        at("--gradient_accumulation_steps"),
+    );
+    assert!(batch < 8, "{args}");
+    assert_eq!(batch * accum, 16);
+    let (again, _) = admit(&out, &policy);
+    assert_eq!(again["spec"], out["spec"]);
+}
