@@ -325,12 +325,7 @@ type TuneLaunch = (
 /// The trainer's `tune run`, if it runs one. `Err`: a launch that cannot be read.
 fn tune_launch(trainer: &Container) -> Result<Option<TuneLaunch>, String> {
     use crate::launch;
-    let command = trainer.command.clone().unwrap_or_default();
-    let command_len = command.len();
-    let items: Vec<String> = command
-        .into_iter()
-        .chain(trainer.args.clone().unwrap_or_default())
-        .collect();
+    let (items, command_len) = command_items(trainer);
     let found = match launch::find(&items) {
         Ok(found) => found,
         Err(_) => return Ok(None),
@@ -357,6 +352,18 @@ struct HfLaunch {
     command_len: usize,
     launch: crate::launch::Launch,
     flags: crate::launch::Flags,
+}
+
+/// The trainer's `command` followed by its `args` (what a launch is found in), and how many of
+/// them are `command` (a rewrite splits them back there).
+fn command_items(trainer: &Container) -> (Vec<String>, usize) {
+    let command = trainer.command.clone().unwrap_or_default();
+    let command_len = command.len();
+    let items = command
+        .into_iter()
+        .chain(trainer.args.clone().unwrap_or_default())
+        .collect();
+    (items, command_len)
 }
 
 /// ms-swift's `swift sft|pt|rlhf`: `HfArgumentParser` over its own arguments (ms-swift 3.x,
@@ -404,12 +411,7 @@ fn swift_method(
 /// `trl`). `Ok(None)`: no launch, or not one with HF rules; `Err`: a launch that cannot be read.
 fn hf_launch(trainer: &Container) -> Result<Option<HfLaunch>, String> {
     use crate::launch::{self, Flags, HfRules, Program};
-    let command = trainer.command.clone().unwrap_or_default();
-    let command_len = command.len();
-    let items: Vec<String> = command
-        .into_iter()
-        .chain(trainer.args.clone().unwrap_or_default())
-        .collect();
+    let (items, command_len) = command_items(trainer);
     let found = match launch::find(&items) {
         Ok(found) => found,
         Err(
@@ -681,12 +683,7 @@ fn read_config_file(
     cluster: Cluster<'_>,
 ) -> Result<Option<ConfigFileReading>, String> {
     use crate::launch::{self, config_file};
-    let command = trainer.command.clone().unwrap_or_default();
-    let command_len = command.len();
-    let items: Vec<String> = command
-        .into_iter()
-        .chain(trainer.args.clone().unwrap_or_default())
-        .collect();
+    let (items, command_len) = command_items(trainer);
     let Ok(found) = launch::find(&items) else {
         return Ok(None);
     };
@@ -764,12 +761,7 @@ fn read_mapped_flags(
     map: &crate::policy::FlagMap,
 ) -> Result<Option<ArgsReading>, String> {
     use crate::launch::{self, Flags, MappedRules};
-    let command = trainer.command.clone().unwrap_or_default();
-    let command_len = command.len();
-    let items: Vec<String> = command
-        .into_iter()
-        .chain(trainer.args.clone().unwrap_or_default())
-        .collect();
+    let (items, command_len) = command_items(trainer);
     let found = match launch::find(&items) {
         Ok(found) => found,
         Err(launch::LaunchError::Empty | launch::LaunchError::NoProgram) => return Ok(None),
@@ -1238,13 +1230,7 @@ impl<'a> TrainingPod<'a> {
         // ([`crate::job_world`]).
         if !world_size_given && config.parallelism != Parallelism::None && on_gpus {
             config.world_size = gpus.max(1);
-            let items: Vec<String> = trainer
-                .command
-                .iter()
-                .flatten()
-                .chain(trainer.args.iter().flatten())
-                .cloned()
-                .collect();
+            let (items, _) = command_items(trainer);
             let launch = crate::launch::find(&items).ok();
             if let Some((n, source)) = crate::job_world::read(launch.as_ref(), trainer, gpus) {
                 config.world_size = n;

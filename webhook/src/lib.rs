@@ -37,6 +37,8 @@ pub mod tasks;
 #[cfg(feature = "server")]
 pub mod tls;
 
+#[cfg(all(test, feature = "server"))]
+mod mock_kube;
 #[cfg(test)]
 mod testutil;
 

@@ -1,35 +1,8 @@
 //! Against a mocked API server (tower-test): the kube-apiserver cannot run in these tests.
 use super::*;
-use hyper::{Request, Response, StatusCode};
-use kube::client::Body;
-use serde_json::{Value, json};
-use std::time::Duration;
-use tower_test::mock;
-
-type Handle = mock::Handle<Request<Body>, Response<Body>>;
-
-fn client() -> (Client, Handle) {
-    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
-    (Client::new(service, "default"), handle)
-}
-
-fn answer(status: StatusCode, body: &Value) -> Response<Body> {
-    Response::builder()
-        .status(status)
-        .body(Body::from(serde_json::to_vec(body).expect("json")))
-        .expect("response")
-}
-
-/// Polls until `f` holds, for at most 10 s.
-async fn eventually(f: impl Fn() -> bool) -> bool {
-    for _ in 0..200 {
-        if f() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    false
-}
+use crate::mock_kube::{answer, client, eventually};
+use hyper::StatusCode;
+use serde_json::json;
 
 #[tokio::test]
 async fn config_maps_are_listed_trimmed_and_a_large_one_keeps_no_data() {
