@@ -91,6 +91,11 @@ pub struct EstimateAnnotation {
     /// `default`), written when any was read from the trainer's own config.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub sources: BTreeMap<String, String>,
+    /// The knobs that decide the verdict and that memguard did not read (a bespoke script's
+    /// own defaults), each with what to add: while any is here `fits` is `null` and the
+    /// trainer's launch is left as it is.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub unknown: BTreeMap<String, String>,
     /// The values read from the trainer's own config, as they were before memguard rewrote
     /// them: a second admission reads these, not its own rewrite, so it reaches the same plan.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]

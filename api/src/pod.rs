@@ -145,6 +145,57 @@ pub struct TrainingPod<'a> {
     /// The GPU nodes the pod could land on (their labels match its `nodeSelector`), as GPU
     /// Feature Discovery labels them; empty when no node's labels are known.
     pub gpu_nodes: Vec<GpuNode>,
+    /// The knobs a launch's own parser sets that nothing gives: no annotation, not read from
+    /// the trainer's launch, not a default of a parser memguard knows for it (a bespoke
+    /// script's absent flags), each with what to add ([`unknown_knobs`]). Never written;
+    /// [`guessed`](Self::guessed) says which of them leave the plan a guess.
+    pub unknown: BTreeMap<Knob, String>,
+}
+
+/// The knobs a launch's own parser may set without memguard seeing it. Of them, the batch and
+/// the sequence decide the verdict ([`TrainingPod::guessed`]); an unknown accumulation pins
+/// the batch (the product could not be kept); an unknown checkpointing is planned off, the
+/// larger figure, and turning it on is safe whatever it was.
+pub const PARSER_KNOBS: [Knob; 4] = [
+    Knob::BatchSize,
+    Knob::GradAccumulation,
+    Knob::GradCheckpointing,
+    Knob::SeqLength,
+];
+
+/// The [`PARSER_KNOBS`] that decide the verdict: while one is unknown, no verdict is claimed.
+pub const VERDICT_KNOBS: [Knob; 2] = [Knob::BatchSize, Knob::SeqLength];
+
+/// The [`PARSER_KNOBS`] of a launch read with HF rules that are neither given by an
+/// annotation or a mapped variable, nor read, nor a known default of its parser: each with the
+/// flag or annotation that would say it. Launches read otherwise (a flag map, `tune run`, a
+/// config-file trainer) have every knob at a known default.
+fn unknown_knobs(
+    args: Option<&ArgsReading>,
+    given: &BTreeSet<Knob>,
+    sources: &BTreeMap<Knob, String>,
+) -> BTreeMap<Knob, String> {
+    let Some(args) = args.filter(|a| a.flag_map.is_none() && a.tune.is_none()) else {
+        return BTreeMap::new();
+    };
+    PARSER_KNOBS
+        .into_iter()
+        .filter(|k| {
+            !given.contains(k) && !sources.contains_key(k) && !args.defaults.contains_key(k)
+        })
+        .map(|k| {
+            let flag = HF_FLAGS
+                .iter()
+                .find(|(knob, _)| *knob == k)
+                .map_or("", |(_, f)| *f);
+            let add = if k == Knob::SeqLength {
+                "its sequence flag (--max_length, --model_max_length, …)".to_string()
+            } else {
+                format!("--{flag}")
+            };
+            (k, format!("add {add} or annotate memguard.io/{}", k.name()))
+        })
+        .collect()
 }
 
 /// A node's GPU, from its labels.
@@ -245,6 +296,11 @@ pub struct ArgsReading {
     /// Whether its parser is known to be `HfArgumentParser` over `TrainingArguments` (a flag
     /// only that defines, or a TRL launch): then the flags it defines may be appended.
     pub hf_parser: bool,
+    /// The knobs the launch leaves out that run at its parser's known default, with the
+    /// citation (`default:trl`): a knob neither read nor here is unknown.
+    pub defaults: BTreeMap<Knob, &'static str>,
+    /// Flags that look like a sequence length and that memguard does not read as one.
+    pub unread_sequence_flags: Vec<String>,
     /// The policy's flag map for the trainer's image (knob → flag as written), when one
     /// matches: the launch was read, and is rewritten, with [`crate::launch::MappedRules`].
     pub flag_map: Option<Vec<(Knob, String)>>,
@@ -810,6 +866,8 @@ fn read_mapped_flags(
         launch: found,
         flags,
         hf_parser: false,
+        defaults: BTreeMap::new(),
+        unread_sequence_flags: Vec::new(),
         flag_map: Some(map.flags.iter().map(|(k, f)| (*k, f.clone())).collect()),
         tune: None,
     }))
@@ -888,6 +946,8 @@ fn read_args(
             launch: found,
             flags: launch::Flags::default(),
             hf_parser: false,
+            defaults: BTreeMap::new(),
+            unread_sequence_flags: Vec::new(),
             flag_map: None,
             tune: Some(TuneReading { run, method }),
         }));
@@ -940,33 +1000,68 @@ fn read_args(
             sources.insert(*knob, source);
         }
     }
-    // A knob the launch leaves out runs at the parser's default, not memguard's.
-    let defaults = hf_defaults(&found, &flags);
-    for (knob, value) in &defaults {
+    // A knob the launch leaves out runs at its parser's default where memguard knows the
+    // parser (TRL, transformers' example scripts); in a bespoke script it is unknown.
+    let parser = hf_parser(&found, &flags);
+    let mut defaults = BTreeMap::new();
+    for (knob, value) in &parser.defaults {
         if !parsed.knobs_given.contains(knob) && !sources.contains_key(knob) {
             knob.set(config, value);
+            defaults.insert(*knob, parser.citation);
         }
     }
+    let unread_sequence_flags = crate::launch::flags::unread_sequence_flags(&flags);
     Ok(Some(ArgsReading {
         items,
         command_len,
         launch: found,
         flags,
-        hf_parser: !defaults.is_empty(),
+        hf_parser: parser.accepts_training_arguments,
+        defaults,
+        unread_sequence_flags,
         flag_map: None,
         tune: None,
     }))
 }
 
-/// The defaults of the knobs a launch with HF rules runs at when its flags leave them out,
-/// where the parser is known: `TrainingArguments` (8 per device, accumulation 1, no
-/// checkpointing) when a flag only it defines is there, and TRL's configs (the `trl` command,
-/// `trl/scripts/…` or TRL's `examples/scripts/…`, or TRL's `--use_peft`), whose base config turns checkpointing on, and whose
-/// SFT, DPO, reward, KTO, CPO and ORPO configs cut sequences at `max_length` 1024.
-fn hf_defaults(
-    launch: &crate::launch::Launch,
-    flags: &crate::launch::Flags,
-) -> Vec<(Knob, &'static str)> {
+/// What memguard knows of the parser of a launch with HF rules.
+struct HfParser {
+    /// The parser is `HfArgumentParser` over `TrainingArguments` (or a TRL config, its
+    /// subclass): it accepts the flags `TrainingArguments` defines, so they may be appended
+    /// where their current value is known.
+    accepts_training_arguments: bool,
+    /// The values the knobs the launch leaves out run at, where the script's parser and its
+    /// defaults are fixed and known; empty for a bespoke script, whose own dataclasses or
+    /// `TrainingArguments` subclass may set any default.
+    defaults: Vec<(Knob, &'static str)>,
+    /// Where `defaults` come from, as the estimate's sources name it.
+    citation: &'static str,
+}
+
+/// transformers' example scripts (`examples/pytorch/*/run_*.py`): `HfArgumentParser` over
+/// stock `TrainingArguments` (8 per device, accumulation 1, no checkpointing), and for the
+/// language-modeling ones the sequence they cut to when `--block_size` / `--max_seq_length` is
+/// left out: `min(1024, tokenizer.model_max_length)`, 1024 for every catalog model.
+const TRANSFORMERS_EXAMPLES: &[(&str, Option<&str>)] = &[
+    ("run_clm.py", Some("1024")),
+    ("run_mlm.py", Some("1024")),
+    ("run_plm.py", None),
+    ("run_glue.py", None),
+    ("run_ner.py", None),
+    ("run_qa.py", None),
+    ("run_summarization.py", None),
+    ("run_translation.py", None),
+    ("run_swag.py", None),
+];
+
+/// The parser of a launch with HF rules ([`HfParser`]): TRL's (the `trl` command, `trl/scripts/…`
+/// or TRL's `examples/scripts/…`, or TRL's `--use_peft`), whose base config turns checkpointing
+/// on and whose SFT, DPO, reward, KTO, CPO, ORPO and PRM configs cut sequences at `max_length`
+/// 1024 (any other TRL trainer's sequence is unknown);
+/// transformers' example scripts ([`TRANSFORMERS_EXAMPLES`]); else a bespoke script, which
+/// accepts `TrainingArguments`' flags when it is given one only that defines, and whose
+/// defaults memguard does not know.
+fn hf_parser(launch: &crate::launch::Launch, flags: &crate::launch::Flags) -> HfParser {
     use crate::launch::Program;
     let program = &launch.program;
     let trl = match program {
@@ -985,23 +1080,48 @@ fn hf_defaults(
     ]
     .iter()
     .any(|k| flags.get(k).is_some());
-    if !trl && !training_arguments {
-        return Vec::new();
-    }
-    let mut defaults = vec![
+    let stock = [
         (Knob::BatchSize, "8"),
         (Knob::GradAccumulation, "1"),
-        (Knob::GradCheckpointing, if trl { "true" } else { "false" }),
+        (Knob::GradCheckpointing, "false"),
     ];
-    // The trainer: `trl sft`'s subcommand, else the script's name (`…/dpo.py`).
-    let trainer = match program {
-        Program::Command(_) => launch.args.first().map_or("", |a| a.text.as_str()),
-        _ => program.name().trim_end_matches(".py"),
-    };
-    if trl && ["sft", "dpo", "reward", "kto", "cpo", "orpo"].contains(&trainer) {
-        defaults.push((Knob::SeqLength, "1024"));
+    if trl {
+        let mut defaults = stock.to_vec();
+        defaults[2].1 = "true";
+        // The trainer: `trl sft`'s subcommand, else the script's name (`…/dpo.py`).
+        let trainer = match program {
+            Program::Command(_) => launch.args.first().map_or("", |a| a.text.as_str()),
+            _ => program.name().trim_end_matches(".py"),
+        };
+        if ["sft", "dpo", "reward", "kto", "cpo", "orpo", "prm"].contains(&trainer) {
+            defaults.push((Knob::SeqLength, "1024"));
+        }
+        return HfParser {
+            accepts_training_arguments: true,
+            defaults,
+            citation: "default:trl",
+        };
     }
-    defaults
+    let example = match program {
+        Program::Script(_) => TRANSFORMERS_EXAMPLES
+            .iter()
+            .find(|(name, _)| program.name() == *name),
+        _ => None,
+    };
+    if let Some((_, seq)) = example {
+        let mut defaults = stock.to_vec();
+        defaults.extend(seq.map(|s| (Knob::SeqLength, s)));
+        return HfParser {
+            accepts_training_arguments: true,
+            defaults,
+            citation: "default:transformers-example",
+        };
+    }
+    HfParser {
+        accepts_training_arguments: training_arguments,
+        defaults: Vec::new(),
+        citation: "",
+    }
 }
 
 impl<'a> TrainingPod<'a> {
@@ -1110,6 +1230,32 @@ impl<'a> TrainingPod<'a> {
         )?;
         training.read_from_args = read_from_args;
         training.read_from_file = read_from_file;
+        // A launch that names its own model, or passes `TrainingArguments`' flags, is not
+        // written for memguard: what it leaves to its script's parser is unknown (a pod that
+        // annotates its model and runs a script without them reads memguard's `MEMGUARD_*`
+        // variables, so memguard's values are the ones that run).
+        let hf_script = training.args.as_ref().is_some_and(|a| a.hf_parser);
+        if launched.is_some() || hf_script {
+            training.unknown = unknown_knobs(
+                training.args.as_ref(),
+                &training.annotations.knobs_given,
+                &training.sources,
+            );
+            if training.unknown.contains_key(&Knob::GradAccumulation)
+                && training.coupled.batch_pinned.is_none()
+            {
+                let program = training
+                    .args
+                    .as_ref()
+                    .map(|a| a.launch.program.name().to_string())
+                    .unwrap_or_default();
+                training.coupled.batch_pinned = Some(format!(
+                    "the accumulation of {program} is not read (its own parser sets it), so \
+                     batch × accumulation could not be kept; add --gradient_accumulation_steps \
+                     or annotate memguard.io/grad-accumulation"
+                ));
+            }
+        }
         Ok(training)
     }
 
@@ -1262,7 +1408,17 @@ impl<'a> TrainingPod<'a> {
             config_unreadable,
             read_from_file: BTreeMap::new(),
             gpu_nodes: gpu_nodes(pod, cluster),
+            unknown: BTreeMap::new(),
         })
+    }
+
+    /// The unknown knobs that decide the verdict ([`VERDICT_KNOBS`]): while any is, the plan
+    /// is a guess, the launch is left as it is and no verdict is claimed.
+    pub fn guessed(&self) -> Vec<Knob> {
+        VERDICT_KNOBS
+            .into_iter()
+            .filter(|k| self.unknown.contains_key(k))
+            .collect()
     }
 
     /// The variables the trainer's knobs are written to: the pod's `env-map`, else the

@@ -444,7 +444,7 @@ spec:
     - name: trainer
       image: x
       command: [accelerate, launch, sft.py]
-      args: [--per_device_train_batch_size, "8", --max_seq_length, "4096", --output_dir, /out]
+      args: [--per_device_train_batch_size, "8", --gradient_accumulation_steps, "1", --max_seq_length, "4096", --output_dir, /out]
       resources: {limits: {nvidia.com/gpu: "1"}}
 "#;
     let admitted = admit(dir.path(), pod, None);
@@ -458,7 +458,8 @@ spec:
     let new_batch = args[1].as_str().expect("a count");
     assert!(
         text.contains(
-            "accelerate launch sft.py --per_device_train_batch_size 8 --max_seq_length 4096"
+            "accelerate launch sft.py --per_device_train_batch_size 8 \
+             --gradient_accumulation_steps 1 --max_seq_length 4096"
         ),
         "{text}"
     );

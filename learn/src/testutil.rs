@@ -95,6 +95,7 @@ impl PodBuilder {
             calibration: None,
             recovery: None,
             sources: BTreeMap::new(),
+            unknown: BTreeMap::new(),
             read: BTreeMap::new(),
             changed: Vec::new(),
             args: None,

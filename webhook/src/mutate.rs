@@ -177,13 +177,19 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
             verdict.push_str(&format!("; {kept}"));
         }
     }
-    keeps_effective_batch(&training, policy, &decided.plan.config)?;
     let mut file_warnings = Vec::new();
-    let (command_line, changed) = match &training.config_file {
-        Some(file) => {
-            rewrite_config_file(&training, file, &decided.plan.config, &mut file_warnings)?
+    // A plan on a value nobody read is a guess: the launch stays as it is, and the warning
+    // says what was not read ([`TrainingPod::unknown`]).
+    let (command_line, changed) = if !training.guessed().is_empty() {
+        (None, Vec::new())
+    } else {
+        keeps_effective_batch(&training, policy, &decided.plan.config)?;
+        match &training.config_file {
+            Some(file) => {
+                rewrite_config_file(&training, file, &decided.plan.config, &mut file_warnings)?
+            }
+            None => rewrite_args(&training, &decided.plan.config)?,
         }
-        None => rewrite_args(&training, &decided.plan.config)?,
     };
     let quality_allowed =
         decision::floors(training.annotations.allow_quality, policy).allow_quality;
@@ -195,6 +201,22 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
             "memguard: {} kept: nothing in the trainer's launch applies them (no flag, key or \
              mapped variable)",
             names.join(", ")
+        )));
+    }
+    if !training.guessed().is_empty() {
+        mutation.warnings.insert(0, unknown_warning(&training));
+    }
+    if let Some(flags) = training
+        .args
+        .as_ref()
+        .map(|a| &a.unread_sequence_flags)
+        .filter(|f| !f.is_empty())
+    {
+        mutation.warnings.push(truncate(&format!(
+            "memguard: {} not read as the training sequence (memguard reads --max_length, \
+             --max_seq_length, --model_max_length, --cutoff_len, --block_size); annotate \
+             memguard.io/seq-length if it is one",
+            flags.join(", ")
         )));
     }
     if let Some(why) = &training.args_unreadable {
@@ -218,6 +240,21 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
     mutation.estimate.changed = changed.clone();
     mutation.changed = changed;
     Ok(mutation)
+}
+
+/// The warning for a launch planned on knobs nobody read: which, and what says them.
+fn unknown_warning(training: &TrainingPod) -> String {
+    let names: Vec<&str> = training.guessed().iter().map(|k| k.name()).collect();
+    let program = training
+        .args
+        .as_ref()
+        .map(|a| a.launch.program.name().to_string())
+        .unwrap_or_default();
+    truncate(&format!(
+        "memguard: {} of {program} not read (its own parser sets them): no verdict, the \
+         launch is left as it is; give each as a flag or annotate memguard.io/<knob>",
+        names.join(", ")
+    ))
 }
 
 /// The knobs that only a reader can apply (sequence length, LoRA rank and layers: the Python
@@ -305,10 +342,46 @@ fn rewrite_args(
     // HfArgumentParser: then the flags it defines may be appended (a bespoke argparse script
     // would reject them).
     let hf_trainer = reading.hf_parser;
+    // A flag is appended only where its current value is known: an annotation says it, or the
+    // parser's default is known. A bespoke script's `TrainingArguments` subclass may default
+    // to anything.
+    // Checkpointing is the exception: an unknown one is planned off, and turning it on is
+    // right whatever it was.
+    let known = |k: &Knob| {
+        training.annotations.knobs_given.contains(k)
+            || reading.defaults.contains_key(k)
+            || *k == Knob::GradCheckpointing
+    };
+    let writable = |knob: &Knob, key: &str| {
+        from_args(knob) || (hf_trainer && HfRules.defines(key) && known(knob))
+    };
+    let flag_of = |k: Knob| {
+        memguard_api::pod::HF_FLAGS
+            .iter()
+            .find(|(knob, _)| *knob == k)
+            .map_or("", |(_, f)| *f)
+    };
+    // Batch and accumulation move together: when the launch carries one of them, it must
+    // carry (or be able to take) the other, or the product changes.
+    let batch_pair = [Knob::BatchSize, Knob::GradAccumulation].map(|k| writable(&k, flag_of(k)));
+    if changes_batch(before, planned) && batch_pair[0] != batch_pair[1] {
+        return Err(format!(
+            "the effective batch cannot be kept: the plan takes batch {} × accumulation {} to \
+             {} × {}, but the launch does not say both (its script's own parser sets the \
+             other); give --{} and --{} or annotate memguard.io/batch-size and \
+             memguard.io/grad-accumulation",
+            before.batch_size,
+            before.grad_accumulation,
+            planned.batch_size,
+            planned.grad_accumulation,
+            flag_of(Knob::BatchSize),
+            flag_of(Knob::GradAccumulation)
+        ));
+    }
     let mut edits = Vec::new();
     let mut changed = Vec::new();
     for (knob, key) in memguard_api::pod::HF_FLAGS {
-        let writable = from_args(knob) || (hf_trainer && HfRules.defines(key));
+        let writable = writable(knob, key);
         if !writable || knob.value(planned) == knob.value(before) {
             continue;
         }
@@ -634,7 +707,14 @@ fn render(
     }: Decision,
 ) -> Mutation {
     let trainer = training.trainer;
-    let knobs = Knob::of(&plan.config);
+    // A plan on unread knobs is a guess: none of its values is written, and no verdict is
+    // claimed ([`TrainingPod::unknown`]).
+    let guessed = !training.guessed().is_empty();
+    let verdict = verdict.filter(|_| !guessed);
+    let knobs: Vec<Knob> = Knob::of(&plan.config)
+        .into_iter()
+        .filter(|k| !guessed && !training.unknown.contains_key(k))
+        .collect();
     let mut trainer_env: Vec<(String, String)> = knobs
         .iter()
         .map(|k| (k.env().to_string(), k.value(&plan.config)))
@@ -679,10 +759,18 @@ fn render(
         }
     }
 
-    let sidecar = sidecar_plan(policy, &trainer.name, &plan, budget.as_ref());
+    let sidecar = sidecar_plan(policy, training, &plan, budget.as_ref(), guessed);
     let client = client_plan(training, policy, &mut warnings);
     let mut estimate = estimate_annotation(&plan, budget.as_ref(), &training.config, &adjust);
     estimate.sources = knob_sources(training);
+    estimate.unknown = training
+        .unknown
+        .iter()
+        .map(|(k, why)| (k.name().to_string(), why.clone()))
+        .collect();
+    if guessed {
+        estimate.fits = None;
+    }
     estimate.read = training
         .sources
         .keys()
@@ -745,10 +833,12 @@ fn client_plan(
 
 fn sidecar_plan(
     policy: &Policy,
-    trainer: &str,
+    training: &TrainingPod,
     plan: &DowngradePlan,
     budget: Option<&Budget>,
+    guessed: bool,
 ) -> SidecarPlan {
+    let trainer = training.trainer.name.as_str();
     let cfg = &plan.config;
     let mut env: Vec<(String, String)> = vec![
         (env::TRAINER_CONTAINER.into(), trainer.into()),
@@ -768,10 +858,12 @@ fn sidecar_plan(
             .into_iter()
             .map(|(name, value)| (name.to_string(), value)),
     );
-    // The knobs the sidecar changes at run time, starting where the plan put them.
+    // The knobs the sidecar changes at run time, starting where the plan put them (none
+    // when the plan is a guess: the sidecar then starts from its own floor).
     env.extend(
         Knob::RUNTIME
             .into_iter()
+            .filter(|k| !guessed && !training.unknown.contains_key(k))
             .map(|k| (k.env().to_string(), k.value(cfg))),
     );
     env.push((env::ESTIMATE_BYTES.into(), plan.total().0.to_string()));
@@ -802,10 +894,12 @@ fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap<String, St
     Knob::of(&training.config)
         .into_iter()
         .map(|k| {
+            let cited = training.args.as_ref().and_then(|a| a.defaults.get(&k));
             let source = match training.sources.get(&k) {
                 Some(read) => read.clone(),
                 None if training.annotations.knobs_given.contains(&k) => "annotation".into(),
-                None => "default".into(),
+                None if training.unknown.contains_key(&k) => "unknown".into(),
+                None => cited.map_or("default", |c| *c).into(),
             };
             (k.name().to_string(), source)
         })
@@ -859,6 +953,7 @@ fn estimate_annotation(
         calibration: adjust.calibration.is_active().then_some(adjust.calibration),
         recovery: adjust.recovery.as_ref().map(|r| r.reason.clone()),
         sources: Default::default(),
+        unknown: Default::default(),
         read: Default::default(),
         changed: Vec::new(),
         args: None,

@@ -112,10 +112,51 @@ pub struct HfRules;
 /// A key → the key it is read under: TRL 0.20 renamed `max_seq_length` to `max_length`;
 /// transformers 5 named `gradient_checkpointing` `activation_checkpointing` (keeping the old
 /// name as an alias), and memguard writes the name both 4.x and 5.x take.
+///
+/// The other sequence flags are the same knob in other dialects, each the length the script
+/// cuts or pads its training sequences to: `model_max_length` (the Alpaca, FastChat/Vicuna and
+/// Qwen fine-tuning scripts' `TrainingArguments` subclasses), `cutoff_len` (alpaca-lora,
+/// LLaMA-Factory), `block_size` (transformers' `run_clm.py`), and `max_seq_len`, which argparse
+/// reads as `max_seq_length` (a unique prefix of a long option). A rewrite keeps the spelling.
 const HF_RENAMES: &[(&str, &str)] = &[
     ("max_seq_length", "max_length"),
+    ("max_seq_len", "max_length"),
+    ("model_max_length", "max_length"),
+    ("cutoff_len", "max_length"),
+    ("block_size", "max_length"),
     ("activation_checkpointing", "gradient_checkpointing"),
 ];
+
+/// Flags that look like a sequence length but are not the training sequence memguard plans
+/// (a part of it, or generation's): read, never warned about.
+const NOT_THE_SEQUENCE: &[&str] = &[
+    "max_prompt_length",
+    "max_completion_length",
+    "max_target_length",
+    "max_new_tokens",
+    "max_eval_samples",
+    "max_train_samples",
+    "max_steps",
+    "per_device_eval_batch_size",
+];
+
+/// The keys in `flags` that look like a sequence length (`…len…`, `…seq…`, `…context…`) and
+/// that memguard does not read as one: a launch names them so that a user sees what was not
+/// read.
+pub fn unread_sequence_flags(flags: &Flags) -> Vec<String> {
+    let mut out: Vec<String> = flags
+        .flags
+        .iter()
+        .filter(|f| {
+            let k = f.key.as_str();
+            let looks = k.contains("len") || k.contains("seq") || k.contains("context");
+            looks && k != "max_length" && !NOT_THE_SEQUENCE.contains(&k)
+        })
+        .map(|f| f.spelled.clone())
+        .collect();
+    out.dedup();
+    out
+}
 
 /// Bools of `TrainingArguments` and TRL's configs that the planner reads or writes, or that
 /// often stand bare before another flag.

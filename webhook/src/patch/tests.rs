@@ -709,7 +709,8 @@ fn read_and_rewritten_variables_are_idempotent() {
 fn a_stock_launch_is_planned_on_its_flags_and_rewritten_in_them() {
     let script = "pip install -q trl && accelerate launch --num_processes 1 sft.py \
                   --model_name_or_path meta-llama/Llama-3.1-8B --max_seq_length 4096 \
-                  --per_device_train_batch_size 8 --output_dir /out";
+                  --per_device_train_batch_size 8 --gradient_accumulation_steps 1 \
+                  --output_dir /out";
     let pod = || {
         bare_pod()
             .annotate(keys::MODEL, "llama-3-8b")
@@ -881,7 +882,7 @@ fn a_launch_without_batch_flags_is_planned_at_the_parsers_defaults() {
     let Outcome::Mutated(m) = mutate(&typed, &Policy::default(), &ClusterView::default()) else {
         panic!("mutated")
     };
-    assert_eq!(m.estimate.sources["batch-size"], "default");
+    assert_eq!(m.estimate.sources["batch-size"], "default:trl");
     assert_eq!(m.estimate.sources["model"], "args");
     assert!(
         m.changed
@@ -897,7 +898,7 @@ fn a_launch_without_batch_flags_is_planned_at_the_parsers_defaults() {
     );
     // TRL's SFTConfig cuts at max_length 1024 by default: planned there, not at 2048.
     assert_eq!(m.plan.config.seq_length, 1024);
-    assert_eq!(m.estimate.sources["seq-length"], "default");
+    assert_eq!(m.estimate.sources["seq-length"], "default:trl");
     let bespoke = "python train.py --model_name_or_path google/gemma-2b --lr 1e-4";
     let typed: Pod = serde_json::from_value(label_only_launch(bespoke).json()).expect("a pod");
     let Outcome::Mutated(m) = mutate(&typed, &Policy::default(), &ClusterView::default()) else {

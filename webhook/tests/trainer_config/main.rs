@@ -4,3 +4,4 @@
 mod coupled;
 mod flag_maps;
 mod jobs;
+mod provenance;
