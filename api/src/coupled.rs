@@ -42,6 +42,10 @@ pub struct Coupled {
     /// config's ZeRO stage, accelerate's `--use_fsdp`), with its source (`args`,
     /// `configmap:<name>/<key>`).
     pub parallelism: Option<(Parallelism, String)>,
+    /// Why the launch's sharding is not known: it names a DeepSpeed config or ZeRO stage
+    /// memguard cannot read (a shell expansion, a file outside the pod's ConfigMaps). A plan
+    /// then claims no verdict.
+    pub sharding_unknown: Option<String>,
 }
 
 /// Where FSDP's own activation checkpointing is turned on.
@@ -76,7 +80,13 @@ pub fn read(
         launcher_option(launch, Launcher::Accelerate, "deepspeed_config_file")
             .map(|v| (v, "--deepspeed_config_file".to_string(), false))
     });
-    if let Some((value, named, expands)) = deepspeed {
+    if let Some((value, _, expands)) = deepspeed.clone()
+        && let Some(sharding) = named_deepspeed(launch, &value, expands)
+    {
+        // A trainer CLI's own config by name: its file sets the batch to "auto", so nothing
+        // is pinned.
+        coupled.parallelism = sharding.map(|p| (p, "args".to_string()));
+    } else if let Some((value, named, expands)) = deepspeed {
         let named = naming(&named, &value);
         coupled.batch_pinned = match json_config(pod, trainer, &value, named.clone(), expands, maps)
         {
@@ -84,10 +94,30 @@ pub fn read(
                 coupled.parallelism = zero_stage(&config);
                 deepspeed_pins(&config)
             }
-            Err(why) => Some(format!(
-                "{named} may pin the micro-batch: the DeepSpeed config cannot be read ({why})"
-            )),
+            Err(why) => {
+                coupled.sharding_unknown = Some(format!(
+                    "{named}: the DeepSpeed config cannot be read ({why})"
+                ));
+                Some(format!(
+                    "{named} may pin the micro-batch: the DeepSpeed config cannot be read ({why})"
+                ))
+            }
         };
+    }
+    // DeepSpeed-Chat's and OpenRLHF's `--zero_stage N`: the script builds its DeepSpeed
+    // config in code from it.
+    if coupled.parallelism.is_none()
+        && let Some((value, named, expands)) = flag_value(launch, flags, "zero_stage")
+    {
+        match value.trim().parse::<u64>() {
+            Ok(n) if !expands => {
+                coupled.parallelism = stage(n).map(|p| (p, "args".to_string()));
+            }
+            _ => {
+                coupled.sharding_unknown =
+                    Some(format!("{named} {value}: the ZeRO stage is not read"));
+            }
+        }
     }
     if coupled.parallelism.is_none()
         && let Some((value, _, false)) = flag_value(launch, flags, "fsdp")
@@ -301,6 +331,30 @@ fn stage(n: u64) -> Option<Parallelism> {
         3 => Some(Parallelism::Zero3),
         _ => None,
     }
+}
+
+/// ms-swift's DeepSpeed configs by name (`--deepspeed zero3`: `swift/llm/ds_config/*.json`,
+/// every batch setting `"auto"`), as the ZeRO stage they run.
+const SWIFT_DEEPSPEED: &[(&str, u64)] = &[
+    ("default-zero2", 2),
+    ("default-zero3", 3),
+    ("zero0", 0),
+    ("zero1", 1),
+    ("zero2", 2),
+    ("zero2_offload", 2),
+    ("zero3", 3),
+    ("zero3_offload", 3),
+];
+
+/// The sharding of a DeepSpeed config named by a trainer CLI that ships it
+/// ([`SWIFT_DEEPSPEED`]): `Some(None)` for ZeRO-0, which shards nothing; `None` when the value
+/// is not such a name.
+fn named_deepspeed(launch: &Launch, value: &str, expands: bool) -> Option<Option<Parallelism>> {
+    let swift = launch.program.name() == "swift";
+    SWIFT_DEEPSPEED
+        .iter()
+        .find(|(name, _)| swift && !expands && *name == value.trim())
+        .map(|(_, n)| stage(*n))
 }
 
 /// The ZeRO stage of a DeepSpeed config (`zero_optimization.stage`), with where it was read.

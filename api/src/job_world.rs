@@ -12,6 +12,13 @@
 use crate::launch::{Launch, Launcher};
 use k8s_openapi::api::core::v1::Container;
 
+/// ms-swift's and LLaMA-Factory's processes per node: set, they run under torchrun.
+pub const NPROC_PER_NODE: &str = "NPROC_PER_NODE";
+/// ms-swift's and LLaMA-Factory's node count, with [`NPROC_PER_NODE`].
+pub const NNODES: &str = "NNODES";
+/// The trainer commands that read [`NPROC_PER_NODE`].
+const TORCHRUN_CLIS: &[&str] = &["swift", "llamafactory-cli", "lmf"];
+
 /// Kubeflow training operator: the number of nodes (pods), `2` or `1:4` (elastic).
 pub const PET_NNODES: &str = "PET_NNODES";
 /// Kubeflow training operator: processes per node (`8`, `auto`, `gpu`).
@@ -51,6 +58,30 @@ pub fn read(launch: Option<&Launch>, trainer: &Container, gpus: u64) -> Option<(
             .find(|e| e.name == name && e.value_from.is_none())
             .and_then(|e| e.value.clone())
     };
+    // ms-swift and LLaMA-Factory start torchrun themselves when `NPROC_PER_NODE` is set
+    // (`swift/cli/main.py`, `llamafactory/cli.py`), over `NNODES` nodes: from the command's own
+    // `VAR=value` prefix, else the container's env.
+    if let Some(launch) = launch.filter(|l| TORCHRUN_CLIS.contains(&l.program.name())) {
+        let prefixed = |name: &str| {
+            launch
+                .env
+                .iter()
+                .rev()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        };
+        let var = |name: &str| match prefixed(name) {
+            Some(v) => v.map(|v| (v, "args".to_string())),
+            None => env(name).map(|v| (v, format!("env:{name}"))),
+        };
+        if let Some((nproc, source)) = var(NPROC_PER_NODE)
+            && let Ok(nproc) = nproc.trim().parse::<u64>()
+            && nproc > 0
+        {
+            let nodes = nodes(var(NNODES).map(|(v, _)| v)).unwrap_or(1);
+            return Some((nproc * nodes, source));
+        }
+    }
     nodes(env(PET_NNODES)).map(|n| {
         (
             n * per_node(env(PET_NPROC_PER_NODE)),

@@ -206,13 +206,19 @@ impl ModelCatalog {
         if let Some(&i) = self.by_name.get(&catalog::normalize(name)) {
             return Some(self.resolved(i));
         }
-        let builtin = catalog::lookup(name)?;
+        let (builtin, model_bits) = match catalog::lookup(name) {
+            Some(shape) => (shape, None),
+            None => {
+                let (base, bits) = quantized_base(name)?;
+                (catalog::lookup(&base)?, Some(bits))
+            }
+        };
         if let Some(&i) = builtin.name.as_ref().and_then(|n| self.shadowed.get(n)) {
             return Some(self.resolved(i));
         }
         Some(Resolved {
             shape: builtin,
-            model_bits: None,
+            model_bits,
             double_quant: false,
             source: Source::BuiltIn,
         })
@@ -350,6 +356,27 @@ fn params_value(v: &Value) -> Result<u64, String> {
         return Err("must be more than 0".into());
     }
     Ok(n)
+}
+
+/// The quantized releases' suffixes and the storage bits they mean: AWQ and GPTQ checkpoints
+/// published beside a base (`Qwen/Qwen2.5-7B-Instruct-AWQ`, `Qwen/Qwen-7B-Chat-Int4`,
+/// `…-GPTQ-Int8`), whose shape is the base's.
+const QUANTIZED_SUFFIXES: &[(&str, u32)] = &[
+    ("-gptq-int4", 4),
+    ("-gptq-int8", 8),
+    ("-awq", 4),
+    ("-gptq", 4),
+    ("-int4", 4),
+    ("-int8", 8),
+    ("-bnb-4bit", 4),
+];
+
+/// A quantized release's base name and storage bits ([`QUANTIZED_SUFFIXES`]).
+fn quantized_base(name: &str) -> Option<(String, u32)> {
+    let key = catalog::normalize(name);
+    QUANTIZED_SUFFIXES
+        .iter()
+        .find_map(|(suffix, bits)| key.strip_suffix(suffix).map(|b| (b.to_string(), *bits)))
 }
 
 #[cfg(test)]

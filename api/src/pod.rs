@@ -49,13 +49,7 @@ pub const AMD_GPU_PRODUCT_LABEL: &str = "amd.com/gpu.product-name";
 pub enum ResolveError {
     /// Opted in, but no `memguard.io/` training annotation at all, and the trainer's launch
     /// names no model memguard can read (why, when it says).
-    #[error(
-        "labelled {}={} but no training annotations (e.g. {}){}",
-        wellknown::ENABLED_LABEL,
-        wellknown::ENABLED_VALUE,
-        annotations::MODEL,
-        .0.as_ref().map(|why| format!(", and {why}")).unwrap_or_default()
-    )]
+    #[error("{}", no_input(.0.as_deref()))]
     NoTrainingInput(Option<String>),
     /// The trainer's launch names a model that neither the catalog nor the policy knows.
     #[error("{0}")]
@@ -66,6 +60,21 @@ pub enum ResolveError {
     /// `memguard.io/container` names no container, or the pod has none.
     #[error("{0}")]
     Trainer(String),
+}
+
+/// [`ResolveError::NoTrainingInput`]'s message: what was seen and not read leads (a warning
+/// is cut at 120 characters), then the opt-in without annotations.
+fn no_input(why: Option<&str>) -> String {
+    let opted_in = format!(
+        "labelled {}={} but no training annotations (e.g. {})",
+        wellknown::ENABLED_LABEL,
+        wellknown::ENABLED_VALUE,
+        annotations::MODEL
+    );
+    match why {
+        Some(why) => format!("{why} ({opted_in})"),
+        None => opted_in,
+    }
 }
 
 fn join(errors: &[AnnotationError]) -> String {
@@ -175,8 +184,15 @@ fn unknown_knobs(
     given: &BTreeSet<Knob>,
     sources: &BTreeMap<Knob, String>,
 ) -> BTreeMap<Knob, String> {
-    let Some(args) = args.filter(|a| a.flag_map.is_none() && a.tune.is_none()) else {
+    let Some(args) = args.filter(|a| a.tune.is_none()) else {
         return BTreeMap::new();
+    };
+    // A flag map (the policy's, or ms-swift's) names the flag that says each knob.
+    let mapped = |k: Knob| {
+        args.flag_map
+            .as_ref()
+            .and_then(|m| m.iter().find(|(knob, _)| *knob == k))
+            .map(|(_, f)| f.clone())
     };
     PARSER_KNOBS
         .into_iter()
@@ -188,10 +204,13 @@ fn unknown_knobs(
                 .iter()
                 .find(|(knob, _)| *knob == k)
                 .map_or("", |(_, f)| *f);
-            let add = if k == Knob::SeqLength {
-                "its sequence flag (--max_length, --model_max_length, …)".to_string()
-            } else {
-                format!("--{flag}")
+            let add = match mapped(k) {
+                Some(f) => f,
+                None if args.flag_map.is_some() => "a flag for it to the policy's flag map".into(),
+                None if k == Knob::SeqLength => {
+                    "its sequence flag (--max_length, --model_max_length, …)".to_string()
+                }
+                None => format!("--{flag}"),
             };
             (k, format!("add {add} or annotate memguard.io/{}", k.name()))
         })
@@ -382,7 +401,7 @@ type TuneLaunch = (
 fn tune_launch(trainer: &Container) -> Result<Option<TuneLaunch>, String> {
     use crate::launch;
     let (items, command_len) = command_items(trainer);
-    let found = match launch::find(&items) {
+    let found = match find_launch(trainer) {
         Ok(found) => found,
         Err(_) => return Ok(None),
     };
@@ -422,6 +441,15 @@ fn command_items(trainer: &Container) -> (Vec<String>, usize) {
     (items, command_len)
 }
 
+/// The trainer's launch ([`crate::launch::find_in_env`]): its `command` + `args`, with the
+/// shell's and the kubelet's variables resolved from its literal env.
+pub fn find_launch(
+    trainer: &Container,
+) -> Result<crate::launch::Launch, crate::launch::LaunchError> {
+    let (items, _) = command_items(trainer);
+    crate::launch::find_in_env(&items, &literal_env(trainer))
+}
+
 /// ms-swift's `swift sft|pt|rlhf`: `HfArgumentParser` over its own arguments (ms-swift 3.x,
 /// `swift/llm/argument/train_args.py`), `--model`, `--train_type`, `--lora_rank`.
 fn is_swift(launch: &crate::launch::Launch) -> bool {
@@ -449,13 +477,17 @@ fn swift_flags() -> crate::policy::FlagMap {
     }
 }
 
-/// The method of a `swift` launch: `--train_type` (ms-swift's default `lora`; `full` is full
+/// The method of a `swift` launch: `--tuner_type` or `--train_type` (ms-swift's default `lora`; `full` is full
 /// fine-tuning), QLoRA with `--quant_bits 4`, an 8-bit base with `--quant_bits 8`.
 fn swift_method(
     flags: &crate::launch::Flags,
 ) -> (Option<memguard_estimator::Method>, Option<(u32, String)>) {
     use memguard_estimator::Method;
-    let adapters = flags.value("train_type").unwrap_or("lora") != "full";
+    // ms-swift 3.x renamed `--train_type` to `--tuner_type`, keeping the old name.
+    let tuner = flags
+        .value("tuner_type")
+        .or_else(|| flags.value("train_type"));
+    let adapters = tuner.unwrap_or("lora") != "full";
     match flags.value("quant_bits") {
         Some("4") if adapters => (Some(Method::Qlora), None),
         Some("8") if adapters => (Some(Method::Lora), Some((8, "args".to_string()))),
@@ -468,7 +500,7 @@ fn swift_method(
 fn hf_launch(trainer: &Container) -> Result<Option<HfLaunch>, String> {
     use crate::launch::{self, Flags, HfRules, Program};
     let (items, command_len) = command_items(trainer);
-    let found = match launch::find(&items) {
+    let found = match find_launch(trainer) {
         Ok(found) => found,
         Err(
             launch::LaunchError::Empty
@@ -496,7 +528,9 @@ fn hf_launch(trainer: &Container) -> Result<Option<HfLaunch>, String> {
 }
 
 /// The flags that name the model in a launch with HF rules: HF scripts, then TRL's `trl sft`.
-const HF_MODEL_FLAGS: &[&str] = &["model_name_or_path", "model"];
+/// `--model_id` and `--model_name` last: ms-swift's `--model_name` names the model being
+/// taught its own name, and `--model` comes first there.
+const HF_MODEL_FLAGS: &[&str] = &["model_name_or_path", "model", "model_id", "model_name"];
 
 /// What a launch says about the model: its HF id and whether it trains LoRA adapters.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -618,15 +652,22 @@ fn launch_model(
     let Some(value) = flag.value.clone().filter(|_| known) else {
         return Ok(None);
     };
-    let lora =
-        hf.flags.bool("use_peft", &HfRules) == Some(true) || hf.flags.get("lora_r").is_some();
     let on = |key| hf.flags.bool(key, &HfRules) == Some(true);
+    // TRL's `--use_peft`, PEFT's examples' `--use_peft_lora`, the Qwen and FastChat scripts'
+    // `--use_lora` / `--lora_enable`, or a rank given (`--lora_r`, `--lora_rank`).
+    let lora = ["use_peft", "use_peft_lora", "use_lora", "lora_enable"]
+        .iter()
+        .any(|k| on(k))
+        || ["lora_r", "lora_rank"]
+            .iter()
+            .any(|k| hf.flags.get(k).is_some());
     // TRL's `get_quantization_config`: 4 bits first, then 8 (`--use_bnb_nested_quant` only
     // refines the 4-bit one). TRL trains a quantized base only through adapters: a 4-bit base
     // is QLoRA, an 8-bit one LoRA on an 8-bit base.
     let (method, model_bits) = if is_swift(&hf.launch) {
         swift_method(&hf.flags)
-    } else if on("load_in_4bit") {
+    } else if on("load_in_4bit") || on("q_lora") {
+        // `--q_lora` (FastChat, Qwen): LoRA on a 4-bit bitsandbytes base.
         (Some(memguard_estimator::Method::Qlora), None)
     } else if on("load_in_8bit") {
         (
@@ -657,6 +698,76 @@ fn launch_model(
         model_bits,
         implied,
     }))
+}
+
+/// What memguard saw of a trainer whose launch names no model it reads: the program it
+/// recognised (or why none), the part not read and why, and what to add. For the skip message
+/// of a pod opted in with the label alone.
+fn unread_launch(pod: &Pod) -> String {
+    use crate::launch::{HfRules, LaunchError, Program};
+    let containers = pod
+        .spec
+        .as_ref()
+        .map(|s| s.containers.as_slice())
+        .unwrap_or_default();
+    let named = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(annotations::CONTAINER))
+        .map(|s| s.trim());
+    let Ok((_, trainer)) = pick_trainer(containers, named) else {
+        return "no trainer container was found".into();
+    };
+    let add = format!("annotate {} (and the knobs it runs at)", annotations::MODEL);
+    let launch = match find_launch(trainer) {
+        Ok(launch) => launch,
+        Err(LaunchError::Empty) => {
+            return format!(
+                "the trainer `{}` has no command or args: its image's entrypoint runs, which \
+                 memguard cannot read; {add}",
+                trainer.name
+            );
+        }
+        Err(e) => {
+            let (items, _) = command_items(trainer);
+            let mut shown = items.join(" ");
+            if shown.chars().count() > 80 {
+                shown = format!("{}…", shown.chars().take(80).collect::<String>());
+            }
+            return format!("`{shown}` is not a launch memguard reads ({e}); {add}");
+        }
+    };
+    let program = match &launch.program {
+        Program::Module(m) => format!("python -m {m}"),
+        p => p.name().to_string(),
+    };
+    let flags = crate::launch::Flags::parse(&launch.texts(), &HfRules);
+    let model_flag = HF_MODEL_FLAGS.iter().find_map(|k| flags.get(k));
+    let why = match model_flag {
+        Some(f) => format!(
+            "its {} is `{}`, a value the shell or the kubelet gives that memguard could not \
+             resolve",
+            f.spelled,
+            f.value.as_deref().unwrap_or_default()
+        ),
+        None if flags.flags.is_empty() && !launch.args.is_empty() => format!(
+            "its arguments (`{}`) are not flags memguard reads: a config file or script \
+             arguments in {program}'s own format",
+            launch
+                .args
+                .iter()
+                .take(3)
+                .map(|a| a.text.as_str())
+                .collect::<Vec<_>>()
+                .join(" ")
+        ),
+        None => format!(
+            "it names no model with a flag memguard reads (--{})",
+            HF_MODEL_FLAGS.join(", --")
+        ),
+    };
+    format!("memguard recognised {program}, but {why}; {add}")
 }
 
 /// `…/hub/models--meta-llama--Llama-3.1-8B/snapshots/<sha>` → `meta-llama/Llama-3.1-8B` (the
@@ -738,9 +849,9 @@ fn read_config_file(
     trainer: &Container,
     cluster: Cluster<'_>,
 ) -> Result<Option<ConfigFileReading>, String> {
-    use crate::launch::{self, config_file};
+    use crate::launch::config_file;
     let (items, command_len) = command_items(trainer);
-    let Ok(found) = launch::find(&items) else {
+    let Ok(found) = find_launch(trainer) else {
         return Ok(None);
     };
     let Some(config) = config_file::find(&found) else {
@@ -818,7 +929,7 @@ fn read_mapped_flags(
 ) -> Result<Option<ArgsReading>, String> {
     use crate::launch::{self, Flags, MappedRules};
     let (items, command_len) = command_items(trainer);
-    let found = match launch::find(&items) {
+    let found = match find_launch(trainer) {
         Ok(found) => found,
         Err(launch::LaunchError::Empty | launch::LaunchError::NoProgram) => return Ok(None),
         Err(e) => return Err(e.to_string()),
@@ -893,7 +1004,19 @@ fn read_args(
     if let Some(hf) = hf_launch(trainer)?
         && is_swift(&hf.launch)
     {
-        return read_mapped_flags(pod, trainer, parsed, config, sources, &swift_flags());
+        let mut reading = read_mapped_flags(pod, trainer, parsed, config, sources, &swift_flags())?;
+        // ms-swift's own `TrainingArguments` (`swift/trainers/arguments.py`): 1 per device,
+        // checkpointing on. Its accumulation is derived at run time (16 / batch / world size)
+        // and its sequence from the model's config: both unknown when left out.
+        for (knob, value) in [(Knob::BatchSize, "1"), (Knob::GradCheckpointing, "true")] {
+            if !parsed.knobs_given.contains(&knob) && !sources.contains_key(&knob) {
+                knob.set(config, value);
+                if let Some(r) = reading.as_mut() {
+                    r.defaults.insert(knob, "default:ms-swift");
+                }
+            }
+        }
+        return Ok(reading);
     }
     if let Some((items, command_len, found, run)) = tune_launch(trainer)? {
         let tc = tune_config(pod, trainer, &run, cluster)?;
@@ -1163,7 +1286,7 @@ impl<'a> TrainingPod<'a> {
             Ok(Some(m)) => Some(m),
             Ok(None) if has_input => None,
             Err(_) if has_input => None,
-            Ok(None) => return Err(ResolveError::NoTrainingInput(None)),
+            Ok(None) => return Err(ResolveError::NoTrainingInput(Some(unread_launch(pod)))),
             Err(why) => {
                 return Err(ResolveError::NoTrainingInput(Some(format!(
                     "the trainer's launch could not be read ({why})"
@@ -1179,11 +1302,13 @@ impl<'a> TrainingPod<'a> {
                 if policy.models.lookup(&m.id).is_none() {
                     return Err(ResolveError::LaunchModel(format!(
                         "the trainer's launch names the model `{}` ({} {}): unknown model, {}; \
-                         add it to the policy's spec.models or annotate {}",
+                         nearest known: {}; add it to the policy's spec.models (its name and \
+                         config.json), or annotate {} with a known model of the same shape",
                         m.id,
                         m.flag,
                         m.value,
                         policy.models.searched(),
+                        memguard_estimator::catalog::nearest(&m.id, 3).join(", "),
                         annotations::MODEL
                     )));
                 }
@@ -1376,8 +1501,7 @@ impl<'a> TrainingPod<'a> {
         // ([`crate::job_world`]).
         if !world_size_given && config.parallelism != Parallelism::None && on_gpus {
             config.world_size = gpus.max(1);
-            let (items, _) = command_items(trainer);
-            let launch = crate::launch::find(&items).ok();
+            let launch = find_launch(trainer).ok();
             if let Some((n, source)) = crate::job_world::read(launch.as_ref(), trainer, gpus) {
                 config.world_size = n;
                 setup_sources.insert("world-size", source);
@@ -1412,13 +1536,21 @@ impl<'a> TrainingPod<'a> {
         })
     }
 
-    /// The unknown knobs that decide the verdict ([`VERDICT_KNOBS`]): while any is, the plan
-    /// is a guess, the launch is left as it is and no verdict is claimed.
-    pub fn guessed(&self) -> Vec<Knob> {
-        VERDICT_KNOBS
+    /// What the verdict rests on and nobody said ([`VERDICT_KNOBS`] unknown, the sharding not
+    /// read), by annotation name: while any is, the plan is a guess, the launch is left as it
+    /// is and no verdict is claimed.
+    pub fn guessed(&self) -> Vec<&'static str> {
+        let mut out: Vec<&'static str> = VERDICT_KNOBS
             .into_iter()
             .filter(|k| self.unknown.contains_key(k))
-            .collect()
+            .map(Knob::name)
+            .collect();
+        if self.coupled.sharding_unknown.is_some()
+            && self.setup_sources.get("parallelism").is_none()
+        {
+            out.push("parallelism");
+        }
+        out
     }
 
     /// The variables the trainer's knobs are written to: the pod's `env-map`, else the
@@ -2199,7 +2331,7 @@ mod tests {
                         "{args:?}"
                     );
                 }
-                (Err(ResolveError::NoTrainingInput(None)), None) => {}
+                (Err(ResolveError::NoTrainingInput(Some(_))), None) => {}
                 (got, want) => panic!("{args:?}: {got:?}, wanted {want:?}"),
             }
         }

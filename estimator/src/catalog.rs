@@ -224,20 +224,116 @@ const fn gpt_oss(name: &'static str, params: u64, l: u64, experts: u64) -> Entry
 
 const CATALOG: &[Entry] = &[
     gpt2("gpt2", &["gpt2-small"], 124_439_808, 768, 12, 12),
-    gpt2("gpt2-medium", &[], 354_823_168, 1024, 24, 16),
-    gpt2("gpt2-large", &[], 774_030_080, 1280, 36, 20),
-    gpt2("gpt2-xl", &[], 1_557_611_200, 1600, 48, 25),
+    // BLOOM 560M (bigscience/bloom-560m config.json): plain GELU MLP (4h), ALiBi, tied 250k
+    // vocabulary.
+    Entry {
+        gated: false,
+        ..dense(
+            "bloom-560m",
+            559_214_592,
+            1024,
+            24,
+            16,
+            16,
+            4096,
+            250_880,
+            true,
+        )
+    },
+    // OPT 6.7B (facebook/opt-6.7b): plain ReLU MLP (4h), tied, learned positions (2050 × h).
+    Entry {
+        gated: false,
+        extra_params: 2050 * 4096,
+        ..dense(
+            "opt-6.7b",
+            6_658_473_984,
+            4096,
+            32,
+            32,
+            32,
+            16384,
+            50272,
+            true,
+        )
+    },
+    // Falcon 7B (tiiuae/falcon-7b): multi-query attention (one KV head), plain GELU MLP (4h),
+    // tied 65k vocabulary.
+    Entry {
+        gated: false,
+        ..dense(
+            "falcon-7b",
+            6_921_720_704,
+            4544,
+            32,
+            71,
+            1,
+            18176,
+            65024,
+            true,
+        )
+    },
+    // ChatGLM-6B (THUDM/chatglm-6b): GLM blocks, plain GELU MLP (4h), tied 130k vocabulary.
+    Entry {
+        gated: false,
+        aliases: &["chatglm-6b-int4", "chatglm-6b-int8"],
+        ..dense(
+            "chatglm-6b",
+            6_173_286_400,
+            4096,
+            28,
+            32,
+            32,
+            16384,
+            130_528,
+            true,
+        )
+    },
+    // Qwen (1) 7B (Qwen/Qwen-7B config.json): SwiGLU of 11008 (`intermediate_size` 22016 is
+    // both halves), untied 152k vocabulary.
     dense(
-        "llama-2-7b",
-        6_738_415_616,
+        "qwen-7b",
+        7_721_324_544,
         4096,
         32,
         32,
         32,
         11008,
-        32000,
+        151_936,
         false,
     ),
+    // Gemma 1 7B (google/gemma-7b): 16 heads of 256, GeGLU, tied 256k vocabulary.
+    Entry {
+        head_dim: Some(256),
+        ..dense(
+            "gemma-7b",
+            8_537_680_896,
+            3072,
+            28,
+            16,
+            16,
+            24576,
+            256_000,
+            true,
+        )
+    },
+    gpt2("gpt2-medium", &[], 354_823_168, 1024, 24, 16),
+    gpt2("gpt2-large", &[], 774_030_080, 1280, 36, 20),
+    gpt2("gpt2-xl", &[], 1_557_611_200, 1600, 48, 25),
+    // LLaMA 1 7B and Vicuna 7B have this shape too (same config.json numbers).
+    Entry {
+        aliases: &["llama-7b", "vicuna-7b", "vicuna-7b-v1.3", "vicuna-7b-v1.5"],
+        ..dense(
+            "llama-2-7b",
+            6_738_415_616,
+            4096,
+            32,
+            32,
+            32,
+            11008,
+            32000,
+            false,
+        )
+    },
     dense(
         "llama-2-13b",
         13_015_864_320,
@@ -478,7 +574,8 @@ const CATALOG: &[Entry] = &[
     gemma2("gemma-2-9b", 9_241_705_984, 3584, 42, 16, 8, 14336, 256),
     gemma2("gemma-2-27b", 27_227_128_320, 4608, 46, 32, 16, 36864, 128),
     Entry {
-        aliases: &["phi-3-mini-4k", "phi-3-mini-128k"],
+        // Phi-3.5-mini has Phi-3-mini's config.json numbers.
+        aliases: &["phi-3-mini-4k", "phi-3-mini-128k", "phi-3.5-mini"],
         ..dense(
             "phi-3-mini",
             3_821_079_552,
@@ -808,7 +905,8 @@ pub fn normalize(name: &str) -> String {
 }
 
 /// What Hugging Face repository names add around the architecture's name: the variant
-/// suffixes (`-Instruct`, `-it`, `-chat`, `-hf`, `-Base`, `-pt`) and Meta's `Meta-` prefix.
+/// words (`-Instruct`, `-it`, `-chat`, `-hf`, `-Base`, `-pt`, wherever they stand) and Meta's
+/// `Meta-` prefix.
 /// The weights of every such variant have the same shape.
 const HF_SUFFIXES: &[&str] = &["-instruct", "-it", "-chat", "-hf", "-base", "-pt"];
 
@@ -827,10 +925,14 @@ fn find(key: &str) -> Option<&'static Entry> {
 /// A Hugging Face repository id without its organisation, variant suffixes and `Meta-`
 /// prefix: `meta-llama/Meta-Llama-3.1-8B-Instruct` → `llama-3-1-8b`.
 fn architecture_name(key: &str) -> String {
-    let mut name = key.rsplit('/').next().unwrap_or(key).to_string();
-    while let Some(stripped) = HF_SUFFIXES.iter().find_map(|s| name.strip_suffix(s)) {
-        name = stripped.to_string();
-    }
+    let name = key.rsplit('/').next().unwrap_or(key);
+    // The variant words anywhere, one rule for every base: `Mistral-7B-Instruct-v0.2` is
+    // `mistral-7b-v0-2`, `Mixtral-8x7B-Instruct-v0.1` is `mixtral-8x7b-v0-1`.
+    let kept: Vec<&str> = name
+        .split('-')
+        .filter(|token| !HF_SUFFIXES.iter().any(|s| &s[1..] == *token))
+        .collect();
+    let name = kept.join("-");
     name.strip_prefix("meta-")
         .map(str::to_string)
         .unwrap_or(name)
@@ -845,7 +947,9 @@ fn architecture_name(key: &str) -> String {
 /// guessed: give its shape or its `config.json`.
 pub fn lookup(name: &str) -> Option<ModelShape> {
     let key = normalize(name);
+    let repo = key.rsplit('/').next().unwrap_or(&key);
     find(&key)
+        .or_else(|| find(repo))
         .or_else(|| find(&architecture_name(&key)))
         .map(shape)
 }
@@ -876,6 +980,34 @@ fn shape(e: &Entry) -> ModelShape {
     }
 }
 
+/// The `n` catalog names closest to `name` (edit distance between architecture names, the
+/// organisation and variant words dropped): what an "unknown model" message suggests.
+pub fn nearest(name: &str, n: usize) -> Vec<&'static str> {
+    let want = architecture_name(&normalize(name));
+    let mut scored: Vec<(usize, &'static str)> = CATALOG
+        .iter()
+        .map(|e| (edit_distance(&want, &normalize(e.name)), e.name))
+        .collect();
+    scored.sort();
+    scored.into_iter().take(n).map(|(_, name)| name).collect()
+}
+
+/// Levenshtein distance over bytes (names are ASCII after [`normalize`]).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b = b.as_bytes();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.bytes().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let substitute = diagonal + usize::from(ca != *cb);
+            diagonal = row[j + 1];
+            row[j + 1] = substitute.min(row[j] + 1).min(row[j + 1] + 1);
+        }
+    }
+    row[b.len()]
+}
+
 /// Every catalog name.
 pub fn names() -> Vec<&'static str> {
     CATALOG.iter().map(|e| e.name).collect()
@@ -901,6 +1033,12 @@ mod tests {
                 err * 100.0
             );
         }
+    }
+
+    #[test]
+    fn nearest_names_the_closest_architectures() {
+        assert_eq!(nearest("acme/Llama-3.1-8B-Finetuned", 1), ["llama-3.1-8b"]);
+        assert!(nearest("Qwen/Qwen2.5-7B-Math", 3).contains(&"qwen2.5-7b"));
     }
 
     #[test]
@@ -936,6 +1074,21 @@ mod tests {
             ("Qwen/Qwen3-8B-Base", "qwen3-8b"),
             ("google/gemma-3-4b-it", "gemma-3-4b"),
             ("google/gemma-2b", "gemma-2b"),
+            ("mistralai/Mistral-7B-Instruct-v0.1", "mistral-7b"),
+            ("mistralai/Mistral-7B-Instruct-v0.2", "mistral-7b"),
+            ("mistralai/Mistral-7B-Instruct-v0.3", "mistral-7b-v0.3"),
+            ("mistralai/Mixtral-8x7B-Instruct-v0.1", "mixtral-8x7b"),
+            ("microsoft/Phi-3.5-mini-instruct", "phi-3-mini"),
+            ("google/gemma-7b", "gemma-7b"),
+            ("google/gemma-7b-it", "gemma-7b"),
+            ("tiiuae/falcon-7b", "falcon-7b"),
+            ("tiiuae/falcon-7b-instruct", "falcon-7b"),
+            ("bigscience/bloom-560m", "bloom-560m"),
+            ("huggyllama/llama-7b", "llama-2-7b"),
+            ("lmsys/vicuna-7b-v1.5", "llama-2-7b"),
+            ("Qwen/Qwen-7B-Chat", "qwen-7b"),
+            ("THUDM/chatglm-6b", "chatglm-6b"),
+            ("facebook/opt-6.7b", "opt-6.7b"),
             ("Qwen/Qwen2-0.5B", "qwen2-0.5b"),
             ("Qwen/Qwen2-0.5B-Instruct", "qwen2-0.5b"),
             ("Qwen/Qwen2.5-0.5B", "qwen2.5-0.5b"),

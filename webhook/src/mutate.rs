@@ -242,18 +242,34 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
     Ok(mutation)
 }
 
-/// The warning for a launch planned on knobs nobody read: which, and what says them.
+/// The warning for a launch planned on values nobody read: which, why, and what says them.
 fn unknown_warning(training: &TrainingPod) -> String {
-    let names: Vec<&str> = training.guessed().iter().map(|k| k.name()).collect();
     let program = training
         .args
         .as_ref()
         .map(|a| a.launch.program.name().to_string())
         .unwrap_or_default();
+    let knobs: Vec<&str> = training
+        .guessed()
+        .into_iter()
+        .filter(|n| *n != "parallelism")
+        .collect();
+    let mut parts = Vec::new();
+    if !knobs.is_empty() {
+        parts.push(format!(
+            "{} not read (the script's own parser sets it)",
+            knobs.join(", ")
+        ));
+    }
+    if let Some(why) = &training.coupled.sharding_unknown
+        && training.guessed().contains(&"parallelism")
+    {
+        parts.push(format!("sharding not read ({why})"));
+    }
     truncate(&format!(
-        "memguard: {} of {program} not read (its own parser sets them): no verdict, the \
-         launch is left as it is; give each as a flag or annotate memguard.io/<knob>",
-        names.join(", ")
+        "memguard: {program}: {}: no verdict, the launch is left as it is; give each as a flag \
+         or annotate memguard.io/<knob>",
+        parts.join("; ")
     ))
 }
 
@@ -308,15 +324,7 @@ pub fn pinned_floors(
 /// The trainer's command line is a launch memguard recognises (a launcher, a Python script or
 /// module, or a trainer command), whether or not it reads its flags.
 fn recognised_launch(training: &TrainingPod) -> bool {
-    let trainer = training.trainer;
-    let items: Vec<String> = trainer
-        .command
-        .iter()
-        .flatten()
-        .chain(trainer.args.iter().flatten())
-        .cloned()
-        .collect();
-    memguard_api::launch::find(&items).is_ok()
+    memguard_api::pod::find_launch(training.trainer).is_ok()
 }
 
 /// The trainer's command line with the plan's changes to the knobs read from it, in its own

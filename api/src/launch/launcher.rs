@@ -82,6 +82,9 @@ pub struct Launch {
     pub args: Vec<Arg>,
     /// The launcher's own options, as `(name, value)` (`--config_file`, `--deepspeed_config_file`).
     pub launcher_options: Vec<(String, Option<String>)>,
+    /// The `VAR=value` words before the command (`NPROC_PER_NODE=4 swift sft …`), as
+    /// `(name, value)`; `None` where the value is a shell expansion.
+    pub env: Vec<(String, Option<String>)>,
     /// Where a word appended after the last one goes.
     end: Place,
 }
@@ -342,9 +345,28 @@ pub fn find(items: &[String]) -> Result<Launch, LaunchError> {
     find_by(items, &|_| true)
 }
 
+/// [`find`], with the container's literal env: a shell script's `$NAME` words resolve from
+/// it and from the script's own earlier assignments ([`words::resolve`]), and an argv item's
+/// `$(NAME)` as the kubelet expands it.
+pub fn find_in_env(
+    items: &[String],
+    env: &std::collections::BTreeMap<String, String>,
+) -> Result<Launch, LaunchError> {
+    find_by_in_env(items, env, &|_| true)
+}
+
 /// Finds the first launch in a container's `command` followed by its `args` that `accept`s
 /// (an inference server, say: a script may run a download before it).
 pub fn find_by(items: &[String], accept: &dyn Fn(&Launch) -> bool) -> Result<Launch, LaunchError> {
+    find_by_in_env(items, &std::collections::BTreeMap::new(), accept)
+}
+
+/// [`find_by`] with the container's literal env ([`find_in_env`]).
+pub fn find_by_in_env(
+    items: &[String],
+    env: &std::collections::BTreeMap<String, String>,
+    accept: &dyn Fn(&Launch) -> bool,
+) -> Result<Launch, LaunchError> {
     let first = items.first().ok_or(LaunchError::Empty)?;
     if is_shell(first) {
         // `bash -c STRING`, `bash -lc STRING`, `sh -ec STRING`, `bash --login -c STRING`: the
@@ -359,7 +381,7 @@ pub fn find_by(items: &[String], accept: &dyn Fn(&Launch) -> bool) -> Result<Lau
                     let Some(script) = items.get(i) else {
                         return Err(LaunchError::NoProgram);
                     };
-                    return find_in_shell(i, script, accept);
+                    return find_in_shell(i, script, env, accept);
                 }
             } else {
                 break;
@@ -371,10 +393,13 @@ pub fn find_by(items: &[String], accept: &dyn Fn(&Launch) -> bool) -> Result<Lau
     let args: Vec<Arg> = items
         .iter()
         .enumerate()
-        .map(|(i, text)| Arg {
-            text: text.clone(),
-            place: Place::Item(i),
-            expands: false,
+        .map(|(i, text)| {
+            let (text, expands) = kubelet_expand(text, env);
+            Arg {
+                text,
+                place: Place::Item(i),
+                expands,
+            }
         })
         .collect();
     let end = Place::Item(items.len() - 1);
@@ -387,14 +412,53 @@ pub fn find_by(items: &[String], accept: &dyn Fn(&Launch) -> bool) -> Result<Lau
     })
 }
 
+/// An argv item as the kubelet passes it: `$(NAME)` replaced by the container's variable
+/// (`$$` is a literal `$`); a reference to a variable the env does not give literally is left
+/// as written by the kubelet, and marked unknown here.
+fn kubelet_expand(text: &str, env: &std::collections::BTreeMap<String, String>) -> (String, bool) {
+    if !text.contains('$') {
+        return (text.to_string(), false);
+    }
+    let mut out = String::new();
+    let mut unknown = false;
+    let mut rest = text;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + 1..];
+        if let Some(tail) = after.strip_prefix('$') {
+            out.push('$');
+            rest = tail;
+        } else if let Some(inner) = after.strip_prefix('(')
+            && let Some(close) = inner.find(')')
+        {
+            match env.get(&inner[..close]) {
+                Some(value) => out.push_str(value),
+                None => {
+                    unknown = true;
+                    out.push_str(&rest[at..at + close + 3]);
+                }
+            }
+            rest = &inner[close + 1..];
+        } else {
+            out.push('$');
+            rest = after;
+        }
+    }
+    out.push_str(rest);
+    (out, unknown)
+}
+
 fn find_in_shell(
     item: usize,
     script: &str,
+    env: &std::collections::BTreeMap<String, String>,
     accept: &dyn Fn(&Launch) -> bool,
 ) -> Result<Launch, LaunchError> {
     let tokens = words::split(script)?;
     let mut error = LaunchError::NoProgram;
-    for command in words::commands(&tokens) {
+    let mut commands = words::commands(&tokens);
+    words::resolve(&mut commands, env);
+    for command in commands {
         let Some(last) = command.last() else { continue };
         let end = Place::Shell {
             item,
@@ -469,18 +533,55 @@ const COMMANDS: &[&str] = &[
 const WRAPPERS: &[&str] = &["exec", "env", "nohup", "time", "nice", "stdbuf"];
 /// Options of the wrappers that take the next word (`env -u NAME`, `nice -n 5`).
 const WRAPPER_VALUED: &[&str] = &["-u", "-C", "-n", "-S", "--unset", "--chdir"];
+/// Environment managers whose `run` subcommand runs the rest (`uv run python …`, `conda run
+/// -n env python …`), skipped with their options.
+const RUNNERS: &[&str] = &[
+    "uv",
+    "conda",
+    "mamba",
+    "micromamba",
+    "poetry",
+    "pipenv",
+    "pdm",
+];
+/// Options of the runners that take the next word (`conda run -n env`, `uv run --with x`).
+const RUNNER_VALUED: &[&str] = &[
+    "-n",
+    "--name",
+    "-p",
+    "--prefix",
+    "--with",
+    "--python",
+    "--project",
+    "--directory",
+    "--env-file",
+    "--group",
+    "--extra",
+    "--package",
+    "--cwd",
+];
 
 fn launch_in(mut args: Vec<Arg>, end: Place) -> Result<Launch, LaunchError> {
     // Leading `VAR=value` assignments and wrappers.
     let mut i = 0;
+    let mut env = Vec::new();
     while let Some(a) = args.get(i) {
-        let assignment = a.text.split_once('=').is_some_and(|(k, _)| {
+        let assignment = a.text.split_once('=').filter(|(k, _)| {
             !k.is_empty()
                 && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
                 && !k.as_bytes()[0].is_ascii_digit()
         });
-        if assignment {
+        if let Some((name, value)) = assignment {
+            env.push((name.to_string(), (!a.expands).then(|| value.to_string())));
             i += 1;
+        } else if RUNNERS.contains(&basename(&a.text))
+            && args.get(i + 1).is_some_and(|w| w.text == "run")
+        {
+            i += 2;
+            while let Some(opt) = args.get(i).filter(|o| o.text.starts_with('-')) {
+                let valued = RUNNER_VALUED.contains(&opt.text.as_str());
+                i += if valued { 2 } else { 1 };
+            }
         } else if WRAPPERS.contains(&basename(&a.text)) {
             i += 1;
             // The wrapper's own options are not the program.
@@ -536,6 +637,7 @@ fn launch_in(mut args: Vec<Arg>, end: Place) -> Result<Launch, LaunchError> {
         program,
         args,
         launcher_options: options,
+        env,
         end,
     })
 }

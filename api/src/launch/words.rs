@@ -195,6 +195,106 @@ pub fn commands(tokens: &[Token]) -> Vec<Vec<Word>> {
     out
 }
 
+/// Resolves `$NAME`, `${NAME}` and `${NAME:-default}` in the words of `commands`, in order, as
+/// the shell would: from `env` (the container's literal variables) and from the assignments
+/// of earlier commands (`NAME=value`, `export NAME=value`). A word whose every expansion
+/// resolves gets its value and is no longer marked; a command substitution, a glob, a
+/// variable nobody sets, or one set from an unresolved word keeps it marked (unknown).
+/// Assignments inside a command that runs something (`NAME=value cmd`) are that command's
+/// own and are not carried on.
+pub fn resolve(commands: &mut [Vec<Word>], env: &std::collections::BTreeMap<String, String>) {
+    let mut vars: std::collections::BTreeMap<String, Option<String>> = env
+        .iter()
+        .map(|(k, v)| (k.clone(), Some(v.clone())))
+        .collect();
+    for command in commands.iter_mut() {
+        for word in command.iter_mut().filter(|w| w.expands) {
+            if let Some(text) = substitute(&word.text, &vars) {
+                word.text = text;
+                word.expands = false;
+            }
+        }
+        let words: Vec<&Word> = match command.first().map(|w| w.text.as_str()) {
+            Some("export" | "declare" | "readonly" | "local") => command[1..].iter().collect(),
+            _ => command.iter().collect(),
+        };
+        let assignments: Vec<(String, Option<String>)> = words
+            .iter()
+            .map_while(|w| {
+                let (name, value) = w.text.split_once('=')?;
+                let valid = !name.is_empty()
+                    && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+                    && !name.as_bytes()[0].is_ascii_digit();
+                valid.then(|| (name.to_string(), (!w.expands).then(|| value.to_string())))
+            })
+            .collect();
+        // Only a command made of assignments alone sets the shell's variables.
+        if assignments.len() == words.len() {
+            vars.extend(assignments);
+        }
+    }
+}
+
+/// `text` with its `$NAME` / `${NAME}` / `${NAME:-default}` references replaced from `vars`,
+/// or `None` when any reference is unknown or the text expands otherwise (`$(…)`, a backquote,
+/// a glob or redirection character outside a reference).
+fn substitute(
+    text: &str,
+    vars: &std::collections::BTreeMap<String, Option<String>>,
+) -> Option<String> {
+    let lookup = |name: &str| vars.get(name).cloned().flatten();
+    let name_len = |s: &str| {
+        s.bytes()
+            .take_while(|b| b.is_ascii_alphanumeric() || *b == b'_')
+            .count()
+    };
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(at) = rest.find('$') {
+        let plain = &rest[..at];
+        if plain.contains(['`', '(', ')', '<', '>', '*', '?', '[', '{', '}', '~']) {
+            return None;
+        }
+        out.push_str(plain);
+        let after = &rest[at + 1..];
+        if let Some(inner) = after.strip_prefix('{') {
+            let close = inner.find('}')?;
+            let body = &inner[..close];
+            let n = name_len(body);
+            let (name, tail) = body.split_at(n);
+            let value = match tail {
+                "" => lookup(name)?,
+                t => {
+                    let default = t.strip_prefix(":-").or_else(|| t.strip_prefix('-'))?;
+                    if default.contains(['$', '`']) {
+                        return None;
+                    }
+                    lookup(name)
+                        .filter(|v| !v.is_empty() || t.starts_with('-'))
+                        .unwrap_or_else(|| default.to_string())
+                }
+            };
+            if n == 0 {
+                return None;
+            }
+            out.push_str(&value);
+            rest = &inner[close + 1..];
+        } else {
+            let n = name_len(after);
+            if n == 0 || after.as_bytes()[0].is_ascii_digit() {
+                return None;
+            }
+            out.push_str(&lookup(&after[..n])?);
+            rest = &after[n..];
+        }
+    }
+    if rest.contains(['`', '(', ')', '<', '>', '*', '?', '[', '{', '}', '~']) {
+        return None;
+    }
+    out.push_str(rest);
+    Some(out)
+}
+
 /// `value` written as one shell word: bare when it is plain, single-quoted otherwise.
 pub fn quote(value: &str) -> String {
     let plain = !value.is_empty()
@@ -285,6 +385,51 @@ mod tests {
             .map(|t| matches!(t, Token::Word(w) if w.expands))
             .collect();
         assert_eq!(marks, [false, true, true, false]);
+    }
+
+    fn resolved(script: &str, env: &[(&str, &str)]) -> Vec<(String, bool)> {
+        let env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let mut cmds = commands(&split(script).expect("test input"));
+        resolve(&mut cmds, &env);
+        cmds.pop()
+            .expect("a command")
+            .into_iter()
+            .map(|w| (w.text, w.expands))
+            .collect()
+    }
+
+    #[test]
+    fn variables_set_earlier_or_in_the_env_resolve() {
+        let got = resolved(
+            "MODEL=\"Qwen/Qwen-7B\" # comment\nexport BS=4\nLR=1e-4 python x.py\n\
+             python t.py --m $MODEL --bs ${BS} --n ${NNODES:-1} --lr $LR --d $DATA --g $(nproc)",
+            &[("DATA", "/data")],
+        );
+        let want = [
+            ("python", false),
+            ("t.py", false),
+            ("--m", false),
+            ("Qwen/Qwen-7B", false),
+            ("--bs", false),
+            ("4", false),
+            ("--n", false),
+            ("1", false),
+            ("--lr", false),
+            // Set only for the command it prefixed.
+            ("$LR", true),
+            ("--d", false),
+            ("/data", false),
+            ("--g", false),
+            ("$(nproc)", true),
+        ];
+        let want: Vec<(String, bool)> = want.iter().map(|(t, e)| (t.to_string(), *e)).collect();
+        assert_eq!(got, want);
+        // A variable set from something unknown stays unknown.
+        let got = resolved("N=$(nproc)\npython t.py --n $N", &[]);
+        assert_eq!(got[3], ("$N".to_string(), true));
     }
 
     #[test]

@@ -292,3 +292,26 @@ fn the_unknown_model_message_says_where_it_looked() {
         "neither among the policy's 2 models nor in the built-in catalog"
     );
 }
+
+/// Issue 36: a quantized release beside a known base (AWQ, GPTQ `-Int4`/`-Int8`) resolves to
+/// the base's shape at the release's storage bits; the chat and instruct variants of every base
+/// resolve by one rule.
+#[test]
+fn quantized_releases_and_variants_resolve_to_their_base() {
+    let catalog = ModelCatalog::default();
+    let cases = [
+        ("Qwen/Qwen2.5-7B-Instruct-AWQ", "qwen2.5-7b", Some(4)),
+        ("Qwen/Qwen-7B-Chat-Int4", "qwen-7b", Some(4)),
+        ("Qwen/Qwen2.5-7B-Instruct-GPTQ-Int8", "qwen2.5-7b", Some(8)),
+        ("mistralai/Mistral-7B-Instruct-v0.2", "mistral-7b", None),
+        ("mistralai/Mixtral-8x7B-Instruct-v0.1", "mixtral-8x7b", None),
+    ];
+    for (id, name, bits) in cases {
+        let r = catalog
+            .lookup(id)
+            .unwrap_or_else(|| panic!("{id} resolves"));
+        assert_eq!(r.shape.name.as_deref(), Some(name), "{id}");
+        assert_eq!(r.model_bits, bits, "{id}");
+    }
+    assert!(catalog.lookup("acme/Unknown-7B-AWQ").is_none());
+}
