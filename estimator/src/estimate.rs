@@ -807,15 +807,15 @@ fn gathered_units(x: &Ctx) -> f64 {
 
 /// FSDP over ranks, at the start of backward: one unit's unsharded gradient in the compute
 /// dtype until its reduce-scatter, `Ut·p` with `Ut` the unit's trainable parameters (`U`
-/// for full fine-tuning, `Pt/L` for adapters). None while gradients accumulate unsharded
-/// (they are among the gradients). ZeRO-3 copies each gradient into its reduce bucket
-/// instead, counted in [`communication_buckets`].
+/// for full fine-tuning, `Pt` over the adapted layers for adapters). None while gradients
+/// accumulate unsharded (they are among the gradients). ZeRO-3 copies each gradient into its
+/// reduce bucket instead, counted in [`communication_buckets`].
 fn fsdp_unit_gradient(x: &Ctx) -> f64 {
     if !fsdp_across_ranks(x) || fsdp_accumulates_unsharded(x) {
         return 0.0;
     }
     let trainable_unit = if x.cfg.is_adapter() {
-        x.trainable / x.m.num_layers.max(1) as f64
+        x.trainable / x.cfg.adapted_layers().max(1) as f64
     } else {
         block_params(x)
     };
