@@ -782,11 +782,10 @@ fn block_params(x: &Ctx) -> f64 {
 /// ZeRO-3 and FSDP: the units unsharded at once, the one computing and the one prefetched
 /// (FSDP's `backward_prefetch=BACKWARD_PRE` with `limit_all_gathers`, ZeRO-3's prefetch):
 /// `2·U·g`, with `g` the bytes per gathered parameter (`p`, or the storage of a 4/8-bit
-/// base). Both gather in the compute dtype: ZeRO-3's module weights are 16-bit, and under
-/// full fine-tuning FSDP's mixed-precision policy (`param_dtype`) casts each unit's local
-/// fp32 shard before its all-gather, so a unit in flight also holds that cast shard,
-/// `U·p/N`: per unit, never per model. Not divided by `N`: an unsharded unit is whole on
-/// every rank.
+/// base). Both gather in the compute dtype: ZeRO-3's module weights are 16-bit, and FSDP's
+/// mixed-precision policy (`param_dtype`) casts each unit's local shard before its
+/// all-gather, so a unit in flight also holds that cast shard, `U·p/N`: per unit, never per
+/// model. Not divided by `N`: an unsharded unit is whole on every rank.
 fn gathered_units(x: &Ctx) -> f64 {
     if !shards_parameters(x) {
         return 0.0;
@@ -798,10 +797,7 @@ fn gathered_units(x: &Ctx) -> f64 {
         p
     };
     let unit = block_params(x);
-    // Only trained weights are held wider than the compute dtype: a frozen base is loaded in
-    // it (or quantized) and gathered as it is.
-    let widened = x.regime.weight > p && !x.cfg.is_adapter();
-    let cast_shards = if x.cfg.parallelism == Parallelism::Fsdp && widened {
+    let cast_shards = if x.cfg.parallelism == Parallelism::Fsdp && x.regime.weight > p {
         unit * p / x.shards.weights
     } else {
         0.0
