@@ -721,11 +721,12 @@ fn logits(x: &Ctx) -> Bytes {
 }
 
 /// Workspace live with the activations at the start of backward:
-/// * autocast's 16-bit copies of fp32 trainable weights (HF AMP full fine-tuning), `Pt·p`;
-/// * ZeRO-3/FSDP: two gathered layers (current and prefetched), `2·(P/L)·p`; FSDP over
-///   more than one device also the root unit (embeddings, head, final norm: `R`) unsharded
-///   through the step with its unsharded gradient, `R·(p + g)` (`R·p` when gradients are
-///   accumulated unsharded anyway, see [`gradients`]);
+/// * autocast's 16-bit copies of fp32 trainable weights (HF AMP full fine-tuning without
+///   ZeRO or FSDP), `Pt·p`; under FSDP its mixed-precision policy casts per unit instead
+///   (see [`gathered_units`]), under ZeRO the module's weights are 16-bit already;
+/// * ZeRO-3/FSDP: the units gathered unsharded at once, [`gathered_units`]; FSDP over more
+///   than one device also one unit's unsharded gradient before its reduce-scatter
+///   ([`fsdp_unit_gradient`]) and the root unit ([`fsdp_root_unit`]);
 /// * DoRA: `W + B·A` of the largest adapted matrix, materialised for its norm, `in·out·p`;
 /// * a 4- or 8-bit base: each matrix is dequantized to `p` bytes for its matmul, forward
 ///   and backward (bitsandbytes `MatMul4Bit`, and LLM.int8's `CB·SCB/127`), one at a time,
@@ -735,26 +736,10 @@ fn logits(x: &Ctx) -> Bytes {
 fn forward_backward_workspace(x: &Ctx) -> Bytes {
     let p = x.regime.compute;
     let mut bytes = 0.0;
-    if x.regime.autocasts() && !x.cfg.is_adapter() {
+    if x.regime.autocasts() && !x.cfg.is_adapter() && x.cfg.parallelism != Parallelism::Fsdp {
         bytes += x.trainable * p;
     }
-    if matches!(x.cfg.parallelism, Parallelism::Zero3 | Parallelism::Fsdp) {
-        bytes += 2.0 * x.params / x.m.num_layers as f64 * p;
-    }
-    if x.cfg.parallelism == Parallelism::Fsdp && x.cfg.world_size > 1 {
-        // FSDP wraps the blocks; embeddings, head and final norm form the root unit, which
-        // stays unsharded from forward through backward (`_post_forward_reshard` keeps the
-        // root's parameters for backward) and whose unsharded gradient waits for the
-        // embedding's, the last one computed, before its reduce-scatter.
-        let root = (x.counts.embedding + x.counts.lm_head + x.m.hidden_size) as f64;
-        // Accumulating unsharded, the root's gradient is already among the gradients.
-        let grad = if fsdp_accumulates_unsharded(x) {
-            0.0
-        } else {
-            x.regime.grad
-        };
-        bytes += root * (p + grad);
-    }
+    bytes += gathered_units(x) + fsdp_unit_gradient(x) + fsdp_root_unit(x);
     if x.cfg.method == Method::Dora {
         bytes += params::largest_adapted_matrix(x.m, &x.cfg.lora_targets) as f64 * p;
     }
@@ -768,6 +753,92 @@ fn forward_backward_workspace(x: &Ctx) -> Bytes {
         bytes += optimizer_temporary(x);
     }
     Bytes::from_f64(bytes)
+}
+
+/// Whether parameters are sharded (ZeRO-3, FSDP) and gathered unit by unit.
+fn shards_parameters(x: &Ctx) -> bool {
+    matches!(x.cfg.parallelism, Parallelism::Zero3 | Parallelism::Fsdp)
+}
+
+/// FSDP over more than one device: the blocks are its units and the rest is the root unit.
+fn fsdp_across_ranks(x: &Ctx) -> bool {
+    x.cfg.parallelism == Parallelism::Fsdp && x.cfg.world_size > 1
+}
+
+/// Parameters outside the blocks, `R`: embeddings, an untied head and the final norm (FSDP's
+/// root unit when the blocks are wrapped, as HF Accelerate's transformer auto-wrap and
+/// torchtune/LitGPT's per-block `fully_shard` do).
+fn root_params(x: &Ctx) -> f64 {
+    (x.counts.embedding + x.counts.lm_head + x.m.hidden_size) as f64
+}
+
+/// Parameters of one block, `U = (P − R − extra)/L`: one FSDP unit, and what ZeRO-3 gathers
+/// for one block's forward or backward.
+fn block_params(x: &Ctx) -> f64 {
+    let outside = root_params(x) + x.counts.extra as f64;
+    (x.params - outside).max(0.0) / x.m.num_layers.max(1) as f64
+}
+
+/// ZeRO-3 and FSDP: the units unsharded at once, the one computing and the one prefetched
+/// (FSDP's `backward_prefetch=BACKWARD_PRE` with `limit_all_gathers`, ZeRO-3's prefetch):
+/// `2·U·g`, with `g` the bytes per gathered parameter (`p`, or the storage of a 4/8-bit
+/// base). Both gather in the compute dtype: ZeRO-3's module weights are 16-bit, and FSDP's
+/// mixed-precision policy (`param_dtype`) casts each unit's local shard before its
+/// all-gather, so a unit in flight also holds that cast shard, `U·p/N`: per unit, never per
+/// model. Not divided by `N`: an unsharded unit is whole on every rank.
+fn gathered_units(x: &Ctx) -> f64 {
+    if !shards_parameters(x) {
+        return 0.0;
+    }
+    let p = x.regime.compute;
+    let storage = if x.cfg.is_adapter() && base_bits(x.cfg) <= 8.0 {
+        base_bits(x.cfg) / 8.0
+    } else {
+        p
+    };
+    let unit = block_params(x);
+    let cast_shards = if x.cfg.parallelism == Parallelism::Fsdp && x.regime.weight > p {
+        unit * p / x.shards.weights
+    } else {
+        0.0
+    };
+    2.0 * (unit * storage + cast_shards)
+}
+
+/// FSDP over ranks, at the start of backward: one unit's unsharded gradient in the compute
+/// dtype until its reduce-scatter, `Ut·p` with `Ut` the unit's trainable parameters (`U`
+/// for full fine-tuning, `Pt` over the adapted layers for adapters). None while gradients
+/// accumulate unsharded (they are among the gradients). ZeRO-3 copies each gradient into its
+/// reduce bucket instead, counted in [`communication_buckets`].
+fn fsdp_unit_gradient(x: &Ctx) -> f64 {
+    if !fsdp_across_ranks(x) || fsdp_accumulates_unsharded(x) {
+        return 0.0;
+    }
+    let trainable_unit = if x.cfg.is_adapter() {
+        x.trainable / x.cfg.adapted_layers().max(1) as f64
+    } else {
+        block_params(x)
+    };
+    trainable_unit * x.regime.compute
+}
+
+/// FSDP over ranks: the root unit (embeddings, head, final norm: `R`) stays unsharded from
+/// forward through backward (FSDP does not reshard the root after forward: its parameters
+/// are needed at once by backward), `R·p`, and, under full fine-tuning, its unsharded
+/// gradient in the compute dtype waits for the embedding's, the last one computed, before
+/// its reduce-scatter, `R·p` more. Adapters leave the root frozen: no gradient. Accumulating
+/// unsharded, the root's gradient is already among the gradients.
+fn fsdp_root_unit(x: &Ctx) -> f64 {
+    if !fsdp_across_ranks(x) {
+        return 0.0;
+    }
+    let p = x.regime.compute;
+    let grad = if x.cfg.is_adapter() || fsdp_accumulates_unsharded(x) {
+        0.0
+    } else {
+        p
+    };
+    root_params(x) * (p + grad)
 }
 
 /// A quantized LM head ([`TrainingConfig::quantized_head`]) is dequantized whole, `V·h·p`,

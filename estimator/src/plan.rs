@@ -363,6 +363,28 @@ pub fn plan_against(
         current_estimate = best.estimate;
     }
 
+    // The greedy walk never steps back: a batch halved before checkpointing went on may fit
+    // whole again after it. Undo what the fitting plan no longer needs, checked against the
+    // same figure.
+    if steps.len() > 1 && fits(&current, &current_estimate) {
+        let rungs: Vec<Rung> = steps.iter().map(|s| s.rung).collect();
+        let kept = step_back(&rungs, |kept| {
+            let (config, estimate, replayed) = replay(cfg, &initial, kept, calibration, floors)?;
+            // Every step kept must still save something: under FSDP's `no_sync` a halving
+            // without the sync before it would add memory.
+            let saves = replayed.iter().all(|s| s.saved > Bytes::ZERO);
+            Some(saves && fits(&config, &estimate))
+        });
+        if kept.len() < rungs.len()
+            && let Some((config, estimate, replayed)) =
+                replay(cfg, &initial, &kept, calibration, floors)
+        {
+            current = config;
+            current_estimate = estimate;
+            steps = replayed;
+        }
+    }
+
     Ok(DowngradePlan {
         budget,
         fits: fits(&current, &current_estimate),
@@ -373,6 +395,67 @@ pub fn plan_against(
         calibration: *calibration,
         bound: *bound,
     })
+}
+
+/// The order in which the final pass of [`plan_against`] tries to take steps back: what
+/// costs the run most first. Quality cuts (the data or the adapter), then halvings of the
+/// batch (so the job keeps the largest micro-batch that fits, which is what the halvings
+/// cost), then the compute rungs, which cost time at any batch.
+pub const STEP_BACK_ORDER: [Rung; 6] = [
+    Rung::HalveLoraLayers,
+    Rung::HalveLoraRank,
+    Rung::HalveSeqLength,
+    Rung::HalveBatch,
+    Rung::GradCheckpointing,
+    Rung::SyncEachBatch,
+];
+
+/// The steps to keep of `taken`: in [`STEP_BACK_ORDER`], the last step of each rung is dropped
+/// again and again while `fits` says the plan without it still fits (`None`: it cannot be
+/// replayed). Each rung is tried until it fails once, then the next.
+fn step_back(taken: &[Rung], mut fits: impl FnMut(&[Rung]) -> Option<bool>) -> Vec<Rung> {
+    let mut kept = taken.to_vec();
+    for rung in STEP_BACK_ORDER {
+        while let Some(at) = kept.iter().rposition(|r| *r == rung) {
+            let mut fewer = kept.clone();
+            fewer.remove(at);
+            if fewer.is_empty() || fits(&fewer) != Some(true) {
+                break;
+            }
+            kept = fewer;
+        }
+    }
+    kept
+}
+
+/// `rungs` applied one after another to `cfg` (whose estimate is `initial`), with each step's
+/// explanation and saving as the plan reports them; `None` when one does not apply or the
+/// estimator refuses its result.
+fn replay(
+    cfg: &TrainingConfig,
+    initial: &Estimate,
+    rungs: &[Rung],
+    calibration: &Calibration,
+    floors: &Floors,
+) -> Option<(TrainingConfig, Estimate, Vec<Step>)> {
+    let mut config = cfg.clone();
+    let mut current = initial.clone();
+    let mut steps = Vec::with_capacity(rungs.len());
+    for rung in rungs {
+        let (next, explanation) = rung.apply(&config, floors)?;
+        let next_estimate = estimate(&next).ok()?;
+        let before = calibration.apply(current.total);
+        let after = calibration.apply(next_estimate.total);
+        steps.push(Step {
+            rung: *rung,
+            explanation,
+            total_after: after,
+            saved: Bytes(before.0.saturating_sub(after.0)),
+        });
+        config = next;
+        current = next_estimate;
+    }
+    Some((config, current, steps))
 }
 
 /// The step [`best_step`] chose.
@@ -987,6 +1070,93 @@ mod tests {
             p.steps
         );
         assert_eq!(p.config.lora_rank, 64);
+    }
+
+    #[test]
+    fn steps_back_to_the_largest_micro_batch_that_fits_once_checkpointing_is_on() {
+        use Rung::*;
+        // The README's example: LoRA on Llama 3 8B, batch 8 × 4096, against the 0.95 bound.
+        // The greedy walk halves the batch to 1 (each halving saves more per unit than
+        // checkpointing) and then turns checkpointing on. Into 48 GiB, batch 2 with
+        // checkpointing fits too (upper bound 44.3 GiB), so a halving is taken back; into the
+        // README's 40 GiB it does not, and batch 1 is already the largest that fits.
+        let mut cfg = TrainingConfig::new(catalog::lookup("llama-3-8b").expect("catalog"));
+        cfg.method = Method::Lora;
+        cfg.batch_size = 8;
+        cfg.seq_length = 4096;
+        let (bound, floors) = (Bound::at(0.95, &[]), Floors::default());
+        for (budget, batch) in [(Bytes::gib(48), 2), (Bytes::gib(40), 1)] {
+            let p =
+                plan_against(&cfg, budget, &Calibration::none(), &floors, &bound).expect("valid");
+            assert!(p.fits && p.upper() <= budget, "{budget}: {:?}", p.steps);
+            let c = &p.config;
+            assert!(c.grad_checkpointing, "{budget}");
+            assert_eq!(c.batch_size, batch, "{budget}");
+            assert_eq!(
+                c.batch_size * c.grad_accumulation,
+                8,
+                "{budget}: effective batch"
+            );
+            // The largest that fits: one doubling more does not.
+            let mut larger = c.clone();
+            larger.batch_size *= 2;
+            larger.grad_accumulation /= 2;
+            let e = total(&larger);
+            assert!(bound.upper(&larger, e, e) > budget, "{budget}: {larger:?}");
+            // The steps reported are the steps that lead from the config to the plan's.
+            let rungs: Vec<Rung> = p.steps.iter().map(|s| s.rung).collect();
+            let halvings = (8 / c.batch_size).ilog2() as usize;
+            assert_eq!(rungs.iter().filter(|r| **r == HalveBatch).count(), halvings);
+            assert_eq!(rungs.last(), Some(&GradCheckpointing), "{budget}");
+            let mut replayed = cfg.clone();
+            let mut before = p.initial_total();
+            for step in &p.steps {
+                replayed = step.rung.apply(&replayed, &floors).expect("applies").0;
+                assert_eq!(step.total_after, total(&replayed), "{}", step.explanation);
+                assert_eq!(step.saved.0, before.0 - step.total_after.0);
+                before = step.total_after;
+            }
+            assert_eq!(&replayed, c);
+        }
+    }
+
+    #[test]
+    fn steps_back_quality_cuts_first_then_halvings_then_compute() {
+        use Rung::*;
+        // (name, taken, what fits, kept)
+        type Fits = fn(&[Rung]) -> bool;
+        let table: Vec<(&str, Vec<Rung>, Fits, Vec<Rung>)> = vec![
+            (
+                "halvings undone while checkpointing holds",
+                vec![HalveBatch, HalveBatch, HalveBatch, GradCheckpointing],
+                |k| k.contains(&GradCheckpointing) && k.contains(&HalveBatch),
+                vec![HalveBatch, GradCheckpointing],
+            ),
+            (
+                "a sequence cut goes back before any halving",
+                vec![HalveBatch, GradCheckpointing, HalveSeqLength],
+                |k| k.len() >= 2,
+                vec![HalveBatch, GradCheckpointing],
+            ),
+            (
+                "nothing fits with less: nothing undone",
+                vec![HalveBatch, GradCheckpointing],
+                |k| k.len() == 2,
+                vec![HalveBatch, GradCheckpointing],
+            ),
+            (
+                "checkpointing goes back when the halvings alone fit",
+                vec![GradCheckpointing, HalveBatch, HalveBatch],
+                |k| k.iter().filter(|r| **r == HalveBatch).count() == 2,
+                vec![HalveBatch, HalveBatch],
+            ),
+        ];
+        for (name, taken, fits, kept) in table {
+            assert_eq!(step_back(&taken, |k| Some(fits(k))), kept, "{name}");
+        }
+        // A step that cannot be replayed is kept.
+        let taken = [HalveBatch, GradCheckpointing];
+        assert_eq!(step_back(&taken, |_| None), taken);
     }
 
     #[test]

@@ -4,7 +4,8 @@
 use crate::bound::Bound;
 use crate::calibration::Calibration;
 use crate::config::{Method, Optimizer, Parallelism, TrainingConfig};
-use crate::plan::{Floors, plan_against};
+use crate::estimate::estimate;
+use crate::plan::{DowngradePlan, Floors, plan_against};
 use crate::units::Bytes;
 use std::fmt;
 
@@ -41,11 +42,18 @@ impl fmt::Display for Suggestion {
     }
 }
 
+/// The least a suggested change must save, as a share of the budget: an optimizer change
+/// (8-bit states, offload) that saves less is left out (moving 77 MiB of LoRA states is no
+/// answer to a job gigabytes over), and the search for a GPU count stops when doubling the
+/// world saves less.
+pub const MIN_SUGGESTED_SAVING: f64 = 0.02;
+
 /// The changes outside the knobs that `cfg` could make, each planned into `budget`: sharding
-/// over the fewest GPUs that fits (FSDP / ZeRO-3, up to [`MAX_SUGGESTED_GPUS`]), LoRA or
-/// QLoRA instead of full fine-tuning, an 8-bit optimizer, optimizer offload to the CPU. A
-/// change that does not apply to `cfg` (already LoRA, already 8-bit, …) or that the estimator
-/// refuses is left out. Those that fit come first.
+/// over the fewest GPUs that fits ([`sharded_over_more_gpus`]), LoRA or QLoRA instead of full
+/// fine-tuning, an 8-bit optimizer, optimizer offload to the CPU (each only when it saves
+/// [`MIN_SUGGESTED_SAVING`] of the budget or more). A change that does not apply to `cfg`
+/// (already LoRA, already 8-bit, …) or that the estimator refuses is left out. Those that fit
+/// come first.
 pub fn suggest(
     cfg: &TrainingConfig,
     budget: Bytes,
@@ -63,32 +71,13 @@ pub fn suggest(
         })
     };
     let mut out = Vec::new();
-
-    // More GPUs, sharded: the fewest that fits, or the most tried when none does.
-    let sharded = matches!(cfg.parallelism, Parallelism::Fsdp | Parallelism::Zero3);
-    let from = if sharded { cfg.world_size } else { 1 };
-    let mut gpus = None;
-    let mut n = from.max(1) * 2;
-    while n <= MAX_SUGGESTED_GPUS {
-        let mut c = cfg.clone();
-        c.parallelism = if cfg.parallelism == Parallelism::Zero3 {
-            Parallelism::Zero3
-        } else {
-            Parallelism::Fsdp
-        };
-        c.world_size = n;
-        let name = if c.parallelism == Parallelism::Zero3 {
-            "ZeRO-3"
-        } else {
-            "FSDP (or ZeRO-3)"
-        };
-        gpus = planned(format!("{name} over {n} GPUs"), c);
-        if gpus.as_ref().is_some_and(|s| s.fits) {
-            break;
-        }
-        n *= 2;
-    }
-    out.extend(gpus);
+    out.extend(sharded_over_more_gpus(
+        cfg,
+        budget,
+        calibration,
+        floors,
+        bound,
+    ));
 
     if cfg.method == Method::Full {
         let mut c = cfg.clone();
@@ -109,18 +98,88 @@ pub fn suggest(
             c,
         ));
     }
+    // An optimizer change is worth naming only when it saves a share of the budget that
+    // matters, with every knob as configured.
+    let min_saving = budget.as_f64() * MIN_SUGGESTED_SAVING;
+    let saves_enough = |c: &TrainingConfig| match (estimate(cfg), estimate(c)) {
+        (Ok(before), Ok(after)) => before.total.as_f64() - after.total.as_f64() >= min_saving,
+        _ => false,
+    };
     if matches!(cfg.optimizer, Optimizer::AdamW | Optimizer::Adam) {
         let mut c = cfg.clone();
         c.optimizer = Optimizer::AdamW8bit;
-        out.extend(planned("8-bit AdamW instead of 32-bit".to_string(), c));
+        if saves_enough(&c) {
+            out.extend(planned("8-bit AdamW instead of 32-bit".to_string(), c));
+        }
     }
     if !cfg.optimizer_offload && !matches!(cfg.optimizer, Optimizer::Sgd) {
         let mut c = cfg.clone();
         c.optimizer_offload = true;
-        out.extend(planned("optimizer state offloaded to CPU".to_string(), c));
+        if saves_enough(&c) {
+            out.extend(planned("optimizer state offloaded to CPU".to_string(), c));
+        }
     }
     out.sort_by_key(|s| !s.fits);
     out
+}
+
+/// Sharding over more GPUs: the fewest (doubling from the job's own world, up to
+/// [`MAX_SUGGESTED_GPUS`]) on which the plan fits, under FSDP or ZeRO-3 (the job's own scheme
+/// when it shards already; both otherwise, named by which fits). `None` when no world fits,
+/// and the search stops as soon as doubling the world saves under [`MIN_SUGGESTED_SAVING`]
+/// of the budget: what is left is not sharded (activations, logits, gathered units), and a
+/// count of GPUs that cannot fit the job is no suggestion.
+pub fn sharded_over_more_gpus(
+    cfg: &TrainingConfig,
+    budget: Bytes,
+    calibration: &Calibration,
+    floors: &Floors,
+    bound: &Bound,
+) -> Option<Suggestion> {
+    let schemes: &[Parallelism] = match cfg.parallelism {
+        Parallelism::Fsdp => &[Parallelism::Fsdp],
+        Parallelism::Zero3 => &[Parallelism::Zero3],
+        _ => &[Parallelism::Fsdp, Parallelism::Zero3],
+    };
+    let sharded = matches!(cfg.parallelism, Parallelism::Fsdp | Parallelism::Zero3);
+    let from = if sharded { cfg.world_size.max(1) } else { 1 };
+    let min_saving = budget.as_f64() * MIN_SUGGESTED_SAVING;
+    let mut previous: Option<Bytes> = None;
+    let mut n = from.saturating_mul(2);
+    while n <= MAX_SUGGESTED_GPUS {
+        let plans: Vec<(Parallelism, DowngradePlan)> = schemes
+            .iter()
+            .filter_map(|&scheme| {
+                let mut c = cfg.clone();
+                c.parallelism = scheme;
+                c.world_size = n;
+                let plan = plan_against(&c, budget, calibration, floors, bound).ok()?;
+                Some((scheme, plan))
+            })
+            .collect();
+        let fitting: Vec<&(Parallelism, DowngradePlan)> =
+            plans.iter().filter(|(_, p)| p.fits).collect();
+        if let Some((_, best)) = fitting.iter().min_by_key(|(_, p)| p.upper()) {
+            let name = match fitting.as_slice() {
+                [(Parallelism::Zero3, _)] => "ZeRO-3",
+                [(Parallelism::Fsdp, _)] => "FSDP",
+                _ => "FSDP (or ZeRO-3)",
+            };
+            return Some(Suggestion {
+                change: format!("{name} over {n} GPUs"),
+                upper: best.upper(),
+                fits: true,
+                config: best.config.clone(),
+            });
+        }
+        let lowest = plans.iter().map(|(_, p)| p.upper()).min()?;
+        if previous.is_some_and(|before| before.as_f64() - lowest.as_f64() < min_saving) {
+            return None;
+        }
+        previous = Some(lowest);
+        n = n.saturating_mul(2);
+    }
+    None
 }
 
 #[cfg(test)]
@@ -191,9 +250,105 @@ mod tests {
             &Floors::default(),
             &Bound::POINT,
         );
-        assert_eq!(s.len(), 1, "{s:?}");
-        assert!(s[0].change.contains("GPUs"), "{s:?}");
-        assert!(!s[0].fits);
-        assert_eq!(s[0].config.world_size, MAX_SUGGESTED_GPUS);
+        // Nothing applies: and no count of GPUs, since no world fits 1 GiB.
+        assert!(s.is_empty(), "{s:?}");
+    }
+
+    fn lora_8b() -> TrainingConfig {
+        let mut cfg = TrainingConfig::new(catalog::lookup("llama-3-8b").expect("catalog"));
+        cfg.method = Method::Lora;
+        cfg.batch_size = 8;
+        cfg.seq_length = 4096;
+        cfg
+    }
+
+    #[test]
+    fn no_gpu_count_beyond_what_sharding_can_do() {
+        // LoRA at batch 1 × 4096 with checkpointing still holds 10+ GiB of activations and
+        // logits on every rank, which no number of GPUs divides: into 12 GiB the old search
+        // offered "FSDP (or ZeRO-3) over 256 GPUs: still over".
+        let cfg = lora_8b();
+        let bound = Bound::at(0.95, &[]);
+        let s = suggest(
+            &cfg,
+            Bytes::gib(12),
+            &Calibration::none(),
+            &Floors::default(),
+            &bound,
+        );
+        let names: Vec<String> = s.iter().map(ToString::to_string).collect();
+        assert!(s.iter().all(|x| !x.change.contains("GPUs")), "{names:?}");
+        // Where sharding fits, the fewest GPUs, and never past the world where the next
+        // doubling would stop saving.
+        let budget = Bytes::from_f64(Bytes::gib(24).as_f64() * 0.9);
+        let s = sharded_over_more_gpus(
+            &cfg,
+            budget,
+            &Calibration::none(),
+            &Floors::default(),
+            &bound,
+        )
+        .expect("sharding the base fits 21.6 GiB");
+        assert!(s.fits && s.config.world_size <= 8, "{s}");
+    }
+
+    #[test]
+    fn seventy_b_full_finetuning_shards_over_the_fewest_gpus_that_fit() {
+        // Llama 3.1 70B, batch 1 × 4096, checkpointing, on 80 GiB GPUs: with per-unit FSDP
+        // physics both schemes fit on 64 GPUs, not on 256 (the old FSDP term never fit).
+        let mut cfg = TrainingConfig::new(catalog::lookup("llama-3.1-70b").expect("catalog"));
+        cfg.batch_size = 1;
+        cfg.seq_length = 4096;
+        cfg.grad_checkpointing = true;
+        let budget = Bytes::from_f64(Bytes::gib(80).as_f64() * 0.9);
+        let (bound, floors) = (Bound::at(0.95, &[]), Floors::default());
+        let s = sharded_over_more_gpus(&cfg, budget, &Calibration::none(), &floors, &bound)
+            .expect("fits");
+        let n = s.config.world_size;
+        assert!(s.fits && n <= 64, "{s}");
+        // The fewest: half as many fit under neither scheme.
+        for scheme in [Parallelism::Fsdp, Parallelism::Zero3] {
+            let mut fewer = cfg.clone();
+            fewer.parallelism = scheme;
+            fewer.world_size = n / 2;
+            let p =
+                plan_against(&fewer, budget, &Calibration::none(), &floors, &bound).expect("ok");
+            assert!(!p.fits, "{scheme:?} over {}", n / 2);
+        }
+    }
+
+    #[test]
+    fn no_optimizer_change_that_saves_under_two_percent_of_the_budget() {
+        // A LoRA job's AdamW holds tens of MiB: neither 8-bit states nor offload is worth
+        // naming against a 20 GiB budget. Full fine-tuning's states are gigabytes: both are.
+        let cfg = lora_8b();
+        let states = crate::estimate(&cfg)
+            .expect("valid")
+            .component(crate::Component::OptimizerStates);
+        assert!(states < Bytes::mib(100), "the case: {states}");
+        let s = suggest(
+            &cfg,
+            Bytes::gib(20),
+            &Calibration::none(),
+            &Floors::default(),
+            &Bound::POINT,
+        );
+        let names: Vec<String> = s.iter().map(ToString::to_string).collect();
+        assert!(
+            s.iter()
+                .all(|x| !x.change.contains("AdamW") && !x.change.contains("offload")),
+            "{names:?}"
+        );
+        assert!(!s.is_empty(), "other changes are still named: {names:?}");
+        let full = full_8b();
+        let s = suggest(
+            &full,
+            Bytes::gib(40),
+            &Calibration::none(),
+            &Floors::default(),
+            &Bound::POINT,
+        );
+        assert!(s.iter().any(|x| x.change.contains("8-bit AdamW")));
+        assert!(s.iter().any(|x| x.change.contains("offload")));
     }
 }

@@ -167,32 +167,32 @@ pub static RESIDUALS: &[Residual] = &[
     r(
         c(true, false, false, false, Figure::Device),
         "I-qwen1-readme",
-        1.0409,
+        1.0435,
     ),
     r(
         c(true, false, false, false, Figure::Device),
         "I-qwen1-readme",
-        1.0263,
+        1.0288,
     ),
     r(
         c(true, false, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.9983,
+        1.0007,
     ),
     r(
         c(true, false, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.9466,
+        0.9488,
     ),
     r(
         c(true, false, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.9234,
+        0.9256,
     ),
     r(
         c(true, false, false, false, Figure::Device),
         "I-qwen1-readme",
-        0.7833,
+        0.7848,
     ),
     r(
         c(false, false, false, false, Figure::Device),
@@ -347,127 +347,127 @@ pub static RESIDUALS: &[Residual] = &[
     r(
         c(true, false, false, true, Figure::Device),
         "M-cpu-measured",
-        0.9539,
+        0.9490,
     ),
     r(
         c(true, false, false, true, Figure::Device),
         "M-cpu-measured",
-        0.9912,
+        0.9864,
     ),
     r(
         c(false, false, false, true, Figure::Device),
         "M-cpu-measured",
-        1.0025,
+        0.9973,
     ),
     r(
         c(true, false, false, true, Figure::Device),
         "M-cpu-measured",
-        0.8560,
+        0.8543,
     ),
     r(
         c(true, false, false, true, Figure::Device),
         "M-cpu-measured",
-        0.9114,
+        0.9082,
     ),
     r(
         c(true, false, false, true, Figure::Device),
         "M-cpu-measured",
-        0.9047,
+        0.9014,
     ),
     r(
         c(false, false, false, true, Figure::Device),
         "M-cpu-measured",
-        0.9122,
+        0.9090,
     ),
     r(
         c(false, false, false, true, Figure::Device),
         "M-cpu-measured",
-        0.8273,
+        0.8265,
     ),
     r(
         c(false, false, false, true, Figure::Device),
         "M-cpu-measured",
-        1.0782,
+        1.0700,
     ),
     r(
         c(true, false, false, true, Figure::Device),
         "M-cpu-measured",
-        1.0372,
+        1.0305,
     ),
     r(
         c(true, false, false, true, Figure::Device),
         "M-cpu-measured",
-        1.0024,
+        0.9965,
     ),
     r(
         c(false, false, false, true, Figure::Device),
         "M-cpu-measured",
-        1.0785,
+        1.0717,
     ),
     r(
         c(true, false, false, true, Figure::Device),
         "M-cpu-measured",
-        0.8947,
+        0.8938,
     ),
     r(
         c(true, false, false, true, Figure::Device),
         "M-cpu-measured",
-        0.9372,
+        0.9325,
     ),
     r(
         c(true, false, false, true, Figure::Device),
         "M-cpu-measured",
-        1.0297,
+        1.0211,
     ),
     r(
         c(true, false, false, true, Figure::Device),
         "M-cpu-measured",
-        0.8581,
+        0.8540,
     ),
     r(
         c(false, false, false, true, Figure::Device),
         "M-cpu-measured",
-        1.0484,
+        1.0435,
     ),
     r(
         c(true, false, false, true, Figure::Device),
         "M-cpu-measured",
-        0.9804,
+        0.9771,
     ),
     r(
         c(true, false, false, true, Figure::Device),
         "M-cpu-measured",
-        1.0113,
+        1.0070,
     ),
     r(
         c(true, false, false, true, Figure::Device),
         "M-cpu-measured",
-        1.0352,
+        1.0319,
     ),
     r(
         c(false, false, false, true, Figure::Device),
         "M-cpu-measured",
-        1.1478,
+        1.1443,
     ),
     r(
         c(true, false, false, true, Figure::Device),
         "M-cpu-measured",
-        1.0111,
+        1.0080,
     ),
     r(
         c(false, false, false, true, Figure::Device),
         "M-cpu-measured",
-        1.0508,
+        1.0479,
     ),
     r(
         c(true, false, false, true, Figure::Device),
         "M-cpu-measured",
-        1.0418,
+        1.0389,
     ),
     r(
         c(true, false, false, true, Figure::Device),
         "M-cpu-measured",
-        1.0141,
+        1.0114,
     ),
     r(
         c(false, false, false, false, Figure::TensorPeak),
@@ -482,7 +482,7 @@ pub static RESIDUALS: &[Residual] = &[
     r(
         c(true, false, true, false, Figure::TensorPeak),
         "K-litgpt-confighub",
-        1.2196,
+        1.2398,
     ),
     r(
         c(false, false, false, false, Figure::TensorPeak),
@@ -557,7 +557,7 @@ pub static RESIDUALS: &[Residual] = &[
     r(
         c(true, false, true, false, Figure::TensorPeak),
         "K-litgpt-confighub",
-        1.0540,
+        1.0445,
     ),
     r(
         c(false, false, false, false, Figure::TensorPeak),
@@ -582,7 +582,7 @@ pub static RESIDUALS: &[Residual] = &[
     r(
         c(true, false, true, false, Figure::TensorPeak),
         "K-litgpt-confighub",
-        1.0492,
+        1.0547,
     ),
     r(
         c(false, false, false, false, Figure::TensorPeak),
@@ -727,7 +727,7 @@ pub static RESIDUALS: &[Residual] = &[
     r(
         c(false, false, true, false, Figure::Reserved),
         "T-torchtune-readme-2024",
-        0.5269,
+        0.5385,
     ),
     r(
         c(false, false, false, false, Figure::Reserved),
@@ -747,7 +747,7 @@ pub static RESIDUALS: &[Residual] = &[
     r(
         c(true, false, false, false, Figure::Reserved),
         "S-gpjt-fine-tune-2024",
-        0.9777,
+        0.9811,
     ),
     r(
         c(true, false, false, false, Figure::Reserved),
@@ -757,47 +757,47 @@ pub static RESIDUALS: &[Residual] = &[
     r(
         c(true, false, false, false, Figure::TensorPeak),
         "S-gpjt-fine-tune-2024",
-        0.8209,
+        0.8239,
     ),
     r(
         c(true, false, false, false, Figure::Reserved),
         "S-gpjt-fine-tune-2024",
-        0.9813,
+        0.9845,
     ),
     r(
         c(true, false, false, false, Figure::Reserved),
         "S-gpjt-fine-tune-2024",
-        0.9552,
+        0.9588,
     ),
     r(
         c(true, false, false, false, Figure::TensorPeak),
         "S-gpjt-fine-tune-2024",
-        0.8332,
+        0.8359,
     ),
     r(
         c(true, false, false, false, Figure::Reserved),
         "S-gpjt-fine-tune-2024",
-        0.9906,
+        0.9935,
     ),
     r(
         c(true, false, false, false, Figure::Reserved),
         "S-gpjt-fine-tune-2024",
-        1.0219,
+        1.0254,
     ),
     r(
         c(true, false, false, false, Figure::TensorPeak),
         "S-gpjt-fine-tune-2024",
-        0.8452,
+        0.8477,
     ),
     r(
         c(true, false, false, false, Figure::Reserved),
         "S-gpjt-fine-tune-2024",
-        0.9325,
+        0.9350,
     ),
     r(
         c(true, false, false, false, Figure::Reserved),
         "S-gpjt-fine-tune-2024",
-        0.9714,
+        0.9743,
     ),
 ];
 
