@@ -4,9 +4,10 @@
 //! parser ([`TrainingAnnotations::parse_keys`]), so a pod and a command line can never disagree.
 
 use crate::models::ModelCatalog;
+use crate::quantity::Size;
 use memguard_estimator::{
     Bytes, ConfigError, Device, GradSync, LoraTargets, Loss, Method, ModelShape, Optimizer,
-    Parallelism, Precision, TrainingConfig, parse_bytes, parse_count,
+    Parallelism, Precision, TrainingConfig, parse_count,
 };
 use std::collections::BTreeMap;
 use std::fmt;
@@ -111,7 +112,8 @@ pub const DEVICE: &str = "memguard.io/device";
 pub const PARALLELISM: &str = "memguard.io/parallelism";
 /// Devices in data parallelism.
 pub const WORLD_SIZE: &str = "memguard.io/world-size";
-/// Memory per GPU (`80GiB`, `24G`), overriding the policy's product table.
+/// Memory per GPU, a number and a unit (`80GiB`, `24G`, `23028Mi`), overriding the policy's
+/// product table.
 pub const GPU_MEMORY: &str = "memguard.io/gpu-memory";
 /// Fraction of the memory the plan may use, in (0, 1].
 pub const SAFETY_RATIO: &str = "memguard.io/safety-ratio";
@@ -409,12 +411,9 @@ impl TrainingAnnotations {
         if let Some(v) = p.whole(WORLD_SIZE) {
             config.world_size = v;
         }
+        // The one size parser (`crate::quantity`): a bare number is refused, never bytes.
         let gpu_memory = p.parse_with(GPU_MEMORY, |s| {
-            let b = parse_bytes(s).map_err(|e| e.to_string())?;
-            if b == Bytes::ZERO {
-                return Err("must be more than 0".into());
-            }
-            Ok(b)
+            Size::parse(s).map(|s| s.bytes()).map_err(|e| e.to_string())
         });
         let safety_ratio = p.parse_with(SAFETY_RATIO, |s| {
             let r: f64 = s

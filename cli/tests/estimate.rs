@@ -91,7 +91,7 @@ fn the_upper_bound_follows_the_policys_estimate_level_and_the_plan_is_checked_ag
     let policy = dir.path().join("policy.yaml");
     std::fs::write(
         &policy,
-        "apiVersion: memguard.io/v1alpha1\nkind: MemguardPolicy\nmetadata:\n  name: default\nspec:\n  estimateLevel: 0.8\n",
+        "apiVersion: training.memguard.io/v1alpha1\nkind: MemguardPolicy\nmetadata:\n  name: default\nspec:\n  estimateLevel: 0.8\n",
     )
     .expect("policy written");
     let base = ["estimate", "--model", "llama-3-8b", "--method", "lora"];

@@ -33,7 +33,7 @@ spec:
 fn profile(status: &str) -> String {
     format!(
         r#"
-apiVersion: memguard.io/v1alpha1
+apiVersion: training.memguard.io/v1alpha1
 kind: MemoryProfile
 metadata: {{name: llama-3-8b-lora-bf16-mixed-gpu, namespace: ml}}
 spec: {{model: llama-3-8b, method: lora, precision: bf16-mixed, deviceClass: gpu, device: gpu}}

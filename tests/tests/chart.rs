@@ -259,7 +259,7 @@ fn every_rendered_manifest_is_valid_for_kubernetes_1_33() {
                 ));
                 std::fs::write(&file, doc.to_string()).expect("write manifest");
                 files.push(file);
-            } else if api_version == "memguard.io/v1alpha1" {
+            } else if api_version == "training.memguard.io/v1alpha1" {
                 assert_eq!(doc["kind"], "MemguardPolicy", "{what}");
                 validate_against_crd(&python, &policy_schema, doc)
                     .unwrap_or_else(|e| panic!("{what} does not match its CRD schema:\n{e}"));
@@ -804,11 +804,11 @@ fn rbac_is_least_privilege() {
     assert_eq!(
         cluster_role["rules"],
         json!([
-            {"apiGroups": ["memguard.io"], "resources": ["memguardpolicies"],
+            {"apiGroups": ["training.memguard.io"], "resources": ["memguardpolicies"],
              "verbs": ["get", "list", "watch"]},
-            {"apiGroups": ["memguard.io"], "resources": ["memoryprofiles"],
+            {"apiGroups": ["training.memguard.io"], "resources": ["memoryprofiles"],
              "verbs": ["get", "list", "watch", "create"]},
-            {"apiGroups": ["memguard.io"], "resources": ["memoryprofiles/status"],
+            {"apiGroups": ["training.memguard.io"], "resources": ["memoryprofiles/status"],
              "verbs": ["patch"]},
             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
             {"apiGroups": ["resource.k8s.io"],

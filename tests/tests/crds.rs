@@ -103,7 +103,7 @@ fn col(name: &str, ty: &str, path: &str) -> (String, String, String) {
 fn memguard_policy_is_cluster_scoped_with_the_policy_document_as_spec() {
     let crds = crds_by_kind();
     let p = &crds["MemguardPolicy"];
-    assert_eq!(p["metadata"]["name"], "memguardpolicies.memguard.io");
+    assert_eq!(p["metadata"]["name"], "memguardpolicies.training.memguard.io");
     assert_eq!(p["spec"]["group"], wellknown::GROUP);
     assert_eq!(p["spec"]["scope"], "Cluster");
     assert_eq!(
@@ -152,7 +152,7 @@ fn memguard_policy_is_cluster_scoped_with_the_policy_document_as_spec() {
             col("Age", "date", ".metadata.creationTimestamp"),
         ]
     );
-    assert_eq!(MemguardPolicy::crd_name(), "memguardpolicies.memguard.io");
+    assert_eq!(MemguardPolicy::crd_name(), "memguardpolicies.training.memguard.io");
 }
 
 /// The schema refuses a sidecar setting of the wrong kind before the webhook ever sees it (the
@@ -167,7 +167,7 @@ fn the_policy_schema_refuses_sidecar_settings_that_are_not_what_they_say() {
             .clone();
     let policy = |spec: Value| {
         serde_json::json!({
-            "apiVersion": "memguard.io/v1alpha1",
+            "apiVersion": "training.memguard.io/v1alpha1",
             "kind": "MemguardPolicy",
             "metadata": {"name": "default"},
             "spec": spec,
@@ -200,7 +200,7 @@ fn the_policy_schema_refuses_sidecar_settings_that_are_not_what_they_say() {
 fn memory_profile_is_namespaced_with_status_subresource_and_useful_columns() {
     let crds = crds_by_kind();
     let p = &crds["MemoryProfile"];
-    assert_eq!(p["metadata"]["name"], "memoryprofiles.memguard.io");
+    assert_eq!(p["metadata"]["name"], "memoryprofiles.training.memguard.io");
     assert_eq!(p["spec"]["group"], wellknown::GROUP);
     assert_eq!(p["spec"]["scope"], "Namespaced");
     assert_eq!(
@@ -249,7 +249,7 @@ fn memory_profile_is_namespaced_with_status_subresource_and_useful_columns() {
             .is_some_and(|d| d.contains("which model")),
         "doc comments become descriptions"
     );
-    assert_eq!(MemoryProfile::crd_name(), "memoryprofiles.memguard.io");
+    assert_eq!(MemoryProfile::crd_name(), "memoryprofiles.training.memguard.io");
 }
 
 #[test]
@@ -277,7 +277,7 @@ fn the_policy_schema_rejects_placement_typos() {
     let crds = crds_by_kind();
     let schema = &crds["MemguardPolicy"]["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
     let doc = |spec: Value| {
-        serde_json::json!({"apiVersion": "memguard.io/v1alpha1", "kind": "MemguardPolicy",
+        serde_json::json!({"apiVersion": "training.memguard.io/v1alpha1", "kind": "MemguardPolicy",
             "metadata": {"name": "default"}, "spec": spec})
     };
     for mode in ["off", "preferred", "required"] {
@@ -323,7 +323,7 @@ fn the_policy_schema_takes_models_with_a_whole_config_and_rejects_typos() {
     )
     .expect("JSON");
     let doc = |entry: Value| {
-        serde_json::json!({"apiVersion": "memguard.io/v1alpha1", "kind": "MemguardPolicy",
+        serde_json::json!({"apiVersion": "training.memguard.io/v1alpha1", "kind": "MemguardPolicy",
             "metadata": {"name": "default"}, "spec": {"models": [entry]}})
     };
     let entry = serde_json::json!({"name": "acme-coder-7b", "aliases": ["Qwen/Qwen2.5-Coder-7B-Instruct"],
