@@ -1199,3 +1199,164 @@ fn numbers_are_settable_with_set() {
     let err = helm_template(&helm, &["--set", "policy.safetyRatio=1.5"]).expect_err("refused");
     assert!(err.contains("safetyRatio"), "{err}");
 }
+
+// === The chart refuses what the webhook refuses (issue 38) ===
+
+/// The model of `ci/custom-model-values.yaml`, a config the webhook accepts.
+fn custom_model_config() -> Value {
+    let values = read_yaml(&chart_dir().join("ci/custom-model-values.yaml"));
+    values["policy"]["models"][0]["config"].clone()
+}
+
+/// One policy value both ways: through `helm template --set-json` (the schema and the
+/// templates), and as the webhook reads it (`PolicySpec::resolved`). The two must agree.
+fn chart_and_webhook_agree(helm: &Path, key: &str, value: Value) -> (bool, bool) {
+    let set = format!("policy.{key}={value}");
+    let chart = helm_template(helm, &["--set-json", &set]);
+    // The chart writes a level given as a string (`--set` keeps floats as strings) as a number.
+    let read = match (key, &value) {
+        ("estimateLevel", Value::String(s)) => s.parse::<f64>().map_or(value.clone(), |n| json!(n)),
+        _ => value,
+    };
+    let document: serde_json::Map<String, Value> = [(key.to_string(), read)].into_iter().collect();
+    let webhook = serde_json::from_value::<PolicySpec>(Value::Object(document))
+        .map_err(|e| vec![e.to_string()])
+        .and_then(|spec| spec.resolved());
+    if let Ok(text) = &chart {
+        // What rendered is what the webhook then reads from the ConfigMap.
+        let (spec, _) = policy_documents(&set, &parse_documents(text));
+        assert_eq!(
+            spec.resolved().is_ok(),
+            webhook.is_ok(),
+            "{set}: the rendered policy and the value disagree"
+        );
+    }
+    (chart.is_ok(), webhook.is_ok())
+}
+
+/// Issue 38: `--set-string policy.defaultGpuMemory=24` rendered, and the webhook read 24 bytes.
+/// Every size, level and model entry here is accepted by the chart exactly when the webhook
+/// accepts it. (Only the webhook can derive a model's parameter count from its config: a
+/// `params` that disagrees renders, and stops the webhook at start, loudly; see
+/// `webhook/tests/e2e.rs`.)
+#[test]
+fn the_values_schema_refuses_what_the_webhook_refuses() {
+    let Some(helm) = helm() else { return };
+    let config = custom_model_config();
+    let model = |name: &str, config: Value| json!([{"name": name, "config": config}]);
+    let cases: Vec<(&str, Value, bool)> = vec![
+        ("defaultGpuMemory", json!("24"), false),
+        ("defaultGpuMemory", json!(24), false),
+        ("defaultGpuMemory", json!("22.5"), false),
+        ("defaultGpuMemory", json!("1e9"), false),
+        ("defaultGpuMemory", json!("0Gi"), false),
+        ("defaultGpuMemory", json!("-1Gi"), false),
+        ("defaultGpuMemory", json!("24 parsecs"), false),
+        ("defaultGpuMemory", json!("24P"), false),
+        ("defaultGpuMemory", json!("24Gi"), true),
+        ("defaultGpuMemory", json!("24GiB"), true),
+        ("defaultGpuMemory", json!("80G"), true),
+        ("defaultGpuMemory", json!("0.5Ti"), true),
+        ("defaultGpuMemory", json!("23028mi"), true),
+        ("gpuMemory", json!({"NVIDIA-A10G": "22"}), false),
+        ("gpuMemory", json!({"NVIDIA-A10G": "22Gi"}), true),
+        ("estimateLevel", json!(0.4), false),
+        ("estimateLevel", json!("0.4"), false),
+        ("estimateLevel", json!(1), false),
+        ("estimateLevel", json!("0.995"), false),
+        ("estimateLevel", json!(0.5), true),
+        ("estimateLevel", json!("0.9"), true),
+        ("estimateLevel", json!("0.99"), true),
+        ("models", model("acme-coder-7b", config.clone()), true),
+        ("models", model("shape-7b", config.clone()), false),
+        ("models", model("Shape_7b", config.clone()), false),
+        ("models", model("acme 7b", config.clone()), false),
+        ("models", model("a", json!({"num_hidden_layers": 2})), false),
+        ("models", model("a", json!({"hidden_size": "big"})), false),
+        ("models", model("a", json!("config.json")), false),
+        (
+            "models",
+            json!([{"name": "a", "config": config.clone(), "params": "lots"}]),
+            false,
+        ),
+        (
+            "models",
+            json!([{"name": "a", "config": config.clone(), "params": "7.6B"}]),
+            true,
+        ),
+        (
+            "models",
+            json!([{"name": "Acme.7b", "config": config.clone()},
+                   {"name": "b", "aliases": ["acme_7B"], "config": config.clone()}]),
+            false,
+        ),
+    ];
+    let mut disagree = Vec::new();
+    for (key, value, valid) in cases {
+        let (chart, webhook) = chart_and_webhook_agree(&helm, key, value.clone());
+        if (chart, webhook) != (valid, valid) {
+            disagree.push(format!(
+                "policy.{key}={value}: chart {chart}, webhook {webhook}, expected {valid}"
+            ));
+        }
+    }
+    assert!(disagree.is_empty(), "{disagree:#?}");
+}
+
+/// `--set-string`, as issue 38 found it: the string `24` is refused by the schema, naming the
+/// field; with a unit it renders, and the webhook reads the size as written.
+#[test]
+fn set_string_sizes_without_a_unit_are_refused() {
+    let Some(helm) = helm() else { return };
+    for set in [
+        "policy.defaultGpuMemory=24",
+        "policy.gpuMemory.NVIDIA-A10G=22",
+    ] {
+        let err = helm_template(&helm, &["--set-string", set]).expect_err(set);
+        let field = set.split('=').next().expect("key").replace('.', "/");
+        assert!(
+            err.contains(&format!("/{field}'")) && err.contains("does not match pattern"),
+            "{set}: {err}"
+        );
+    }
+    let text = helm_template(&helm, &["--set-string", "policy.defaultGpuMemory=24GiB"])
+        .expect("a size with a unit renders");
+    let (spec, _) = policy_documents("24GiB", &parse_documents(&text));
+    let policy = spec.resolved().expect("valid");
+    assert_eq!(policy.default_gpu_memory, memguard_estimator::Bytes::gib(24));
+    assert_eq!(policy.default_gpu_memory_written.to_string(), "24GiB");
+}
+
+/// The chart's size pattern is the parser's own (`SIZE_PATTERN`), written once in Rust.
+#[test]
+fn the_size_pattern_is_the_parsers() {
+    let schema = read_json(&chart_dir().join("values.schema.json"));
+    let policy = &schema["properties"]["policy"]["properties"];
+    assert_eq!(
+        policy["defaultGpuMemory"]["pattern"],
+        memguard_api::quantity::SIZE_PATTERN
+    );
+    assert_eq!(
+        policy["gpuMemory"]["additionalProperties"]["pattern"],
+        memguard_api::quantity::SIZE_PATTERN
+    );
+}
+
+/// Issue 38, item 6: the policy's `estimateLevel` is a chart value, rendered as a number (also
+/// from `--set`, which gives a string) into the ConfigMap and the `MemguardPolicy`.
+#[test]
+fn estimate_level_is_a_value_rendered_into_the_policy() {
+    let Some(helm) = helm() else { return };
+    assert_eq!(values_yaml()["policy"]["estimateLevel"], json!(0.95));
+    let defaults = parse_documents(&helm_template(&helm, &[]).expect("renders"));
+    let (spec, _) = policy_documents("defaults", &defaults);
+    assert_eq!(spec.estimate_level, Some(0.95));
+    let text = helm_template(&helm, &["--set", "policy.estimateLevel=0.8"]).expect("renders");
+    let docs = parse_documents(&text);
+    let (spec, resource) = policy_documents("0.8", &docs);
+    assert_eq!(spec.resolved().expect("valid").estimate_level, 0.8);
+    assert_eq!(
+        resource.expect("MemguardPolicy")["spec"]["estimateLevel"],
+        json!(0.8)
+    );
+}
