@@ -196,6 +196,55 @@ fn the_policy_schema_refuses_sidecar_settings_that_are_not_what_they_say() {
     }
 }
 
+/// Issue 38: the API server refuses a size without a unit (`kubectl apply` of
+/// `defaultGpuMemory: "24"`) by the parser's own pattern, before the webhook sees it.
+#[test]
+fn the_policy_schema_refuses_sizes_without_a_unit() {
+    let Some(python) = python_with_jsonschema() else {
+        return;
+    };
+    let schema =
+        crds_by_kind()["MemguardPolicy"]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+            .clone();
+    let spec = &schema["properties"]["spec"]["properties"];
+    assert_eq!(
+        spec["defaultGpuMemory"]["pattern"],
+        memguard_api::quantity::SIZE_PATTERN
+    );
+    let policy = |spec: Value| {
+        serde_json::json!({"apiVersion": "training.memguard.io/v1alpha1", "kind": "MemguardPolicy",
+            "metadata": {"name": "default"}, "spec": spec})
+    };
+    for (spec, valid) in [
+        (serde_json::json!({"defaultGpuMemory": "24Gi"}), true),
+        (serde_json::json!({"defaultGpuMemory": "24GiB"}), true),
+        (serde_json::json!({"gpuMemory": {"NVIDIA-A10G": "22Gi"}}), true),
+        (serde_json::json!({"defaultGpuMemory": "24"}), false),
+        (serde_json::json!({"defaultGpuMemory": "0Gi"}), false),
+        (serde_json::json!({"gpuMemory": {"NVIDIA-A10G": "22"}}), false),
+    ] {
+        let schema_says = validate_against_crd(&python, &schema, &policy(spec.clone())).is_ok();
+        let webhook_says = serde_json::from_value::<memguard_api::PolicySpec>(spec.clone())
+            .expect("shape")
+            .resolved()
+            .is_ok();
+        assert_eq!((schema_says, webhook_says), (valid, valid), "{spec}");
+    }
+}
+
+/// Issue 38: memory-guard v0.6.0 ships `memguardpolicies.memguard.io`; ours live in a group
+/// nothing else uses, so one cluster holds both. The annotation prefix stays `memguard.io/`.
+#[test]
+fn the_crds_live_in_a_group_of_their_own() {
+    assert_eq!(wellknown::GROUP, "training.memguard.io");
+    for (name, text) in crd::render().expect("renders") {
+        assert!(name.ends_with(".training.memguard.io.yaml"), "{name}");
+        assert!(text.contains("group: training.memguard.io\n"), "{name}");
+    }
+    assert_ne!(MemguardPolicy::crd_name(), "memguardpolicies.memguard.io");
+    assert_eq!(memguard_api::annotations::PREFIX, "memguard.io/");
+}
+
 #[test]
 fn memory_profile_is_namespaced_with_status_subresource_and_useful_columns() {
     let crds = crds_by_kind();
