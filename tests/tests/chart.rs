@@ -819,6 +819,29 @@ fn rbac_is_least_privilege() {
             {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
         ])
     );
+    // The release namespace: leases, and the InvalidPolicy Event on the webhook's own Pod
+    // (issue 38), which the Deployment names through the downward API.
+    let own = docs
+        .iter()
+        .find(|d| d["kind"] == "Role" && d["rules"].to_string().contains("leases"))
+        .expect("the release namespace's Role");
+    assert_eq!(own["metadata"]["namespace"], NAMESPACE);
+    assert_eq!(
+        own["rules"][1],
+        json!({"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]})
+    );
+    let env = &find_kind(&docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"];
+    for (name, path) in [
+        ("POD_NAME", "metadata.name"),
+        ("POD_NAMESPACE", "metadata.namespace"),
+        ("POD_UID", "metadata.uid"),
+    ] {
+        assert!(
+            env.as_array().expect("env").iter().any(|e| e["name"] == name
+                && e["valueFrom"]["fieldRef"]["fieldPath"] == path),
+            "{name}: {env}"
+        );
+    }
     // ConfigMaps in named namespaces only: a Role (read, nothing else) in each, none
     // cluster-wide, and the webhook told which; off: no rule at all, and told not to read.
     let scoped = parse_documents(
@@ -875,7 +898,8 @@ fn rbac_is_least_privilege() {
     assert!(off.contains("MEMGUARD_WEBHOOK_NO_DRA"), "--no-dra when off");
     let role = find_kind(&docs, "Role");
     assert_eq!(role["metadata"]["namespace"], NAMESPACE);
-    assert_eq!(role["rules"].as_array().expect("rules").len(), 1);
+    // Leases, and Events on the webhook's own Pod (checked above).
+    assert_eq!(role["rules"].as_array().expect("rules").len(), 2);
     assert_eq!(
         role["rules"][0]["apiGroups"],
         json!(["coordination.k8s.io"])
