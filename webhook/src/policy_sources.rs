@@ -256,6 +256,17 @@ spec:
             errors[0].contains("apiVersion `memguard.io/v2`"),
             "{errors:?}"
         );
+        // Issue 38: the group before training.memguard.io is refused by name.
+        let old_group =
+            MANIFEST.replace("training.memguard.io/v1alpha1\nkind", "memguard.io/v1alpha1\nkind");
+        let errors = policy_from_str(Some(&old_group), &Overrides::default()).expect_err("no");
+        assert!(
+            errors[0].contains(
+                "apiVersion `memguard.io/v1alpha1` of MemguardPolicy is not \
+                 `training.memguard.io/v1alpha1`"
+            ),
+            "{errors:?}"
+        );
         assert_eq!(
             spec_from_str(Some("  \n")),
             Ok(None),
