@@ -859,16 +859,16 @@ mod tests {
     /// sizes, by the same parser, and both spellings of a unit are read.
     #[test]
     fn gpu_memory_needs_a_unit() {
-        let errors = parse(&annotations(&[(MODEL, "llama-3-8b"), (GPU_MEMORY, "24")]))
-            .expect_err("no unit");
+        let errors =
+            parse(&annotations(&[(MODEL, "llama-3-8b"), (GPU_MEMORY, "24")])).expect_err("no unit");
         assert_eq!(
             errors[0].to_string(),
             "gpu-memory: `24` has no unit: did you mean `24Gi`? (sizes are like 24Gi, 80G, \
              23028Mi or 24GiB)"
         );
         for (text, bytes) in [("24Gi", Bytes::gib(24)), ("24G", Bytes(24_000_000_000))] {
-            let a = parse(&annotations(&[(MODEL, "llama-3-8b"), (GPU_MEMORY, text)]))
-                .expect("valid");
+            let a =
+                parse(&annotations(&[(MODEL, "llama-3-8b"), (GPU_MEMORY, text)])).expect("valid");
             assert_eq!(a.gpu_memory, Some(bytes), "{text}");
         }
     }

@@ -905,10 +905,13 @@ mod tests {
                 ]
             );
         }
-        let zero: PolicySpec = serde_json::from_str(r#"{"defaultGpuMemory": "0Gi"}"#).expect("shape");
+        let zero: PolicySpec =
+            serde_json::from_str(r#"{"defaultGpuMemory": "0Gi"}"#).expect("shape");
         assert_eq!(
             zero.resolved(),
-            Err(vec!["defaultGpuMemory: `0Gi` is zero: a size must be more than 0".to_string()])
+            Err(vec![
+                "defaultGpuMemory: `0Gi` is zero: a size must be more than 0".to_string()
+            ])
         );
         // Both spellings as before, and the size kept as written for messages.
         let spec: PolicySpec =
@@ -918,7 +921,10 @@ mod tests {
         assert_eq!(p.default_gpu_memory, Bytes::gib(24));
         assert_eq!(p.default_gpu_memory_written.to_string(), "24GiB");
         assert_eq!(p.gpu_memory.get("X"), Some(&Bytes(22_000_000_000)));
-        assert_eq!(Policy::default().default_gpu_memory_written.to_string(), "80Gi");
+        assert_eq!(
+            Policy::default().default_gpu_memory_written.to_string(),
+            "80Gi"
+        );
     }
 
     #[test]

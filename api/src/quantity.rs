@@ -95,8 +95,7 @@ impl Size {
         }
         let multiplier = multiplier(unit).ok_or_else(|| {
             // `24e9`, `-1Gi` and `24 parsecs` all end here; say which it is.
-            if unit.starts_with(['e', 'E']) && unit[1..].starts_with(|c: char| c.is_ascii_digit())
-            {
+            if unit.starts_with(['e', 'E']) && unit[1..].starts_with(|c: char| c.is_ascii_digit()) {
                 SizeError::NotASize(text.to_string())
             } else {
                 SizeError::UnknownUnit {
@@ -142,7 +141,10 @@ impl Size {
         // Up to two decimals, without trailing zeros: `21.6Gi`, `24Gi`, `23028Mi`.
         let mut number = format!("{value:.2}");
         if number.contains('.') {
-            number = number.trim_end_matches('0').trim_end_matches('.').to_string();
+            number = number
+                .trim_end_matches('0')
+                .trim_end_matches('.')
+                .to_string();
         }
         format!("{number}{}", self.unit())
     }
@@ -311,7 +313,10 @@ mod tests {
             ("24P", "`24P`: `P` is not a unit"),
             ("0Gi", "`0Gi` is zero"),
             ("0.0Mi", "`0.0Mi` is zero"),
-            ("99999999999999999999Ti", "`99999999999999999999Ti` is too large"),
+            (
+                "99999999999999999999Ti",
+                "`99999999999999999999Ti` is too large",
+            ),
         ];
         for (text, want) in cases {
             let e = Size::parse(text).expect_err(text).to_string();
@@ -325,7 +330,10 @@ mod tests {
         let s = Size::parse(" 24GiB ").expect("valid");
         assert_eq!(s.to_string(), "24GiB");
         assert_eq!(s.unit(), "GiB");
-        assert_eq!(s.in_unit(Bytes::from_f64(s.bytes().as_f64() * 0.9)), "21.6GiB");
+        assert_eq!(
+            s.in_unit(Bytes::from_f64(s.bytes().as_f64() * 0.9)),
+            "21.6GiB"
+        );
         let s = Size::parse("23028Mi").expect("valid");
         assert_eq!(s.in_unit(s.bytes()), "23028Mi");
         let s = Size::parse("80G").expect("valid");

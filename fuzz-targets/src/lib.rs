@@ -190,8 +190,15 @@ pub fn quantities(data: &[u8]) {
     }
     if let Ok(size) = memguard_api::quantity::Size::parse(text) {
         assert!(size.bytes().0 > 0, "a size is more than 0 bytes");
-        assert_eq!(size.to_string(), text.trim(), "a size says itself back as written");
-        assert!(text.trim().parse::<f64>().is_err(), "a bare number is no size");
+        assert_eq!(
+            size.to_string(),
+            text.trim(),
+            "a size says itself back as written"
+        );
+        assert!(
+            text.trim().parse::<f64>().is_err(),
+            "a bare number is no size"
+        );
     }
     let _ = memguard_estimator::units::parse_count(text);
     if let Ok(d) = memguard_sidecar::config::parse_duration(text)

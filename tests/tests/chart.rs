@@ -837,8 +837,10 @@ fn rbac_is_least_privilege() {
         ("POD_UID", "metadata.uid"),
     ] {
         assert!(
-            env.as_array().expect("env").iter().any(|e| e["name"] == name
-                && e["valueFrom"]["fieldRef"]["fieldPath"] == path),
+            env.as_array()
+                .expect("env")
+                .iter()
+                .any(|e| e["name"] == name && e["valueFrom"]["fieldRef"]["fieldPath"] == path),
             "{name}: {env}"
         );
     }
@@ -1347,7 +1349,10 @@ fn set_string_sizes_without_a_unit_are_refused() {
         .expect("a size with a unit renders");
     let (spec, _) = policy_documents("24GiB", &parse_documents(&text));
     let policy = spec.resolved().expect("valid");
-    assert_eq!(policy.default_gpu_memory, memguard_estimator::Bytes::gib(24));
+    assert_eq!(
+        policy.default_gpu_memory,
+        memguard_estimator::Bytes::gib(24)
+    );
     assert_eq!(policy.default_gpu_memory_written.to_string(), "24GiB");
 }
 

@@ -103,7 +103,10 @@ fn col(name: &str, ty: &str, path: &str) -> (String, String, String) {
 fn memguard_policy_is_cluster_scoped_with_the_policy_document_as_spec() {
     let crds = crds_by_kind();
     let p = &crds["MemguardPolicy"];
-    assert_eq!(p["metadata"]["name"], "memguardpolicies.training.memguard.io");
+    assert_eq!(
+        p["metadata"]["name"],
+        "memguardpolicies.training.memguard.io"
+    );
     assert_eq!(p["spec"]["group"], wellknown::GROUP);
     assert_eq!(p["spec"]["scope"], "Cluster");
     assert_eq!(
@@ -152,7 +155,10 @@ fn memguard_policy_is_cluster_scoped_with_the_policy_document_as_spec() {
             col("Age", "date", ".metadata.creationTimestamp"),
         ]
     );
-    assert_eq!(MemguardPolicy::crd_name(), "memguardpolicies.training.memguard.io");
+    assert_eq!(
+        MemguardPolicy::crd_name(),
+        "memguardpolicies.training.memguard.io"
+    );
 }
 
 /// The schema refuses a sidecar setting of the wrong kind before the webhook ever sees it (the
@@ -218,10 +224,16 @@ fn the_policy_schema_refuses_sizes_without_a_unit() {
     for (spec, valid) in [
         (serde_json::json!({"defaultGpuMemory": "24Gi"}), true),
         (serde_json::json!({"defaultGpuMemory": "24GiB"}), true),
-        (serde_json::json!({"gpuMemory": {"NVIDIA-A10G": "22Gi"}}), true),
+        (
+            serde_json::json!({"gpuMemory": {"NVIDIA-A10G": "22Gi"}}),
+            true,
+        ),
         (serde_json::json!({"defaultGpuMemory": "24"}), false),
         (serde_json::json!({"defaultGpuMemory": "0Gi"}), false),
-        (serde_json::json!({"gpuMemory": {"NVIDIA-A10G": "22"}}), false),
+        (
+            serde_json::json!({"gpuMemory": {"NVIDIA-A10G": "22"}}),
+            false,
+        ),
     ] {
         let schema_says = validate_against_crd(&python, &schema, &policy(spec.clone())).is_ok();
         let webhook_says = serde_json::from_value::<memguard_api::PolicySpec>(spec.clone())
@@ -298,7 +310,10 @@ fn memory_profile_is_namespaced_with_status_subresource_and_useful_columns() {
             .is_some_and(|d| d.contains("which model")),
         "doc comments become descriptions"
     );
-    assert_eq!(MemoryProfile::crd_name(), "memoryprofiles.training.memguard.io");
+    assert_eq!(
+        MemoryProfile::crd_name(),
+        "memoryprofiles.training.memguard.io"
+    );
 }
 
 #[test]

@@ -79,7 +79,10 @@ pub async fn publish_event(why: Arc<str>) {
         }
     };
     match publish(client, &pod, &why).await {
-        Ok(()) => tracing::info!(reason = INVALID_POLICY_REASON, "Event posted on the webhook's Pod"),
+        Ok(()) => tracing::info!(
+            reason = INVALID_POLICY_REASON,
+            "Event posted on the webhook's Pod"
+        ),
         Err(error) => tracing::warn!(%error, "could not post the invalid policy as an Event"),
     }
 }
@@ -88,8 +91,8 @@ pub async fn publish_event(why: Arc<str>) {
 mod tests {
     use super::*;
     use crate::mock_kube;
-    use hyper::StatusCode;
     use http_body_util::BodyExt;
+    use hyper::StatusCode;
 
     fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
         let vars: Vec<(String, String)> = vars
@@ -112,7 +115,10 @@ mod tests {
         assert_eq!(pod.uid.as_deref(), Some("u-1"));
         assert_eq!(pod.kind.as_deref(), Some("Pod"));
         assert_eq!(own_pod(env(&[("POD_NAME", "x")])), None);
-        assert_eq!(own_pod(env(&[("POD_NAME", ""), ("POD_NAMESPACE", "m")])), None);
+        assert_eq!(
+            own_pod(env(&[("POD_NAME", ""), ("POD_NAMESPACE", "m")])),
+            None
+        );
     }
 
     #[test]
@@ -141,7 +147,12 @@ mod tests {
             request.uri().path(),
             "/apis/events.k8s.io/v1/namespaces/memguard/events"
         );
-        let body = request.into_body().collect().await.expect("body").to_bytes();
+        let body = request
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
         let event: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
         assert_eq!(event["type"], "Warning");
         assert_eq!(event["reason"], INVALID_POLICY_REASON);
@@ -149,10 +160,9 @@ mod tests {
         assert_eq!(event["regarding"]["name"], "memguard-webhook-abc");
         assert_eq!(event["regarding"]["kind"], "Pod");
         assert!(
-            event["note"]
-                .as_str()
-                .is_some_and(|n| n.starts_with("not ready, no pod is guarded: invalid policy in")
-                    && n.contains("`24` has no unit")),
+            event["note"].as_str().is_some_and(|n| n
+                .starts_with("not ready, no pod is guarded: invalid policy in")
+                && n.contains("`24` has no unit")),
             "{event}"
         );
         send.send_response(mock_kube::answer(StatusCode::CREATED, &event));

@@ -194,7 +194,9 @@ mod tests {
         ] {
             let errors = policy_from_str(Some(yaml), &Overrides::default()).expect_err(yaml);
             assert!(
-                errors.iter().any(|e| e.contains("has no unit: did you mean `2")),
+                errors
+                    .iter()
+                    .any(|e| e.contains("has no unit: did you mean `2")),
                 "{yaml}: {errors:?}"
             );
         }
@@ -250,15 +252,20 @@ spec:
             errors[0].contains("`kind: ConfigMap` is not a policy"),
             "{errors:?}"
         );
-        let v2 = MANIFEST.replace("training.memguard.io/v1alpha1\nkind", "memguard.io/v2\nkind");
+        let v2 = MANIFEST.replace(
+            "training.memguard.io/v1alpha1\nkind",
+            "memguard.io/v2\nkind",
+        );
         let errors = policy_from_str(Some(&v2), &Overrides::default()).expect_err("no");
         assert!(
             errors[0].contains("apiVersion `memguard.io/v2`"),
             "{errors:?}"
         );
         // Issue 38: the group before training.memguard.io is refused by name.
-        let old_group =
-            MANIFEST.replace("training.memguard.io/v1alpha1\nkind", "memguard.io/v1alpha1\nkind");
+        let old_group = MANIFEST.replace(
+            "training.memguard.io/v1alpha1\nkind",
+            "memguard.io/v1alpha1\nkind",
+        );
         let errors = policy_from_str(Some(&old_group), &Overrides::default()).expect_err("no");
         assert!(
             errors[0].contains(

@@ -90,7 +90,11 @@ async fn ok() -> &'static str {
 async fn ready(State(state): State<AppState>) -> Response {
     match &state.not_ready {
         None => "ok".into_response(),
-        Some(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n")).into_response(),
+        Some(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {why}\n"),
+        )
+            .into_response(),
     }
 }
 

@@ -273,8 +273,12 @@ async fn an_invalid_policy_file_at_start_serves_not_ready_and_says_why() {
         let logged = server.log.iter().find(|l| l["level"] == "ERROR");
         assert!(
             logged.is_some_and(|l| {
-                l["message"].as_str().is_some_and(|m| m.starts_with("NOT READY"))
-                    && l["problems"].as_str().is_some_and(|p| p.starts_with(&said) && p.contains(problem))
+                l["message"]
+                    .as_str()
+                    .is_some_and(|m| m.starts_with("NOT READY"))
+                    && l["problems"]
+                        .as_str()
+                        .is_some_and(|p| p.starts_with(&said) && p.contains(problem))
                     && l["reason"] == "InvalidPolicy"
             }),
             "{:#?}",
@@ -286,11 +290,20 @@ async fn an_invalid_policy_file_at_start_serves_not_ready_and_says_why() {
         let mut conn = Conn::open(server.https, ca.client_config())
             .await
             .expect("TLS handshake");
-        let (status, body) = conn.request("GET", "/readyz", Vec::new()).await.expect("readyz");
+        let (status, body) = conn
+            .request("GET", "/readyz", Vec::new())
+            .await
+            .expect("readyz");
         let body = String::from_utf8_lossy(&body);
         assert_eq!(status, 503, "{body}");
-        assert!(body.starts_with(&format!("not ready: {said}")) && body.contains(problem), "{body}");
-        let (status, _) = conn.request("GET", "/healthz", Vec::new()).await.expect("healthz");
+        assert!(
+            body.starts_with(&format!("not ready: {said}")) && body.contains(problem),
+            "{body}"
+        );
+        let (status, _) = conn
+            .request("GET", "/healthz", Vec::new())
+            .await
+            .expect("healthz");
         assert_eq!(status, 200, "live: no restart loop");
 
         let pod = fixture_pod("single-gpu-lora");
@@ -301,7 +314,10 @@ async fn an_invalid_policy_file_at_start_serves_not_ready_and_says_why() {
         assert_eq!(status, 200);
         let review: serde_json::Value = serde_json::from_slice(&body).expect("AdmissionReview");
         assert_eq!(review["response"]["allowed"], true);
-        assert!(review["response"].get("patch").is_none(), "unguarded: {review}");
+        assert!(
+            review["response"].get("patch").is_none(),
+            "unguarded: {review}"
+        );
         assert!(
             review["response"]["warnings"][0]
                 .as_str()

@@ -455,7 +455,8 @@ async fn a_models_entry_with_a_wrong_parameter_count_is_rejected_and_the_models_
 #[tokio::test]
 async fn a_size_without_a_unit_is_rejected_and_the_last_good_policy_stays() {
     let mut f = fixture(Overrides::default());
-    let good = serde_json::json!({"defaultGpuMemory": "40Gi", "gpuMemory": {"NVIDIA-A10G": "22Gi"}});
+    let good =
+        serde_json::json!({"defaultGpuMemory": "40Gi", "gpuMemory": {"NVIDIA-A10G": "22Gi"}});
     f.feed(vec![Ok(Event::InitApply(resource(NAME, 6, good)))])
         .await;
     let bad = serde_json::json!({"defaultGpuMemory": "24", "gpuMemory": {"NVIDIA-A10G": "22"}});

@@ -300,11 +300,20 @@ async fn not_ready_with_an_invalid_policy_says_why_and_admits_pods_unchanged() {
                 .await
                 .expect("infallible");
             let status = response.status();
-            let body = response.into_body().collect().await.expect("body").to_bytes();
+            let body = response
+                .into_body()
+                .collect()
+                .await
+                .expect("body")
+                .to_bytes();
             (status, String::from_utf8_lossy(&body).into_owned())
         }
     };
-    assert_eq!(get("/healthz").await.0, StatusCode::OK, "live: no restart loop");
+    assert_eq!(
+        get("/healthz").await.0,
+        StatusCode::OK,
+        "live: no restart loop"
+    );
     let (status, body) = get("/readyz").await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(body, format!("not ready: {why}\n"));
