@@ -168,10 +168,12 @@ impl std::str::FromStr for Size {
 /// `Mi`, `Gi`, `Ti` (with or without `B`). As in Kubernetes, `G` is 10⁹ and `Gi` 2³⁰.
 fn multiplier(unit: &str) -> Option<f64> {
     let unit = unit.to_ascii_lowercase();
-    let (prefix, rest) = match unit.chars().next()? {
-        'b' if unit.len() == 1 => return Some(1.0),
-        c => (c, &unit[1..]),
-    };
+    let prefix = unit.chars().next()?;
+    if unit == "b" {
+        return Some(1.0);
+    }
+    // By the character's own length: a unit is any text a user wrote (`24øi`).
+    let rest = &unit[prefix.len_utf8()..];
     let power = match prefix {
         'k' => 1,
         'm' => 2,
@@ -311,6 +313,8 @@ mod tests {
             ("24 parsecs", "`24 parsecs`: `parsecs` is not a unit"),
             ("24Gib2", "`24Gib2`: `Gib2` is not a unit"),
             ("24P", "`24P`: `P` is not a unit"),
+            ("24øi", "`24øi`: `øi` is not a unit"),
+            ("1é", "`1é`: `é` is not a unit"),
             ("0Gi", "`0Gi` is zero"),
             ("0.0Mi", "`0.0Mi` is zero"),
             (
