@@ -29,7 +29,8 @@ macro_rules! annotation_flags {
                 #[arg(long = $key, value_name = "VALUE", allow_hyphen_values = true, help_heading = "Model and training (annotation keys)")]
                 $field: Option<String>,
             )+
-            /// Memory available for the step: bytes or a size such as `24GiB`, `80G`. Default:
+            /// Memory available for the step: a number and a unit, such as `24GiB`, `80G`,
+            /// `23028Mi` (bytes as `1073741824B`; a bare number is refused). Default:
             /// the budget the webhook would give a pod asking for --gpu-resource (and pinned to
             /// --gpu-product), else gpu-memory × safety-ratio when gpu-memory is given.
             #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
@@ -208,7 +209,7 @@ annotation_flags! {
     parallelism => "parallelism",
     /// Devices in data parallelism.
     world_size => "world-size",
-    /// Memory per GPU, e.g. `80GiB` (budget = gpu-memory × safety-ratio).
+    /// Memory per GPU, a number and a unit, e.g. `80GiB` (budget = gpu-memory × safety-ratio).
     gpu_memory => "gpu-memory",
     /// Fraction of the memory the plan may use, in (0, 1] (default 0.9).
     safety_ratio => "safety-ratio",
