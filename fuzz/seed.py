@@ -73,7 +73,7 @@ for path in [os.path.join(root, "webhook/tests/fixtures/policy.yaml")] + sorted(
         add("policy", text)
         spec = yaml.safe_load(text)
         add("policy", json.dumps(spec))
-        add("policy", yaml.safe_dump({"apiVersion": "memguard.io/v1alpha1", "kind": "MemguardPolicy",
+        add("policy", yaml.safe_dump({"apiVersion": "training.memguard.io/v1alpha1", "kind": "MemguardPolicy",
                                       "metadata": {"name": "default"}, "spec": spec}))
 # A policy that adds models (spec.models, each a config.json), and pods naming them.
 with open(os.path.join(root, "webhook/tests/fixtures/policy-models.yaml")) as f:

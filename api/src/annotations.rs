@@ -4,9 +4,10 @@
 //! parser ([`TrainingAnnotations::parse_keys`]), so a pod and a command line can never disagree.
 
 use crate::models::ModelCatalog;
+use crate::quantity::Size;
 use memguard_estimator::{
     Bytes, ConfigError, Device, GradSync, LoraTargets, Loss, Method, ModelShape, Optimizer,
-    Parallelism, Precision, TrainingConfig, parse_bytes, parse_count,
+    Parallelism, Precision, TrainingConfig, parse_count,
 };
 use std::collections::BTreeMap;
 use std::fmt;
@@ -111,7 +112,8 @@ pub const DEVICE: &str = "memguard.io/device";
 pub const PARALLELISM: &str = "memguard.io/parallelism";
 /// Devices in data parallelism.
 pub const WORLD_SIZE: &str = "memguard.io/world-size";
-/// Memory per GPU (`80GiB`, `24G`), overriding the policy's product table.
+/// Memory per GPU, a number and a unit (`80GiB`, `24G`, `23028Mi`), overriding the policy's
+/// product table.
 pub const GPU_MEMORY: &str = "memguard.io/gpu-memory";
 /// Fraction of the memory the plan may use, in (0, 1].
 pub const SAFETY_RATIO: &str = "memguard.io/safety-ratio";
@@ -409,12 +411,9 @@ impl TrainingAnnotations {
         if let Some(v) = p.whole(WORLD_SIZE) {
             config.world_size = v;
         }
+        // The one size parser (`crate::quantity`): a bare number is refused, never bytes.
         let gpu_memory = p.parse_with(GPU_MEMORY, |s| {
-            let b = parse_bytes(s).map_err(|e| e.to_string())?;
-            if b == Bytes::ZERO {
-                return Err("must be more than 0".into());
-            }
-            Ok(b)
+            Size::parse(s).map(|s| s.bytes()).map_err(|e| e.to_string())
         });
         let safety_ratio = p.parse_with(SAFETY_RATIO, |s| {
             let r: f64 = s
@@ -854,6 +853,24 @@ mod tests {
             Some("PER_DEVICE_TRAIN_BATCH_SIZE")
         );
         assert!(!a.device_given);
+    }
+
+    /// Issue 38: `memguard.io/gpu-memory: "24"` was 24 bytes; it is refused like the policy's
+    /// sizes, by the same parser, and both spellings of a unit are read.
+    #[test]
+    fn gpu_memory_needs_a_unit() {
+        let errors =
+            parse(&annotations(&[(MODEL, "llama-3-8b"), (GPU_MEMORY, "24")])).expect_err("no unit");
+        assert_eq!(
+            errors[0].to_string(),
+            "gpu-memory: `24` has no unit: did you mean `24Gi`? (sizes are like 24Gi, 80G, \
+             23028Mi or 24GiB)"
+        );
+        for (text, bytes) in [("24Gi", Bytes::gib(24)), ("24G", Bytes(24_000_000_000))] {
+            let a =
+                parse(&annotations(&[(MODEL, "llama-3-8b"), (GPU_MEMORY, text)])).expect("valid");
+            assert_eq!(a.gpu_memory, Some(bytes), "{text}");
+        }
     }
 
     #[test]

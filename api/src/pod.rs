@@ -15,6 +15,9 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use memguard_estimator::{Bytes, Device, Parallelism, TrainingConfig};
 use std::collections::{BTreeMap, BTreeSet};
 
+/// Kubernetes quantities are read where every size is ([`crate::quantity`]).
+pub use crate::quantity::parse_quantity;
+
 /// NVIDIA MIG, mixed strategy: one resource per profile, `nvidia.com/mig-<g>g.<m>gb`.
 pub const NVIDIA_MIG_RESOURCE_PREFIX: &str = "nvidia.com/mig-";
 /// NVIDIA MIG, single strategy: `nvidia.com/gpu.product` of a MIG node ends `-MIG-<profile>`.
@@ -2179,48 +2182,6 @@ pub fn pinned_values(pod: &Pod, label: &str) -> Vec<String> {
     products.sort();
     products.dedup();
     products
-}
-
-/// Parses a Kubernetes quantity (`64Gi`, `500M`, `1e9`, `128974848`, `2`) into base units
-/// (bytes for memory, devices for GPUs), rounding milli-units up. Case matters, unlike the
-/// estimator's human spellings: `m` is milli, `M` mega. `None` for anything that is not a
-/// valid, non-negative quantity.
-pub fn parse_quantity(s: &str) -> Option<u64> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '+'))
-        .unwrap_or(s.len());
-    let (number, suffix) = s.split_at(split);
-    if number.is_empty() {
-        return None;
-    }
-    let value: f64 = number.parse().ok()?;
-    let multiplier: f64 = match suffix {
-        "" => 1.0,
-        "m" => 1e-3,
-        "k" => 1e3,
-        "M" => 1e6,
-        "G" => 1e9,
-        "T" => 1e12,
-        "P" => 1e15,
-        "E" => 1e18,
-        "Ki" => 1024.0,
-        "Mi" => 1024f64.powi(2),
-        "Gi" => 1024f64.powi(3),
-        "Ti" => 1024f64.powi(4),
-        "Pi" => 1024f64.powi(5),
-        "Ei" => 1024f64.powi(6),
-        exp if exp.starts_with(['e', 'E']) => {
-            let e: i32 = exp[1..].parse().ok()?;
-            10f64.powi(e)
-        }
-        _ => return None,
-    };
-    let n = value * multiplier;
-    if !n.is_finite() || n < 0.0 || n >= u64::MAX as f64 {
-        return None;
-    }
-    Some(n.ceil() as u64)
 }
 
 #[cfg(test)]

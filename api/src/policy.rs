@@ -9,7 +9,8 @@ use crate::duration::{format_duration, parse_duration};
 use crate::env;
 use crate::knobs::Knob;
 use crate::models::{ModelCatalog, ModelSpec};
-use memguard_estimator::{Bytes, parse_bytes};
+use crate::quantity::Size;
+use memguard_estimator::Bytes;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -286,12 +287,16 @@ pub struct PolicySpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "crd", schemars(range(min = 0.0, max = 1.0)))]
     pub safety_ratio: Option<f64>,
-    /// GPU memory per device when no product is known (default `80Gi`).
+    /// GPU memory per device when no product is known (default `80Gi`): a number and a unit
+    /// (`24Gi`, `80G`, `23028Mi`, `24GiB`); a bare number is refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(regex(pattern = crate::quantity::SIZE_PATTERN)))]
     pub default_gpu_memory: Option<String>,
     /// GPU memory per `nvidia.com/gpu.product` label value, e.g. `NVIDIA-A10G: 23028Mi`; these
-    /// entries override (and add to) memguard's built-in table of common NVIDIA products.
+    /// entries override (and add to) memguard's built-in table of common NVIDIA products. Each
+    /// is a number and a unit, as `defaultGpuMemory`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[cfg_attr(feature = "crd", schemars(schema_with = "sizes_schema"))]
     pub gpu_memory: BTreeMap<String, String>,
     /// The injected sidecar.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -346,6 +351,19 @@ pub struct PolicySpec {
     /// (`--bs 16`, `--bs=16`; an absent mapped flag is appended).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub flag_maps: Vec<FlagMapSpec>,
+}
+
+/// A map of sizes, each checked by [`crate::quantity::SIZE_PATTERN`].
+#[cfg(feature = "crd")]
+fn sizes_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    // The field's doc comment becomes the description.
+    schemars::json_schema!({
+        "type": "object",
+        "additionalProperties": {
+            "type": "string",
+            "pattern": crate::quantity::SIZE_PATTERN,
+        },
+    })
 }
 
 /// One entry of the policy's `flagMaps`, as written.
@@ -474,6 +492,8 @@ pub struct Policy {
     pub safety_ratio: f64,
     /// GPU memory when no product is known.
     pub default_gpu_memory: Bytes,
+    /// The same, as the policy wrote it: messages say it back in the user's unit.
+    pub default_gpu_memory_written: Size,
     /// GPU memory per product.
     pub gpu_memory: BTreeMap<String, Bytes>,
     /// Sidecar image.
@@ -525,12 +545,10 @@ impl PolicySpec {
         if !(safety_ratio > 0.0 && safety_ratio <= 1.0) {
             errors.push(format!("safetyRatio: {safety_ratio} is not in (0, 1]"));
         }
-        let mut quantity = |field: &str, s: &str| match parse_bytes(s) {
-            Ok(b) if b > Bytes::ZERO => Some(b),
-            Ok(_) => {
-                errors.push(format!("{field}: must be more than 0"));
-                None
-            }
+        // Every size goes through the one parser (`crate::quantity`): a bare number is refused
+        // with the unit it most likely meant, never read as bytes.
+        let mut quantity = |field: &str, s: &str| match Size::parse(s) {
+            Ok(size) => Some(size),
             Err(e) => {
                 errors.push(format!("{field}: {e}"));
                 None
@@ -550,7 +568,7 @@ impl PolicySpec {
         let gpu_memory: BTreeMap<String, Bytes> = entries
             .iter()
             .filter_map(|(product, q)| {
-                quantity(&format!("gpuMemory[{product}]"), q).map(|b| (product.clone(), b))
+                quantity(&format!("gpuMemory[{product}]"), q).map(|s| (product.clone(), s.bytes()))
             })
             .collect();
         let thresholds = self.thresholds.unwrap_or_default();
@@ -610,13 +628,17 @@ impl PolicySpec {
         if !errors.is_empty() {
             return Err(errors);
         }
+        // Parsed above, and an error returned had it failed; the constant is a size.
+        let default_gpu_memory = default_gpu_memory
+            .unwrap_or_else(|| Size::parse(DEFAULT_GPU_MEMORY).expect("the default is a size"));
         let client = self.client.clone().unwrap_or_default();
         let sidecar_image = sidecar
             .image
             .unwrap_or_else(|| DEFAULT_SIDECAR_IMAGE.to_string());
         Ok(Policy {
             safety_ratio,
-            default_gpu_memory: default_gpu_memory.unwrap_or(Bytes::gib(80)),
+            default_gpu_memory: default_gpu_memory.bytes(),
+            default_gpu_memory_written: default_gpu_memory,
             gpu_memory,
             client_inject: client.inject.unwrap_or(true),
             client_image: client
@@ -860,6 +882,49 @@ mod tests {
         let errors = spec.resolved().expect_err("values are not");
         assert_eq!(errors.len(), 3, "{errors:?}");
         assert!(errors[1].starts_with("gpuMemory[NVIDIA-A10G]"));
+    }
+
+    /// Issue 38: `defaultGpuMemory: 24` and `gpuMemory: {NVIDIA-A10G: 22}` were 24 and 22
+    /// bytes, and every pod planned against them "cannot fit". Both are refused now, each with
+    /// its field and the unit it most likely meant; the policy is not loaded.
+    #[test]
+    fn sizes_without_a_unit_are_refused_with_the_unit_they_most_likely_meant() {
+        for doc in [
+            r#"{"defaultGpuMemory": "24", "gpuMemory": {"NVIDIA-A10G": "22"}}"#,
+            r#"{"defaultGpuMemory": " 24 ", "gpuMemory": {"NVIDIA-A10G": " 22 "}}"#,
+        ] {
+            let spec: PolicySpec = serde_json::from_str(doc).expect("the shape is valid");
+            let errors = spec.resolved().expect_err("no unit");
+            assert_eq!(
+                errors,
+                [
+                    "defaultGpuMemory: `24` has no unit: did you mean `24Gi`? (sizes are like \
+                     24Gi, 80G, 23028Mi or 24GiB)",
+                    "gpuMemory[NVIDIA-A10G]: `22` has no unit: did you mean `22Gi`? (sizes are \
+                     like 24Gi, 80G, 23028Mi or 24GiB)",
+                ]
+            );
+        }
+        let zero: PolicySpec =
+            serde_json::from_str(r#"{"defaultGpuMemory": "0Gi"}"#).expect("shape");
+        assert_eq!(
+            zero.resolved(),
+            Err(vec![
+                "defaultGpuMemory: `0Gi` is zero: a size must be more than 0".to_string()
+            ])
+        );
+        // Both spellings as before, and the size kept as written for messages.
+        let spec: PolicySpec =
+            serde_json::from_str(r#"{"defaultGpuMemory": "24GiB", "gpuMemory": {"X": "22G"}}"#)
+                .expect("shape");
+        let p = spec.resolved().expect("valid");
+        assert_eq!(p.default_gpu_memory, Bytes::gib(24));
+        assert_eq!(p.default_gpu_memory_written.to_string(), "24GiB");
+        assert_eq!(p.gpu_memory.get("X"), Some(&Bytes(22_000_000_000)));
+        assert_eq!(
+            Policy::default().default_gpu_memory_written.to_string(),
+            "80Gi"
+        );
     }
 
     #[test]

@@ -35,7 +35,7 @@ pub const WEBHOOK_METRICS_PORT: u16 = 9090;
 /// Default termination-message path (Kubernetes' own default).
 pub const TERMINATION_LOG: &str = "/dev/termination-log";
 /// The API group of memguard's CRDs.
-pub const GROUP: &str = "memguard.io";
+pub const GROUP: &str = "training.memguard.io";
 /// Extended resource name of NVIDIA GPUs.
 pub const NVIDIA_GPU_RESOURCE: &str = "nvidia.com/gpu";
 /// Node label naming the GPU product (GPU feature discovery).

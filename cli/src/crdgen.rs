@@ -7,7 +7,7 @@ use std::process::ExitCode;
 /// Flags of `memguard crdgen`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Folder to write `<plural>.memguard.io.yaml` files into (created if missing). Without it,
+    /// Folder to write `<plural>.training.memguard.io.yaml` files into (created if missing). Without it,
     /// every CRD goes to stdout as one multi-document stream.
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,

@@ -6,10 +6,10 @@
 use memguard_api::annotations::TrainingAnnotations;
 use memguard_api::dra::DraCatalog;
 use memguard_api::policy::DEFAULT_SAFETY_RATIO;
-use memguard_api::{ModelCatalog, Policy, TrainingPod};
+use memguard_api::{ModelCatalog, Policy, Size, TrainingPod};
 use memguard_estimator::{
     Bound, Bytes, Calibration, DowngradePlan, Estimate, GradSync, ServingConfig, Suggestion,
-    TrainingConfig, catalog, estimate_serving, parse_bytes,
+    TrainingConfig, catalog, estimate_serving,
 };
 use memguard_learn::decision;
 use serde_json::{Value, json};
@@ -29,7 +29,8 @@ macro_rules! annotation_flags {
                 #[arg(long = $key, value_name = "VALUE", allow_hyphen_values = true, help_heading = "Model and training (annotation keys)")]
                 $field: Option<String>,
             )+
-            /// Memory available for the step: bytes or a size such as `24GiB`, `80G`. Default:
+            /// Memory available for the step: a number and a unit, such as `24GiB`, `80G`,
+            /// `23028Mi` (bytes as `1073741824B`; a bare number is refused). Default:
             /// the budget the webhook would give a pod asking for --gpu-resource (and pinned to
             /// --gpu-product), else gpu-memory × safety-ratio when gpu-memory is given.
             #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
@@ -208,7 +209,7 @@ annotation_flags! {
     parallelism => "parallelism",
     /// Devices in data parallelism.
     world_size => "world-size",
-    /// Memory per GPU, e.g. `80GiB` (budget = gpu-memory × safety-ratio).
+    /// Memory per GPU, a number and a unit, e.g. `80GiB` (budget = gpu-memory × safety-ratio).
     gpu_memory => "gpu-memory",
     /// Fraction of the memory the plan may use, in (0, 1] (default 0.9).
     safety_ratio => "safety-ratio",
@@ -320,12 +321,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         _ => Vec::new(),
     };
+    // `--budget` as written (already checked): the table says it back in the user's unit.
+    let written = args.budget.as_deref().and_then(|b| Size::parse(b).ok());
     write_output(
         &mut out,
         args.output,
         cfg,
         &estimate,
-        (plan.as_ref(), &suggestions),
+        (plan.as_ref(), &suggestions, written.as_ref()),
         decided.as_ref(),
         (upper, policy.estimate_level),
     )?;
@@ -381,7 +384,7 @@ fn write_output(
     output: Output,
     cfg: &TrainingConfig,
     estimate: &Estimate,
-    (plan, suggestions): (Option<&DowngradePlan>, &[Suggestion]),
+    (plan, suggestions, written): (Option<&DowngradePlan>, &[Suggestion], Option<&Size>),
     decided: Option<&decision::Decision>,
     (upper, level): (Bytes, f64),
 ) -> anyhow::Result<()> {
@@ -417,7 +420,7 @@ fn write_output(
             writeln!(out)?;
         }
         Output::Table => {
-            write_table(out, cfg, estimate, plan)?;
+            write_table(out, cfg, estimate, plan, written)?;
             if !suggestions.is_empty() {
                 writeln!(
                     out,
@@ -826,19 +829,9 @@ fn bad_input(messages: impl IntoIterator<Item = String>) -> ExitCode {
 /// `--budget`, else gpu-memory × safety-ratio, else none.
 fn resolve_budget(args: &Args, parsed: &TrainingAnnotations) -> Result<Option<Bytes>, String> {
     if let Some(b) = &args.budget {
-        // A bare number is bytes; one under 1 MiB is never a budget: `--budget 24` meant 24 GiB.
-        if b.trim().parse::<f64>().is_ok_and(|n| n < 1_048_576.0) {
-            return Err(format!(
-                "--budget: `{b}` has no unit; did you mean `{}GiB`? (sizes are like 24GiB, 80Gi, \
-                 23028Mi)",
-                b.trim()
-            ));
-        }
-        let bytes = parse_bytes(b).map_err(|e| format!("--budget: {e}"))?;
-        if bytes == Bytes::ZERO {
-            return Err("--budget: must be more than 0".into());
-        }
-        return Ok(Some(bytes));
+        // The one size parser: `--budget 40` is refused with "did you mean `40Gi`?".
+        let size = Size::parse(b).map_err(|e| format!("--budget: {e}"))?;
+        return Ok(Some(size.bytes()));
     }
     Ok(parsed.gpu_memory.map(|gpu| {
         Bytes::from_f64(gpu.as_f64() * parsed.safety_ratio.unwrap_or(DEFAULT_SAFETY_RATIO)).min(gpu)
@@ -904,6 +897,7 @@ fn write_table(
     cfg: &TrainingConfig,
     estimate: &Estimate,
     plan: Option<&DowngradePlan>,
+    written: Option<&Size>,
 ) -> std::io::Result<()> {
     let name = cfg.model.name.as_deref().unwrap_or("custom shape");
     writeln!(
@@ -924,7 +918,10 @@ fn write_table(
         return Ok(());
     };
     writeln!(out)?;
-    writeln!(out, "budget {}", plan.budget)?;
+    match written.filter(|w| w.bytes() == plan.budget) {
+        Some(w) => writeln!(out, "budget {w} ({})", plan.budget)?,
+        None => writeln!(out, "budget {}", plan.budget)?,
+    }
     if plan.steps.is_empty() && plan.fits {
         writeln!(out, "fits as configured: no downgrade needed")?;
         return Ok(());

@@ -32,7 +32,8 @@ pub struct Args {
     #[arg(long)]
     pub safety_ratio: Option<f64>,
 
-    /// GPU memory when no product is known (e.g. `80Gi`); overrides the policy file.
+    /// GPU memory when no product is known, a number and a unit (e.g. `80Gi`); overrides the
+    /// policy file.
     #[arg(long)]
     pub default_gpu_memory: Option<String>,
 

@@ -91,7 +91,7 @@ fn the_upper_bound_follows_the_policys_estimate_level_and_the_plan_is_checked_ag
     let policy = dir.path().join("policy.yaml");
     std::fs::write(
         &policy,
-        "apiVersion: memguard.io/v1alpha1\nkind: MemguardPolicy\nmetadata:\n  name: default\nspec:\n  estimateLevel: 0.8\n",
+        "apiVersion: training.memguard.io/v1alpha1\nkind: MemguardPolicy\nmetadata:\n  name: default\nspec:\n  estimateLevel: 0.8\n",
     )
     .expect("policy written");
     let base = ["estimate", "--model", "llama-3-8b", "--method", "lora"];
@@ -103,7 +103,7 @@ fn the_upper_bound_follows_the_policys_estimate_level_and_the_plan_is_checked_ag
     assert_eq!(lower["total_bytes"], default["total_bytes"]);
 
     // A budget at the point estimate: the bound does not fit it, so the plan downgrades.
-    let budget = u64_at(&default, "total_bytes").to_string();
+    let budget = format!("{}B", u64_at(&default, "total_bytes"));
     let v = json(&[&base[..], &["--budget", &budget]].concat());
     assert!(!v["steps"].as_array().expect("steps").is_empty());
     if v["fits"] == true {
@@ -131,7 +131,7 @@ fn budget_that_is_too_small_downgrades_and_keeps_the_effective_batch() {
     .concat();
     let unplanned = json(&args);
     let budget = u64_at(&unplanned, "total_bytes") * 3 / 4;
-    let budget_arg = budget.to_string();
+    let budget_arg = format!("{budget}B");
     let v = json(&[&args[..], &["--budget", &budget_arg]].concat());
     assert_eq!(u64_at(&v, "budget_bytes"), budget);
     let steps = v["steps"].as_array().expect("steps");
@@ -187,7 +187,7 @@ fn grad_sync_flag_keeps_fsdp_gradients_sharded_and_the_plan_syncs_before_halving
         &["--grad-sync", "each-batch", "--grad-checkpointing", "true"],
     ]
     .concat();
-    let budget = u64_at(&json(&checkpointed), "total_upper_bytes").to_string();
+    let budget = format!("{}B", u64_at(&json(&checkpointed), "total_upper_bytes"));
     let v = json(&[&fsdp[..], &["--budget", &budget]].concat());
     let rungs: Vec<&str> = v["steps"]
         .as_array()
@@ -868,15 +868,48 @@ fn the_policy_files_floors_bound_the_plan() {
     }
 }
 
-/// `--budget 24` was 24 bytes, silently; a unit is required, and the message suggests one.
+/// `--budget 24` was 24 bytes, silently; a unit is required, and the message suggests one, in
+/// the words of the one size parser the policy shares (issue 38). So does `--gpu-memory 40`, and
+/// a figure in bytes needs its `B`.
 /// `--batch-size 7B` was taken as 7e9; counts are whole numbers.
 #[test]
 fn a_budget_needs_a_unit_and_a_batch_size_is_a_whole_number() {
     let base = ["estimate", "--model", "llama-3-8b"];
-    let out = memguard(&[&base[..], &["--budget", "24"]].concat());
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("did you mean `24GiB`"), "{err}");
+    for (args, said) in [
+        (
+            &["--budget", "24"][..],
+            "error: --budget: `24` has no unit: did you mean `24Gi`? (sizes are like 24Gi, 80G, \
+             23028Mi or 24GiB)\n",
+        ),
+        (
+            &["--budget", "40"][..],
+            "error: --budget: `40` has no unit: did you mean `40Gi`? (sizes are like 24Gi, 80G, \
+             23028Mi or 24GiB)\n",
+        ),
+        (
+            &["--budget", "42949672960"][..],
+            "error: --budget: `42949672960` has no unit: did you mean `42949672960B`? (sizes are \
+             like 24Gi, 80G, 23028Mi or 24GiB)\n",
+        ),
+        (
+            &["--gpu-memory", "40"][..],
+            "error: --gpu-memory: `40` has no unit: did you mean `40Gi`? (sizes are like 24Gi, \
+             80G, 23028Mi or 24GiB)\n",
+        ),
+    ] {
+        let out = memguard(&[&base[..], args].concat());
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(said), "{args:?}: {err}");
+    }
+    // Both spellings as before; the table says the budget back as written.
+    let out = memguard(&[&base[..], &["--budget", "40GiB"]].concat());
+    assert_ne!(out.status.code(), Some(2), "read (fits or not)");
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("\nbudget 40GiB (40.00 GiB)\n"), "{table}");
+    let out = memguard(&[&base[..], &["--budget", "40Gi", "--output", "json"]].concat());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(v["budget_bytes"], 40u64 << 30);
     let out = memguard(&[&base[..], &["--batch-size", "7B"]].concat());
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);

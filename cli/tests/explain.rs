@@ -97,7 +97,7 @@ fn explain_json(dir: &Path, pod: &Value, extra: &[&str]) -> Value {
 fn profile_after(e: &Value) -> String {
     let p = &e["next"]["profile"];
     json!({
-        "apiVersion": "memguard.io/v1alpha1",
+        "apiVersion": "training.memguard.io/v1alpha1",
         "kind": "MemoryProfile",
         "metadata": {"name": p["name"], "namespace": "ml"},
         "spec": p["spec"],
@@ -315,7 +315,7 @@ fn a_bad_profile_or_policy_is_a_usage_error_that_names_it() {
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
     std::fs::write(d.join("pod.yaml"), POD).expect("write");
-    let other_key = "apiVersion: memguard.io/v1alpha1\nkind: MemoryProfile\nmetadata: {name: x}\nspec: {model: llama-3-70b, method: lora, precision: bf16-mixed, deviceClass: gpu, device: gpu}\n";
+    let other_key = "apiVersion: training.memguard.io/v1alpha1\nkind: MemoryProfile\nmetadata: {name: x}\nspec: {model: llama-3-70b, method: lora, precision: bf16-mixed, deviceClass: gpu, device: gpu}\n";
     // (file name, contents, flag, expected in stderr)
     let table = [
         (

@@ -230,7 +230,7 @@ fn a_memguard_policy_manifest_works_as_the_policy_file() {
     // The fixture as `kubectl apply` takes it: the spec indented under a MemguardPolicy.
     let spec_lines: String = spec.lines().map(|l| format!("  {l}\n")).collect();
     let manifest = format!(
-        "apiVersion: memguard.io/v1alpha1\nkind: MemguardPolicy\nmetadata:\n  name: default\n\
+        "apiVersion: training.memguard.io/v1alpha1\nkind: MemguardPolicy\nmetadata:\n  name: default\n\
          spec:\n{spec_lines}"
     );
     let dir = tempfile::tempdir().expect("tempdir");
@@ -278,8 +278,8 @@ fn a_memguard_policy_manifest_works_as_the_policy_file() {
             "`kind: ConfigMap` is not a policy",
         ),
         (
-            manifest.replace("memguard.io/v1alpha1", "memguard.io/v1"),
-            "apiVersion `memguard.io/v1`",
+            manifest.replace("training.memguard.io/v1alpha1", "training.memguard.io/v1"),
+            "apiVersion `training.memguard.io/v1`",
         ),
         (
             manifest.replace("safetyRatio: 0.9", "safetyRatio: 9"),

@@ -5,7 +5,8 @@ use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
 
-/// A LoRA pod on one GPU (no product pinned) at batch 16, with `gpu_memory` and safety ratio 1.
+/// A LoRA pod on one GPU (no product pinned) at batch 16, with `gpu_memory` bytes and safety
+/// ratio 1.
 fn pod(gpu_memory: u64) -> String {
     format!(
         r#"
@@ -20,7 +21,7 @@ metadata:
     memguard.io/method: lora
     memguard.io/batch-size: "16"
     memguard.io/seq-length: "2048"
-    memguard.io/gpu-memory: "{gpu_memory}"
+    memguard.io/gpu-memory: "{gpu_memory}B"
     memguard.io/safety-ratio: "1"
 spec:
   restartPolicy: Never
@@ -33,7 +34,7 @@ spec:
 fn profile(status: &str) -> String {
     format!(
         r#"
-apiVersion: memguard.io/v1alpha1
+apiVersion: training.memguard.io/v1alpha1
 kind: MemoryProfile
 metadata: {{name: llama-3-8b-lora-bf16-mixed-gpu, namespace: ml}}
 spec: {{model: llama-3-8b, method: lora, precision: bf16-mixed, deviceClass: gpu, device: gpu}}

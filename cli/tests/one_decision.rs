@@ -277,7 +277,7 @@ fn mutate_estimate_and_explain_give_the_same_budget_plan_and_key() {
 
         // memguard mutate with that profile reads it under its key: the next pod is the one
         // explain announced, one step down.
-        let manifest = json!({"apiVersion": "memguard.io/v1alpha1", "kind": "MemoryProfile",
+        let manifest = json!({"apiVersion": "training.memguard.io/v1alpha1", "kind": "MemoryProfile",
             "metadata": {"name": profile["name"], "namespace": "ml"},
             "spec": profile["spec"], "status": profile["status"]});
         let next = mutate(d, &case, &pod, Some(&manifest));

@@ -41,4 +41,4 @@ pub use plan::{
     plan_against, plan_with_floors,
 };
 pub use suggest::{Suggestion, suggest};
-pub use units::{Bytes, ParseError, parse_bytes, parse_count};
+pub use units::{Bytes, ParseError, parse_count};

@@ -1,4 +1,5 @@
-//! Units as types, and the human spellings users write them in (`24GiB`, `80G`, `7B`, `125M`).
+//! Units as types, and the human spellings users write counts in (`7B`, `125M`). Sizes in bytes
+//! (`24Gi`, `24GiB`) are read by `memguard_api::quantity`, the one size parser.
 
 use std::fmt;
 
@@ -117,30 +118,6 @@ fn split_number(s: &str, examples: &'static str) -> Result<(f64, String), ParseE
     Ok((value, suffix.trim().to_ascii_lowercase()))
 }
 
-/// Parses a byte size: plain bytes (`1073741824`), SI (`80G`, `80GB`, `500M`, `1e9`) or binary
-/// (`24GiB`, `24Gi`, `512MiB`). As in Kubernetes quantities, `G` is 10⁹ and `Gi` 2³⁰.
-pub fn parse_bytes(s: &str) -> Result<Bytes, ParseError> {
-    const EXAMPLES: &str = "`24GiB`, `24Gi`, `80G`, `512MiB`, `1073741824`";
-    let (value, suffix) = split_number(s, EXAMPLES)?;
-    let multiplier: f64 = match suffix.as_str() {
-        "" | "b" => 1.0,
-        "k" | "kb" => 1e3,
-        "m" | "mb" => 1e6,
-        "g" | "gb" => 1e9,
-        "t" | "tb" => 1e12,
-        "ki" | "kib" => 1024.0,
-        "mi" | "mib" => 1024.0 * 1024.0,
-        "gi" | "gib" => 1024.0 * 1024.0 * 1024.0,
-        "ti" | "tib" => 1024.0f64.powi(4),
-        _ => return Err(ParseError::Invalid(s.trim().to_string(), EXAMPLES)),
-    };
-    let bytes = value * multiplier;
-    if bytes >= u64::MAX as f64 {
-        return Err(ParseError::OutOfRange(s.trim().to_string()));
-    }
-    Ok(Bytes(bytes.round() as u64))
-}
-
 /// Parses a count such as a parameter count: `7e9`, `7B`, `125M`, `1.5K`, `6738415616`.
 pub fn parse_count(s: &str) -> Result<u64, ParseError> {
     const EXAMPLES: &str = "`7B`, `125M`, `7e9`, `6738415616`";
@@ -163,28 +140,6 @@ pub fn parse_count(s: &str) -> Result<u64, ParseError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_binary_and_si_sizes() {
-        assert_eq!(parse_bytes("24GiB"), Ok(Bytes::gib(24)));
-        assert_eq!(parse_bytes("24Gi"), Ok(Bytes::gib(24)));
-        assert_eq!(parse_bytes("80G"), Ok(Bytes(80_000_000_000)));
-        assert_eq!(parse_bytes("80GB"), Ok(Bytes(80_000_000_000)));
-        assert_eq!(parse_bytes("512MiB"), Ok(Bytes::mib(512)));
-        assert_eq!(parse_bytes("1e9"), Ok(Bytes(1_000_000_000)));
-        assert_eq!(parse_bytes(" 1024 "), Ok(Bytes(1024)));
-    }
-
-    #[test]
-    fn rejects_bad_sizes() {
-        assert!(matches!(
-            parse_bytes("24 parsecs"),
-            Err(ParseError::Invalid(..))
-        ));
-        assert!(matches!(parse_bytes("-1G"), Err(ParseError::OutOfRange(_))));
-        assert_eq!(parse_bytes(""), Err(ParseError::Empty));
-        assert!(parse_bytes("GiB").is_err());
-    }
 
     #[test]
     fn parses_counts() {

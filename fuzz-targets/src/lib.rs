@@ -171,9 +171,9 @@ pub fn admission_review(data: &[u8]) {
     );
 }
 
-/// Quantities (`64Gi`, `1e9`), the estimator's sizes and counts (`24GiB`, `7B`) and the
-/// sidecar's durations (`100ms`, `2s`). Invariants: a plain integer parses to itself; the
-/// estimator's byte sizes are non-negative and finite by construction (no panic is the check).
+/// Quantities (`64Gi`, `1e9`), sizes (`24GiB`), the estimator's counts (`7B`) and the sidecar's
+/// durations (`100ms`, `2s`). Invariants: a plain integer quantity parses to itself; a size is
+/// more than 0 bytes, says itself back as written, and is never a bare number.
 pub fn quantities(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
@@ -188,7 +188,18 @@ pub fn quantities(data: &[u8]) {
             "an exact integer quantity parses to itself"
         );
     }
-    let _ = memguard_estimator::units::parse_bytes(text);
+    if let Ok(size) = memguard_api::quantity::Size::parse(text) {
+        assert!(size.bytes().0 > 0, "a size is more than 0 bytes");
+        assert_eq!(
+            size.to_string(),
+            text.trim(),
+            "a size says itself back as written"
+        );
+        assert!(
+            text.trim().parse::<f64>().is_err(),
+            "a bare number is no size"
+        );
+    }
     let _ = memguard_estimator::units::parse_count(text);
     if let Ok(d) = memguard_sidecar::config::parse_duration(text)
         && let Ok(secs) = text.trim().parse::<u64>()

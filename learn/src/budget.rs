@@ -271,14 +271,15 @@ fn device_memory(
             if products.is_empty() {
                 warnings.push(truncate(&format!(
                     "{ASSUMED_DEFAULT} {} (no GPU product label); set {}",
-                    policy.default_gpu_memory,
+                    // As the policy wrote it (`24Gi`), not `24.00 GiB`.
+                    policy.default_gpu_memory_written,
                     memguard_api::annotations::GPU_MEMORY
                 )));
             } else {
                 warnings.push(truncate(&format!(
                     "memguard: GPU product {} not in the policy table; assuming {}",
                     products.join("|"),
-                    policy.default_gpu_memory
+                    policy.default_gpu_memory_written
                 )));
             }
             (policy.default_gpu_memory, BudgetSource::PolicyDefault)

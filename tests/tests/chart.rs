@@ -259,7 +259,7 @@ fn every_rendered_manifest_is_valid_for_kubernetes_1_33() {
                 ));
                 std::fs::write(&file, doc.to_string()).expect("write manifest");
                 files.push(file);
-            } else if api_version == "memguard.io/v1alpha1" {
+            } else if api_version == "training.memguard.io/v1alpha1" {
                 assert_eq!(doc["kind"], "MemguardPolicy", "{what}");
                 validate_against_crd(&python, &policy_schema, doc)
                     .unwrap_or_else(|e| panic!("{what} does not match its CRD schema:\n{e}"));
@@ -804,11 +804,11 @@ fn rbac_is_least_privilege() {
     assert_eq!(
         cluster_role["rules"],
         json!([
-            {"apiGroups": ["memguard.io"], "resources": ["memguardpolicies"],
+            {"apiGroups": ["training.memguard.io"], "resources": ["memguardpolicies"],
              "verbs": ["get", "list", "watch"]},
-            {"apiGroups": ["memguard.io"], "resources": ["memoryprofiles"],
+            {"apiGroups": ["training.memguard.io"], "resources": ["memoryprofiles"],
              "verbs": ["get", "list", "watch", "create"]},
-            {"apiGroups": ["memguard.io"], "resources": ["memoryprofiles/status"],
+            {"apiGroups": ["training.memguard.io"], "resources": ["memoryprofiles/status"],
              "verbs": ["patch"]},
             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
             {"apiGroups": ["resource.k8s.io"],
@@ -819,6 +819,31 @@ fn rbac_is_least_privilege() {
             {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
         ])
     );
+    // The release namespace: leases, and the InvalidPolicy Event on the webhook's own Pod
+    // (issue 38), which the Deployment names through the downward API.
+    let own = docs
+        .iter()
+        .find(|d| d["kind"] == "Role" && d["rules"].to_string().contains("leases"))
+        .expect("the release namespace's Role");
+    assert_eq!(own["metadata"]["namespace"], NAMESPACE);
+    assert_eq!(
+        own["rules"][1],
+        json!({"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]})
+    );
+    let env = &find_kind(&docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"];
+    for (name, path) in [
+        ("POD_NAME", "metadata.name"),
+        ("POD_NAMESPACE", "metadata.namespace"),
+        ("POD_UID", "metadata.uid"),
+    ] {
+        assert!(
+            env.as_array()
+                .expect("env")
+                .iter()
+                .any(|e| e["name"] == name && e["valueFrom"]["fieldRef"]["fieldPath"] == path),
+            "{name}: {env}"
+        );
+    }
     // ConfigMaps in named namespaces only: a Role (read, nothing else) in each, none
     // cluster-wide, and the webhook told which; off: no rule at all, and told not to read.
     let scoped = parse_documents(
@@ -875,7 +900,8 @@ fn rbac_is_least_privilege() {
     assert!(off.contains("MEMGUARD_WEBHOOK_NO_DRA"), "--no-dra when off");
     let role = find_kind(&docs, "Role");
     assert_eq!(role["metadata"]["namespace"], NAMESPACE);
-    assert_eq!(role["rules"].as_array().expect("rules").len(), 1);
+    // Leases, and Events on the webhook's own Pod (checked above).
+    assert_eq!(role["rules"].as_array().expect("rules").len(), 2);
     assert_eq!(
         role["rules"][0]["apiGroups"],
         json!(["coordination.k8s.io"])
@@ -1198,4 +1224,168 @@ fn numbers_are_settable_with_set() {
     assert!(text.contains("psiSomeAvg10: 12.5\n"), "{text}");
     let err = helm_template(&helm, &["--set", "policy.safetyRatio=1.5"]).expect_err("refused");
     assert!(err.contains("safetyRatio"), "{err}");
+}
+
+// === The chart refuses what the webhook refuses (issue 38) ===
+
+/// The model of `ci/custom-model-values.yaml`, a config the webhook accepts.
+fn custom_model_config() -> Value {
+    let values = read_yaml(&chart_dir().join("ci/custom-model-values.yaml"));
+    values["policy"]["models"][0]["config"].clone()
+}
+
+/// One policy value both ways: through `helm template --set-json` (the schema and the
+/// templates), and as the webhook reads it (`PolicySpec::resolved`). The two must agree.
+fn chart_and_webhook_agree(helm: &Path, key: &str, value: Value) -> (bool, bool) {
+    let set = format!("policy.{key}={value}");
+    let chart = helm_template(helm, &["--set-json", &set]);
+    // The chart writes a level given as a string (`--set` keeps floats as strings) as a number.
+    let read = match (key, &value) {
+        ("estimateLevel", Value::String(s)) => s.parse::<f64>().map_or(value.clone(), |n| json!(n)),
+        _ => value,
+    };
+    let document: serde_json::Map<String, Value> = [(key.to_string(), read)].into_iter().collect();
+    let webhook = serde_json::from_value::<PolicySpec>(Value::Object(document))
+        .map_err(|e| vec![e.to_string()])
+        .and_then(|spec| spec.resolved());
+    if let Ok(text) = &chart {
+        // What rendered is what the webhook then reads from the ConfigMap.
+        let (spec, _) = policy_documents(&set, &parse_documents(text));
+        assert_eq!(
+            spec.resolved().is_ok(),
+            webhook.is_ok(),
+            "{set}: the rendered policy and the value disagree"
+        );
+    }
+    (chart.is_ok(), webhook.is_ok())
+}
+
+/// Issue 38: `--set-string policy.defaultGpuMemory=24` rendered, and the webhook read 24 bytes.
+/// Every size, level and model entry here is accepted by the chart exactly when the webhook
+/// accepts it. (Only the webhook can derive a model's parameter count from its config: a
+/// `params` that disagrees renders, and stops the webhook at start, loudly; see
+/// `webhook/tests/e2e.rs`.)
+#[test]
+fn the_values_schema_refuses_what_the_webhook_refuses() {
+    let Some(helm) = helm() else { return };
+    let config = custom_model_config();
+    let model = |name: &str, config: Value| json!([{"name": name, "config": config}]);
+    let cases: Vec<(&str, Value, bool)> = vec![
+        ("defaultGpuMemory", json!("24"), false),
+        ("defaultGpuMemory", json!(24), false),
+        ("defaultGpuMemory", json!("22.5"), false),
+        ("defaultGpuMemory", json!("1e9"), false),
+        ("defaultGpuMemory", json!("0Gi"), false),
+        ("defaultGpuMemory", json!("-1Gi"), false),
+        ("defaultGpuMemory", json!("24 parsecs"), false),
+        ("defaultGpuMemory", json!("24P"), false),
+        ("defaultGpuMemory", json!("24Gi"), true),
+        ("defaultGpuMemory", json!("24GiB"), true),
+        ("defaultGpuMemory", json!("80G"), true),
+        ("defaultGpuMemory", json!("0.5Ti"), true),
+        ("defaultGpuMemory", json!("23028mi"), true),
+        ("gpuMemory", json!({"NVIDIA-A10G": "22"}), false),
+        ("gpuMemory", json!({"NVIDIA-A10G": "22Gi"}), true),
+        ("estimateLevel", json!(0.4), false),
+        ("estimateLevel", json!("0.4"), false),
+        ("estimateLevel", json!(1), false),
+        ("estimateLevel", json!("0.995"), false),
+        ("estimateLevel", json!(0.5), true),
+        ("estimateLevel", json!("0.9"), true),
+        ("estimateLevel", json!("0.99"), true),
+        ("models", model("acme-coder-7b", config.clone()), true),
+        ("models", model("shape-7b", config.clone()), false),
+        ("models", model("Shape_7b", config.clone()), false),
+        ("models", model("acme 7b", config.clone()), false),
+        ("models", model("a", json!({"num_hidden_layers": 2})), false),
+        ("models", model("a", json!({"hidden_size": "big"})), false),
+        ("models", model("a", json!("config.json")), false),
+        (
+            "models",
+            json!([{"name": "a", "config": config.clone(), "params": "lots"}]),
+            false,
+        ),
+        (
+            "models",
+            json!([{"name": "a", "config": config.clone(), "params": "7.6B"}]),
+            true,
+        ),
+        (
+            "models",
+            json!([{"name": "Acme.7b", "config": config.clone()},
+                   {"name": "b", "aliases": ["acme_7B"], "config": config.clone()}]),
+            false,
+        ),
+    ];
+    let mut disagree = Vec::new();
+    for (key, value, valid) in cases {
+        let (chart, webhook) = chart_and_webhook_agree(&helm, key, value.clone());
+        if (chart, webhook) != (valid, valid) {
+            disagree.push(format!(
+                "policy.{key}={value}: chart {chart}, webhook {webhook}, expected {valid}"
+            ));
+        }
+    }
+    assert!(disagree.is_empty(), "{disagree:#?}");
+}
+
+/// `--set-string`, as issue 38 found it: the string `24` is refused by the schema, naming the
+/// field; with a unit it renders, and the webhook reads the size as written.
+#[test]
+fn set_string_sizes_without_a_unit_are_refused() {
+    let Some(helm) = helm() else { return };
+    for set in [
+        "policy.defaultGpuMemory=24",
+        "policy.gpuMemory.NVIDIA-A10G=22",
+    ] {
+        let err = helm_template(&helm, &["--set-string", set]).expect_err(set);
+        let field = set.split('=').next().expect("key").replace('.', "/");
+        assert!(
+            err.contains(&format!("/{field}'")) && err.contains("does not match pattern"),
+            "{set}: {err}"
+        );
+    }
+    let text = helm_template(&helm, &["--set-string", "policy.defaultGpuMemory=24GiB"])
+        .expect("a size with a unit renders");
+    let (spec, _) = policy_documents("24GiB", &parse_documents(&text));
+    let policy = spec.resolved().expect("valid");
+    assert_eq!(
+        policy.default_gpu_memory,
+        memguard_estimator::Bytes::gib(24)
+    );
+    assert_eq!(policy.default_gpu_memory_written.to_string(), "24GiB");
+}
+
+/// The chart's size pattern is the parser's own (`SIZE_PATTERN`), written once in Rust.
+#[test]
+fn the_size_pattern_is_the_parsers() {
+    let schema = read_json(&chart_dir().join("values.schema.json"));
+    let policy = &schema["properties"]["policy"]["properties"];
+    assert_eq!(
+        policy["defaultGpuMemory"]["pattern"],
+        memguard_api::quantity::SIZE_PATTERN
+    );
+    assert_eq!(
+        policy["gpuMemory"]["additionalProperties"]["pattern"],
+        memguard_api::quantity::SIZE_PATTERN
+    );
+}
+
+/// Issue 38, item 6: the policy's `estimateLevel` is a chart value, rendered as a number (also
+/// from `--set`, which gives a string) into the ConfigMap and the `MemguardPolicy`.
+#[test]
+fn estimate_level_is_a_value_rendered_into_the_policy() {
+    let Some(helm) = helm() else { return };
+    assert_eq!(values_yaml()["policy"]["estimateLevel"], json!(0.95));
+    let defaults = parse_documents(&helm_template(&helm, &[]).expect("renders"));
+    let (spec, _) = policy_documents("defaults", &defaults);
+    assert_eq!(spec.estimate_level, Some(0.95));
+    let text = helm_template(&helm, &["--set", "policy.estimateLevel=0.8"]).expect("renders");
+    let docs = parse_documents(&text);
+    let (spec, resource) = policy_documents("0.8", &docs);
+    assert_eq!(spec.resolved().expect("valid").estimate_level, 0.8);
+    assert_eq!(
+        resource.expect("MemguardPolicy")["spec"]["estimateLevel"],
+        json!(0.8)
+    );
 }

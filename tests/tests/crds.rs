@@ -103,7 +103,10 @@ fn col(name: &str, ty: &str, path: &str) -> (String, String, String) {
 fn memguard_policy_is_cluster_scoped_with_the_policy_document_as_spec() {
     let crds = crds_by_kind();
     let p = &crds["MemguardPolicy"];
-    assert_eq!(p["metadata"]["name"], "memguardpolicies.memguard.io");
+    assert_eq!(
+        p["metadata"]["name"],
+        "memguardpolicies.training.memguard.io"
+    );
     assert_eq!(p["spec"]["group"], wellknown::GROUP);
     assert_eq!(p["spec"]["scope"], "Cluster");
     assert_eq!(
@@ -152,7 +155,10 @@ fn memguard_policy_is_cluster_scoped_with_the_policy_document_as_spec() {
             col("Age", "date", ".metadata.creationTimestamp"),
         ]
     );
-    assert_eq!(MemguardPolicy::crd_name(), "memguardpolicies.memguard.io");
+    assert_eq!(
+        MemguardPolicy::crd_name(),
+        "memguardpolicies.training.memguard.io"
+    );
 }
 
 /// The schema refuses a sidecar setting of the wrong kind before the webhook ever sees it (the
@@ -167,7 +173,7 @@ fn the_policy_schema_refuses_sidecar_settings_that_are_not_what_they_say() {
             .clone();
     let policy = |spec: Value| {
         serde_json::json!({
-            "apiVersion": "memguard.io/v1alpha1",
+            "apiVersion": "training.memguard.io/v1alpha1",
             "kind": "MemguardPolicy",
             "metadata": {"name": "default"},
             "spec": spec,
@@ -196,11 +202,66 @@ fn the_policy_schema_refuses_sidecar_settings_that_are_not_what_they_say() {
     }
 }
 
+/// Issue 38: the API server refuses a size without a unit (`kubectl apply` of
+/// `defaultGpuMemory: "24"`) by the parser's own pattern, before the webhook sees it.
+#[test]
+fn the_policy_schema_refuses_sizes_without_a_unit() {
+    let Some(python) = python_with_jsonschema() else {
+        return;
+    };
+    let schema =
+        crds_by_kind()["MemguardPolicy"]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+            .clone();
+    let spec = &schema["properties"]["spec"]["properties"];
+    assert_eq!(
+        spec["defaultGpuMemory"]["pattern"],
+        memguard_api::quantity::SIZE_PATTERN
+    );
+    let policy = |spec: Value| {
+        serde_json::json!({"apiVersion": "training.memguard.io/v1alpha1", "kind": "MemguardPolicy",
+            "metadata": {"name": "default"}, "spec": spec})
+    };
+    for (spec, valid) in [
+        (serde_json::json!({"defaultGpuMemory": "24Gi"}), true),
+        (serde_json::json!({"defaultGpuMemory": "24GiB"}), true),
+        (
+            serde_json::json!({"gpuMemory": {"NVIDIA-A10G": "22Gi"}}),
+            true,
+        ),
+        (serde_json::json!({"defaultGpuMemory": "24"}), false),
+        (serde_json::json!({"defaultGpuMemory": "0Gi"}), false),
+        (
+            serde_json::json!({"gpuMemory": {"NVIDIA-A10G": "22"}}),
+            false,
+        ),
+    ] {
+        let schema_says = validate_against_crd(&python, &schema, &policy(spec.clone())).is_ok();
+        let webhook_says = serde_json::from_value::<memguard_api::PolicySpec>(spec.clone())
+            .expect("shape")
+            .resolved()
+            .is_ok();
+        assert_eq!((schema_says, webhook_says), (valid, valid), "{spec}");
+    }
+}
+
+/// Issue 38: memory-guard v0.6.0 ships `memguardpolicies.memguard.io`; ours live in a group
+/// nothing else uses, so one cluster holds both. The annotation prefix stays `memguard.io/`.
+#[test]
+fn the_crds_live_in_a_group_of_their_own() {
+    assert_eq!(wellknown::GROUP, "training.memguard.io");
+    for (name, text) in crd::render().expect("renders") {
+        assert!(name.ends_with(".training.memguard.io.yaml"), "{name}");
+        assert!(text.contains("group: training.memguard.io\n"), "{name}");
+    }
+    assert_ne!(MemguardPolicy::crd_name(), "memguardpolicies.memguard.io");
+    assert_eq!(memguard_api::annotations::PREFIX, "memguard.io/");
+}
+
 #[test]
 fn memory_profile_is_namespaced_with_status_subresource_and_useful_columns() {
     let crds = crds_by_kind();
     let p = &crds["MemoryProfile"];
-    assert_eq!(p["metadata"]["name"], "memoryprofiles.memguard.io");
+    assert_eq!(p["metadata"]["name"], "memoryprofiles.training.memguard.io");
     assert_eq!(p["spec"]["group"], wellknown::GROUP);
     assert_eq!(p["spec"]["scope"], "Namespaced");
     assert_eq!(
@@ -249,7 +310,10 @@ fn memory_profile_is_namespaced_with_status_subresource_and_useful_columns() {
             .is_some_and(|d| d.contains("which model")),
         "doc comments become descriptions"
     );
-    assert_eq!(MemoryProfile::crd_name(), "memoryprofiles.memguard.io");
+    assert_eq!(
+        MemoryProfile::crd_name(),
+        "memoryprofiles.training.memguard.io"
+    );
 }
 
 #[test]
@@ -277,7 +341,7 @@ fn the_policy_schema_rejects_placement_typos() {
     let crds = crds_by_kind();
     let schema = &crds["MemguardPolicy"]["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
     let doc = |spec: Value| {
-        serde_json::json!({"apiVersion": "memguard.io/v1alpha1", "kind": "MemguardPolicy",
+        serde_json::json!({"apiVersion": "training.memguard.io/v1alpha1", "kind": "MemguardPolicy",
             "metadata": {"name": "default"}, "spec": spec})
     };
     for mode in ["off", "preferred", "required"] {
@@ -323,7 +387,7 @@ fn the_policy_schema_takes_models_with_a_whole_config_and_rejects_typos() {
     )
     .expect("JSON");
     let doc = |entry: Value| {
-        serde_json::json!({"apiVersion": "memguard.io/v1alpha1", "kind": "MemguardPolicy",
+        serde_json::json!({"apiVersion": "training.memguard.io/v1alpha1", "kind": "MemguardPolicy",
             "metadata": {"name": "default"}, "spec": {"models": [entry]}})
     };
     let entry = serde_json::json!({"name": "acme-coder-7b", "aliases": ["Qwen/Qwen2.5-Coder-7B-Instruct"],

@@ -50,7 +50,8 @@ pub struct Args {
     #[arg(long, env = "MEMGUARD_WEBHOOK_SAFETY_RATIO")]
     pub safety_ratio: Option<f64>,
 
-    /// GPU memory when no product is known (e.g. `80Gi`); overrides the policy.
+    /// GPU memory when no product is known, a number and a unit (e.g. `80Gi`); overrides the
+    /// policy.
     #[arg(long, env = "MEMGUARD_WEBHOOK_DEFAULT_GPU_MEMORY")]
     pub default_gpu_memory: Option<String>,
 

@@ -20,6 +20,8 @@ pub mod manifest;
 #[cfg(feature = "server")]
 pub mod metrics;
 pub mod mutate;
+#[cfg(feature = "server")]
+pub mod not_ready;
 pub mod patch;
 pub mod placement;
 pub mod policy_sources;

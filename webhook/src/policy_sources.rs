@@ -183,9 +183,28 @@ mod tests {
         assert!(typo.is_err(), "unknown fields are refused");
     }
 
+    /// Issue 38: a policy file written by hand with `defaultGpuMemory: 24` (a YAML number) is
+    /// refused with its field and the unit it most likely meant, never read as 24 bytes.
+    #[test]
+    fn a_yaml_size_without_a_unit_is_refused_with_the_unit_it_most_likely_meant() {
+        for yaml in [
+            "defaultGpuMemory: 24\n",
+            "defaultGpuMemory: \"24\"\n",
+            "gpuMemory:\n  NVIDIA-A10G: 22\n",
+        ] {
+            let errors = policy_from_str(Some(yaml), &Overrides::default()).expect_err(yaml);
+            assert!(
+                errors
+                    .iter()
+                    .any(|e| e.contains("has no unit: did you mean `2")),
+                "{yaml}: {errors:?}"
+            );
+        }
+    }
+
     /// What `kubectl get memguardpolicy default -o yaml` prints.
     const MANIFEST: &str = r#"
-apiVersion: memguard.io/v1alpha1
+apiVersion: training.memguard.io/v1alpha1
 kind: MemguardPolicy
 metadata:
   name: default
@@ -195,7 +214,7 @@ metadata:
   managedFields:
     - manager: kubectl
       operation: Update
-      apiVersion: memguard.io/v1alpha1
+      apiVersion: training.memguard.io/v1alpha1
 spec:
   safetyRatio: 0.75
   gpuMemory:
@@ -233,10 +252,26 @@ spec:
             errors[0].contains("`kind: ConfigMap` is not a policy"),
             "{errors:?}"
         );
-        let v2 = MANIFEST.replace("memguard.io/v1alpha1\nkind", "memguard.io/v2\nkind");
+        let v2 = MANIFEST.replace(
+            "training.memguard.io/v1alpha1\nkind",
+            "memguard.io/v2\nkind",
+        );
         let errors = policy_from_str(Some(&v2), &Overrides::default()).expect_err("no");
         assert!(
             errors[0].contains("apiVersion `memguard.io/v2`"),
+            "{errors:?}"
+        );
+        // Issue 38: the group before training.memguard.io is refused by name.
+        let old_group = MANIFEST.replace(
+            "training.memguard.io/v1alpha1\nkind",
+            "memguard.io/v1alpha1\nkind",
+        );
+        let errors = policy_from_str(Some(&old_group), &Overrides::default()).expect_err("no");
+        assert!(
+            errors[0].contains(
+                "apiVersion `memguard.io/v1alpha1` of MemguardPolicy is not \
+                 `training.memguard.io/v1alpha1`"
+            ),
             "{errors:?}"
         );
         assert_eq!(
@@ -258,7 +293,7 @@ spec:
         assert!(!all.contains("<input>"), "{all}");
         // The same inside a MemguardPolicy.
         let manifest = format!(
-            "apiVersion: memguard.io/v1alpha1\nkind: MemguardPolicy\nmetadata: {{name: default}}\nspec:\n{}",
+            "apiVersion: training.memguard.io/v1alpha1\nkind: MemguardPolicy\nmetadata: {{name: default}}\nspec:\n{}",
             text.lines().map(|l| format!("  {l}\n")).collect::<String>()
         );
         let errors = policy_from_str(Some(&manifest), &Overrides::default()).expect_err("bad");

@@ -136,6 +136,52 @@ pub fn review(
     Ok(answer(&request, pod, policy, profiles))
 }
 
+/// The warning of a review answered while the webhook is not ready (its policy is invalid):
+/// the pod is admitted as it is, unguarded.
+pub const NOT_READY: &str =
+    "memguard: webhook not ready (invalid policy); pod admitted unchanged, unguarded";
+
+/// Answers one AdmissionReview body without deciding anything: allowed, unchanged, with
+/// `warning` for a pod being created. What the webhook answers while it has no valid policy
+/// (the API server should not be calling it then: it is not ready; a request that still comes
+/// is never refused, as with `failurePolicy: Ignore`).
+pub fn admit_unchanged(body: &[u8], warning: &str) -> Result<Reviewed, ReviewError> {
+    let review: AdmissionReview<DynamicObject> = serde_json::from_slice(body)?;
+    let request: AdmissionRequest<DynamicObject> =
+        review.try_into().map_err(|_| ReviewError::NoRequest)?;
+    let pod_name = match &request.namespace {
+        Some(ns) => format!("{ns}/{}", request.name),
+        None => request.name.clone(),
+    };
+    let is_pod = request.kind.group.is_empty() && request.kind.kind == "Pod";
+    let warnings = if is_pod && request.operation == Operation::Create {
+        vec![mutate::truncate(warning)]
+    } else {
+        Vec::new()
+    };
+    Ok(Reviewed {
+        review: ReviewResponse {
+            api_version: if request.types.api_version.is_empty() {
+                "admission.k8s.io/v1".into()
+            } else {
+                request.types.api_version.clone()
+            },
+            kind: "AdmissionReview".into(),
+            response: Response {
+                uid: request.uid.clone(),
+                allowed: true,
+                patch: None,
+                patch_type: None,
+                warnings: (!warnings.is_empty()).then(|| warnings.clone()),
+            },
+        },
+        disposition: Disposition::Error,
+        steps: 0,
+        pod: pod_name,
+        warnings,
+    })
+}
+
 fn answer<T: kube::Resource>(
     request: &AdmissionRequest<T>,
     pod: Result<Option<&Pod>, String>,

@@ -17,7 +17,7 @@ use axum::routing::{get, post};
 use axum_server::Handle;
 use axum_server::tls_rustls::RustlsConfig;
 use bytes::Bytes;
-use memguard_api::wellknown;
+use memguard_api::{Policy, wellknown};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,6 +30,10 @@ pub const MAX_BODY_BYTES: usize = 3 * 1024 * 1024;
 /// kept-alive connection) before it is closed.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The `reason` of the Kubernetes Event the webhook posts on its own Pod when its policy is
+/// invalid at start (`kubectl describe pod` shows it).
+pub const INVALID_POLICY_REASON: &str = "InvalidPolicy";
+
 /// What every handler shares.
 #[derive(Clone)]
 pub struct AppState {
@@ -39,6 +43,9 @@ pub struct AppState {
     pub profiles: Arc<ClusterView>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// Why the webhook is not ready, when it is not: its policy was invalid at start. `/readyz`
+    /// answers 503 with it, and admission admits pods unchanged.
+    pub not_ready: Option<Arc<str>>,
 }
 
 /// `POST /mutate`, `GET /healthz`, `GET /readyz`, with the body cap and the request timeout.
@@ -46,7 +53,7 @@ pub fn router(state: AppState, timeout: Duration) -> Router {
     Router::new()
         .route(wellknown::WEBHOOK_PATH, post(mutate))
         .route("/healthz", get(ok))
-        .route("/readyz", get(ok))
+        .route("/readyz", get(ready))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(TimeoutLayer::with_status_code(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -78,8 +85,44 @@ async fn ok() -> &'static str {
     "ok"
 }
 
+/// 200 once serving with a valid policy; 503 with the reason otherwise, so that the Service
+/// sends no reviews here and a rollout with a bad policy stops at this pod.
+async fn ready(State(state): State<AppState>) -> Response {
+    match &state.not_ready {
+        None => "ok".into_response(),
+        Some(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {why}\n"),
+        )
+            .into_response(),
+    }
+}
+
 async fn mutate(State(state): State<AppState>, body: Bytes) -> Response {
     let start = Instant::now();
+    if state.not_ready.is_some() {
+        return match review::admit_unchanged(&body, review::NOT_READY) {
+            Ok(r) => {
+                state.metrics.observe(r.disposition, 0, start.elapsed());
+                tracing::warn!(pod = %r.pod, "admitted unchanged: not ready (invalid policy)");
+                match serde_json::to_vec(&r.review) {
+                    Ok(json) => {
+                        ([(header::CONTENT_TYPE, "application/json")], json).into_response()
+                    }
+                    Err(error) => {
+                        tracing::error!(%error, "could not encode the AdmissionReview");
+                        StatusCode::INTERNAL_SERVER_ERROR.into_response()
+                    }
+                }
+            }
+            Err(error) => {
+                state
+                    .metrics
+                    .observe(Disposition::Error, 0, start.elapsed());
+                (StatusCode::BAD_REQUEST, error.to_string()).into_response()
+            }
+        };
+    }
     // One lock-free load per review: the whole review sees one policy, even across a swap.
     let policy = state.policy.load();
     match review::review(&body, &policy, &state.profiles) {
@@ -135,37 +178,64 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    // A bad file stops the start (nothing would be in force); a bad resource later never does.
+    // A bad policy at start leaves nothing valid in force: the webhook serves, but not ready
+    // (so a rollout stops here and the replicas with the last good policy keep serving), says
+    // why on /readyz, in its log and in an Event on its Pod, and guards nothing. A bad resource
+    // later never does this: the policy in force stays (policy_watch).
     let source = args
         .policy_file
         .as_ref()
         .map(|p| format!(" in {}", p.display()))
         .unwrap_or_default();
-    let invalid =
-        |errors: Vec<String>| anyhow::anyhow!("invalid policy{source}: {}", errors.join("; "));
-    let file = crate::policy_sources::spec_from_str(policy_text.as_deref()).map_err(invalid)?;
     let overrides = args.overrides();
-    let file_policy = Arc::new(
+    let loaded = crate::policy_sources::spec_from_str(policy_text.as_deref()).and_then(|file| {
         crate::policy_sources::effective_policy(file.as_ref(), None, &overrides)
-            .map_err(invalid)?,
-    );
-    for note in file_policy.models.notes() {
-        tracing::info!(note, "policy file");
-    }
+            .map(|policy| (file, policy))
+    });
 
     let profile_metrics = memguard_learn::metrics::Metrics::default();
     let metrics = Arc::new(Metrics::new().with_profile_metrics(&profile_metrics));
-    let policy: LivePolicy = Arc::new(ArcSwap::new(file_policy.clone()));
-    let policy_watch = PolicyWatch::new(
-        args.policy_name.clone(),
-        file,
-        overrides,
-        file_policy,
-        policy.clone(),
-        metrics.clone(),
-    );
-    let (profiles, kube_tasks) =
-        connect(&args, profile_metrics, policy_watch, policy.clone()).await;
+    let (policy, profiles, kube_tasks, not_ready) = match loaded {
+        Ok((file, file_policy)) => {
+            let file_policy = Arc::new(file_policy);
+            for note in file_policy.models.notes() {
+                tracing::info!(note, "policy file");
+            }
+            let policy: LivePolicy = Arc::new(ArcSwap::new(file_policy.clone()));
+            let policy_watch = PolicyWatch::new(
+                args.policy_name.clone(),
+                file,
+                overrides,
+                file_policy,
+                policy.clone(),
+                metrics.clone(),
+            );
+            let (profiles, kube_tasks) =
+                connect(&args, profile_metrics, policy_watch, policy.clone()).await;
+            (policy, profiles, kube_tasks, None)
+        }
+        Err(problems) => {
+            let why: Arc<str> = format!("invalid policy{source}: {}", problems.join("; ")).into();
+            metrics.policy_reload(false);
+            tracing::error!(
+                reason = INVALID_POLICY_REASON,
+                problems = %why,
+                "NOT READY: the policy is invalid; no pod is guarded until it is fixed (with \
+                 failurePolicy: Ignore, pods are admitted unchanged)"
+            );
+            if !args.no_kube {
+                tokio::spawn(crate::not_ready::publish_event(why.clone()));
+            }
+            // Never used: admission answers before reading it, and nothing learns.
+            let placeholder: LivePolicy = Arc::new(ArcSwap::from_pointee(Policy::default()));
+            (
+                placeholder,
+                ClusterView::default(),
+                crate::profiles::KubeTasks::default(),
+                Some(why),
+            )
+        }
+    };
     let files = CertFiles {
         cert: args.tls_cert_file.clone(),
         key: args.tls_key_file.clone(),
@@ -184,10 +254,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         pem,
     ));
 
+    let not_ready_at_start = not_ready.clone();
     let state = AppState {
         policy,
         profiles: Arc::new(profiles),
         metrics: metrics.clone(),
+        not_ready,
     };
     let handle: Handle<SocketAddr> = Handle::new();
     // Bound here, not inside the server task, so that a port in use stops the start with its
@@ -223,6 +295,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         version = env!("CARGO_PKG_VERSION"),
         https = %https_addr,
         metrics = %metrics_addr,
+        ready = not_ready_at_start.is_none(),
         "memguard-webhook serving"
     );
 

@@ -241,34 +241,112 @@ async fn rotated_certificates_are_served_without_a_failed_request() {
     assert!(request(&mut after, 0).await);
 }
 
-#[test]
-fn a_policy_file_that_is_not_a_policy_stops_the_start_with_a_clear_error() {
+/// Issue 38: an invalid policy file at start used to stop the process (CrashLoopBackOff), and
+/// with `failurePolicy: Ignore` every pod went unguarded without a word where people look. Now
+/// the webhook serves but is not ready: `/readyz` answers 503 with every problem, the log says
+/// NOT READY with them, `/healthz` stays 200 (a restart would not fix the file), a pod sent
+/// anyway is admitted unchanged with a warning, and the rejection is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_policy_file_at_start_serves_not_ready_and_says_why() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let file = dir.path().join("policy.yaml");
-    std::fs::write(&file, "apiVersion: v1\nkind: ConfigMap\ndata: {}\n").expect("write");
-    let run = |extra: &[&str]| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_memguard-webhook"))
-            .args(["--no-kube", "--tls-cert-file", "/nonexistent/tls.crt"])
-            .args([
-                "--tls-key-file",
-                "/nonexistent/tls.key",
-                "--log-format",
-                "text",
-            ])
-            .args(extra)
-            .output()
-            .expect("the webhook binary runs")
-    };
-    let out = run(&["--policy-file", file.to_str().expect("utf-8")]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        stderr.contains(&format!("invalid policy in {}", file.display()))
-            && stderr.contains("`kind: ConfigMap` is not a policy"),
-        "{stderr}"
-    );
+    let ca = Ca::new();
+    let (cert, key, _) = ca.leaf("memguard-webhook.memguard.svc");
+    write_secret(dir.path(), 1, &cert, &key);
+    let cases = [
+        (
+            "apiVersion: v1\nkind: ConfigMap\ndata: {}\n",
+            "`kind: ConfigMap` is not a policy",
+        ),
+        (
+            "defaultGpuMemory: 24\ngpuMemory:\n  NVIDIA-A10G: 22\n",
+            "defaultGpuMemory: `24` has no unit: did you mean `24Gi`?",
+        ),
+    ];
+    for (text, problem) in cases {
+        let file = dir.path().join("policy.yaml");
+        std::fs::write(&file, text).expect("write");
+        let server = Server::start(
+            dir.path(),
+            &["--no-kube", "--policy-file", file.to_str().expect("utf-8")],
+        );
+        let said = format!("invalid policy in {}: ", file.display());
+        let logged = server.log.iter().find(|l| l["level"] == "ERROR");
+        assert!(
+            logged.is_some_and(|l| {
+                l["message"]
+                    .as_str()
+                    .is_some_and(|m| m.starts_with("NOT READY"))
+                    && l["problems"]
+                        .as_str()
+                        .is_some_and(|p| p.starts_with(&said) && p.contains(problem))
+                    && l["reason"] == "InvalidPolicy"
+            }),
+            "{:#?}",
+            server.log
+        );
+        let serving = server.log.last().expect("the serving line");
+        assert_eq!(serving["ready"], false);
+
+        let mut conn = Conn::open(server.https, ca.client_config())
+            .await
+            .expect("TLS handshake");
+        let (status, body) = conn
+            .request("GET", "/readyz", Vec::new())
+            .await
+            .expect("readyz");
+        let body = String::from_utf8_lossy(&body);
+        assert_eq!(status, 503, "{body}");
+        assert!(
+            body.starts_with(&format!("not ready: {said}")) && body.contains(problem),
+            "{body}"
+        );
+        let (status, _) = conn
+            .request("GET", "/healthz", Vec::new())
+            .await
+            .expect("healthz");
+        assert_eq!(status, 200, "live: no restart loop");
+
+        let pod = fixture_pod("single-gpu-lora");
+        let (status, body) = conn
+            .request("POST", "/mutate", admission_review(&pod, "uid-9"))
+            .await
+            .expect("mutate");
+        assert_eq!(status, 200);
+        let review: serde_json::Value = serde_json::from_slice(&body).expect("AdmissionReview");
+        assert_eq!(review["response"]["allowed"], true);
+        assert!(
+            review["response"].get("patch").is_none(),
+            "unguarded: {review}"
+        );
+        assert!(
+            review["response"]["warnings"][0]
+                .as_str()
+                .is_some_and(|w| w.contains("not ready (invalid policy)")),
+            "{review}"
+        );
+        let metrics = scrape(server.metrics).await;
+        assert!(
+            metrics.contains("memguard_webhook_policy_reloads_total{result=\"error\"} 1"),
+            "{metrics}"
+        );
+        assert!(server.terminate().success(), "stops cleanly on SIGTERM");
+    }
+}
+
+#[test]
+fn a_policy_name_that_is_not_an_object_name_is_a_usage_error() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_memguard-webhook"))
+        .args(["--no-kube", "--tls-cert-file", "/nonexistent/tls.crt"])
+        .args([
+            "--tls-key-file",
+            "/nonexistent/tls.key",
+            "--log-format",
+            "text",
+        ])
+        .args(["--policy-name", "default,metadata.name=other"])
+        .output()
+        .expect("the webhook binary runs");
     // The name goes into a field selector: only object names are taken.
-    let out = run(&["--policy-name", "default,metadata.name=other"]);
     assert_eq!(out.status.code(), Some(2), "a usage error");
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a Kubernetes object name"));
 }

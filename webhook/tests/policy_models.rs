@@ -79,7 +79,7 @@ async fn a_policy_model_named_by_name_or_alias_is_planned_like_its_spelled_out_s
     write_secret(dir.path(), 1, &cert, &key);
     // What a platform team `kubectl apply`s, as YAML.
     let manifest = json!({
-        "apiVersion": "memguard.io/v1alpha1",
+        "apiVersion": "training.memguard.io/v1alpha1",
         "kind": "MemguardPolicy",
         "metadata": {"name": "default"},
         "spec": {"models": [{

@@ -108,6 +108,7 @@ Its shape is memguard_api::PolicySpec (camelCase, unknown fields rejected).
   "thresholds" (dict "warn" (float64 $t.warn) "downgrade" (float64 $t.downgrade) "critical" (float64 $t.critical) "psiSomeAvg10" (float64 $t.psiSomeAvg10))
   "floors" $p.floors
   "maxOomRecoveries" $p.maxOomRecoveries
+  "estimateLevel" (float64 $p.estimateLevel)
   "placement" $p.placement
   "servingShortenMaxLength" $p.servingShortenMaxLength
   "client" $client

@@ -35,6 +35,18 @@ deployment.yaml; the schema (values.schema.json) has already checked types and n
 {{- if and $rule.enabled (not .Values.monitoring.serviceMonitor.enabled) (not $rule.webhookJob) (not (has "MemguardWebhookDown" $rule.disabledAlerts)) }}
 {{- fail "memguard: monitoring.prometheusRule.enabled needs the webhook scraped, or its alert MemguardWebhookDown fires forever: enable monitoring.serviceMonitor, or set monitoring.prometheusRule.webhookJob to the job label your own scrape config gives the webhook, or add MemguardWebhookDown to monitoring.prometheusRule.disabledAlerts" }}
 {{- end }}
+{{- /* policy.models names and aliases are unique as the webhook compares them (case-insensitively,
+`_`, `.` and blanks as `-`): a duplicate would render, then stop the webhook at start. */}}
+{{- $seen := dict }}
+{{- range $i, $m := .Values.policy.models }}
+{{- range $n := prepend (default (list) $m.aliases) $m.name }}
+{{- $key := $n | trim | lower | replace "_" "-" | replace "." "-" | replace " " "-" }}
+{{- with get $seen $key }}
+{{- fail (printf "memguard: policy.models[%d]: `%s` is already a name of %s (names compare case-insensitively, `_` and `.` as `-`); rename one" $i $n .) }}
+{{- end }}
+{{- $_ := set $seen $key (printf "policy.models[%d] (`%s`)" $i $m.name) }}
+{{- end }}
+{{- end }}
 {{- $t := .Values.policy.thresholds }}
 {{- if not (and (lt 0.0 (float64 $t.warn)) (lt (float64 $t.warn) (float64 $t.downgrade)) (lt (float64 $t.downgrade) (float64 $t.critical)) (le (float64 $t.critical) 1.0)) }}
 {{- fail (printf "memguard: policy.thresholds must satisfy 0 < warn < downgrade < critical <= 1 (got %v, %v, %v)" $t.warn $t.downgrade $t.critical) }}

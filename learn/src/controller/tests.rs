@@ -21,7 +21,7 @@ fn try_observe(
 }
 
 const GIB: u64 = 1 << 30;
-const PROFILES: &str = "/apis/memguard.io/v1alpha1/namespaces/ml/memoryprofiles";
+const PROFILES: &str = "/apis/training.memguard.io/v1alpha1/namespaces/ml/memoryprofiles";
 
 fn pod() -> PodBuilder {
     PodBuilder::trainer()

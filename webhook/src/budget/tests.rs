@@ -312,6 +312,13 @@ fn an_unpinned_gpu_pod_is_told_the_default_was_assumed() {
                 && w.contains(keys::GPU_MEMORY)),
         "{warnings:?}"
     );
+    // Issue 38: the size is said back as the policy wrote it (`80Gi`), not as `80.00 GiB`.
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.starts_with("memguard: assumed defaultGpuMemory 80Gi (")),
+        "{warnings:?}"
+    );
 }
 
 #[test]

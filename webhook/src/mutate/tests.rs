@@ -485,7 +485,7 @@ fn the_plan_is_made_against_the_upper_bound_which_measured_runs_narrow() {
 
     // A budget between the two: the point estimate fits, the bound does not, so it downgrades.
     let between = Bytes::from_f64((point.as_f64() + upper.as_f64()) / 2.0 / 0.9);
-    let m = mutated(pod(&between.0.to_string()), &Policy::default());
+    let m = mutated(pod(&format!("{}B", between.0)), &Policy::default());
     assert!(
         m.plan.fits && !m.plan.steps.is_empty(),
         "{:?}",
@@ -498,7 +498,7 @@ fn the_plan_is_made_against_the_upper_bound_which_measured_runs_narrow() {
     let mut profiles = ClusterView::default();
     profiles.insert(profile_for(&pod("1Gi").build(), runs_at(1.0, 3)));
     let Outcome::Mutated(learned) = mutate(
-        &pod(&between.0.to_string()).build(),
+        &pod(&format!("{}B", between.0)).build(),
         &Policy::default(),
         &profiles,
     ) else {

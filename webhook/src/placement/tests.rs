@@ -95,7 +95,7 @@ fn required_picks_the_smallest_class_that_fits_undowngraded_and_plans_for_it() {
         .max()
         .expect("a smaller class");
     let there = mutated(
-        &big().annotate(keys::GPU_MEMORY, &format!("{}", usable(smaller).0)),
+        &big().annotate(keys::GPU_MEMORY, &format!("{}B", usable(smaller).0)),
         &p,
     );
     assert!(!there.plan.steps.is_empty(), "{smaller} MiB would fit too");

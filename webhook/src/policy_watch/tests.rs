@@ -279,7 +279,7 @@ mod glue {
 
     fn object(generation: i64, safety_ratio: f64) -> serde_json::Value {
         json!({
-            "apiVersion": "memguard.io/v1alpha1", "kind": "MemguardPolicy",
+            "apiVersion": "training.memguard.io/v1alpha1", "kind": "MemguardPolicy",
             "metadata": {"name": NAME, "generation": generation,
                          "resourceVersion": format!("{}", 10 + generation)},
             "spec": {"safetyRatio": safety_ratio}
@@ -294,7 +294,7 @@ mod glue {
             .expect("a request");
         assert_eq!(
             request.uri().path(),
-            "/apis/memguard.io/v1alpha1/memguardpolicies"
+            "/apis/training.memguard.io/v1alpha1/memguardpolicies"
         );
         let query = request.uri().query().unwrap_or_default();
         assert!(
@@ -330,7 +330,7 @@ mod glue {
         let task = spawn(Client::new(service, "default"), watch);
 
         let list = json!({
-            "apiVersion": "memguard.io/v1alpha1", "kind": "MemguardPolicyList",
+            "apiVersion": "training.memguard.io/v1alpha1", "kind": "MemguardPolicyList",
             "metadata": {"resourceVersion": "12"}, "items": [object(2, 0.6)]
         });
         answer(&mut handle, false, list.to_string()).await;
@@ -443,6 +443,43 @@ async fn a_models_entry_with_a_wrong_parameter_count_is_rejected_and_the_models_
         "nothing of generation 5"
     );
     assert_eq!(f.generation(), Some(4.0));
+    assert_eq!(
+        (f.reloads("ok"), f.reloads("error")),
+        (Some(1.0), Some(1.0))
+    );
+}
+
+/// Issue 38: a live edit to `defaultGpuMemory: 24` (no unit) used to go into force as 24 bytes,
+/// and every unpinned GPU pod became "cannot fit". It is rejected now, with the unit it most
+/// likely meant; the last good policy stays in force, sizes and all.
+#[tokio::test]
+async fn a_size_without_a_unit_is_rejected_and_the_last_good_policy_stays() {
+    let mut f = fixture(Overrides::default());
+    let good =
+        serde_json::json!({"defaultGpuMemory": "40Gi", "gpuMemory": {"NVIDIA-A10G": "22Gi"}});
+    f.feed(vec![Ok(Event::InitApply(resource(NAME, 6, good)))])
+        .await;
+    let bad = serde_json::json!({"defaultGpuMemory": "24", "gpuMemory": {"NVIDIA-A10G": "22"}});
+    let change = f.watch.handle(Event::Apply(resource(NAME, 7, bad)));
+    let Some(Change::Rejected {
+        generation: 7,
+        problems,
+    }) = change
+    else {
+        panic!("expected a rejection of generation 7, got {change:?}");
+    };
+    assert!(
+        problems[0].starts_with("defaultGpuMemory: `24` has no unit: did you mean `24Gi`?")
+            && problems[1].starts_with("gpuMemory[NVIDIA-A10G]: `22` has no unit"),
+        "{problems:?}"
+    );
+    let live = f.live.load();
+    assert_eq!(live.default_gpu_memory, memguard_estimator::Bytes::gib(40));
+    assert_eq!(
+        live.gpu_memory.get("NVIDIA-A10G"),
+        Some(&memguard_estimator::Bytes::gib(22))
+    );
+    assert_eq!(f.generation(), Some(6.0));
     assert_eq!(
         (f.reloads("ok"), f.reloads("error")),
         (Some(1.0), Some(1.0))

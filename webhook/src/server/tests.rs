@@ -12,6 +12,7 @@ fn state() -> AppState {
         policy: Arc::new(ArcSwap::from_pointee(memguard_api::Policy::default())),
         profiles: Arc::new(ClusterView::default()),
         metrics: Arc::new(Metrics::new()),
+        not_ready: None,
     }
 }
 
@@ -277,4 +278,48 @@ async fn a_panic_while_deciding_admits_the_pod_unchanged_and_the_server_goes_on(
         !release.contains("panic = \"abort\""),
         "the release profile must unwind:\n{release}"
     );
+}
+
+/// Issue 38: with an invalid policy at start the webhook is not ready, says why on `/readyz`,
+/// stays live (a restart would not fix the policy), and admits every pod unchanged with a
+/// warning instead of guarding it with a policy it could not read.
+#[tokio::test]
+async fn not_ready_with_an_invalid_policy_says_why_and_admits_pods_unchanged() {
+    let why = "invalid policy in /etc/memguard/policy.yaml: defaultGpuMemory: `24` has no unit: \
+               did you mean `24Gi`?";
+    let s = AppState {
+        not_ready: Some(why.into()),
+        ..state()
+    };
+    let app = router(s.clone(), Duration::from_secs(4));
+    let get = |path: &'static str| {
+        let app = app.clone();
+        async move {
+            let response = app
+                .oneshot(Request::get(path).body(Body::empty()).expect("request"))
+                .await
+                .expect("infallible");
+            let status = response.status();
+            let body = response
+                .into_body()
+                .collect()
+                .await
+                .expect("body")
+                .to_bytes();
+            (status, String::from_utf8_lossy(&body).into_owned())
+        }
+    };
+    assert_eq!(
+        get("/healthz").await.0,
+        StatusCode::OK,
+        "live: no restart loop"
+    );
+    let (status, body) = get("/readyz").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(body, format!("not ready: {why}\n"));
+    let pod = trainer_pod().gpus(1).json();
+    let r = review(app, admission_review(pod, "CREATE", false)).await;
+    assert_eq!(r["response"]["allowed"], true);
+    assert!(r["response"].get("patch").is_none(), "unchanged: {r}");
+    assert_eq!(r["response"]["warnings"], json!([review::NOT_READY]));
 }

@@ -87,6 +87,8 @@ pub struct Server {
     child: Child,
     pub https: SocketAddr,
     pub metrics: SocketAddr,
+    /// The JSON log lines up to and including "memguard-webhook serving".
+    pub log: Vec<serde_json::Value>,
 }
 
 impl Server {
@@ -111,6 +113,7 @@ impl Server {
             .expect("the webhook binary starts");
         let stdout = child.stdout.take().expect("stdout");
         let mut lines = BufReader::new(stdout).lines();
+        let mut log = Vec::new();
         let (https, metrics) = loop {
             let line = lines
                 .next()
@@ -119,8 +122,10 @@ impl Server {
             let v: serde_json::Value = serde_json::from_str(&line).expect("JSON log line");
             if v["message"] == "memguard-webhook serving" {
                 let addr = |k: &str| v[k].as_str().expect("address").parse().expect("addr");
+                log.push(v.clone());
                 break (addr("https"), addr("metrics"));
             }
+            log.push(v);
         };
         // Keep draining the log so the child never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
@@ -128,6 +133,7 @@ impl Server {
             child,
             https,
             metrics,
+            log,
         }
     }
 
