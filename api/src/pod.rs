@@ -680,17 +680,33 @@ fn launch_model(
     } else {
         (lora.then_some(memguard_estimator::Method::Lora), None)
     };
+    let mut implied = Vec::new();
+    let args = || "args".to_string();
     // `--use_bnb_nested_quant` with 4 bits: the quantization constants quantized again.
-    let implied = if on("load_in_4bit") && on("use_bnb_nested_quant") {
-        vec![(
+    if on("load_in_4bit") && on("use_bnb_nested_quant") {
+        implied.push((
             annotations::DOUBLE_QUANT,
             "double-quant",
-            "true".to_string(),
-            "args".to_string(),
-        )]
-    } else {
-        Vec::new()
-    };
+            "true".into(),
+            args(),
+        ));
+    }
+    // Liger's kernels (`TrainingArguments.use_liger_kernel`, ms-swift's and TRL's too) fuse the
+    // LM head with the cross-entropy: the estimator's fused loss.
+    if on("use_liger_kernel") || on("use_liger") {
+        implied.push((annotations::LOSS, "loss", "fused".into(), args()));
+    }
+    let adapters = method.is_some_and(|m| m != memguard_estimator::Method::Full);
+    if let Some(targets) = hf_lora_targets(&hf.flags).filter(|_| adapters) {
+        implied.push((annotations::LORA_TARGETS, "lora-targets", targets, args()));
+    }
+    // Dropout on the adapters' input keeps a mask per adapted projection.
+    if let Some(dropout) = hf.flags.value("lora_dropout").filter(|_| adapters)
+        && let Ok(p) = dropout.trim().parse::<f64>()
+    {
+        let on = if p > 0.0 { "true" } else { "false" };
+        implied.push((annotations::LORA_DROPOUT, "lora-dropout", on.into(), args()));
+    }
     Ok(Some(LaunchModel {
         flag: format!("--{}", flag.spelled.trim_start_matches('-')),
         id: hf_model_id(&value),
@@ -771,6 +787,24 @@ fn unread_launch(pod: &Pod) -> String {
         ),
     };
     format!("memguard recognised {program}, but {why}; {add}")
+}
+
+/// The LoRA target modules a launch names (`--lora_target_modules`, ms-swift's
+/// `--target_modules`, LLaMA-Factory's `--lora_target`), as the estimator's list: `all-linear`
+/// (or `all`), or projection names (`q_proj,v_proj`, `[q_proj,v_proj]`). A value it cannot
+/// map (another architecture's module names) is not read.
+fn hf_lora_targets(flags: &crate::launch::Flags) -> Option<String> {
+    let value = ["lora_target_modules", "target_modules", "lora_target"]
+        .iter()
+        .find_map(|k| flags.value(k))?;
+    let cleaned: String = value
+        .chars()
+        .filter(|c| !matches!(c, '[' | ']' | '"' | '\'' | ' '))
+        .collect();
+    cleaned
+        .parse::<memguard_estimator::LoraTargets>()
+        .ok()
+        .map(|t| t.to_list())
 }
 
 /// `…/hub/models--meta-llama--Llama-3.1-8B/snapshots/<sha>` → `meta-llama/Llama-3.1-8B` (the

@@ -748,14 +748,34 @@ fn llama_factory(words: &[&str], at: usize, expands: &Expands) -> Option<ConfigL
 fn trl(words: &[&str], from: usize, expands: &Expands) -> Option<ConfigLaunch> {
     use super::flags::{Flags, HfRules, ValueAt};
     let flags = Flags::parse(&words[from.min(words.len())..], &HfRules);
-    let config = flags.get("config")?;
-    let path = config.value.clone()?;
     let shift = |i: usize| i + from;
-    if expands(shift(config.at)) || matches!(config.value_at, ValueAt::Next(i) if expands(shift(i)))
-    {
-        return None;
-    }
-    let mut launch = ConfigLaunch::blank(Trainer::Trl, path);
+    let mut launch = match flags.get("config") {
+        Some(config) => {
+            let path = config.value.clone()?;
+            if expands(shift(config.at))
+                || matches!(config.value_at, ValueAt::Next(i) if expands(shift(i)))
+            {
+                return None;
+            }
+            ConfigLaunch::blank(Trainer::Trl, path)
+        }
+        None => {
+            // `HfArgumentParser`'s file conventions: the first positional word a `.json` or
+            // `.yaml` file (transformers' examples: `script.py args.json`; the alignment
+            // handbook's `script.py recipe.yaml --key=value`). Its values are the defaults the
+            // flags after it override, as with TRL's `--config`. Whether the script accepts
+            // more words is its own: nothing is appended (only a flag there is replaced).
+            let at = *flags.positionals.first()?;
+            let path = words.get(shift(at))?;
+            let file = [".json", ".yaml", ".yml"].iter().any(|x| path.ends_with(x));
+            if !file || expands(shift(at)) {
+                return None;
+            }
+            let mut launch = ConfigLaunch::blank(Trainer::Trl, path.to_string());
+            launch.sealed = true;
+            launch
+        }
+    };
     for f in flags.flags.iter().filter(|f| f.key != "config") {
         let value = match (&f.value, f.negated) {
             (_, true) => "false".to_string(),

@@ -188,3 +188,32 @@ fn a_known_scripts_defaults_are_cited() {
     assert_eq!(estimate["config"]["seq-length"], "1024");
     assert!(estimate.get("unknown").is_none(), "{estimate}");
 }
+
+/// Defect: knobs read but not applied. `--use_liger_kernel` (a fused loss) and the LoRA target
+/// modules and dropout were not read, so a Qwen2.5-7B LoRA job with Liger was planned with the
+/// full logits (64.5 GiB instead of 24.6) and its all-linear adapters as q,v.
+#[test]
+fn liger_and_lora_targets_and_dropout_are_read() {
+    let base = "python sft.py --model_name_or_path Qwen/Qwen2.5-7B --use_peft --lora_r 16 \
+                --per_device_train_batch_size 4 --gradient_accumulation_steps 4 \
+                --max_length 4096 --gradient_checkpointing --output_dir /o";
+    let (_, plain, _) = admit(&label_only(base));
+    let with =
+        format!("{base} --use_liger_kernel --lora_target_modules all-linear --lora_dropout 0.05");
+    let (_, read, _) = admit(&label_only(&with));
+    assert_eq!(read["sources"]["loss"], "args", "{read}");
+    assert_eq!(read["sources"]["lora-targets"], "args", "{read}");
+    assert_eq!(read["sources"]["lora-dropout"], "args", "{read}");
+    let total = |e: &Value| e["uncalibrated"].as_u64().expect("bytes");
+    // The fused loss drops the full-vocabulary logits: far less, even with more adapters.
+    assert!(
+        total(&read) < total(&plain) * 3 / 4,
+        "{} vs {}",
+        total(&read),
+        total(&plain)
+    );
+    // Another architecture's module names are not guessed at.
+    let qwen1 = format!("{base} --lora_target_modules c_attn,c_proj,w1,w2");
+    let (_, e, _) = admit(&label_only(&qwen1));
+    assert!(e["sources"].get("lora-targets").is_none(), "{e}");
+}
