@@ -474,16 +474,25 @@ fn base64_json(value: &str) -> Option<Value> {
         .filter(Value::is_object)
 }
 
-/// Why a DeepSpeed config pins batch or accumulation: each key with a number.
-fn deepspeed_pins(config: &JsonConfig) -> Option<String> {
-    let pinned: Vec<String> = DEEPSPEED_PINNING_KEYS
+/// The one rule for whether a DeepSpeed config pins the micro-batch, for every trainer that
+/// names one (HF's `--deepspeed`, accelerate's config, axolotl's and LLaMA-Factory's
+/// `deepspeed:` key): each of [`DEEPSPEED_PINNING_KEYS`] set to a number (or a numeric string),
+/// as `key=value`. `"auto"` lets the trainer fill it in. `train_batch_size` does not pin: a
+/// trade of batch for accumulation keeps it.
+pub fn deepspeed_pinned(config: &Value) -> Vec<String> {
+    DEEPSPEED_PINNING_KEYS
         .iter()
         .filter_map(|k| {
-            let v = config.value.get(*k)?;
+            let v = config.get(*k)?;
             (v.is_number() || v.as_str().is_some_and(|s| s.trim().parse::<u64>().is_ok()))
                 .then(|| format!("{k}={v}"))
         })
-        .collect();
+        .collect()
+}
+
+/// Why a DeepSpeed config pins batch or accumulation ([`deepspeed_pinned`]).
+fn deepspeed_pins(config: &JsonConfig) -> Option<String> {
+    let pinned = deepspeed_pinned(&config.value);
     let file = if config.source.starts_with("configmap:") {
         format!("{} ({})", config.source, config.named)
     } else {

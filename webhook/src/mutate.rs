@@ -583,7 +583,9 @@ fn rewrite_config_file(
     {
         match deepspeed {
             Ok(ds) => {
-                if let Some(pinned) = deepspeed_pins(ds) {
+                let pinned = memguard_api::coupled::deepspeed_pinned(ds);
+                if !pinned.is_empty() {
+                    let pinned = pinned.join(", ");
                     return Err(format!(
                         "the batch cannot be changed: the DeepSpeed config `{path}` that {}'s \
                          config names pins {pinned}; set it to \"auto\" or annotate \
@@ -626,24 +628,6 @@ fn rewrite_config_file(
         }),
         changed,
     ))
-}
-
-/// The batch settings a DeepSpeed config pins to a number (`"auto"` lets the trainer set them),
-/// as `key: value`.
-fn deepspeed_pins(ds: &serde_json::Value) -> Option<String> {
-    let pinned: Vec<String> = [
-        "train_micro_batch_size_per_gpu",
-        "gradient_accumulation_steps",
-        "train_batch_size",
-    ]
-    .iter()
-    .filter_map(|k| {
-        ds.get(*k)
-            .filter(|v| v.is_number())
-            .map(|v| format!("{k}: {v}"))
-    })
-    .collect();
-    (!pinned.is_empty()).then(|| pinned.join(", "))
 }
 
 /// `batch × accumulation` is kept exactly by the trainer's own variables, or the pod is not

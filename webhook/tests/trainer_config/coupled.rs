@@ -313,3 +313,65 @@ fn fsdp_activation_checkpointing_is_checkpointing_and_never_doubled() {
         );
     }
 }
+
+/// One DeepSpeed rule (issue 36): the same DeepSpeed JSON pins the micro-batch for axolotl's
+/// `deepspeed:` key exactly when it does for HF's `--deepspeed` flag. Before, numeric strings
+/// pinned only the HF launch and `train_batch_size` only axolotl's.
+#[test]
+fn axolotls_deepspeed_key_and_hfs_deepspeed_flag_agree() {
+    const AXOLOTL: &str = "base_model: google/gemma-2b\nadapter: lora\nlora_r: 16\n\
+                           micro_batch_size: 8\ngradient_accumulation_steps: 2\n\
+                           sequence_len: 2048\nbf16: true\ndeepspeed: cfg/ds.json\n";
+    let configs = [
+        (DS_PINNED, true),
+        (DS_AUTO, false),
+        (
+            r#"{"train_micro_batch_size_per_gpu": "8", "gradient_accumulation_steps": "auto"}"#,
+            true,
+        ),
+        (
+            r#"{"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto"}"#,
+            false,
+        ),
+    ];
+    for (ds, pins) in configs {
+        let mut list = ConfigMapList::default();
+        list.0.insert(
+            ("ml".into(), "cfg".into()),
+            BTreeMap::from([
+                ("ds.json".to_string(), ds.to_string()),
+                ("axolotl.yml".to_string(), AXOLOTL.to_string()),
+            ]),
+        );
+        let view = ClusterView::default().with_config_maps(Arc::new(list));
+        let hf = admit(
+            &pod(&format!("{SFT} --deepspeed cfg/ds.json"), Some("cfg")),
+            &view,
+        );
+        let axolotl = admit(
+            &pod(
+                "accelerate launch -m axolotl.cli.train cfg/axolotl.yml",
+                Some("cfg"),
+            ),
+            &view,
+        );
+        let batch_moved = |a: &Admitted| {
+            let e = a.pod["metadata"]["annotations"]["memguard.io/estimate"]
+                .as_str()
+                .map(|t| serde_json::from_str::<Value>(t).expect("JSON"));
+            e.is_some_and(|e| e["config"]["batch-size"] != "8")
+        };
+        assert_eq!(
+            batch_moved(&hf),
+            !pins,
+            "HF --deepspeed with {ds}: {:?}",
+            hf.warnings
+        );
+        assert_eq!(
+            batch_moved(&axolotl),
+            !pins,
+            "axolotl deepspeed: with {ds}: {:?}",
+            axolotl.warnings
+        );
+    }
+}
