@@ -7,7 +7,6 @@ use memguard_api::cluster::ConfigMapList;
 use memguard_api::launch::{Flags, HfRules, find};
 use memguard_api::{Policy, PolicySpec};
 use memguard_webhook::mutate::ClusterView;
-use memguard_webhook::review::review;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -88,36 +87,12 @@ impl Admitted {
 }
 
 fn admit(pod: &Value, view: &ClusterView) -> Admitted {
-    let body = json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": "u1",
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "name": "sft", "namespace": "ml", "operation": "CREATE",
-            "userInfo": {"username": "system:serviceaccount:ml:trainer"},
-            "object": pod, "dryRun": false,
-        },
-    });
     let policy: Policy = serde_json::from_value::<PolicySpec>(json!({}))
         .expect("policy")
         .resolved()
         .expect("valid");
-    let reviewed = review(body.to_string().as_bytes(), &policy, view).expect("a review");
-    let response = serde_json::to_value(&reviewed.review).expect("JSON")["response"].clone();
-    let mut out = pod.clone();
-    if let Some(encoded) = response["patch"].as_str() {
-        let bytes = base64::engine::general_purpose::STANDARD
-            .decode(encoded)
-            .expect("base64");
-        let patch: json_patch::Patch = serde_json::from_slice(&bytes).expect("a JSON patch");
-        json_patch::patch(&mut out, &patch).expect("the patch applies");
-    }
-    Admitted {
-        pod: out,
-        warnings: reviewed.warnings,
-    }
+    let (pod, warnings) = super::admitted(pod, &policy, view);
+    Admitted { pod, warnings }
 }
 
 const DS_PINNED: &str = r#"{"zero_optimization": {"stage": 2},

@@ -1,10 +1,8 @@
 //! A bespoke training script read and rewritten with the policy's per-image flag map.
 
-use base64::Engine;
 use memguard_api::launch::{MappedRules, find};
 use memguard_api::{Policy, PolicySpec};
 use memguard_webhook::mutate::ClusterView;
-use memguard_webhook::review::review;
 use serde_json::{Value, json};
 
 fn policy() -> Policy {
@@ -31,28 +29,8 @@ fn pod(image: &str, args: &[&str]) -> Value {
 
 /// The pod after admission, and the estimate annotation.
 fn admit(pod: &Value, policy: &Policy) -> (Value, Value) {
-    let body = json!({
-        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-        "request": {"uid": "u1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "name": "t", "namespace": "ml", "operation": "CREATE",
-            "userInfo": {"username": "u"}, "object": pod, "dryRun": false},
-    });
-    let reviewed =
-        review(body.to_string().as_bytes(), policy, &ClusterView::default()).expect("a review");
-    let response = serde_json::to_value(&reviewed.review).expect("JSON")["response"].clone();
-    let mut out = pod.clone();
-    if let Some(encoded) = response["patch"].as_str() {
-        let bytes = base64::engine::general_purpose::STANDARD
-            .decode(encoded)
-            .expect("base64");
-        let patch: json_patch::Patch = serde_json::from_slice(&bytes).expect("a patch");
-        json_patch::patch(&mut out, &patch).expect("applies");
-    }
-    let estimate = out["metadata"]["annotations"]["memguard.io/estimate"]
-        .as_str()
-        .map(|t| serde_json::from_str(t).expect("JSON"))
-        .unwrap_or(Value::Null);
+    let (out, _) = super::admitted(pod, policy, &ClusterView::default());
+    let estimate = super::estimate_of(&out);
     (out, estimate)
 }
 

@@ -14,10 +14,8 @@
 //! - The Kubernetes Job controller, `pkg/controller/job/indexed_job_utils.go`: the completion
 //!   index as annotation and label, `JOB_COMPLETION_INDEX` from it, hostname `<job>-<index>`.
 
-use base64::Engine;
 use memguard_api::{Policy, PolicySpec};
 use memguard_webhook::mutate::ClusterView;
-use memguard_webhook::review::review;
 use serde_json::{Value, json};
 use std::path::Path;
 
@@ -227,38 +225,12 @@ fn jobset_pods(jobset: &Value) -> Vec<Value> {
 
 /// What the webhook makes of one pod: the pod after its patch.
 fn admit(pod: &Value) -> Value {
-    let body = json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": "u1",
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "name": pod["metadata"]["name"], "namespace": "ml", "operation": "CREATE",
-            "userInfo": {"username": "system:serviceaccount:kube-system:job-controller"},
-            "object": pod, "dryRun": false,
-        },
-    });
     let policy: Policy = serde_json::from_value::<PolicySpec>(json!({}))
         .expect("policy")
         .resolved()
         .expect("valid");
-    let reviewed = review(
-        body.to_string().as_bytes(),
-        &policy,
-        &ClusterView::default(),
-    )
-    .expect("a review");
-    let response = serde_json::to_value(&reviewed.review).expect("JSON")["response"].clone();
-    let mut out = pod.clone();
-    if let Some(encoded) = response["patch"].as_str() {
-        let bytes = base64::engine::general_purpose::STANDARD
-            .decode(encoded)
-            .expect("base64");
-        let patch: json_patch::Patch = serde_json::from_slice(&bytes).expect("a JSON patch");
-        json_patch::patch(&mut out, &patch).expect("the patch applies");
-    }
-    eprintln!("{}: {:?}", pod["metadata"]["name"], reviewed.warnings);
+    let (out, warnings) = super::admitted(pod, &policy, &ClusterView::default());
+    eprintln!("{}: {warnings:?}", pod["metadata"]["name"]);
     out
 }
 

@@ -2,10 +2,8 @@
 //! `TrainingArguments`' defaults; an unknown value is never written; no verdict rests on one;
 //! every dialect's sequence flag is read, and one not understood is named.
 
-use base64::Engine;
 use memguard_api::Policy;
 use memguard_webhook::mutate::ClusterView;
-use memguard_webhook::review::review;
 use serde_json::{Value, json};
 
 /// A pod with only the opt-in label, pinned to an A10G (24 GB), running `script`.
@@ -22,40 +20,8 @@ fn label_only(script: &str) -> Value {
 
 /// The admitted pod, the estimate annotation and the warnings.
 fn admit(pod: &Value) -> (Value, Value, Vec<String>) {
-    let body = json!({
-        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-        "request": {"uid": "u1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "name": "t", "namespace": "ml", "operation": "CREATE",
-            "userInfo": {"username": "u"}, "object": pod, "dryRun": false},
-    });
-    let reviewed = review(
-        body.to_string().as_bytes(),
-        &Policy::default(),
-        &ClusterView::default(),
-    )
-    .expect("a review");
-    let response = serde_json::to_value(&reviewed.review).expect("JSON")["response"].clone();
-    let mut out = pod.clone();
-    if let Some(encoded) = response["patch"].as_str() {
-        let bytes = base64::engine::general_purpose::STANDARD
-            .decode(encoded)
-            .expect("base64");
-        let patch: json_patch::Patch = serde_json::from_slice(&bytes).expect("a patch");
-        json_patch::patch(&mut out, &patch).expect("applies");
-    }
-    let estimate = out["metadata"]["annotations"]["memguard.io/estimate"]
-        .as_str()
-        .map(|t| serde_json::from_str(t).expect("JSON"))
-        .unwrap_or(Value::Null);
-    let warnings = response["warnings"]
-        .as_array()
-        .map(|w| {
-            w.iter()
-                .filter_map(|s| s.as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default();
+    let (out, warnings) = super::admitted(pod, &Policy::default(), &ClusterView::default());
+    let estimate = super::estimate_of(&out);
     (out, estimate, warnings)
 }
 
