@@ -574,6 +574,7 @@ fn next_view(
     let (config, error) = match memguard_webhook::mutate(&pod, &ctx.policy, &profiles) {
         memguard_webhook::Outcome::Mutated(m) => (Some(TrainingKnobs::of(&m.plan.config)), m.error),
         memguard_webhook::Outcome::Skipped { error, .. } => (None, Some(error)),
+        memguard_webhook::Outcome::Guarded(g) => (None, Some(g.reason)),
         memguard_webhook::Outcome::Served(s) => (None, s.error.clone()),
         memguard_webhook::Outcome::Unchanged => (None, None),
     };

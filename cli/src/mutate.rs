@@ -206,6 +206,11 @@ fn report(results: &[Mutated], places: &[&str]) -> bool {
                         eprintln!("{at}: warning: {warning}");
                     }
                 }
+                Outcome::Guarded(guarded) => {
+                    for warning in &guarded.warnings {
+                        eprintln!("{at}: warning: {warning}");
+                    }
+                }
                 Outcome::Served(server) => {
                     for warning in &server.warnings {
                         eprintln!("{at}: warning: {warning}");

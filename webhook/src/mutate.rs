@@ -11,7 +11,7 @@
 
 use k8s_openapi::api::core::v1::Pod;
 use memguard_api::estimate::{ArgsChange, ESTIMATE_VERSION, EstimateAnnotation};
-use memguard_api::pod::TrainingPod;
+use memguard_api::pod::{ResolveError, TrainingPod};
 use memguard_api::policy::{SidecarMode, SidecarResources};
 use memguard_api::{Knob, Policy, env, wellknown};
 use memguard_estimator::{Device, DowngradePlan, TrainingConfig};
@@ -33,6 +33,10 @@ pub enum Outcome {
     Unchanged,
     /// The pod as memguard wants it (which may already be how it is).
     Mutated(Box<Mutation>),
+    /// A Python trainer whose config admission cannot read (no model it knows, a launch it
+    /// cannot read): the sidecar and the client are injected so that it is guarded at run
+    /// time, and its command, args and config stay as they are ([`Guarded`]).
+    Guarded(Box<Guarded>),
     /// An inference server (vLLM, SGLang) fitted to the pod's share ([`crate::serving`]).
     Served(Box<crate::serving::ServerAdmission>),
     /// Opted in but unusable (bad annotations, no container, internal error): admitted unchanged
@@ -105,6 +109,24 @@ pub struct Mutation {
     pub client: Option<ClientPlan>,
 }
 
+/// A trainer guarded at run time only: what admission injects when it cannot read the
+/// trainer's config (rendered by [`crate::patch`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Guarded {
+    /// Index of the trainer in `spec.containers`.
+    pub trainer_index: usize,
+    /// The signal file and the sidecar's URL, for the client.
+    pub trainer_env: Vec<(String, String)>,
+    /// The sidecar, with no starting knobs and no estimate: it starts from its own floor.
+    pub sidecar: SidecarPlan,
+    /// The Python client.
+    pub client: Option<ClientPlan>,
+    /// `memguard.io/error`: why nothing was planned at admission, and that the pod is guarded.
+    pub reason: String,
+    /// For the admission response, each ≤ [`MAX_WARNING_CHARS`].
+    pub warnings: Vec<String>,
+}
+
 /// A container's command line as memguard writes it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CommandLine {
@@ -131,10 +153,64 @@ pub fn mutate(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Outcome {
     if let Some(served) = crate::serving::admit(pod, policy, profiles) {
         return served;
     }
-    match decide(pod, policy, profiles) {
+    let training = match TrainingPod::resolve(pod, policy, profiles.cluster()) {
+        Ok(training) => training,
+        Err(e @ (ResolveError::NoTrainingInput(_) | ResolveError::LaunchModel(_))) => {
+            return guard(pod, policy, e.to_string());
+        }
+        Err(e) => return skipped(e.to_string()),
+    };
+    match decide(&training, policy, profiles) {
         Ok(mutation) => Outcome::Mutated(Box::new(mutation)),
         Err(error) => skipped(error),
     }
+}
+
+/// A pod opted in whose config admission cannot read: a Python trainer is guarded at run time
+/// (the sidecar watches its memory, the client follows the signal and recovers from an OOM in
+/// process), unless the policy or the pod keeps the client out; anything else is skipped.
+fn guard(pod: &Pod, policy: &Policy, why: String) -> Outcome {
+    let containers = pod
+        .spec
+        .as_ref()
+        .map(|s| s.containers.as_slice())
+        .unwrap_or_default();
+    let named = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(memguard_api::annotations::CONTAINER))
+        .map(|s| s.trim());
+    let Ok((trainer_index, trainer)) = memguard_api::pod::pick_trainer(containers, named) else {
+        return skipped(why);
+    };
+    let mut warnings = Vec::new();
+    let Some(client) = client_plan(pod, trainer, policy, &mut warnings) else {
+        return skipped(why);
+    };
+    let reason = format!(
+        "not planned at admission, guarded at run time (the sidecar and the client): {why}"
+    );
+    warnings.insert(0, truncate(&format!("memguard: {reason}")));
+    Outcome::Guarded(Box::new(Guarded {
+        trainer_index,
+        trainer_env: vec![
+            (env::SIGNAL_FILE.into(), wellknown::SIGNAL_FILE.into()),
+            (
+                env::SIDECAR_URL.into(),
+                format!("http://{}", wellknown::SIDECAR_LISTEN),
+            ),
+        ],
+        sidecar: SidecarPlan {
+            mode: policy.sidecar_mode,
+            image: policy.sidecar_image.clone(),
+            resources: policy.sidecar_resources.clone(),
+            env: sidecar_base_env(policy, &trainer.name),
+        },
+        client: Some(client),
+        reason,
+        warnings,
+    }))
 }
 
 /// An [`Outcome::Skipped`] with the warning cut to size.
@@ -146,22 +222,25 @@ pub fn skipped(error: String) -> Outcome {
 /// The decision: [`resolve`](TrainingPod::resolve) the pod (its DRA claims read from the
 /// profiles' catalog), run the budget stage every caller shares ([`decision::decide`]: key,
 /// budget, what past runs taught, placement, plan), [`render`] the result.
-fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation, String> {
-    let training =
-        TrainingPod::resolve(pod, policy, profiles.cluster()).map_err(|e| e.to_string())?;
+fn decide(
+    training: &TrainingPod,
+    policy: &Policy,
+    profiles: &ClusterView,
+) -> Result<Mutation, String> {
+    let pod = training.pod;
     // The plan moves only the knobs something applies ([`pinned_floors`]).
     let mut policy_in_play = policy.clone();
     let kept;
-    (policy_in_play.floors, kept) = pinned_floors(&training, policy);
+    (policy_in_play.floors, kept) = pinned_floors(training, policy);
     let adjustments = |key: &_| profiles.adjustments(pod.metadata.namespace.as_deref(), key);
-    let mut decided = decision::decide(&training, &policy_in_play, adjustments)?;
+    let mut decided = decision::decide(training, &policy_in_play, adjustments)?;
     // A coupled setting (a DeepSpeed config) pins batch and accumulation: a plan that would
     // change them is made again with them where they are, and says why.
     if let Some(why) = &training.coupled.batch_pinned
         && changes_batch(&training.config, &decided.plan.config)
     {
         policy_in_play.floors.batch_size = training.config.batch_size;
-        decided = decision::decide(&training, &policy_in_play, adjustments)?;
+        decided = decision::decide(training, &policy_in_play, adjustments)?;
         // A start below the config (a pending OOM recovery) still moves them: then nothing
         // is changed.
         if changes_batch(&training.config, &decided.plan.config) {
@@ -183,17 +262,17 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
     let (command_line, changed) = if !training.guessed().is_empty() {
         (None, Vec::new())
     } else {
-        keeps_effective_batch(&training, policy, &decided.plan.config)?;
+        keeps_effective_batch(training, policy, &decided.plan.config)?;
         match &training.config_file {
             Some(file) => {
-                rewrite_config_file(&training, file, &decided.plan.config, &mut file_warnings)?
+                rewrite_config_file(training, file, &decided.plan.config, &mut file_warnings)?
             }
-            None => rewrite_args(&training, &decided.plan.config)?,
+            None => rewrite_args(training, &decided.plan.config)?,
         }
     };
     let quality_allowed =
         decision::floors(training.annotations.allow_quality, policy).allow_quality;
-    let mut mutation = render(&training, policy, decided);
+    let mut mutation = render(training, policy, decided);
     mutation.warnings.extend(file_warnings);
     if quality_allowed && !kept.is_empty() {
         let names: Vec<&str> = kept.iter().map(|k| k.name()).collect();
@@ -204,7 +283,7 @@ fn decide(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation
         )));
     }
     if !training.guessed().is_empty() {
-        mutation.warnings.insert(0, unknown_warning(&training));
+        mutation.warnings.insert(0, unknown_warning(training));
     }
     if let Some(flags) = training
         .args
@@ -752,7 +831,7 @@ fn render(
     }
 
     let sidecar = sidecar_plan(policy, training, &plan, budget.as_ref(), guessed);
-    let client = client_plan(training, policy, &mut warnings);
+    let client = client_plan(training.pod, training.trainer, policy, &mut warnings);
     let mut estimate = estimate_annotation(&plan, budget.as_ref(), &training.config, &adjust);
     estimate.sources = knob_sources(training);
     estimate.unknown = training
@@ -790,22 +869,21 @@ fn render(
 /// pod (`memguard.io/inject-client: "false"`) opted out. A `PYTHONPATH` from `valueFrom` cannot
 /// be prepended to without losing it: then nothing is injected, and a warning says why.
 fn client_plan(
-    training: &TrainingPod,
+    pod: &Pod,
+    trainer: &k8s_openapi::api::core::v1::Container,
     policy: &Policy,
     warnings: &mut Vec<String>,
 ) -> Option<ClientPlan> {
-    let opted_out = training
-        .pod
+    let opted_out = pod
         .metadata
         .annotations
         .as_ref()
         .and_then(|a| a.get(memguard_api::annotations::INJECT_CLIENT))
         .is_some_and(|v| v.trim().eq_ignore_ascii_case("false"));
-    if !policy.client_inject || opted_out || !runs_python(training.trainer) {
+    if !policy.client_inject || opted_out || !runs_python(trainer) {
         return None;
     }
-    let from_ref = training
-        .trainer
+    let from_ref = trainer
         .env
         .iter()
         .flatten()
@@ -814,7 +892,7 @@ fn client_plan(
         warnings.push(truncate(&format!(
             "memguard: {} in {} uses valueFrom; the Python client was not injected",
             env::PYTHONPATH,
-            training.trainer.name
+            trainer.name
         )));
         return None;
     }
@@ -830,26 +908,8 @@ fn sidecar_plan(
     budget: Option<&Budget>,
     guessed: bool,
 ) -> SidecarPlan {
-    let trainer = training.trainer.name.as_str();
     let cfg = &plan.config;
-    let mut env: Vec<(String, String)> = vec![
-        (env::TRAINER_CONTAINER.into(), trainer.into()),
-        (
-            env::SIDECAR_SIGNAL_FILE.into(),
-            wellknown::SIGNAL_FILE.into(),
-        ),
-        (env::SIDECAR_LISTEN.into(), wellknown::SIDECAR_LISTEN.into()),
-        (
-            env::SIDECAR_METRICS_LISTEN.into(),
-            wellknown::SIDECAR_METRICS_LISTEN.into(),
-        ),
-    ];
-    env.extend(
-        policy
-            .sidecar_env()
-            .into_iter()
-            .map(|(name, value)| (name.to_string(), value)),
-    );
+    let mut env = sidecar_base_env(policy, &training.trainer.name);
     // The knobs the sidecar changes at run time, starting where the plan put them (none
     // when the plan is a guess: the sidecar then starts from its own floor).
     env.extend(
@@ -868,6 +928,30 @@ fn sidecar_plan(
         resources: policy.sidecar_resources.clone(),
         env,
     }
+}
+
+/// The sidecar's env that does not depend on a plan: which container it watches, where it
+/// signals and serves, and the policy's thresholds.
+fn sidecar_base_env(policy: &Policy, trainer: &str) -> Vec<(String, String)> {
+    let mut env: Vec<(String, String)> = vec![
+        (env::TRAINER_CONTAINER.into(), trainer.into()),
+        (
+            env::SIDECAR_SIGNAL_FILE.into(),
+            wellknown::SIGNAL_FILE.into(),
+        ),
+        (env::SIDECAR_LISTEN.into(), wellknown::SIDECAR_LISTEN.into()),
+        (
+            env::SIDECAR_METRICS_LISTEN.into(),
+            wellknown::SIDECAR_METRICS_LISTEN.into(),
+        ),
+    ];
+    env.extend(
+        policy
+            .sidecar_env()
+            .into_iter()
+            .map(|(name, value)| (name.to_string(), value)),
+    );
+    env
 }
 
 /// Each knob's source, when any was read from the trainer's own config, or its launch named the

@@ -6,7 +6,7 @@
 //! or replaced at its own index. Keys are JSON-pointer escaped (`memguard.io/estimate` →
 //! `memguard.io~1estimate`).
 
-use crate::mutate::{Mutation, Outcome};
+use crate::mutate::{ClientPlan, Guarded, Mutation, Outcome, SidecarPlan};
 use crate::serving::ServerAdmission;
 use json_patch::jsonptr::PointerBuf;
 use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation, ReplaceOperation};
@@ -40,6 +40,7 @@ pub fn build(pod: &Pod, outcome: &Outcome) -> Patch {
             annotate(pod, &mut ops, &[(keys::ERROR, error.as_str())], &[]);
         }
         Outcome::Mutated(m) => mutation(pod, m, &mut ops),
+        Outcome::Guarded(g) => guarded(pod, g, &mut ops),
         Outcome::Served(s) => served(pod, s, &mut ops),
     }
     Patch(ops.0)
@@ -154,11 +155,12 @@ fn capabilities(csc: Option<&k8s_openapi::api::core::v1::SecurityContext>) -> Op
 /// (`None`: Kubernetes' default, `Always`): the sidecar waits for an OOM-killed trainer's
 /// in-place restart only when one can come.
 pub fn sidecar_container(
-    m: &Mutation,
+    plan: &SidecarPlan,
+    trainer: &str,
     identity: &SidecarIdentity,
     restart_policy: Option<&str>,
 ) -> Value {
-    let r = &m.sidecar.resources;
+    let r = &plan.resources;
     let mut requests = Map::new();
     if let Some(cpu) = &r.cpu_request {
         requests.insert("cpu".into(), json!(cpu));
@@ -170,8 +172,7 @@ pub fn sidecar_container(
     if let Some(mem) = &r.memory_limit {
         limits.insert("memory".into(), json!(mem));
     }
-    let mut env: Vec<Value> = m
-        .sidecar
+    let mut env: Vec<Value> = plan
         .env
         .iter()
         .map(|(name, value)| json!({"name": name, "value": value}))
@@ -187,7 +188,7 @@ pub fn sidecar_container(
     env.push(json!({
         "name": env::TRAINER_MEMORY_LIMIT,
         "valueFrom": {"resourceFieldRef": {
-            "containerName": m.trainer,
+            "containerName": trainer,
             "resource": "limits.memory",
             "divisor": "1",
         }},
@@ -206,7 +207,7 @@ pub fn sidecar_container(
     }
     let mut c = json!({
         "name": wellknown::SIDECAR_CONTAINER,
-        "image": m.sidecar.image,
+        "image": plan.image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["memguard-sidecar"],
         "env": env,
@@ -225,7 +226,7 @@ pub fn sidecar_container(
         "terminationMessagePolicy": "File",
         "volumeMounts": [{"name": wellknown::SIGNAL_VOLUME, "mountPath": wellknown::SIGNAL_DIR}],
     });
-    if m.sidecar.mode == SidecarMode::Native {
+    if plan.mode == SidecarMode::Native {
         c["restartPolicy"] = json!("Always");
     }
     c
@@ -284,11 +285,60 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
     signal_volume(spec, ops);
     // The client's init container goes before a native sidecar: it has run to completion
     // before the sidecar starts looking for the trainer, so its process is never taken for it.
-    client(pod, spec, trainer, &trainer_path, m, ops);
-    sidecar(pod, spec, trainer, m, ops);
+    client(
+        pod,
+        spec,
+        trainer,
+        &trainer_path,
+        m.client.as_ref(),
+        &m.sidecar,
+        ops,
+    );
+    sidecar(pod, spec, trainer, &m.sidecar, ops);
     placement(spec, m, ops);
     shared_pid_namespace(spec, ops);
     estimate_and_error(pod, m, ops);
+}
+
+/// The patch of a trainer guarded at run time only ([`Guarded`]): the sidecar, the client and
+/// what they share, as for a mutation, and `memguard.io/error` saying why nothing was planned.
+/// Its command line, its knobs and its placement are left as they are.
+fn guarded(pod: &Pod, g: &Guarded, ops: &mut Ops) {
+    let Some(spec) = pod.spec.as_ref() else {
+        return;
+    };
+    let Some(trainer) = spec.containers.get(g.trainer_index) else {
+        return;
+    };
+    let trainer_index = g.trainer_index.to_string();
+    let trainer_path = ["spec", "containers", trainer_index.as_str()];
+    let desired: Vec<(&str, &str)> = g
+        .trainer_env
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    set_env(trainer, &trainer_path, &desired, ops);
+    signal_mount(trainer, &trainer_path, ops);
+    termination_message(trainer, &trainer_path, ops);
+    signal_volume(spec, ops);
+    client(
+        pod,
+        spec,
+        trainer,
+        &trainer_path,
+        g.client.as_ref(),
+        &g.sidecar,
+        ops,
+    );
+    sidecar(pod, spec, trainer, &g.sidecar, ops);
+    shared_pid_namespace(spec, ops);
+    let reason: String = g.reason.chars().take(MAX_ERROR_CHARS).collect();
+    annotate(
+        pod,
+        ops,
+        &[(keys::ERROR, reason.as_str())],
+        &[keys::ESTIMATE],
+    );
 }
 
 /// The trainer's env: memguard's variables, then the user's own, rewritten in place.
@@ -371,14 +421,15 @@ fn signal_volume(spec: &PodSpec, ops: &mut Ops) {
 
 /// The sidecar, in the list its mode asks for. One already present in the other list is left
 /// alone: two containers with one name would make the pod invalid.
-fn sidecar(pod: &Pod, spec: &PodSpec, trainer: &Container, m: &Mutation, ops: &mut Ops) {
+fn sidecar(pod: &Pod, spec: &PodSpec, trainer: &Container, plan: &SidecarPlan, ops: &mut Ops) {
     let desired = sidecar_container(
-        m,
+        plan,
+        &trainer.name,
         &SidecarIdentity::of_trainer(pod, trainer),
         spec.restart_policy.as_deref(),
     );
     let init: &[Container] = spec.init_containers.as_deref().unwrap_or_default();
-    let (list_key, list, list_exists, other) = match m.sidecar.mode {
+    let (list_key, list, list_exists, other) = match plan.mode {
         SidecarMode::Native => (
             "initContainers",
             init,
@@ -405,8 +456,8 @@ fn sidecar(pod: &Pod, spec: &PodSpec, trainer: &Container, m: &Mutation, ops: &m
 
 /// The init container that writes the Python client (`memguard client install DIR`, so the
 /// image needs no shell), with the sidecar's resources and security context rules.
-pub fn client_container(image: &str, m: &Mutation, identity: &SidecarIdentity) -> Value {
-    let r = &m.sidecar.resources;
+pub fn client_container(image: &str, sidecar: &SidecarPlan, identity: &SidecarIdentity) -> Value {
+    let r = &sidecar.resources;
     let mut resources = Map::new();
     let requests: Map<String, Value> = [("cpu", &r.cpu_request), ("memory", &r.memory_request)]
         .into_iter()
@@ -438,10 +489,11 @@ fn client(
     spec: &PodSpec,
     trainer: &Container,
     trainer_path: &[&str],
-    m: &Mutation,
+    plan: Option<&ClientPlan>,
+    sidecar: &SidecarPlan,
     ops: &mut Ops,
 ) {
-    let Some(plan) = &m.client else {
+    let Some(plan) = plan else {
         return;
     };
     let name = wellknown::CLIENT_CONTAINER;
@@ -458,7 +510,11 @@ fn client(
             json!({"name": name, "emptyDir": {}}),
         );
     }
-    let desired = client_container(&plan.image, m, &SidecarIdentity::of_trainer(pod, trainer));
+    let desired = client_container(
+        &plan.image,
+        sidecar,
+        &SidecarIdentity::of_trainer(pod, trainer),
+    );
     let init: &[Container] = spec.init_containers.as_deref().unwrap_or_default();
     match init.iter().position(|c| c.name == name) {
         Some(i) => {

@@ -27,6 +27,8 @@ pub enum Disposition {
     Unchanged,
     /// Opted in but unusable: admitted with `memguard.io/error`.
     Skipped,
+    /// Opted in, its config not read: the sidecar and client injected, nothing planned.
+    Guarded,
     /// memguard's own failure (an object that is not a Pod, …): admitted as is.
     Error,
 }
@@ -38,6 +40,7 @@ impl Disposition {
             Disposition::Mutated => "mutated",
             Disposition::Unchanged => "unchanged",
             Disposition::Skipped => "skipped",
+            Disposition::Guarded => "guarded",
             Disposition::Error => "error",
         }
     }
@@ -256,6 +259,10 @@ fn answer<T: kube::Resource>(
             (Disposition::Unchanged, 0, m.warnings.clone())
         }
         Outcome::Mutated(m) => (Disposition::Mutated, m.steps(), m.warnings.clone()),
+        Outcome::Guarded(g) if patch.0.is_empty() => {
+            (Disposition::Unchanged, 0, g.warnings.clone())
+        }
+        Outcome::Guarded(g) => (Disposition::Guarded, 0, g.warnings.clone()),
         Outcome::Served(s) if patch.0.is_empty() => (Disposition::Unchanged, 0, s.warnings.clone()),
         Outcome::Served(s) => (
             Disposition::Mutated,

@@ -131,7 +131,10 @@ async fn mutate(State(state): State<AppState>, body: Bytes) -> Response {
                 .metrics
                 .observe(r.disposition, r.steps, start.elapsed());
             match r.disposition {
-                Disposition::Mutated | Disposition::Skipped | Disposition::Error => {
+                Disposition::Mutated
+                | Disposition::Guarded
+                | Disposition::Skipped
+                | Disposition::Error => {
                     tracing::info!(
                         pod = %r.pod,
                         outcome = r.disposition.label(),

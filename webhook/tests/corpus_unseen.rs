@@ -109,7 +109,14 @@ fn grade(entry: &Value, policy: &Policy) -> Result<Grade, String> {
         .unwrap_or("default");
     let view = ClusterView::default().with_config_maps(Arc::new(config_maps(entry, namespace)?));
     let pod: Pod = serde_json::from_value(pod_json.clone()).map_err(|e| format!("pod: {e}"))?;
-    let outcome = mutate(&pod, policy, &view);
+    let outcome = match mutate(&pod, policy, &view) {
+        // Guarded at run time, its command line as it was: left, with the reason.
+        Outcome::Guarded(g) => Outcome::Skipped {
+            error: g.reason.clone(),
+            warning: String::new(),
+        },
+        outcome => outcome,
+    };
     let m = match &outcome {
         Outcome::Skipped { error, .. } => {
             // The reason names what was seen and what was not read, never the bare generic.

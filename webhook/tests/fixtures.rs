@@ -126,6 +126,11 @@ fn fixture_pods_match_their_golden_patches() {
                 "steps": m.plan.steps.iter().map(|s| s.rung.name()).collect::<Vec<_>>(),
                 "warningCount": m.warnings.len(),
             }),
+            Outcome::Guarded(g) => json!({
+                "outcome": "guarded",
+                "error": g.reason,
+                "warnings": g.warnings,
+            }),
             Outcome::Served(s) => json!({
                 "outcome": "served",
                 "container": s.container,

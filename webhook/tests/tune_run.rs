@@ -257,8 +257,8 @@ fn a_config_file_that_is_not_mounted_is_said() {
         )]));
     }
     match mutate(&p, &Policy::default(), &ClusterView::default()) {
-        Outcome::Skipped { error, .. } => {
-            assert!(error.contains("/nowhere/x.yaml"), "{error}");
+        Outcome::Guarded(g) => {
+            assert!(g.reason.contains("/nowhere/x.yaml"), "{}", g.reason);
         }
         other => panic!("{other:?}"),
     }

@@ -923,26 +923,64 @@ fn a_cache_path_names_its_model() {
     assert_eq!(m.estimate.sources["model"], "args");
 }
 
-/// A model nobody knows is a clear skip that names it and where memguard looked, and the pod is
-/// left as it was.
+/// A model nobody knows is said clearly (the model, where memguard looked, the nearest known);
+/// the Python trainer is guarded at run time (issue 37: the sidecar and the client), and its
+/// command line is left as it was.
 #[test]
-fn an_unknown_model_in_the_launch_is_a_clear_skip() {
+fn an_unknown_model_in_the_launch_is_said_and_the_trainer_guarded() {
     let launch = STOCK_SFT.replace("google/gemma-2b", "acme/secret-13b");
     let pod = label_only_launch(&launch).json();
     let typed: Pod = serde_json::from_value(pod.clone()).expect("a pod");
     match mutate(&typed, &Policy::default(), &ClusterView::default()) {
-        Outcome::Skipped { error, .. } => {
+        Outcome::Guarded(g) => {
+            let error = &g.reason;
             assert!(error.contains("acme/secret-13b"), "{error}");
             assert!(error.contains("--model_name_or_path"), "{error}");
             assert!(error.contains("unknown model"), "{error}");
+            assert!(error.contains("nearest known"), "{error}");
+            assert!(error.contains("guarded at run time"), "{error}");
         }
         other => panic!("{other:?}"),
     }
     let (_, out) = apply(&pod, &Policy::default());
-    assert_eq!(out["spec"], pod["spec"], "the pod's spec is unchanged");
+    let trainer = &out["spec"]["containers"][0];
+    assert_eq!(trainer["args"], pod["spec"]["containers"][0]["args"]);
+    assert_eq!(trainer["command"], pod["spec"]["containers"][0]["command"]);
+    let init = out["spec"]["initContainers"]
+        .as_array()
+        .expect("init containers");
+    let names: Vec<&str> = init.iter().filter_map(|c| c["name"].as_str()).collect();
+    assert_eq!(names, ["memguard-client", "memguard-sidecar"]);
+    let env: Vec<&str> = trainer["env"]
+        .as_array()
+        .expect("env")
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    assert!(env.contains(&"MEMGUARD_SIDECAR_URL") && env.contains(&"PYTHONPATH"));
+    assert!(
+        !env.contains(&"MEMGUARD_BATCH_SIZE"),
+        "nothing planned: {env:?}"
+    );
+    let annotations = &out["metadata"]["annotations"];
+    assert!(annotations.get("memguard.io/estimate").is_none());
+    assert!(
+        annotations["memguard.io/error"]
+            .as_str()
+            .is_some_and(|e| e.starts_with("not planned at admission"))
+    );
+    let (second, _) = apply(&out, &Policy::default());
+    assert!(second.0.is_empty(), "not idempotent: {second:?}");
+    // A trainer that does not run Python gets nothing: a skip, as before.
+    let shell = label_only_launch("./train --model acme/secret-13b").json();
+    let typed: Pod = serde_json::from_value(shell).expect("a pod");
+    assert!(matches!(
+        mutate(&typed, &Policy::default(), &ClusterView::default()),
+        Outcome::Skipped { .. }
+    ));
 }
 
-/// A label-only pod whose launch cannot be read keeps the skip, and says why.
+/// A label-only pod whose launch cannot be read says why, and is guarded at run time.
 #[test]
 fn a_label_only_pod_with_an_unreadable_launch_says_why_it_is_skipped() {
     let typed: Pod = serde_json::from_value(
@@ -953,9 +991,9 @@ fn a_label_only_pod_with_an_unreadable_launch_says_why_it_is_skipped() {
     )
     .expect("a pod");
     match mutate(&typed, &Policy::default(), &ClusterView::default()) {
-        Outcome::Skipped { error, .. } => {
-            assert!(error.contains("no training annotations"), "{error}");
-            assert!(error.contains("could not be read"), "{error}");
+        Outcome::Guarded(g) => {
+            assert!(g.reason.contains("no training annotations"), "{}", g.reason);
+            assert!(g.reason.contains("could not be read"), "{}", g.reason);
         }
         other => panic!("{other:?}"),
     }
