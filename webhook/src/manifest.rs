@@ -107,10 +107,11 @@ fn pods_at(document: &Value) -> Result<Vec<(PointerBuf, Pod)>, ManifestError> {
             "metadata": metadata,
             "spec": sub.get("spec").cloned().unwrap_or(Value::Null),
         });
-        let pod = serde_json::from_value(pod_value).map_err(|source| ManifestError::InvalidPod {
-            path: at.clone(),
-            source,
-        })?;
+        let pod =
+            serde_json::from_value(pod_value).map_err(|source| ManifestError::InvalidPod {
+                path: at.clone(),
+                source,
+            })?;
         pods.push((path, pod));
     }
     Ok(pods)
