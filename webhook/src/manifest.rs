@@ -4,6 +4,8 @@
 //!
 //! Each pod (template) goes through exactly the server's [`mutate`](crate::mutate::mutate) and
 //! [`patch::build`](crate::patch::build); the patch paths are then rebased onto the document.
+//! A template is decided as the pod its controller creates, in the workload's namespace
+//! ([`pods`]; `memguard explain` reads workloads through it too).
 
 use crate::mutate::{self, ClusterView, Outcome};
 use crate::patch;
@@ -62,8 +64,8 @@ pub struct Mutated {
 /// Job): the Pod itself, or each pod template of a workload as the Pod its controller creates.
 /// A template's pod takes the workload's namespace (the controller creates its pods there), so
 /// what the decision looks up by namespace (the ConfigMaps a trainer's config file is mounted
-/// from, the `MemoryProfile`s) is found where the workload lives. The namespace is only on the
-/// pod handed to the decision: the document's template is not given one.
+/// from) is found where the workload lives. The namespace is only on the pod handed to the
+/// decision: the document's template is not given one.
 pub fn pods(document: &Value) -> Result<Vec<(String, Pod)>, ManifestError> {
     Ok(pods_at(document)?
         .into_iter()
