@@ -1,5 +1,8 @@
 //! `memguard explain`: what happened to a pod's memory, from the pod as `kubectl get pod -o yaml`
-//! gives it (spec, annotations and status).
+//! gives it (spec, annotations and status). The input is read as `memguard mutate` reads it:
+//! Pods, or workloads whose every pod template is explained as the pod its controller creates
+//! (in the workload's namespace), with the ConfigMaps and Nodes the decision reads. Several
+//! pods are explained in turn (JSON: an array of them).
 //!
 //! Everything comes from the manifest: the webhook's `memguard.io/estimate` (budget, its source,
 //! the steps), the estimator run again on the config the trainer was given (the breakdown), the
@@ -22,6 +25,7 @@ use memguard_learn::observe::{NotObserved, oom_reason, parse_summary, try_observ
 use memguard_learn::update::{OomRules, apply_limited, describe_knobs};
 use memguard_webhook::policy_sources::{Overrides, policy_from_str};
 use serde::Serialize;
+use serde_json::Value;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
@@ -31,7 +35,10 @@ use std::sync::Arc;
 /// Flags of `memguard explain`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// The pod with its status (`kubectl get pod NAME -o yaml`), or `-` for stdin.
+    /// The pod with its status (`kubectl get pod NAME -o yaml`), or `-` for stdin; or the pods
+    /// of a `kind: List`, or a workload (Job, PyTorchJob, Deployment, … as `memguard mutate`
+    /// takes them, e.g. its output), each pod template explained; with the ConfigMaps and Nodes
+    /// the decision reads.
     #[arg(short = 'f', long = "filename", value_name = "FILE")]
     pub file: PathBuf,
 
@@ -70,6 +77,10 @@ pub enum Output {
 #[derive(Debug, Serialize)]
 pub struct Explanation {
     pod: String,
+    /// For a workload's pod template: the workload and the template's path in it
+    /// (`Job ml/sft /spec/template`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    workload: Option<String>,
     trainer: Option<String>,
     /// `memguard.io/error`, when the webhook left the pod unchanged or said "cannot fit".
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -241,37 +252,65 @@ fn bad_input(message: impl std::fmt::Display) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::from(crate::EXIT_BAD_INPUT))
 }
 
+/// The pods `explain` describes in the input: each Pod, and each pod template of a workload
+/// (Job, PyTorchJob, Deployment, …) as the pod its controller creates, in the workload's
+/// namespace ([`memguard_webhook::manifest::pods`], as `mutate` finds them); with where each is.
+fn subjects(input: &crate::input::Input) -> Result<Vec<Subject>, String> {
+    let mut subjects = Vec::new();
+    for doc in &input.documents {
+        let pods = memguard_webhook::manifest::pods(&doc.value)
+            .map_err(|e| format!("{}: {}: {e}", input.source, doc.place))?;
+        for (path, pod) in pods {
+            let workload = (!path.is_empty()).then(|| {
+                let meta = &doc.value["metadata"];
+                let kind = doc.value["kind"].as_str().unwrap_or("object");
+                let name = meta["name"].as_str().unwrap_or("unnamed");
+                match meta["namespace"].as_str() {
+                    Some(ns) => format!("{kind} {ns}/{name} {path}"),
+                    None => format!("{kind} {name} {path}"),
+                }
+            });
+            let place = match &workload {
+                Some(w) => format!("{} {w}", doc.place),
+                None => doc.place.clone(),
+            };
+            subjects.push(Subject {
+                place,
+                workload,
+                pod,
+            });
+        }
+    }
+    Ok(subjects)
+}
+
+/// One pod to explain.
+struct Subject {
+    /// Where it is in the input (`document 2`, `document 1 item 3 Job ml/sft /spec/template`).
+    place: String,
+    /// The workload and the template's path in it, for a pod template.
+    workload: Option<String>,
+    /// The pod (a template's, in its workload's namespace).
+    pod: Pod,
+}
+
 /// Runs `memguard explain`.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let input = match crate::input::read(&args.file) {
         Ok(input) => input,
         Err(e) => return bad_input(e),
     };
-    let pods: Vec<&serde_json::Value> = input
-        .documents
-        .iter()
-        .map(|(_, d)| d)
-        .filter(|d| d.get("kind").and_then(serde_json::Value::as_str) == Some("Pod"))
-        .collect();
-    let pod: Pod = match pods.as_slice() {
-        [one] => match serde_json::from_value((*one).clone()) {
-            Ok(p) => p,
-            Err(e) => return bad_input(format!("{}: not a pod manifest: {e}", input.source)),
-        },
-        [] => {
+    let subjects = match subjects(&input) {
+        Ok(s) if s.is_empty() => {
             return bad_input(format!(
-                "{}: no Pod in the input (explain reads one pod as the API server reports it: \
-                 kubectl get pod NAME -o yaml)",
+                "{}: no Pod and no workload with a pod template in the input (explain reads pods \
+                 as the API server reports them, kubectl get pod NAME -o yaml, or a workload: \
+                 Job, PyTorchJob, Deployment, …)",
                 input.source
             ));
         }
-        many => {
-            return bad_input(format!(
-                "{}: {} Pods in the input; explain reads one (kubectl get pod NAME -o yaml)",
-                input.source,
-                many.len()
-            ));
-        }
+        Ok(s) => s,
+        Err(e) => return bad_input(e),
     };
     let policy_text = match &args.policy_file {
         Some(path) => match std::fs::read_to_string(path) {
@@ -295,31 +334,81 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         config_maps: input.config_maps,
         nodes: input.nodes,
     };
+    // The profile, for each pod: the one given when it holds that pod's key. With one pod, a
+    // profile for another key is an error; with several, it must be some pod's.
+    let mut profiles: Vec<Option<MemoryProfile>> = vec![None; subjects.len()];
     if let Some(path) = &args.profile {
-        match read_profile(path, &pod, &ctx) {
-            Ok(p) => ctx.profile = Some(p),
-            Err(e) => return bad_input(e),
+        let mut first_error = None;
+        for (Subject { place, pod, .. }, profile) in subjects.iter().zip(profiles.iter_mut()) {
+            match read_profile(path, pod, &ctx) {
+                Ok(p) => *profile = Some(p),
+                Err(e) if subjects.len() == 1 => return bad_input(e),
+                Err(e) => {
+                    first_error.get_or_insert(format!("{place}: {e}"));
+                }
+            }
+        }
+        if profiles.iter().all(Option::is_none)
+            && let Some(e) = first_error
+        {
+            return bad_input(e);
         }
     }
-    let mut out = std::io::stdout().lock();
-    // An inference server: the admission's decision on its command line.
-    let profiles = ctx.view();
     let json = matches!(args.output, Output::Json);
-    if let Some(written) = crate::serving::write(&mut out, json, &pod, &ctx.policy, &profiles) {
-        return match written? {
-            Ok(_) => Ok(ExitCode::SUCCESS),
-            Err(e) => bad_input(e),
-        };
-    }
-    let explanation = explain_with(&pod, &ctx);
-    match args.output {
-        Output::Json => {
-            serde_json::to_writer_pretty(&mut out, &explanation)?;
-            writeln!(out)?;
+    let several = subjects.len() > 1;
+    let mut explained: Vec<Value> = Vec::new();
+    let mut first = true;
+    let mut out = std::io::stdout().lock();
+    for (subject, profile) in subjects.iter().zip(profiles) {
+        let place = &subject.place;
+        ctx.profile = profile;
+        let mut one: Vec<u8> = Vec::new();
+        if let Err(e) = explain_one(&mut one, json, subject, &ctx)? {
+            return bad_input(if several { format!("{place}: {e}") } else { e });
         }
-        Output::Table => write_table(&mut out, &explanation)?,
+        if !several {
+            out.write_all(&one)?;
+        } else if json {
+            explained.push(serde_json::from_slice(&one)?);
+        } else {
+            if !first {
+                writeln!(out)?;
+            }
+            first = false;
+            writeln!(out, "== {place}")?;
+            out.write_all(&one)?;
+        }
+    }
+    if several && json {
+        serde_json::to_writer_pretty(&mut out, &explained)?;
+        writeln!(out)?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// One pod explained on `out`: an inference server's admission, or what happened to a
+/// trainer's memory; `Err` for bad input.
+fn explain_one(
+    out: &mut Vec<u8>,
+    json: bool,
+    subject: &Subject,
+    ctx: &NextContext,
+) -> anyhow::Result<Result<(), String>> {
+    let pod = &subject.pod;
+    // An inference server: the admission's decision on its command line.
+    let profiles = ctx.view();
+    if let Some(written) = crate::serving::write(out, json, pod, &ctx.policy, &profiles) {
+        return Ok(written?.map(|_| ()));
+    }
+    let mut explanation = explain_with(pod, ctx);
+    explanation.workload.clone_from(&subject.workload);
+    if json {
+        serde_json::to_writer_pretty(&mut *out, &explanation)?;
+        writeln!(out)?;
+    } else {
+        write_table(out, &explanation)?;
+    }
+    Ok(Ok(()))
 }
 
 /// The one `MemoryProfile` in `path`, which must hold the pod's key.
@@ -397,6 +486,7 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
     let next = next_view(pod, ran.as_ref(), ctx);
     Explanation {
         pod: pod.metadata.name.clone().unwrap_or_default(),
+        workload: None,
         trainer,
         error: annotations.get(keys::ERROR).cloned(),
         estimate_error,
@@ -666,12 +756,11 @@ fn bytes(b: Option<u64>) -> String {
 
 fn write_table(out: &mut impl Write, e: &Explanation) -> std::io::Result<()> {
     let row = |out: &mut dyn Write, k: &str, v: &str| writeln!(out, "  {k:<22} {v}");
-    writeln!(
-        out,
-        "pod {} (trainer {})",
-        e.pod,
-        e.trainer.as_deref().unwrap_or("-")
-    )?;
+    let trainer = e.trainer.as_deref().unwrap_or("-");
+    match &e.workload {
+        Some(workload) => writeln!(out, "pod template of {workload} (trainer {trainer})")?,
+        None => writeln!(out, "pod {} (trainer {trainer})", e.pod)?,
+    }
     if let Some(err) = &e.error {
         row(out, "error", err)?;
     }

@@ -3,7 +3,9 @@
 //! `kubectl get … -o yaml` prints) counts as its items. The documents are sorted: ConfigMaps
 //! (the files trainers' launches name) and Nodes (their GPU labels) are what the webhook reads
 //! from its watch caches, and go to the decision's view of the cluster; everything else is
-//! what is mutated or explained.
+//! what is mutated or explained. Every document is also kept as read, in order
+//! ([`Input::originals`]), so that `mutate` prints the whole input back with only its
+//! workloads changed.
 
 use memguard_api::cluster::{ConfigMapList, NodeLabelList};
 use serde_json::Value;
@@ -16,13 +18,28 @@ use std::path::Path;
 pub struct Input {
     /// Where they came from (`stdin` or the path), for messages.
     pub source: String,
-    /// The documents to mutate or explain, with where they are in the input (`document 2`,
-    /// `document 1 item 3` for a List's item).
-    pub documents: Vec<(String, Value)>,
+    /// Every document of the input as read, in order, a List as one document: ConfigMaps,
+    /// Nodes and everything else.
+    pub originals: Vec<Value>,
+    /// The documents to mutate or explain (all but the ConfigMaps and Nodes), in order.
+    pub documents: Vec<Document>,
     /// The ConfigMaps given, by namespace (`default` when unset) and name.
     pub config_maps: ConfigMapList,
     /// The Nodes' labels given.
     pub nodes: NodeLabelList,
+}
+
+/// One object to mutate or explain: a document, or one item of a List.
+#[derive(Debug)]
+pub struct Document {
+    /// Where it is in the input, for messages: `document 2`, `document 1 item 3`.
+    pub place: String,
+    /// The object.
+    pub value: Value,
+    /// Its index in [`Input::originals`].
+    pub document: usize,
+    /// Its index in that List's `items`, when it is a List's item.
+    pub item: Option<usize>,
 }
 
 impl Input {
@@ -40,6 +57,16 @@ impl Input {
         }
         view
     }
+}
+
+/// Whether `object` is a List (`kind: List`, or `PodList` and the like, with `items`): read
+/// as its items.
+pub fn is_list(object: &serde_json::Map<String, Value>) -> bool {
+    let kind = object
+        .get("kind")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    (kind == "List" || kind.ends_with("List")) && object.get("items").is_some_and(Value::is_array)
 }
 
 /// Reads `path` (`-`: stdin) into an [`Input`]; `Err` says what is wrong, naming the source.
@@ -77,10 +104,9 @@ pub fn from_text(source: String, text: &str) -> Result<Input, String> {
     let mut place = 0;
     for doc in parsed.into_iter().filter(|d| !d.is_null()) {
         place += 1;
-        let (items, listed) = match (doc.get("kind").and_then(Value::as_str), doc.get("items")) {
-            (Some(kind), Some(Value::Array(items))) if kind == "List" || kind.ends_with("List") => {
-                (items.clone(), true)
-            }
+        input.originals.push(doc.clone());
+        let (items, listed) = match (doc.as_object(), doc.get("items")) {
+            (Some(object), Some(Value::Array(items))) if is_list(object) => (items.clone(), true),
             _ => (vec![doc], false),
         };
         for (index, item) in items.into_iter().enumerate() {
@@ -111,7 +137,12 @@ pub fn from_text(source: String, text: &str) -> Result<Input, String> {
                     .map_err(|e| format!("{source}: document {place}: a Node's labels: {e}"))?;
                     input.nodes.0.push(labels);
                 }
-                _ => input.documents.push((at, item)),
+                _ => input.documents.push(Document {
+                    place: at,
+                    value: item,
+                    document: place - 1,
+                    item: listed.then_some(index),
+                }),
             }
         }
     }
@@ -142,12 +173,26 @@ data: {lora.yml: "micro_batch_size: 2"}
         let names: Vec<&str> = input
             .documents
             .iter()
-            .map(|(_, d)| d["metadata"]["name"].as_str().unwrap_or_default())
+            .map(|d| d.value["metadata"]["name"].as_str().unwrap_or_default())
             .collect();
         assert_eq!(names, ["a", "b"]);
         assert_eq!(
-            input.documents[1].0, "document 1 item 2",
+            input.documents[1].place, "document 1 item 2",
             "the List's place"
+        );
+        assert_eq!(
+            (input.documents[1].document, input.documents[1].item),
+            (0, Some(1))
+        );
+        let kinds: Vec<&str> = input
+            .originals
+            .iter()
+            .map(|d| d["kind"].as_str().unwrap_or_default())
+            .collect();
+        assert_eq!(
+            kinds,
+            ["List", "ConfigMap", "Node"],
+            "every document, in order"
         );
         assert!(
             input

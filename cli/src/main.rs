@@ -25,7 +25,8 @@ enum Command {
     Estimate(Box<estimate::Args>),
     /// Apply the webhook's mutation to a manifest on disk (pod, or a workload's pod template).
     Mutate(mutate::Args),
-    /// Explain what happened to a pod's memory (`kubectl get pod NAME -o yaml | memguard explain -f -`).
+    /// Explain what happened to a pod's memory (`kubectl get pod NAME -o yaml | memguard explain -f -`),
+    /// or what admission gives a workload's pods (`memguard mutate -f job.yaml | memguard explain -f -`).
     Explain(explain::Args),
     /// Write the CRD manifests (MemguardPolicy, MemoryProfile).
     Crdgen(crdgen::Args),

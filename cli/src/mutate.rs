@@ -1,9 +1,13 @@
 //! `memguard mutate`: the webhook's mutation, applied to manifests on disk.
 //!
 //! Same code path as the server ([`memguard_webhook::manifest`] → `mutate` → `patch::build`).
-//! Reads one or more YAML (or JSON) documents, from a file or stdin, and prints each document
-//! mutated, or the JSON patches. Pods, and workloads whose pod templates carry the opt-in label.
+//! Reads one or more YAML (or JSON) documents, from a file or stdin, and prints every document
+//! back, in order, with its pods (Pods, and workloads' pod templates carrying the opt-in label)
+//! mutated, or the JSON patch of each document. ConfigMaps, Nodes and every other object are
+//! printed as they were read, so the output can go to `kubectl apply` or to `memguard mutate`
+//! again, which then decides the same and changes nothing.
 
+use crate::input::Input;
 use anyhow::Context;
 use memguard_webhook::Outcome;
 use memguard_webhook::manifest::{Mutated, mutate_document};
@@ -20,7 +24,8 @@ pub struct Args {
     #[arg(short = 'f', long = "filename", value_name = "FILE")]
     pub file: PathBuf,
 
-    /// `yaml` (the mutated documents), `json`, or `patch` (the RFC 6902 patch of each document).
+    /// `yaml` (every document, in order, the workloads mutated), `json` (the same as one value: the
+    /// document, or a `kind: List` of them all), or `patch` (the RFC 6902 patch of each document).
     #[arg(short, long, value_enum, default_value_t = Output::Yaml)]
     pub output: Output,
 
@@ -101,11 +106,12 @@ fn read_profiles(paths: &[PathBuf]) -> Result<memguard_webhook::ClusterView, Str
 /// Output format.
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Output {
-    /// The mutated documents, as YAML (`---` between documents).
+    /// Every document, the workloads mutated, as YAML (`---` between documents).
     Yaml,
-    /// The mutated documents, as JSON (one per line when several).
+    /// Every document, the workloads mutated, as one JSON value: the document when the input
+    /// holds one, else a `kind: List` of them all (a List's items in its place).
     Json,
-    /// The JSON patch of each document (one per line when several).
+    /// The JSON patch of each document, one per line (`[]` for one left as it is).
     Patch,
 }
 
@@ -159,19 +165,18 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         (Err(e), _) | (_, Err(e)) => return bad_input(e),
     };
     let profiles = input.cluster_view(profiles);
-    let documents = &input.documents;
-    let mut results: Vec<Mutated> = Vec::with_capacity(documents.len());
-    for (place, doc) in documents {
-        match mutate_document(doc, &policy, &profiles) {
+    let mut results: Vec<Mutated> = Vec::with_capacity(input.documents.len());
+    for doc in &input.documents {
+        match mutate_document(&doc.value, &policy, &profiles) {
             Ok(m) => results.push(m),
-            Err(e) => return bad_input(format!("{source}: {place}: {e}")),
+            Err(e) => return bad_input(format!("{source}: {}: {e}", doc.place)),
         }
     }
-    let places: Vec<&str> = documents.iter().map(|(place, _)| place.as_str()).collect();
+    let places: Vec<&str> = input.documents.iter().map(|d| d.place.as_str()).collect();
 
     let skipped = report(&results, &places);
     let mut out = std::io::stdout().lock();
-    write_output(&mut out, args.output, &results)?;
+    write_output(&mut out, args.output, &input, &results)?;
     out.flush()?;
     // Like the webhook, a pod with bad annotations is still written out (with memguard.io/error);
     // the exit code tells scripts the input needs fixing.
@@ -264,13 +269,65 @@ fn why_not_opted_in(labels: Option<&Value>) -> String {
     }
 }
 
-/// The mutated documents, or their patches, on `out`.
-fn write_output(out: &mut impl Write, output: Output, results: &[Mutated]) -> anyhow::Result<()> {
+/// Every document of the input, in order, with the mutated objects in place: a List stays one
+/// document, its items mutated where they are.
+fn output_documents(input: &Input, results: &[Mutated]) -> Vec<Value> {
+    let mut documents = input.originals.clone();
+    for (doc, m) in input.documents.iter().zip(results) {
+        let target = match doc.item {
+            None => documents.get_mut(doc.document),
+            Some(item) => documents
+                .get_mut(doc.document)
+                .and_then(|list| list.get_mut("items"))
+                .and_then(|items| items.get_mut(item)),
+        };
+        if let Some(target) = target {
+            target.clone_from(&m.document);
+        }
+    }
+    documents
+}
+
+/// The JSON patch of each document of the input, in order: `[]` for a document memguard does
+/// not change (a ConfigMap, a Node, a Service), and for a List its items' patches with their
+/// paths under `/items/N`.
+fn output_patches(input: &Input, results: &[Mutated]) -> anyhow::Result<Vec<Value>> {
+    let mut patches = vec![Vec::new(); input.originals.len()];
+    for (doc, m) in input.documents.iter().zip(results) {
+        let prefix = doc.item.map(|i| format!("/items/{i}")).unwrap_or_default();
+        let Value::Array(ops) = serde_json::to_value(&m.patch)? else {
+            anyhow::bail!("a JSON patch that is not a list");
+        };
+        for mut op in ops {
+            if let Some(Value::String(path)) = op.get_mut("path") {
+                path.insert_str(0, &prefix);
+            }
+            if let Some(Value::String(from)) = op.get_mut("from") {
+                from.insert_str(0, &prefix);
+            }
+            if let Some(patch) = patches.get_mut(doc.document) {
+                patch.push(op);
+            }
+        }
+    }
+    Ok(patches.into_iter().map(Value::Array).collect())
+}
+
+/// The documents, or their patches, on `out`. YAML: every document, `---` between them. JSON:
+/// one value, the document when the input holds one, else a `v1` `List` of them all (a List in
+/// the input gives its items: Lists do not nest), as `kubectl get -o json` prints several
+/// objects. Patch: one line per document.
+fn write_output(
+    out: &mut impl Write,
+    output: Output,
+    input: &Input,
+    results: &[Mutated],
+) -> anyhow::Result<()> {
     match output {
         Output::Yaml => {
-            let docs: Vec<&Value> = results.iter().map(|m| &m.document).collect();
+            let docs = output_documents(input, results);
             let yaml = if docs.len() == 1 {
-                serde_saphyr::to_string(docs[0])
+                serde_saphyr::to_string(&docs[0])
             } else {
                 serde_saphyr::to_string_multiple(&docs)
             }
@@ -278,18 +335,28 @@ fn write_output(out: &mut impl Write, output: Output, results: &[Mutated]) -> an
             out.write_all(yaml.as_bytes())?;
         }
         Output::Json => {
-            for m in results {
-                let line = if results.len() == 1 {
-                    serde_json::to_string_pretty(&m.document)?
-                } else {
-                    serde_json::to_string(&m.document)?
-                };
-                writeln!(out, "{line}")?;
-            }
+            let mut docs = output_documents(input, results);
+            let value = if docs.len() == 1 {
+                docs.remove(0)
+            } else {
+                let mut items = Vec::new();
+                for doc in docs {
+                    match doc {
+                        Value::Object(mut list) if crate::input::is_list(&list) => {
+                            if let Some(Value::Array(listed)) = list.remove("items") {
+                                items.extend(listed);
+                            }
+                        }
+                        doc => items.push(doc),
+                    }
+                }
+                serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items})
+            };
+            writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
         }
         Output::Patch => {
-            for m in results {
-                writeln!(out, "{}", serde_json::to_string(&m.patch)?)?;
+            for patch in output_patches(input, results)? {
+                writeln!(out, "{}", serde_json::to_string(&patch)?)?;
             }
         }
     }

@@ -361,17 +361,30 @@ fn a_file_that_is_not_a_pod_is_a_usage_error() {
         stderr.contains("x.yaml: not valid YAML or JSON"),
         "{stderr}"
     );
-    // Several documents: no YAML library's hint, but what explain takes.
-    let two = format!("{POD}---\n{POD}");
-    std::fs::write(dir.path().join("two.yaml"), two).expect("write");
-    let out = memguard(dir.path(), &["explain", "-f", "two.yaml"]);
+    // Nothing explain takes: no YAML library's hint, but what explain reads.
+    let service = "apiVersion: v1\nkind: Service\nmetadata: {name: s}\n---\n\
+                   apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n";
+    std::fs::write(dir.path().join("svc.yaml"), service).expect("write");
+    let out = memguard(dir.path(), &["explain", "-f", "svc.yaml"]);
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.contains("2 Pods in the input; explain reads one"),
+        stderr.contains("no Pod and no workload with a pod template in the input"),
         "{stderr}"
     );
     assert!(!stderr.contains("from_str_multiple"), "{stderr}");
+    // Several pods: each explained in turn, headed by where it is; JSON: an array.
+    let two = format!("{POD}---\n{POD}");
+    std::fs::write(dir.path().join("two.yaml"), two).expect("write");
+    let text = ok_stdout(memguard(dir.path(), &["explain", "-f", "two.yaml"]));
+    assert!(text.starts_with("== document 1\npod finetune-0"), "{text}");
+    assert!(text.contains("\n\n== document 2\npod finetune-0"), "{text}");
+    let json: Value = serde_json::from_str(&ok_stdout(memguard(
+        dir.path(),
+        &["explain", "-f", "two.yaml", "-o", "json"],
+    )))
+    .expect("json");
+    assert_eq!(json.as_array().map(Vec::len), Some(2), "{json}");
 }
 
 /// A model only the policy knows: `explain --policy-file` keys the pod on it and learns from its
@@ -518,4 +531,119 @@ fn explain_says_what_it_could_not_read_and_shows_the_next_config_once() {
     let e = explain_json(d, &dead, &[]);
     assert!(e["next"]["config"].is_object(), "{}", e["next"]);
     assert_eq!(table.matches("recovery").count(), 0, "{table}");
+}
+
+/// Issue 36: `explain` took only Pods. It takes what `mutate` takes (a Job, a PyTorchJob, a
+/// `kind: List`), with the ConfigMaps and Nodes the decision reads: `mutate`'s output, piped
+/// to `explain`, shows each pod template's admission, read from the ConfigMap in the Job's
+/// namespace and budgeted on the Node given.
+#[test]
+fn explain_takes_the_workloads_mutate_takes_with_their_config_maps_and_nodes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let axolotl = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../webhook/tests/fixtures/config-files/axolotl-lora-8b.yml"),
+    )
+    .expect("the upstream axolotl config");
+    let input = [
+        json!({"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": "sft", "namespace": "ml"},
+            "spec": {"template": {
+                "metadata": {"labels": {"memguard.io/enabled": "true"}},
+                "spec": {"restartPolicy": "Never", "containers": [{"name": "trainer",
+                    "image": "axolotl:latest",
+                    "command": ["axolotl", "train", "/config/lora-8b.yml"],
+                    "volumeMounts": [{"name": "cfg", "mountPath": "/config"}],
+                    "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+                    "volumes": [{"name": "cfg", "configMap": {"name": "axolotl"}}]}}}}),
+        json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "axolotl", "namespace": "ml"},
+            "data": {"lora-8b.yml": axolotl}}),
+        json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "a100",
+            "labels": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB",
+                "nvidia.com/gpu.memory": "81920"}}}),
+    ]
+    .iter()
+    .map(Value::to_string)
+    .collect::<Vec<_>>()
+    .join("\n---\n");
+    std::fs::write(dir.path().join("job.yaml"), input).expect("write");
+    let mutated = ok_stdout(memguard(dir.path(), &["mutate", "-f", "job.yaml"]));
+    std::fs::write(dir.path().join("mutated.yaml"), mutated).expect("write");
+
+    let e: Value = serde_json::from_str(&ok_stdout(memguard(
+        dir.path(),
+        &["explain", "-f", "mutated.yaml", "-o", "json"],
+    )))
+    .expect("one explanation");
+    assert_eq!(e["workload"], "Job ml/sft /spec/template", "{e}");
+    assert_eq!(e["trainer"], "trainer", "{e}");
+    assert_eq!(e["admitted"], true, "{e}");
+    assert_eq!(
+        e["sources"]["batch-size"], "configmap:axolotl/lora-8b.yml",
+        "{e}"
+    );
+    assert!(
+        e["budget"]["source"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("nodes")),
+        "{e}"
+    );
+    let table = ok_stdout(memguard(dir.path(), &["explain", "-f", "mutated.yaml"]));
+    assert!(
+        table.starts_with("pod template of Job ml/sft /spec/template (trainer trainer)\n"),
+        "{table}"
+    );
+    // The Job as written, before admission: its config is read from the same ConfigMap.
+    let e: Value = serde_json::from_str(&ok_stdout(memguard(
+        dir.path(),
+        &["explain", "-f", "job.yaml", "-o", "json"],
+    )))
+    .expect("one explanation");
+    assert_eq!(e["admitted"], false, "{e}");
+    assert_eq!(
+        e["config"]["seq-length"], "4096",
+        "read from the ConfigMap: {e}"
+    );
+
+    // A PyTorchJob in a List: each replica's template, in turn.
+    let template = |replicas: u32| {
+        json!({"replicas": replicas, "template": {
+            "metadata": {"labels": {"memguard.io/enabled": "true"},
+                "annotations": {"memguard.io/model": "llama-3-8b", "memguard.io/method": "lora",
+                    "memguard.io/parallelism": "ddp", "memguard.io/gpu-memory": "80GiB"}},
+            "spec": {"containers": [{"name": "pytorch", "image": "x",
+                "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}}})
+    };
+    let list = json!({"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "ddp"},
+         "spec": {"pytorchReplicaSpecs": {"Master": template(1), "Worker": template(3)}}}]});
+    std::fs::write(dir.path().join("ddp.json"), list.to_string()).expect("write");
+    let mutated = ok_stdout(memguard(
+        dir.path(),
+        &["mutate", "-f", "ddp.json", "-o", "json"],
+    ));
+    std::fs::write(dir.path().join("ddp-mutated.json"), mutated).expect("write");
+    let all: Value = serde_json::from_str(&ok_stdout(memguard(
+        dir.path(),
+        &["explain", "-f", "ddp-mutated.json", "-o", "json"],
+    )))
+    .expect("explanations");
+    let all = all.as_array().expect("several pods: an array");
+    let workloads: Vec<&str> = all.iter().filter_map(|e| e["workload"].as_str()).collect();
+    assert_eq!(
+        workloads,
+        [
+            "PyTorchJob ddp /spec/pytorchReplicaSpecs/Master/template",
+            "PyTorchJob ddp /spec/pytorchReplicaSpecs/Worker/template"
+        ]
+    );
+    assert!(all.iter().all(|e| e["admitted"] == true), "{all:?}");
+    let table = ok_stdout(memguard(dir.path(), &["explain", "-f", "ddp-mutated.json"]));
+    assert!(
+        table.starts_with(
+            "== document 1 item 1 PyTorchJob ddp /spec/pytorchReplicaSpecs/Master/template\n"
+        ),
+        "{table}"
+    );
 }

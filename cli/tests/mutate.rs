@@ -104,10 +104,10 @@ fn mutates_a_pod_file_into_yaml() {
 fn mutates_workload_templates_from_stdin_and_leaves_other_documents() {
     let out = memguard(&["mutate", "-f", "-", "-o", "json"], Some(WORKLOADS));
     assert!(out.status.success(), "{}", stderr(&out));
-    let docs: Vec<Value> = stdout(&out)
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("one JSON document per line"))
-        .collect();
+    let list: Value = serde_json::from_str(&stdout(&out)).expect("one JSON value");
+    assert_eq!(list["kind"], "List", "several documents: a List of them");
+    assert_eq!(list["apiVersion"], "v1");
+    let docs = list["items"].as_array().expect("items");
     assert_eq!(docs.len(), 3);
     assert_eq!(
         docs[0]["spec"]["template"]["spec"]["shareProcessNamespace"],
@@ -611,15 +611,15 @@ fn lists_config_maps_and_nodes_in_the_input_reach_the_decision() {
     .join("\n---\n");
     let out = memguard(&["mutate", "-f", "-", "-o", "json"], Some(&input));
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-    let pods: Vec<Value> = stdout(&out)
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("a pod per line"))
-        .collect();
+    let list: Value = serde_json::from_str(&stdout(&out)).expect("one JSON value");
+    let items = list["items"].as_array().expect("a List");
+    let kinds: Vec<&str> = items.iter().filter_map(|d| d["kind"].as_str()).collect();
     assert_eq!(
-        pods.len(),
-        3,
-        "the List's items, not the ConfigMap or the Nodes"
+        kinds,
+        ["Pod", "Pod", "Pod", "ConfigMap", "Node", "Node"],
+        "the List's items, then the ConfigMap and the Nodes, as given"
     );
+    let pods = &items[..3];
     let estimate: Value = serde_json::from_str(
         pods[0]["metadata"]["annotations"]["memguard.io/estimate"]
             .as_str()
@@ -651,4 +651,167 @@ fn lists_config_maps_and_nodes_in_the_input_reach_the_decision() {
             "left alone: {pod}"
         );
     }
+}
+
+/// A Job in `namespace` whose trainer (axolotl) reads its config file from ConfigMap `axolotl`
+/// in `ml`, with that ConfigMap, two GPU nodes, a Service and a `kind: List` around a second
+/// (unlabelled) Job: a whole input as `kubectl get job,configmap,node,svc -o yaml` gives it.
+fn axolotl_workloads(namespace: &str) -> String {
+    let axolotl = std::fs::read_to_string(fixture("config-files/axolotl-lora-8b.yml"))
+        .expect("the upstream axolotl config");
+    let job = |name: &str, labels: Value| {
+        serde_json::json!({
+            "apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"template": {
+                "metadata": {"labels": labels},
+                "spec": {"restartPolicy": "Never", "containers": [{"name": "trainer",
+                    "image": "axolotl:latest",
+                    "command": ["axolotl", "train", "/config/lora-8b.yml"],
+                    "volumeMounts": [{"name": "cfg", "mountPath": "/config"}],
+                    "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+                    "volumes": [{"name": "cfg", "configMap": {"name": "axolotl"}}]}}},
+        })
+    };
+    let node = |product: &str, mib: &str| {
+        serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": product,
+            "labels": {"nvidia.com/gpu.product": product, "nvidia.com/gpu.memory": mib}}})
+    };
+    let docs = [
+        job("sft", serde_json::json!({"memguard.io/enabled": "true"})),
+        serde_json::json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "axolotl", "namespace": "ml"},
+            "data": {"lora-8b.yml": axolotl}}),
+        node("NVIDIA-A30", "24576"),
+        serde_json::json!({"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "tb", "namespace": "ml"}, "spec": {"ports": [{"port": 6006}]}}),
+        serde_json::json!({"apiVersion": "v1", "kind": "List",
+            "items": [job("other", serde_json::json!({})), node("NVIDIA-A100-SXM4-80GB", "81920")]}),
+    ];
+    docs.iter()
+        .map(|d| serde_json::to_string(d).expect("json"))
+        .collect::<Vec<_>>()
+        .join("\n---\n")
+}
+
+/// The `memguard.io/estimate` of the first Job's pod template in `doc`.
+fn template_estimate(doc: &Value) -> Value {
+    let text = doc["spec"]["template"]["metadata"]["annotations"]["memguard.io/estimate"]
+        .as_str()
+        .unwrap_or_else(|| panic!("the Job's template is admitted: {doc}"));
+    serde_json::from_str(text).expect("estimate JSON")
+}
+
+/// Issue 36: a Job's pod template had no namespace, so the ConfigMap its trainer's config file
+/// is mounted from was looked up in `default`, not in the Job's `ml`.
+#[test]
+fn a_jobs_pod_reads_its_config_map_in_the_jobs_namespace() {
+    let out = memguard(
+        &["mutate", "-f", "-", "-o", "json"],
+        Some(&axolotl_workloads("ml")),
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let list: Value = serde_json::from_str(&stdout(&out)).expect("one JSON value");
+    let job = &list["items"][0];
+    assert_eq!(job["kind"], "Job");
+    let estimate = template_estimate(job);
+    assert_eq!(
+        estimate["sources"]["batch-size"], "configmap:axolotl/lora-8b.yml",
+        "planned from the ConfigMap in the Job's namespace: {estimate}"
+    );
+    assert_eq!(estimate["budgetSource"]["kind"], "nodes", "{estimate}");
+    assert!(
+        job["spec"]["template"]["metadata"]
+            .get("namespace")
+            .is_none(),
+        "the template is not given a namespace: {job}"
+    );
+    // In another namespace, `ml`'s ConfigMap is not the Job's.
+    let out = memguard(
+        &["mutate", "-f", "-", "-o", "json"],
+        Some(&axolotl_workloads("team-b")),
+    );
+    let list: Value = serde_json::from_str(&stdout(&out)).expect("one JSON value");
+    let annotations = &list["items"][0]["spec"]["template"]["metadata"]["annotations"];
+    assert!(
+        !annotations.to_string().contains("configmap:axolotl"),
+        "{annotations}"
+    );
+}
+
+/// Issue 36: `mutate` dropped the input's ConfigMaps and Nodes (and Lists' other items) from
+/// its output, so `kubectl apply` lost them and a second `mutate` decided differently. Every
+/// document comes back, in order, and mutating the output again changes nothing.
+#[test]
+fn mutate_prints_every_document_in_order_and_mutating_twice_changes_nothing() {
+    let input = axolotl_workloads("ml");
+    for format in ["yaml", "json"] {
+        let once = memguard(&["mutate", "-f", "-", "-o", format], Some(&input));
+        assert_eq!(once.status.code(), Some(0), "{format}: {}", stderr(&once));
+        let first = stdout(&once);
+        let twice = memguard(&["mutate", "-f", "-", "-o", format], Some(&first));
+        assert_eq!(twice.status.code(), Some(0), "{format}: {}", stderr(&twice));
+        assert_eq!(stdout(&twice), first, "{format}: the same output again");
+        let patch = memguard(&["mutate", "-f", "-", "-o", "patch"], Some(&first));
+        let lines: Vec<String> = stdout(&patch).lines().map(str::to_string).collect();
+        assert!(
+            !lines.is_empty() && lines.iter().all(|l| l == "[]"),
+            "{format}: the second run patches nothing: {lines:?}"
+        );
+    }
+
+    // YAML: the documents as given, a List as a List.
+    let yaml = stdout(&memguard(&["mutate", "-f", "-"], Some(&input)));
+    let docs: Vec<Value> = documents(&yaml);
+    let kinds: Vec<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
+    assert_eq!(kinds, ["Job", "ConfigMap", "Node", "Service", "List"]);
+    assert_eq!(docs[1]["data"]["lora-8b.yml"].as_str().map(str::len), {
+        let cm: Vec<Value> = documents(&input);
+        cm[1]["data"]["lora-8b.yml"].as_str().map(str::len)
+    });
+    assert_eq!(
+        docs[2]["metadata"]["labels"]["nvidia.com/gpu.memory"],
+        "24576"
+    );
+    assert_eq!(docs[4]["items"][1]["kind"], "Node");
+    assert_eq!(docs[4]["items"][0]["metadata"]["name"], "other");
+    template_estimate(&docs[0]);
+
+    // JSON: one List of every object, a List's items in its place.
+    let json: Value = serde_json::from_str(&stdout(&memguard(
+        &["mutate", "-f", "-", "-o", "json"],
+        Some(&input),
+    )))
+    .expect("json");
+    let kinds: Vec<&str> = json["items"]
+        .as_array()
+        .expect("items")
+        .iter()
+        .filter_map(|d| d["kind"].as_str())
+        .collect();
+    assert_eq!(
+        kinds,
+        ["Job", "ConfigMap", "Node", "Service", "Job", "Node"]
+    );
+
+    // Patch: one line per document, a List's under `/items/N`.
+    let patch = stdout(&memguard(
+        &["mutate", "-f", "-", "-o", "patch"],
+        Some(&input),
+    ));
+    let lines: Vec<Value> = patch
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a patch"))
+        .collect();
+    assert_eq!(lines.len(), 5, "{patch}");
+    assert!(lines[0].as_array().is_some_and(|ops| !ops.is_empty()));
+    assert!(
+        lines[1..].iter().all(|p| p == &serde_json::json!([])),
+        "{patch}"
+    );
+}
+
+/// The documents of a YAML stream, as JSON values.
+fn documents(text: &str) -> Vec<Value> {
+    serde_saphyr::from_multiple(text).expect("YAML documents")
 }

@@ -4,6 +4,8 @@
 //!
 //! Each pod (template) goes through exactly the server's [`mutate`](crate::mutate::mutate) and
 //! [`patch::build`](crate::patch::build); the patch paths are then rebased onto the document.
+//! A template is decided as the pod its controller creates, in the workload's namespace
+//! ([`pods`]; `memguard explain` reads workloads through it too).
 
 use crate::mutate::{self, ClusterView, Outcome};
 use crate::patch;
@@ -58,45 +60,77 @@ pub struct Mutated {
     pub pods: Vec<PodResult>,
 }
 
-/// Mutates every pod (template) of `document`. Documents with no pod inside come back as is.
+/// Every pod of `document`, with its JSON pointer (`""` for a Pod, `/spec/template` for a
+/// Job): the Pod itself, or each pod template of a workload as the Pod its controller creates.
+/// A template's pod takes the workload's namespace (the controller creates its pods there), so
+/// what the decision looks up by namespace (the ConfigMaps a trainer's config file is mounted
+/// from) is found where the workload lives. The namespace is only on the pod handed to the
+/// decision: the document's template is not given one.
+pub fn pods(document: &Value) -> Result<Vec<(String, Pod)>, ManifestError> {
+    Ok(pods_at(document)?
+        .into_iter()
+        .map(|(at, pod)| (at.to_string(), pod))
+        .collect())
+}
+
+/// [`pods`], with each pod's pointer as a [`PointerBuf`].
+fn pods_at(document: &Value) -> Result<Vec<(PointerBuf, Pod)>, ManifestError> {
+    if !document.is_object() {
+        return Err(ManifestError::NotAnObject);
+    }
+    if document.get("kind").and_then(Value::as_str) == Some("Pod") {
+        let pod = serde_json::from_value(document.clone()).map_err(|source| {
+            ManifestError::InvalidPod {
+                path: String::new(),
+                source,
+            }
+        })?;
+        return Ok(vec![(PointerBuf::new(), pod)]);
+    }
+    let mut paths = Vec::new();
+    find_templates(document, &mut PointerBuf::new(), &mut paths);
+    let namespace = document
+        .pointer("/metadata/namespace")
+        .and_then(Value::as_str)
+        .filter(|ns| !ns.is_empty());
+    let mut pods = Vec::with_capacity(paths.len());
+    for path in paths {
+        let at = path.to_string();
+        let Some(sub) = document.pointer(&at) else {
+            continue;
+        };
+        let mut metadata = sub.get("metadata").cloned().unwrap_or_else(|| json!({}));
+        if let (Some(ns), Some(meta)) = (namespace, metadata.as_object_mut()) {
+            meta.insert("namespace".into(), json!(ns));
+        }
+        let pod_value = json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": metadata,
+            "spec": sub.get("spec").cloned().unwrap_or(Value::Null),
+        });
+        let pod =
+            serde_json::from_value(pod_value).map_err(|source| ManifestError::InvalidPod {
+                path: at.clone(),
+                source,
+            })?;
+        pods.push((path, pod));
+    }
+    Ok(pods)
+}
+
+/// Mutates every pod (template) of `document` ([`pods`]). Documents with no pod inside come
+/// back as is.
 pub fn mutate_document(
     document: &Value,
     policy: &Policy,
     profiles: &ClusterView,
 ) -> Result<Mutated, ManifestError> {
-    if !document.is_object() {
-        return Err(ManifestError::NotAnObject);
-    }
-    let mut pod_paths = Vec::new();
-    if document.get("kind").and_then(Value::as_str) == Some("Pod") {
-        pod_paths.push(PointerBuf::new());
-    } else {
-        find_templates(document, &mut PointerBuf::new(), &mut pod_paths);
-    }
-
     let mut out = document.clone();
     let mut ops: Vec<PatchOperation> = Vec::new();
-    let mut pods = Vec::new();
-    for path in pod_paths {
+    let mut results = Vec::new();
+    for (path, pod) in pods_at(document)? {
         let at = path.to_string();
-        let Some(sub) = document.pointer(&at) else {
-            continue;
-        };
-        let pod_value = if at.is_empty() {
-            sub.clone()
-        } else {
-            json!({
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": sub.get("metadata").cloned().unwrap_or_else(|| json!({})),
-                "spec": sub.get("spec").cloned().unwrap_or(Value::Null),
-            })
-        };
-        let pod: Pod =
-            serde_json::from_value(pod_value).map_err(|source| ManifestError::InvalidPod {
-                path: at.clone(),
-                source,
-            })?;
         let outcome = mutate::mutate(&pod, policy, profiles);
         let pod_patch = patch::build(&pod, &outcome);
         if let Some(target) = out.pointer_mut(&at) {
@@ -106,12 +140,12 @@ pub fn mutate_document(
             })?;
         }
         ops.extend(pod_patch.0.into_iter().map(|op| rebase(op, &path)));
-        pods.push(PodResult { path: at, outcome });
+        results.push(PodResult { path: at, outcome });
     }
     Ok(Mutated {
         document: out,
         patch: Patch(ops),
-        pods,
+        pods: results,
     })
 }
 
@@ -236,6 +270,62 @@ mod tests {
         let m = mutate_document(&svc, &Policy::default(), &ClusterView::default()).expect("ok");
         assert!(m.pods.is_empty());
         assert_eq!(m.document, svc);
+    }
+
+    /// A Job in `ml` whose trainer reads its config file from a ConfigMap in `ml`: the
+    /// template's pod is decided in the Job's namespace, so the file is found and read (it was
+    /// looked up in `default`, and the pod skipped as unread).
+    #[test]
+    fn a_workloads_pods_take_its_namespace_so_its_config_maps_are_found() {
+        use memguard_api::cluster::ConfigMapList;
+        let axolotl = include_str!("../tests/fixtures/config-files/axolotl-lora-8b.yml");
+        let mut maps = ConfigMapList::default();
+        maps.0.insert(
+            ("ml".into(), "axolotl".into()),
+            [("lora-8b.yml".to_string(), axolotl.to_string())].into(),
+        );
+        let view = ClusterView::default().with_config_maps(std::sync::Arc::new(maps));
+        let job = json!({"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": "sft", "namespace": "ml"},
+            "spec": {"template": {
+                "metadata": {"labels": {"memguard.io/enabled": "true"}},
+                "spec": {"restartPolicy": "Never", "containers": [{"name": "trainer",
+                    "image": "axolotl", "command": ["axolotl", "train", "/config/lora-8b.yml"],
+                    "volumeMounts": [{"name": "cfg", "mountPath": "/config"}],
+                    "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+                    "volumes": [{"name": "cfg", "configMap": {"name": "axolotl"}}]}}}});
+        let pods = pods(&job).expect("a job");
+        assert_eq!(pods[0].1.metadata.namespace.as_deref(), Some("ml"));
+        let m = mutate_document(&job, &Policy::default(), &view).expect("valid");
+        assert!(
+            matches!(m.pods[0].outcome, Outcome::Mutated(_)),
+            "{:?}",
+            m.pods[0].outcome
+        );
+        let template = &m.document["spec"]["template"];
+        let estimate: Value = serde_json::from_str(
+            template["metadata"]["annotations"][keys::ESTIMATE]
+                .as_str()
+                .expect("admitted"),
+        )
+        .expect("estimate JSON");
+        assert_eq!(
+            estimate["sources"]["batch-size"], "configmap:axolotl/lora-8b.yml",
+            "{estimate}"
+        );
+        assert!(
+            template["metadata"].get("namespace").is_none(),
+            "the template itself is not given a namespace"
+        );
+        // The same Job in another namespace does not see `ml`'s ConfigMap.
+        let mut elsewhere = job.clone();
+        elsewhere["metadata"]["namespace"] = json!("other");
+        let m = mutate_document(&elsewhere, &Policy::default(), &view).expect("valid");
+        let annotations = &m.document["spec"]["template"]["metadata"]["annotations"];
+        let read_from_map = annotations[keys::ESTIMATE]
+            .as_str()
+            .is_some_and(|e| e.contains("configmap:axolotl"));
+        assert!(!read_from_map, "{annotations}");
     }
 
     #[test]
