@@ -257,9 +257,16 @@ fn decide(
         }
     }
     let mut file_warnings = Vec::new();
-    // A plan on a value nobody read is a guess: the launch stays as it is, and the warning
-    // says what was not read ([`TrainingPod::unknown`]).
+    // A plan on a value nobody read is a guess: nothing of it is applied, the launch stays as
+    // it is, the estimate is the config as it runs, and the warning says what was not read
+    // ([`TrainingPod::unknown`]).
     let (command_line, changed) = if !training.guessed().is_empty() {
+        let plan = &mut decided.plan;
+        let expandable = plan.config.expandable_segments;
+        plan.steps.clear();
+        plan.config = training.config.clone();
+        plan.config.expandable_segments = expandable;
+        plan.estimate = plan.initial.clone();
         (None, Vec::new())
     } else {
         keeps_effective_batch(training, policy, &decided.plan.config)?;
