@@ -96,6 +96,11 @@ pub const SIDECAR_POD_RESTART_POLICY: &str = "MEMGUARD_SIDECAR_POD_RESTART_POLIC
 /// Sidecar: reset cgroup v1 `memory.max_usage_in_bytes` after each sample (`--reset-v1-peak`).
 pub const SIDECAR_RESET_V1_PEAK: &str = "MEMGUARD_SIDECAR_RESET_V1_PEAK";
 
+/// Sidecar: what admission planned the trainer at (`--admitted-config`), written by the webhook
+/// as `knob=value,…` over [`crate::signal::TRAINER_CONFIG_KNOBS`]: the sidecar compares the
+/// config the trainer reports at train start with it (`memguard_sidecar_config_mismatch`).
+pub const SIDECAR_ADMITTED_CONFIG: &str = "MEMGUARD_SIDECAR_ADMITTED_CONFIG";
+
 /// Every `MEMGUARD_SIDECAR_*` variable: one per sidecar flag (a test in the sidecar checks
 /// that its flags read exactly these).
 pub const SIDECAR_VARS: &[&str] = &[
@@ -123,6 +128,7 @@ pub const SIDECAR_VARS: &[&str] = &[
     SIDECAR_RESTART_WAIT,
     SIDECAR_POD_RESTART_POLICY,
     SIDECAR_RESET_V1_PEAK,
+    SIDECAR_ADMITTED_CONFIG,
 ];
 
 /// Every variable the webhook may write into the trainer, for docs and checks (the knobs first:

@@ -2,6 +2,7 @@
 //! report from trainer to sidecar (`POST /v1/report`).
 
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::time::SystemTime;
 
@@ -163,6 +164,46 @@ pub struct Report {
     /// the sooner of the two counts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub leak_bytes_per_second: Option<u64>,
+    /// The trainer's config as it really runs, read by the client from the trainer's own
+    /// objects at train start (issue 37): knob (one of [`TRAINER_CONFIG_KNOBS`]) → value, a
+    /// bool as 0 or 1. What admission believed is compared with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<BTreeMap<String, f64>>,
+}
+
+/// The knobs a trainer reports at train start ([`Report::config`]), by annotation name:
+/// the micro-batch, the accumulation, the sequence it will run, checkpointing, the ranks, the
+/// LoRA rank, and the model's parameter counts (total and trainable).
+pub const TRAINER_CONFIG_KNOBS: [&str; 8] = [
+    "batch-size",
+    "grad-accumulation",
+    "seq-length",
+    "grad-checkpointing",
+    "world-size",
+    "lora-rank",
+    "params",
+    "trainable-params",
+];
+
+/// `knob=value,…` ([`crate::env::SIDECAR_ADMITTED_CONFIG`]): the known knobs, the rest named
+/// as refused (an unknown knob, a value that is not a non-negative number).
+pub fn parse_admitted_config(text: &str) -> (BTreeMap<String, f64>, Vec<String>) {
+    let mut knobs = BTreeMap::new();
+    let mut refused = Vec::new();
+    for item in text.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let parsed = item.split_once('=').and_then(|(k, v)| {
+            let k = k.trim();
+            let v: f64 = v.trim().parse().ok()?;
+            (TRAINER_CONFIG_KNOBS.contains(&k) && v.is_finite() && v >= 0.0).then_some((k, v))
+        });
+        match parsed {
+            Some((k, v)) => {
+                knobs.insert(k.to_string(), v);
+            }
+            None => refused.push(item.to_string()),
+        }
+    }
+    (knobs, refused)
 }
 
 impl Report {
@@ -170,6 +211,18 @@ impl Report {
     /// reserved or peak) than the device has. Such a report would otherwise drive the GPU ratio
     /// past 1 and downgrade a healthy trainer.
     pub fn check(&self) -> Result<(), String> {
+        for (k, v) in self.config.iter().flatten() {
+            if !TRAINER_CONFIG_KNOBS.contains(&k.as_str()) {
+                return Err(format!(
+                    "config: unknown knob `{}` (known: {})",
+                    k.chars().take(40).collect::<String>(),
+                    TRAINER_CONFIG_KNOBS.join(", ")
+                ));
+            }
+            if !v.is_finite() || *v < 0.0 {
+                return Err(format!("config: {k} is {v}, not a non-negative number"));
+            }
+        }
         let Some(total) = self.total_bytes else {
             return Ok(());
         };
@@ -209,6 +262,27 @@ mod tests {
             serde_json::from_str(&serde_json::to_string(&signal).expect("serializes"))
                 .expect("re-parses");
         assert_eq!(again, signal);
+    }
+
+    #[test]
+    fn a_reported_config_takes_known_knobs_only() {
+        let ok: Report =
+            serde_json::from_str(r#"{"config": {"batch-size": 16, "seq-length": 4096}}"#)
+                .expect("parses");
+        assert_eq!(ok.check(), Ok(()));
+        let bad: Report =
+            serde_json::from_str(r#"{"config": {"batch_size": 16}}"#).expect("parses");
+        assert!(
+            bad.check()
+                .is_err_and(|e| e.contains("unknown knob `batch_size`"))
+        );
+        let negative: Report =
+            serde_json::from_str(r#"{"config": {"batch-size": -1}}"#).expect("parses");
+        assert!(negative.check().is_err());
+        let (knobs, refused) =
+            parse_admitted_config("batch-size=2, seq-length=4096,x=1,lora-rank=a");
+        assert_eq!(knobs.len(), 2);
+        assert_eq!(refused, ["x=1", "lora-rank=a"]);
     }
 
     #[test]

@@ -43,6 +43,12 @@ pub struct Summary {
     /// record; the trainer, restarted in place or not, never ran above it afterwards).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sticky_batch_size: Option<u64>,
+    /// The config the trainer reported at train start ([`crate::signal::Report::config`]).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub trainer_config: std::collections::BTreeMap<String, f64>,
+    /// The knobs where admission believed otherwise than the trainer reported.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub config_mismatch: Vec<String>,
     /// Why the sidecar stopped (`sigterm`, `trainer-exited`, …).
     pub exit_reason: String,
 }

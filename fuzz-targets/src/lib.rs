@@ -120,9 +120,9 @@ pub fn admission_review(data: &[u8]) {
     assert!(
         matches!(
             reviewed.disposition,
-            Disposition::Mutated | Disposition::Skipped
+            Disposition::Mutated | Disposition::Guarded | Disposition::Skipped
         ),
-        "a patch comes with a mutation or a skip, not {:?}",
+        "a patch comes with a mutation, a run-time guard or a skip, not {:?}",
         reviewed.disposition
     );
     let patch_json = base64::engine::general_purpose::STANDARD

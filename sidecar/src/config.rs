@@ -78,6 +78,10 @@ pub struct Args {
     /// Starting gradient checkpointing (default: MEMGUARD_GRAD_CHECKPOINTING, else false).
     #[arg(long, env = env::SIDECAR_GRAD_CHECKPOINTING, value_parser = parse_bool)]
     pub grad_checkpointing: Option<bool>,
+    /// What admission planned the trainer at, `knob=value,…` (the webhook writes it): compared
+    /// with the config the trainer reports at train start.
+    #[arg(long, env = env::SIDECAR_ADMITTED_CONFIG, default_value = "")]
+    pub admitted_config: String,
     /// Warn at this ratio of the effective limit.
     #[arg(long, env = env::SIDECAR_WARN)]
     pub warn: Option<f64>,

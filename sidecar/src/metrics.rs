@@ -62,6 +62,28 @@ pub fn render(st: &Status, sig: &Signal) -> String {
             &[(labels, 1.0)],
         );
     }
+    let reported: Vec<(String, f64)> = st
+        .trainer_config
+        .iter()
+        .map(|(k, v)| (label("knob", k), *v))
+        .collect();
+    o.family(
+        "trainer_config",
+        "gauge",
+        "The trainer's config as it runs, reported by the client at train start (a bool as 0/1).",
+        &reported,
+    );
+    let mismatch: Vec<(String, f64)> = st
+        .config_mismatch()
+        .into_iter()
+        .map(|(k, differs)| (label("knob", k), if differs { 1.0 } else { 0.0 }))
+        .collect();
+    o.family(
+        "config_mismatch",
+        "gauge",
+        "1 where admission planned a knob at another value than the trainer reports, else 0.",
+        &mismatch,
+    );
     o.gauge(
         "working_set_bytes",
         "Working set of the trainer's cgroup (usage minus inactive file).",

@@ -214,6 +214,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         config.grad_checkpointing,
     );
     let shared = Arc::new(Shared::new(start));
+    // What admission planned, to compare with what the trainer reports at train start.
+    let (admitted, refused) = memguard_api::signal::parse_admitted_config(&a.admitted_config);
+    if !refused.is_empty() {
+        tracing::warn!(?refused, "admitted config: entries not read");
+    }
+    shared.status().admitted_config = admitted;
     let (source, dir) = open_source(&config);
     let visible = gpu::parse_visible(config.nvidia_visible_devices.as_deref());
     let gpu = gpu::open(&visible);

@@ -130,6 +130,9 @@ async fn post_report(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
         st.pending_oom = Some(kept.clone());
         st.last_oom = Some(kept);
     }
+    if let Some(config) = &report.config {
+        st.trainer_config = config.clone();
+    }
     st.report = Some(report);
     st.reports_total += 1;
     StatusCode::NO_CONTENT.into_response()
@@ -219,6 +222,41 @@ mod tests {
         assert_eq!(status, StatusCode::BAD_REQUEST);
         let (status, _) = call(trainer_router(sh), get_req("/v1/signal?after=x")).await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
+    }
+
+    #[tokio::test]
+    async fn a_train_start_config_is_exported_beside_what_admission_believed() {
+        let sh = shared();
+        sh.status().admitted_config = memguard_api::signal::parse_admitted_config(
+            "batch-size=2,grad-accumulation=8,seq-length=2048",
+        )
+        .0;
+        let body = r#"{"config":{"batch-size":16,"grad-accumulation":1,"seq-length":2048,"world-size":2}}"#;
+        let req = Request::post("/v1/report")
+            .body(Body::from(body))
+            .expect("req");
+        let (status, _) = call(trainer_router(sh.clone()), req).await;
+        assert_eq!(status, StatusCode::NO_CONTENT);
+        let (_, text) = call(metrics_router(sh.clone()), get_req("/metrics")).await;
+        assert!(
+            text.contains("memguard_sidecar_trainer_config{knob=\"batch-size\"} 16"),
+            "{text}"
+        );
+        assert!(text.contains("memguard_sidecar_trainer_config{knob=\"world-size\"} 2"));
+        assert!(text.contains("memguard_sidecar_config_mismatch{knob=\"batch-size\"} 1"));
+        assert!(text.contains("memguard_sidecar_config_mismatch{knob=\"seq-length\"} 0"));
+        // Admission did not say the world size: no mismatch is claimed for it.
+        assert!(!text.contains("config_mismatch{knob=\"world-size\"}"));
+        let summary = crate::summary::build(&sh.status(), &Signal::initial(2, 8, false), None, "x");
+        assert_eq!(summary.config_mismatch, ["batch-size", "grad-accumulation"]);
+        assert_eq!(summary.trainer_config.get("batch-size"), Some(&16.0));
+        // An unknown knob is refused, with the known ones named.
+        let req = Request::post("/v1/report")
+            .body(Body::from(r#"{"config":{"batch_size":16}}"#))
+            .expect("req");
+        let (status, body) = call(trainer_router(sh.clone()), req).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert!(body.contains("unknown knob"), "{body}");
     }
 
     #[tokio::test]

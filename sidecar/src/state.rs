@@ -67,6 +67,26 @@ pub struct Status {
     pub seconds_to_limit: Option<f64>,
     /// A downgrade is due but waits for the trainer to apply the last one.
     pub waiting_for_trainer: bool,
+    /// What admission planned the trainer at (`--admitted-config`).
+    pub admitted_config: BTreeMap<String, f64>,
+    /// The config the trainer reported at train start (the last report that had one).
+    pub trainer_config: BTreeMap<String, f64>,
+}
+
+impl Status {
+    /// The knobs both admission and the trainer say, and whether they differ (1) or not (0).
+    pub fn config_mismatch(&self) -> BTreeMap<&str, bool> {
+        self.trainer_config
+            .iter()
+            .filter_map(|(k, v)| {
+                let admitted = self.admitted_config.get(k)?;
+                Some((
+                    k.as_str(),
+                    (admitted - v).abs() > f64::EPSILON * v.abs().max(1.0),
+                ))
+            })
+            .collect()
+    }
 }
 
 impl Status {

@@ -27,6 +27,13 @@ pub fn build(st: &Status, sig: &Signal, estimate: Option<u64>, exit_reason: &str
         oom_reports: st.oom_reports(),
         last_oom: st.last_oom.clone(),
         sticky_batch_size: st.sticky_batch_size,
+        trainer_config: st.trainer_config.clone(),
+        config_mismatch: st
+            .config_mismatch()
+            .into_iter()
+            .filter(|(_, differs)| *differs)
+            .map(|(k, _)| k.to_string())
+            .collect(),
         exit_reason: exit_reason.chars().take(200).collect(),
     }
 }

@@ -929,12 +929,42 @@ fn sidecar_plan(
     if let Some(b) = budget {
         env.push((env::BUDGET_BYTES.into(), b.bytes.0.to_string()));
     }
+    if !guessed {
+        env.push((
+            env::SIDECAR_ADMITTED_CONFIG.into(),
+            admitted_config(training, cfg),
+        ));
+    }
     SidecarPlan {
         mode: policy.sidecar_mode,
         image: policy.sidecar_image.clone(),
         resources: policy.sidecar_resources.clone(),
         env,
     }
+}
+
+/// What admission planned the trainer at, for the sidecar to compare with what the trainer
+/// reports at train start: `knob=value,…` over the knobs it knows (an unknown one is left out).
+fn admitted_config(training: &TrainingPod, cfg: &TrainingConfig) -> String {
+    let mut knobs = vec![
+        (Knob::BatchSize, cfg.batch_size.to_string()),
+        (Knob::GradAccumulation, cfg.grad_accumulation.to_string()),
+        (Knob::SeqLength, cfg.seq_length.to_string()),
+        (
+            Knob::GradCheckpointing,
+            u8::from(cfg.grad_checkpointing).to_string(),
+        ),
+    ];
+    if cfg.is_adapter() {
+        knobs.push((Knob::LoraRank, cfg.lora_rank.to_string()));
+    }
+    knobs
+        .into_iter()
+        .filter(|(k, _)| !training.unknown.contains_key(k))
+        .map(|(k, v)| format!("{}={v}", k.name()))
+        .chain([format!("world-size={}", cfg.world_size.max(1))])
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// The sidecar's env that does not depend on a plan: which container it watches, where it
