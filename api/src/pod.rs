@@ -223,37 +223,169 @@ fn unknown_knobs(
 /// A node's GPU, from its labels.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuNode {
-    /// `nvidia.com/gpu.product`.
+    /// The GPU product, as GPU Feature Discovery's `nvidia.com/gpu.product` names it: that
+    /// label, else the product a cloud's label names ([`node_gpu_product`]).
     pub product: Option<String>,
     /// `nvidia.com/gpu.memory`, MiB (NVML's total).
     pub memory_mib: Option<u64>,
+    /// The label and value that named `product` (`cloud.google.com/gke-accelerator`,
+    /// `nvidia-l4`): what placement pins such a node by when it has no memory label.
+    pub product_label: Option<(String, String)>,
 }
 
-/// The GPU nodes in `cluster` whose labels match `pod`'s `nodeSelector` (a node without a GPU
-/// label is not one).
+/// The GPU nodes in `cluster` that `pod` may be scheduled on ([`pod_may_use`]); a node
+/// without a GPU label is not one.
 fn gpu_nodes(pod: &Pod, cluster: Cluster<'_>) -> Vec<GpuNode> {
     let Some(nodes) = cluster.nodes else {
         return Vec::new();
     };
-    let selector = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.node_selector.clone())
-        .unwrap_or_default();
     nodes
-        .labels()
+        .nodes()
         .into_iter()
-        .filter(|labels| selector.iter().all(|(k, v)| labels.get(k) == Some(v)))
-        .filter_map(|labels| {
-            let node = GpuNode {
-                product: labels.get("nvidia.com/gpu.product").cloned(),
-                memory_mib: labels
+        .filter(|node| pod_may_use(pod, node))
+        .filter_map(|node| {
+            let named = node_gpu_product(&node.labels);
+            let gpu = GpuNode {
+                product: named.as_ref().map(|(p, _)| p.clone()),
+                memory_mib: node
+                    .labels
                     .get(NVIDIA_GPU_MEMORY_LABEL)
                     .and_then(|m| m.trim().parse().ok()),
+                product_label: named.map(|(_, l)| l),
             };
-            (node.product.is_some() || node.memory_mib.is_some()).then_some(node)
+            (gpu.product.is_some() || gpu.memory_mib.is_some()).then_some(gpu)
         })
         .collect()
+}
+
+/// The GPU product a node's labels name, and the label that names it: GPU Feature Discovery's
+/// `nvidia.com/gpu.product`, else a GPU instance type (AKS, AWS), else a cloud's accelerator
+/// label ([`CLOUD_ACCELERATOR_LABELS`]; an unknown value kept as `label=value`, as on pods).
+pub fn node_gpu_product(
+    labels: &BTreeMap<String, String>,
+) -> Option<(String, (String, String))> {
+    let found = |label: &str, product: String| {
+        let value = labels.get(label).cloned().unwrap_or_default();
+        Some((product, (label.to_string(), value)))
+    };
+    if let Some(p) = labels.get(wellknown::NVIDIA_GPU_PRODUCT_LABEL) {
+        return found(wellknown::NVIDIA_GPU_PRODUCT_LABEL, p.clone());
+    }
+    if let Some(p) = labels
+        .get(INSTANCE_TYPE_LABEL)
+        .and_then(|v| instance_type_gpu(v))
+    {
+        return found(INSTANCE_TYPE_LABEL, p.to_string());
+    }
+    for (label, table) in CLOUD_ACCELERATOR_LABELS {
+        if let Some(v) = labels.get(*label) {
+            let product = table
+                .iter()
+                .find(|(name, _)| name.eq_ignore_ascii_case(v.trim()))
+                .map_or_else(|| format!("{label}={v}"), |(_, p)| (*p).to_string());
+            return found(label, product);
+        }
+    }
+    None
+}
+
+/// Whether the scheduler may put `pod` on `node`: its `nodeName`, `nodeSelector`, required
+/// node affinity (terms ORed, expressions ANDed; `In`, `NotIn`, `Exists`, `DoesNotExist`, `Gt`,
+/// `Lt`, and `matchFields` on `metadata.name`) and tolerations of the node's `NoSchedule` /
+/// `NoExecute` taints. What is not known of the node (its name) does not exclude it.
+pub fn pod_may_use(pod: &Pod, node: &crate::cluster::NodeInfo) -> bool {
+    let Some(spec) = pod.spec.as_ref() else {
+        return true;
+    };
+    let named = |name: &str| node.name.is_empty() || node.name == name;
+    if let Some(name) = spec.node_name.as_deref().filter(|n| !n.is_empty())
+        && !named(name)
+    {
+        return false;
+    }
+    let selected = spec
+        .node_selector
+        .iter()
+        .flatten()
+        .all(|(k, v)| node.labels.get(k) == Some(v));
+    if !selected {
+        return false;
+    }
+    let required = spec
+        .affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|n| n.required_during_scheduling_ignored_during_execution.as_ref());
+    if let Some(required) = required {
+        // An empty or absent term matches no node, as the scheduler reads it.
+        let any = required.node_selector_terms.iter().any(|term| {
+            let exprs = term.match_expressions.as_deref().unwrap_or_default();
+            let fields = term.match_fields.as_deref().unwrap_or_default();
+            (!exprs.is_empty() || !fields.is_empty())
+                && exprs
+                    .iter()
+                    .all(|e| expression_matches(e, node.labels.get(&e.key)))
+                && fields.iter().all(|f| {
+                    f.key != "metadata.name"
+                        || node.name.is_empty()
+                        || expression_matches(f, Some(&node.name))
+                })
+        });
+        if !any {
+            return false;
+        }
+    }
+    let tolerations = spec.tolerations.as_deref().unwrap_or_default();
+    node.taints
+        .iter()
+        .filter(|t| crate::cluster::blocks(&t.effect))
+        .all(|taint| tolerations.iter().any(|t| tolerates(t, taint)))
+}
+
+/// One node-selector requirement against the label's value (`None`: the node lacks it).
+fn expression_matches(
+    e: &k8s_openapi::api::core::v1::NodeSelectorRequirement,
+    value: Option<&String>,
+) -> bool {
+    let values = e.values.as_deref().unwrap_or_default();
+    let number = |s: &str| s.trim().parse::<i64>().ok();
+    let compare = |ordering: std::cmp::Ordering| match (value, values) {
+        (Some(v), [bound]) => match (number(v), number(bound)) {
+            (Some(v), Some(b)) => v.cmp(&b) == ordering,
+            _ => false,
+        },
+        _ => false,
+    };
+    match e.operator.as_str() {
+        "In" => value.is_some_and(|v| values.contains(v)),
+        "NotIn" => value.is_none_or(|v| !values.contains(v)),
+        "Exists" => value.is_some(),
+        "DoesNotExist" => value.is_none(),
+        "Gt" => compare(std::cmp::Ordering::Greater),
+        "Lt" => compare(std::cmp::Ordering::Less),
+        // The API server refuses any other operator: nothing matches it.
+        _ => false,
+    }
+}
+
+/// Whether `toleration` tolerates `taint`, as the scheduler decides it: the effect (empty: any),
+/// and `Exists` on the key (an empty key: every taint) or `Equal` on key and value.
+fn tolerates(
+    toleration: &k8s_openapi::api::core::v1::Toleration,
+    taint: &crate::cluster::NodeTaint,
+) -> bool {
+    let effect = toleration.effect.as_deref().unwrap_or_default();
+    if !effect.is_empty() && effect != taint.effect {
+        return false;
+    }
+    let key = toleration.key.as_deref().unwrap_or_default();
+    match toleration.operator.as_deref().unwrap_or("Equal") {
+        "Exists" => key.is_empty() || key == taint.key,
+        "Equal" | "" => {
+            key == taint.key && toleration.value.as_deref().unwrap_or_default() == taint.value
+        }
+        _ => false,
+    }
 }
 
 /// A trainer's config file read from the ConfigMap its launch names, with the overrides on its
@@ -1808,7 +1940,12 @@ impl Accelerators {
                         .problems
                         .push(format!("{name}: `{}` is not in 1..=100", q.0)),
                 },
-                (None, other) if some && is_extended(other) && !KNOWN_SETTINGS.contains(&other) => {
+                (None, other)
+                    if some
+                        && is_extended(other)
+                        && !KNOWN_SETTINGS.contains(&other)
+                        && !is_not_accelerator(other) =>
+                {
                     a.unknown.push(other.to_string());
                 }
                 _ => {}
@@ -1928,6 +2065,30 @@ pub fn memory_limit(c: &Container) -> Option<Bytes> {
         .map(Bytes)
 }
 
+/// Extended resources that are devices but no accelerator with memory (network adapters,
+/// FUSE): asking for one says nothing about the trainer's memory. By prefix.
+pub const NOT_ACCELERATOR_PREFIXES: &[&str] = &[
+    // AWS: Elastic Fabric Adapter, branch ENIs, IP addresses.
+    "vpc.amazonaws.com/",
+    // RDMA shared device plugin, Mellanox/NVIDIA network operators, SR-IOV (OpenShift, Intel).
+    "rdma/",
+    "mellanox.com/",
+    "nvidia.com/rdma",
+    "nvidia.com/hostdev",
+    "openshift.io/",
+    "intel.com/sriov",
+    "networking.gke.io/",
+    // FUSE device plugins.
+    "smarter-devices/",
+    "github.com/fuse",
+    "squat.ai/",
+];
+
+/// Whether an extended resource is a known non-accelerator ([`NOT_ACCELERATOR_PREFIXES`]).
+fn is_not_accelerator(name: &str) -> bool {
+    NOT_ACCELERATOR_PREFIXES.iter().any(|p| name.starts_with(p))
+}
+
 /// An extended resource: a domain-prefixed name outside `kubernetes.io` (`example.com/npu`);
 /// not `cpu`, `memory`, `ephemeral-storage` or `hugepages-*`.
 fn is_extended(name: &str) -> bool {
@@ -1989,12 +2150,7 @@ pub fn gpu_products(pod: &Pod) -> Vec<String> {
     // (another cloud's, a CPU size) pins nothing here.
     let sizes: Vec<String> = pinned_values(pod, INSTANCE_TYPE_LABEL)
         .iter()
-        .filter_map(|v| {
-            AZURE_GPU_VM_SIZES
-                .iter()
-                .find(|(size, _)| size.eq_ignore_ascii_case(v.trim()))
-                .map(|(_, p)| (*p).to_string())
-        })
+        .filter_map(|v| instance_type_gpu(v).map(str::to_string))
         .collect();
     if !sizes.is_empty() {
         return sizes;
@@ -2076,6 +2232,36 @@ const AZURE_GPU_VM_SIZES: &[(&str, &str)] = &[
     ("Standard_ND96isr_H100_v5", "NVIDIA-H100-80GB-HBM3"),
     ("Standard_ND96isr_H200_v5", "NVIDIA-H200"),
 ];
+
+/// AWS GPU instance families and the GPU each carries (AWS's accelerated-computing instance
+/// pages), matched on the instance type's prefix up to its dot: `g5.12xlarge` is an A10G
+/// (`g5g.*`, Graviton with T4G, is another family). EKS labels no GPU product by default: a pod
+/// pinned to one of these types by `node.kubernetes.io/instance-type` is pinned to its GPU.
+const AWS_GPU_INSTANCE_FAMILIES: &[(&str, &str)] = &[
+    ("g5.", "NVIDIA-A10G"),
+    ("g6.", "NVIDIA-L4"),
+    ("g6e.", "NVIDIA-L40S"),
+    ("p4d.", "NVIDIA-A100-SXM4-40GB"),
+    ("p4de.", "NVIDIA-A100-SXM4-80GB"),
+    ("p5.", "NVIDIA-H100-80GB-HBM3"),
+    ("p5e.", "NVIDIA-H200"),
+    ("p5en.", "NVIDIA-H200"),
+];
+
+/// The GPU product of a GPU instance type (`node.kubernetes.io/instance-type`): an AKS VM size
+/// ([`AZURE_GPU_VM_SIZES`]) or an AWS instance family ([`AWS_GPU_INSTANCE_FAMILIES`]); `None`
+/// for any other (a CPU size, another cloud's).
+pub fn instance_type_gpu(value: &str) -> Option<&'static str> {
+    let v = value.trim();
+    let azure = AZURE_GPU_VM_SIZES
+        .iter()
+        .find(|(size, _)| size.eq_ignore_ascii_case(v));
+    let lower = v.to_ascii_lowercase();
+    let aws = AWS_GPU_INSTANCE_FAMILIES
+        .iter()
+        .find(|(family, _)| lower.starts_with(family));
+    azure.or(aws).map(|(_, p)| *p)
+}
 
 /// Node labels by which a cloud names a node's GPU, read after `nvidia.com/gpu.product` and an
 /// AKS VM size ([`AZURE_GPU_VM_SIZES`]), each with its values.

@@ -195,30 +195,56 @@ fn plan(
                 policy,
             )
         }
+        // The nodes the pod may use are known: placement chooses among them.
+        Some(b) if matches!(b.source, BudgetSource::Nodes(_)) && placeable(training) => {
+            crate::placement::place_on_nodes(
+                training.pod,
+                &start,
+                &calibration,
+                &bound,
+                &floors,
+                safety_ratio(training, policy),
+                policy,
+                &training.gpu_nodes,
+            )
+        }
         _ => None,
     };
     if let Some(p) = &placement {
-        let bound = format!(
-            "{}>{}",
-            memguard_api::pod::NVIDIA_GPU_MEMORY_LABEL,
-            p.min_label_mib - 1
-        );
         if policy.placement == PlacementMode::Required {
             // Every node the affinity allows has at least this much: plan for it, not the
-            // assumed default.
+            // assumed default or the smallest node.
             warnings.retain(|w| !w.starts_with(crate::budget::ASSUMED_DEFAULT));
+            let (memory, source) = if p.nodes.is_empty() {
+                (p.device_memory, BudgetSource::Placement(p.bound.clone()))
+            } else {
+                // As the budget stage reads the placed pod back on reinvocation.
+                let mut placed = training.pod.clone();
+                if let Some(spec) = placed.spec.as_mut() {
+                    spec.affinity = Some(p.affinity.clone());
+                }
+                crate::budget::placed_memory(
+                    &placed,
+                    training.config.device,
+                    &training.accelerators,
+                    &p.nodes,
+                    policy,
+                )
+            };
             budget = Some(Budget::new(
-                p.device_memory,
+                memory,
                 safety_ratio(training, policy),
-                BudgetSource::Placement(bound.clone()),
+                source,
             ));
         }
         warnings.push(truncate(&format!(
-            "memguard: placement {}: node affinity {bound} (MiB)",
+            "memguard: placement {}: node affinity {}{}",
             match policy.placement {
                 PlacementMode::Required => "required",
                 _ => "preferred",
-            }
+            },
+            p.bound,
+            if p.nodes.is_empty() { " (MiB)" } else { "" }
         )));
     }
     let plan = plan_into(

@@ -970,3 +970,7 @@ fn estimate_annotation(
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+#[path = "mutate/nodes_tests.rs"]
+mod nodes_tests;
