@@ -259,12 +259,38 @@ fn plan(
     // Every knob at its floor and still over the budget: admitted anyway, at the smallest config
     // tried, saying so and what would fit (the profile's verdict, when it has one, says more).
     let suggestions = match &budget {
-        Some(b) if !plan.fits => suggest(&start, b.bytes, &calibration, &floors, &bound),
+        Some(b) if !plan.fits => {
+            let mut out = suggest(&start, b.bytes, &calibration, &floors, &bound);
+            // A larger GPU helps only where the budget is a whole device the pod could trade
+            // (not a share, a slice, a claim or the user's own figure).
+            let whole_device = matches!(
+                b.source,
+                BudgetSource::PolicyDefault
+                    | BudgetSource::GpuProduct(_)
+                    | BudgetSource::Nodes(_)
+                    | BudgetSource::Placement(_)
+            );
+            if whole_device && training.config.device == Device::Cuda {
+                let larger = crate::placement::larger_gpu(
+                    &start,
+                    b.device_memory,
+                    b.safety_ratio,
+                    &calibration,
+                    &floors,
+                    &bound,
+                    policy,
+                    &training.gpu_nodes,
+                );
+                out.splice(0..0, larger);
+                out.sort_by_key(|s| !s.fits);
+            }
+            out
+        }
         _ => Vec::new(),
     };
     let floor_verdict = budget.as_ref().filter(|_| !plan.fits).map(|b| {
         format!(
-            "cannot fit: estimate {}{} exceeds budget {} with every knob at its floor; smallest \
+            "cannot fit: needs {}{} of budget {} with every knob at its floor; smallest \
              config tried: {}{}{}",
             plan.total(),
             plan.bound

@@ -17,7 +17,9 @@ use memguard_api::Policy;
 use memguard_api::pod::{GpuNode, MIG_PRODUCT_INFIX, NVIDIA_GPU_MEMORY_LABEL};
 use memguard_api::policy::{MAX_DRIVER_RESERVED_MIB, PlacementMode};
 use memguard_estimator::plan::Floors;
-use memguard_estimator::{Bound, Bytes, Calibration, Cost, TrainingConfig, plan_against};
+use memguard_estimator::{
+    Bound, Bytes, Calibration, Cost, Suggestion, TrainingConfig, plan_against,
+};
 
 /// Weight of memguard's preferred term (the highest the scheduler takes).
 pub const PREFERRED_WEIGHT: i32 = 100;
@@ -271,4 +273,68 @@ fn node_expressions(nodes: &[GpuNode]) -> (Vec<NodeSelectorRequirement>, String)
         });
     }
     (expressions, words.join(" or "))
+}
+
+/// A GPU with more memory than `current` (one device) on which `start`'s plan fits, as a
+/// suggestion: the smallest such class among the GPU `nodes` the pod may use when they are
+/// known, else among the policy's whole NVIDIA GPUs (named by product, to pin). `None` when no
+/// larger GPU fits.
+#[allow(clippy::too_many_arguments)]
+pub fn larger_gpu(
+    start: &TrainingConfig,
+    current: Bytes,
+    safety_ratio: f64,
+    calibration: &Calibration,
+    floors: &Floors,
+    bound: &Bound,
+    policy: &Policy,
+    nodes: &[GpuNode],
+) -> Option<Suggestion> {
+    let candidates: Vec<(Bytes, String)> = if nodes.is_empty() {
+        let mut by_size: std::collections::BTreeMap<Bytes, Vec<&str>> = Default::default();
+        for (product, b) in &policy.gpu_memory {
+            if !product.contains(MIG_PRODUCT_INFIX) && !product.starts_with("AMD_") {
+                by_size.entry(*b).or_default().push(product);
+            }
+        }
+        by_size
+            .into_iter()
+            .map(|(b, products)| {
+                let shown: Vec<&str> = products.into_iter().take(2).collect();
+                (
+                    b,
+                    format!(
+                        "a larger GPU: {} ({b}; pin it with nvidia.com/gpu.product)",
+                        shown.join(" or ")
+                    ),
+                )
+            })
+            .collect()
+    } else {
+        node_classes(nodes, policy)
+            .into_iter()
+            .map(|c| {
+                (
+                    c.device_memory,
+                    format!(
+                        "a larger GPU among the nodes the pod may use: {} ({})",
+                        c.name, c.device_memory
+                    ),
+                )
+            })
+            .collect()
+    };
+    candidates
+        .into_iter()
+        .filter(|(b, _)| *b > current)
+        .find_map(|(b, change)| {
+            let budget = Bytes::from_f64(b.as_f64() * safety_ratio);
+            let plan = plan_against(start, budget, calibration, floors, bound).ok()?;
+            plan.fits.then(|| Suggestion {
+                change,
+                upper: plan.upper(),
+                fits: true,
+                config: plan.config,
+            })
+        })
 }
