@@ -266,7 +266,7 @@ fn a_memguard_policy_manifest_works_as_the_policy_file() {
     // The fixture's A10G entry (24Gi × 0.9), not the built-in table's (the fixture does not
     // fit it without a quality cut: the error annotation names the budget).
     assert!(
-        stdout(&from_manifest).contains("exceeds budget 21.60 GiB"),
+        stdout(&from_manifest).contains("of budget 21.60 GiB"),
         "the manifest's spec is the policy: {}",
         stdout(&from_manifest)
     );
@@ -374,7 +374,7 @@ spec:
         .as_str()
         .unwrap_or_default();
     assert!(
-        error.contains("exceeds budget 14.40 GiB with every knob at its floor")
+        error.contains("of budget 14.40 GiB with every knob at its floor")
             && error.contains("smallest config tried: batch 1 × "),
         "{error}"
     );

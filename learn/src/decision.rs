@@ -270,7 +270,11 @@ fn plan(
                     | BudgetSource::Nodes(_)
                     | BudgetSource::Placement(_)
             );
-            if whole_device && training.config.device == Device::Cuda {
+            // A time-sliced GPU is shared whatever its size.
+            if whole_device
+                && training.config.device == Device::Cuda
+                && !training.accelerators.time_sliced
+            {
                 let larger = crate::placement::larger_gpu(
                     &start,
                     b.device_memory,

@@ -304,7 +304,7 @@ pub fn larger_gpu(
                 (
                     b,
                     format!(
-                        "a larger GPU: {} ({b}; pin it with nvidia.com/gpu.product)",
+                        "a larger GPU: {}, {b}, pinned by nvidia.com/gpu.product",
                         shown.join(" or ")
                     ),
                 )
@@ -317,7 +317,7 @@ pub fn larger_gpu(
                 (
                     c.device_memory,
                     format!(
-                        "a larger GPU among the nodes the pod may use: {} ({})",
+                        "a larger GPU among the nodes the pod may use: {}, {}",
                         c.name, c.device_memory
                     ),
                 )
