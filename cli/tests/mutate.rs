@@ -652,3 +652,56 @@ fn lists_config_maps_and_nodes_in_the_input_reach_the_decision() {
         );
     }
 }
+
+/// Issue 38, item 4: `memguard mutate` reads Nodes' taints and GKE's accelerator label from its
+/// input, as the webhook's Node watch keeps them: a node tainted against the pod is not one it
+/// can use (on the old code the budget was the tainted L4's).
+#[test]
+fn nodes_in_the_input_are_read_with_their_taints_and_cloud_labels() {
+    let input = r#"
+apiVersion: v1
+kind: Pod
+metadata:
+  name: t
+  labels: {memguard.io/enabled: "true"}
+  annotations: {memguard.io/model: llama-3-8b, memguard.io/method: lora}
+spec:
+  containers:
+    - name: trainer
+      image: trainer
+      resources: {limits: {nvidia.com/gpu: "1", vpc.amazonaws.com/efa: "1"}}
+---
+apiVersion: v1
+kind: Node
+metadata:
+  name: l4
+  labels: {nvidia.com/gpu.product: NVIDIA-L4, nvidia.com/gpu.memory: "23034"}
+spec:
+  taints: [{key: dedicated, value: inference, effect: NoSchedule}]
+---
+apiVersion: v1
+kind: Node
+metadata:
+  name: a100
+  labels: {cloud.google.com/gke-accelerator: nvidia-a100-80gb}
+"#;
+    let out = memguard(&["mutate", "-f", "-", "--output", "json"], Some(input));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let doc: Value = serde_json::from_str(&stdout(&out)).expect("json");
+    let estimate: Value = serde_json::from_str(
+        doc["metadata"]["annotations"]["memguard.io/estimate"]
+            .as_str()
+            .expect("estimate"),
+    )
+    .expect("estimate JSON");
+    assert_eq!(
+        estimate["budgetSource"]["detail"],
+        "smallest of 1 GPU node: NVIDIA-A100-SXM4-80GB",
+        "{estimate}"
+    );
+    assert!(
+        !stderr(&out).contains("unknown accelerator"),
+        "{}",
+        stderr(&out)
+    );
+}

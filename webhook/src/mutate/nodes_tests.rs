@@ -316,3 +316,17 @@ fn an_efa_device_is_not_an_unknown_accelerator() {
         m.warnings
     );
 }
+
+/// Issue 38, item 6: a pod that cannot fit the smallest node it may use is told which larger
+/// GPU among its nodes would fit it (placement off: nothing steers it there).
+#[test]
+fn a_larger_gpu_among_the_pods_nodes_is_suggested() {
+    let m = admit(needs_a_bigger_gpu(), &policy("off"), &fleet());
+    let error = m.error.clone().expect("cannot fit on the L4");
+    assert!(
+        error.contains(
+            "would fit: a larger GPU among the nodes the pod may use: NVIDIA-A100-SXM4-40GB, "
+        ) && error.contains(" (upper bound "),
+        "{error}"
+    );
+}
