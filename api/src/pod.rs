@@ -261,9 +261,7 @@ fn gpu_nodes(pod: &Pod, cluster: Cluster<'_>) -> Vec<GpuNode> {
 /// The GPU product a node's labels name, and the label that names it: GPU Feature Discovery's
 /// `nvidia.com/gpu.product`, else a GPU instance type (AKS, AWS), else a cloud's accelerator
 /// label ([`CLOUD_ACCELERATOR_LABELS`]; an unknown value kept as `label=value`, as on pods).
-pub fn node_gpu_product(
-    labels: &BTreeMap<String, String>,
-) -> Option<(String, (String, String))> {
+pub fn node_gpu_product(labels: &BTreeMap<String, String>) -> Option<(String, (String, String))> {
     let found = |label: &str, product: String| {
         let value = labels.get(label).cloned().unwrap_or_default();
         Some((product, (label.to_string(), value)))
@@ -315,7 +313,10 @@ pub fn pod_may_use(pod: &Pod, node: &crate::cluster::NodeInfo) -> bool {
         .affinity
         .as_ref()
         .and_then(|a| a.node_affinity.as_ref())
-        .and_then(|n| n.required_during_scheduling_ignored_during_execution.as_ref());
+        .and_then(|n| {
+            n.required_during_scheduling_ignored_during_execution
+                .as_ref()
+        });
     if let Some(required) = required {
         // An empty or absent term matches no node, as the scheduler reads it.
         let any = required.node_selector_terms.iter().any(|term| {

@@ -323,8 +323,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             let mut out =
                 memguard_estimator::suggest(cfg, p.budget, &Calibration::none(), &floors, &bound);
             // A larger GPU of the policy's table, when the budget is one GPU's memory.
-            if let (Some(gpu), memguard_estimator::Device::Cuda) = (parsed.gpu_memory, cfg.device)
-            {
+            if let (Some(gpu), memguard_estimator::Device::Cuda) = (parsed.gpu_memory, cfg.device) {
                 let ratio = parsed.safety_ratio.unwrap_or(DEFAULT_SAFETY_RATIO);
                 let larger = memguard_learn::placement::larger_gpu(
                     cfg,

@@ -975,7 +975,8 @@ fn the_verdict_says_the_upper_bound_and_names_a_larger_gpu() {
     );
     assert!(total <= budget && upper > budget, "the case: {v}");
     assert!(
-        line.contains(" (upper bound ") && line.contains(" at 0.95) of 72.00 GiB (")
+        line.contains(" (upper bound ")
+            && line.contains(" at 0.95) of 72.00 GiB (")
             && !line.contains("(0 B short)"),
         "{line}"
     );
@@ -983,7 +984,11 @@ fn the_verdict_says_the_upper_bound_and_names_a_larger_gpu() {
         .as_array()
         .expect("suggestions")
         .iter()
-        .find(|s| s["change"].as_str().is_some_and(|c| c.starts_with("a larger GPU: ")))
+        .find(|s| {
+            s["change"]
+                .as_str()
+                .is_some_and(|c| c.starts_with("a larger GPU: "))
+        })
         .unwrap_or_else(|| panic!("{v}"));
     assert_eq!(larger["fits"], true, "{larger}");
     assert!(text.contains("  - a larger GPU: "), "{text}");
@@ -1014,7 +1019,10 @@ fn ignored_or_defaulted_parallelism_flags_are_said_and_two_budgets_refused() {
     let out = memguard(&[&base[..], &["--parallelism", "zero3", "--world-size", "8"]].concat());
     assert!(String::from_utf8_lossy(&out.stderr).is_empty());
     assert!(String::from_utf8_lossy(&out.stdout).contains("parallelism zero3 × 8;"));
-    for other in [&["--gpu-memory", "80GiB"][..], &["--safety-ratio", "0.5"][..]] {
+    for other in [
+        &["--gpu-memory", "80GiB"][..],
+        &["--safety-ratio", "0.5"][..],
+    ] {
         let out = memguard(&[&base[..], &["--budget", "40GiB"], other].concat());
         assert_eq!(out.status.code(), Some(2), "{other:?}");
         let err = String::from_utf8_lossy(&out.stderr);

@@ -695,8 +695,7 @@ metadata:
     )
     .expect("estimate JSON");
     assert_eq!(
-        estimate["budgetSource"]["detail"],
-        "smallest of 1 GPU node: NVIDIA-A100-SXM4-80GB",
+        estimate["budgetSource"]["detail"], "smallest of 1 GPU node: NVIDIA-A100-SXM4-80GB",
         "{estimate}"
     );
     assert!(

@@ -311,9 +311,10 @@ fn smallest_node(nodes: &[GpuNode], policy: &Policy) -> Option<(Bytes, BudgetSou
 /// figure, else its `nvidia.com/gpu.memory` less the largest driver reservation. `None` when
 /// neither says.
 pub fn node_memory(node: &GpuNode, policy: &Policy) -> Option<(Bytes, String)> {
-    let from_table = node.product.as_ref().and_then(|p| {
-        product_memory(p, policy, &mut Vec::new()).map(|(b, _)| (b, p.clone()))
-    });
+    let from_table = node
+        .product
+        .as_ref()
+        .and_then(|p| product_memory(p, policy, &mut Vec::new()).map(|(b, _)| (b, p.clone())));
     from_table.or_else(|| {
         node.memory_mib.map(|mib| {
             (

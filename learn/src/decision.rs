@@ -231,11 +231,7 @@ fn plan(
                     policy,
                 )
             };
-            budget = Some(Budget::new(
-                memory,
-                safety_ratio(training, policy),
-                source,
-            ));
+            budget = Some(Budget::new(memory, safety_ratio(training, policy), source));
         }
         warnings.push(truncate(&format!(
             "memguard: placement {}: node affinity {}{}",

@@ -37,8 +37,7 @@ fn fleet() -> ClusterView {
 }
 
 fn policy(placement: &str) -> Policy {
-    let spec: PolicySpec =
-        serde_json::from_value(json!({"placement": placement})).expect("valid");
+    let spec: PolicySpec = serde_json::from_value(json!({"placement": placement})).expect("valid");
     spec.resolved().expect("valid")
 }
 
@@ -155,7 +154,11 @@ fn the_budget_comes_from_the_nodes_the_pods_affinity_and_tolerations_allow() {
     ];
     for (name, pod, detail) in cases {
         let m = admit(pod, &off, &view);
-        assert_eq!(source(&m), ("nodes".to_string(), detail.to_string()), "{name}");
+        assert_eq!(
+            source(&m),
+            ("nodes".to_string(), detail.to_string()),
+            "{name}"
+        );
     }
 }
 
@@ -190,8 +193,7 @@ fn placement_chooses_among_the_nodes_the_pod_may_use() {
     assert!(m.plan.fits, "{:?}", m.plan);
     assert!(m.error.is_none(), "{:?}", m.error);
     let affinity = json!(m.affinity.clone().expect("placement added affinity"));
-    let terms = &affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-        ["nodeSelectorTerms"];
+    let terms = &affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"];
     // Each class's nodes by the label that sizes them: the memory label where there is one,
     // else the label that names the GPU.
     assert_eq!(
