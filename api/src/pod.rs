@@ -1682,7 +1682,7 @@ impl<'a> TrainingPod<'a> {
             .map(Knob::name)
             .collect();
         if self.coupled.sharding_unknown.is_some()
-            && self.setup_sources.get("parallelism").is_none()
+            && !self.setup_sources.contains_key("parallelism")
         {
             out.push("parallelism");
         }
