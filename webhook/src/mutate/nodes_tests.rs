@@ -62,8 +62,9 @@ fn required(terms: Value) -> Value {
         {"nodeSelectorTerms": terms}}})
 }
 
-const TOLERATE_INFERENCE: &str =
-    r#"[{"key": "dedicated", "operator": "Equal", "value": "inference", "effect": "NoSchedule"}]"#;
+fn tolerate_inference() -> Value {
+    json!([{"key": "dedicated", "operator": "Equal", "value": "inference", "effect": "NoSchedule"}])
+}
 
 /// Each row: the pod's scheduling constraints and the budget's detail. On the old code every
 /// row read "smallest of 2 GPU nodes: NVIDIA-L4" (GKE's label and the instance type unread,
@@ -82,7 +83,7 @@ fn the_budget_comes_from_the_nodes_the_pods_affinity_and_tolerations_allow() {
             "tolerated by key, value and effect",
             trainer_pod()
                 .gpus(1)
-                .spec("tolerations", serde_json::from_str(TOLERATE_INFERENCE).unwrap()),
+                .spec("tolerations", tolerate_inference()),
             "smallest of 4 GPU nodes: NVIDIA-L4",
         ),
         (
@@ -128,7 +129,7 @@ fn the_budget_comes_from_the_nodes_the_pods_affinity_and_tolerations_allow() {
             "Gt and Lt on a label's number",
             trainer_pod()
                 .gpus(1)
-                .spec("tolerations", serde_json::from_str(TOLERATE_INFERENCE).unwrap())
+                .spec("tolerations", tolerate_inference())
                 .spec(
                     "affinity",
                     required(json!([{"matchExpressions": [
