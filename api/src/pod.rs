@@ -2137,7 +2137,8 @@ pub fn parse_mps_limit(value: &str) -> Result<u64, String> {
 ///
 /// A pod pinned by a cloud's own accelerator label instead ([`CLOUD_ACCELERATOR_LABELS`]: GKE's
 /// `cloud.google.com/gke-accelerator`, EKS's `k8s.amazonaws.com/accelerator`, Karpenter's and
-/// EKS Auto Mode's `instance-gpu-name`; AKS's GPU VM sizes by `node.kubernetes.io/instance-type`)
+/// EKS Auto Mode's `instance-gpu-name`; AKS's GPU VM sizes and AWS's GPU instance families by
+/// `node.kubernetes.io/instance-type`, [`instance_type_gpu`])
 /// is pinned as surely: each value is read as the
 /// `nvidia.com/gpu.product` GPU feature discovery writes on such a node (the smallest where the
 /// cloud's name covers several, as AWS's `a100` covers 40 and 80 GB), or kept as
@@ -2147,8 +2148,8 @@ pub fn gpu_products(pod: &Pod) -> Vec<String> {
     if !nvidia.is_empty() {
         return nvidia;
     }
-    // AKS names no GPU product in a label: its VM size does. An instance type not in the table
-    // (another cloud's, a CPU size) pins nothing here.
+    // AKS (and EKS without GPU labels) name no GPU product in a label: the instance type does.
+    // An instance type not in the tables (a CPU size) pins nothing here.
     let sizes: Vec<String> = pinned_values(pod, INSTANCE_TYPE_LABEL)
         .iter()
         .filter_map(|v| instance_type_gpu(v).map(str::to_string))
@@ -2618,5 +2619,76 @@ mod tests {
         assert!(missing.starts_with("container: "), "{missing}");
         assert!(pick_trainer(&pod[..1], None).is_err());
         assert_eq!(gpu_count(&pod[2]), 2);
+    }
+
+    /// The scheduler's rules, where a slip would let a pod "use" a node it cannot: an empty
+    /// term matches nothing, `Gt`/`Lt` need a number, an unknown operator matches nothing,
+    /// `NoExecute` needs its own toleration, `PreferNoSchedule` never excludes.
+    #[test]
+    fn a_node_is_usable_as_the_scheduler_decides() {
+        use crate::cluster::{NodeInfo, NodeTaint};
+        let node = NodeInfo {
+            name: "n".into(),
+            labels: BTreeMap::from([("mem".to_string(), "40960".to_string())]),
+            taints: vec![NodeTaint {
+                key: "k".into(),
+                value: "v".into(),
+                effect: "NoExecute".into(),
+            }],
+        };
+        let pod_with = |spec: serde_json::Value| -> Pod {
+            serde_json::from_value(serde_json::json!({"spec": spec})).expect("pod")
+        };
+        let everything = serde_json::json!([{"operator": "Exists"}]);
+        let affinity = |term: serde_json::Value| {
+            pod_with(
+                serde_json::json!({"containers": [], "tolerations": everything,
+                "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution":
+                    {"nodeSelectorTerms": [term]}}}}),
+            )
+        };
+        let expr = |op: &str, values: &[&str]| {
+            affinity(serde_json::json!({"matchExpressions": [
+                {"key": "mem", "operator": op, "values": values}]}))
+        };
+        assert!(!pod_may_use(&affinity(serde_json::json!({})), &node));
+        assert!(pod_may_use(&expr("Gt", &["40000"]), &node));
+        assert!(!pod_may_use(&expr("Gt", &["40960"]), &node));
+        assert!(!pod_may_use(&expr("Gt", &["forty"]), &node));
+        assert!(pod_may_use(&expr("Lt", &["50000"]), &node));
+        assert!(!pod_may_use(&expr("Near", &["40960"]), &node));
+        let tolerating = |t: serde_json::Value| {
+            pod_may_use(
+                &pod_with(serde_json::json!({"containers": [], "tolerations": t})),
+                &node,
+            )
+        };
+        assert!(!tolerating(serde_json::json!([])));
+        assert!(!tolerating(
+            serde_json::json!([{"key": "k", "value": "v", "effect": "NoSchedule"}])
+        ));
+        assert!(tolerating(serde_json::json!([{"key": "k", "value": "v"}])));
+        assert!(tolerating(
+            serde_json::json!([{"key": "k", "operator": "Exists", "effect": "NoExecute"}])
+        ));
+        assert!(!tolerating(serde_json::json!([{"key": "k", "value": "w"}])));
+        let soft = NodeInfo {
+            taints: vec![NodeTaint {
+                key: "k".into(),
+                value: String::new(),
+                effect: "PreferNoSchedule".into(),
+            }],
+            ..node.clone()
+        };
+        assert!(pod_may_use(
+            &pod_with(serde_json::json!({"containers": []})),
+            &soft
+        ));
+        // A pod bound to another node by name cannot use this one.
+        assert!(!pod_may_use(
+            &pod_with(serde_json::json!({"containers": [], "nodeName": "other",
+                "tolerations": everything})),
+            &node
+        ));
     }
 }
