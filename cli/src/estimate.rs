@@ -456,6 +456,8 @@ fn write_output(
                         json!({
                             "change": s.change,
                             "upper_bytes": s.upper.0,
+                            // A larger GPU's suggestion is planned into that GPU's budget.
+                            "budget_bytes": s.budget.0,
                             "fits": s.fits,
                             "world_size": s.config.world_size,
                             "config": config_json(&s.config),

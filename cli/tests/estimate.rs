@@ -342,7 +342,7 @@ fn an_8b_full_finetune_on_80_gib_ends_with_a_change_that_fits() {
     find("optimizer state offloaded");
     for s in suggestions {
         let upper = s["upper_bytes"].as_u64().expect("upper");
-        assert_eq!(s["fits"], upper <= u64_at(&v, "budget_bytes"), "{s}");
+        assert_eq!(s["fits"], upper <= u64_at(s, "budget_bytes"), "{s}");
     }
     // The table says the same, after DOES NOT FIT.
     let out = memguard(&args);
@@ -991,6 +991,12 @@ fn the_verdict_says_the_upper_bound_and_names_a_larger_gpu() {
         })
         .unwrap_or_else(|| panic!("{v}"));
     assert_eq!(larger["fits"], true, "{larger}");
+    // Planned into that GPU's budget, which the suggestion carries.
+    assert!(
+        u64_at(larger, "budget_bytes") > budget
+            && u64_at(larger, "upper_bytes") <= u64_at(larger, "budget_bytes"),
+        "{larger}"
+    );
     assert!(text.contains("  - a larger GPU: "), "{text}");
 }
 

@@ -22,7 +22,9 @@ pub struct Suggestion {
     pub config: TrainingConfig,
     /// The figure compared with the budget (the upper bound at the plan's level).
     pub upper: Bytes,
-    /// Whether it fits the budget.
+    /// The budget it was planned into: the job's, or a larger GPU's for that suggestion.
+    pub budget: Bytes,
+    /// Whether it fits `budget`.
     pub fits: bool,
 }
 
@@ -67,6 +69,7 @@ pub fn suggest(
         Some(Suggestion {
             change,
             upper: plan.upper(),
+            budget,
             fits: plan.fits,
             config: plan.config,
         })
@@ -202,6 +205,7 @@ pub fn sharded_over_more_gpus(
             return Some(Suggestion {
                 change: format!("{name} over {n} GPUs"),
                 upper: best.upper(),
+                budget,
                 fits: true,
                 config: best.config.clone(),
             });

@@ -333,6 +333,7 @@ pub fn larger_gpu(
             plan.fits.then(|| Suggestion {
                 change,
                 upper: plan.upper(),
+                budget,
                 fits: true,
                 config: plan.config,
             })
