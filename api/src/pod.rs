@@ -223,37 +223,170 @@ fn unknown_knobs(
 /// A node's GPU, from its labels.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuNode {
-    /// `nvidia.com/gpu.product`.
+    /// The GPU product, as GPU Feature Discovery's `nvidia.com/gpu.product` names it: that
+    /// label, else the product a cloud's label names ([`node_gpu_product`]).
     pub product: Option<String>,
     /// `nvidia.com/gpu.memory`, MiB (NVML's total).
     pub memory_mib: Option<u64>,
+    /// The label and value that named `product` (`cloud.google.com/gke-accelerator`,
+    /// `nvidia-l4`): what placement pins such a node by when it has no memory label.
+    pub product_label: Option<(String, String)>,
 }
 
-/// The GPU nodes in `cluster` whose labels match `pod`'s `nodeSelector` (a node without a GPU
-/// label is not one).
+/// The GPU nodes in `cluster` that `pod` may be scheduled on ([`pod_may_use`]); a node
+/// without a GPU label is not one.
 fn gpu_nodes(pod: &Pod, cluster: Cluster<'_>) -> Vec<GpuNode> {
     let Some(nodes) = cluster.nodes else {
         return Vec::new();
     };
-    let selector = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.node_selector.clone())
-        .unwrap_or_default();
     nodes
-        .labels()
+        .nodes()
         .into_iter()
-        .filter(|labels| selector.iter().all(|(k, v)| labels.get(k) == Some(v)))
-        .filter_map(|labels| {
-            let node = GpuNode {
-                product: labels.get("nvidia.com/gpu.product").cloned(),
-                memory_mib: labels
+        .filter(|node| pod_may_use(pod, node))
+        .filter_map(|node| {
+            let named = node_gpu_product(&node.labels);
+            let gpu = GpuNode {
+                product: named.as_ref().map(|(p, _)| p.clone()),
+                memory_mib: node
+                    .labels
                     .get(NVIDIA_GPU_MEMORY_LABEL)
                     .and_then(|m| m.trim().parse().ok()),
+                product_label: named.map(|(_, l)| l),
             };
-            (node.product.is_some() || node.memory_mib.is_some()).then_some(node)
+            (gpu.product.is_some() || gpu.memory_mib.is_some()).then_some(gpu)
         })
         .collect()
+}
+
+/// The GPU product a node's labels name, and the label that names it: GPU Feature Discovery's
+/// `nvidia.com/gpu.product`, else a GPU instance type (AKS, AWS), else a cloud's accelerator
+/// label ([`CLOUD_ACCELERATOR_LABELS`]; an unknown value kept as `label=value`, as on pods).
+pub fn node_gpu_product(labels: &BTreeMap<String, String>) -> Option<(String, (String, String))> {
+    let found = |label: &str, product: String| {
+        let value = labels.get(label).cloned().unwrap_or_default();
+        Some((product, (label.to_string(), value)))
+    };
+    if let Some(p) = labels.get(wellknown::NVIDIA_GPU_PRODUCT_LABEL) {
+        return found(wellknown::NVIDIA_GPU_PRODUCT_LABEL, p.clone());
+    }
+    if let Some(p) = labels
+        .get(INSTANCE_TYPE_LABEL)
+        .and_then(|v| instance_type_gpu(v))
+    {
+        return found(INSTANCE_TYPE_LABEL, p.to_string());
+    }
+    for (label, table) in CLOUD_ACCELERATOR_LABELS {
+        if let Some(v) = labels.get(*label) {
+            let product = table
+                .iter()
+                .find(|(name, _)| name.eq_ignore_ascii_case(v.trim()))
+                .map_or_else(|| format!("{label}={v}"), |(_, p)| (*p).to_string());
+            return found(label, product);
+        }
+    }
+    None
+}
+
+/// Whether the scheduler may put `pod` on `node`: its `nodeName`, `nodeSelector`, required
+/// node affinity (terms ORed, expressions ANDed; `In`, `NotIn`, `Exists`, `DoesNotExist`, `Gt`,
+/// `Lt`, and `matchFields` on `metadata.name`) and tolerations of the node's `NoSchedule` /
+/// `NoExecute` taints. What is not known of the node (its name) does not exclude it.
+pub fn pod_may_use(pod: &Pod, node: &crate::cluster::NodeInfo) -> bool {
+    let Some(spec) = pod.spec.as_ref() else {
+        return true;
+    };
+    let named = |name: &str| node.name.is_empty() || node.name == name;
+    if let Some(name) = spec.node_name.as_deref().filter(|n| !n.is_empty())
+        && !named(name)
+    {
+        return false;
+    }
+    let selected = spec
+        .node_selector
+        .iter()
+        .flatten()
+        .all(|(k, v)| node.labels.get(k) == Some(v));
+    if !selected {
+        return false;
+    }
+    let required = spec
+        .affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|n| {
+            n.required_during_scheduling_ignored_during_execution
+                .as_ref()
+        });
+    if let Some(required) = required {
+        // An empty or absent term matches no node, as the scheduler reads it.
+        let any = required.node_selector_terms.iter().any(|term| {
+            let exprs = term.match_expressions.as_deref().unwrap_or_default();
+            let fields = term.match_fields.as_deref().unwrap_or_default();
+            (!exprs.is_empty() || !fields.is_empty())
+                && exprs
+                    .iter()
+                    .all(|e| expression_matches(e, node.labels.get(&e.key)))
+                && fields.iter().all(|f| {
+                    f.key != "metadata.name"
+                        || node.name.is_empty()
+                        || expression_matches(f, Some(&node.name))
+                })
+        });
+        if !any {
+            return false;
+        }
+    }
+    let tolerations = spec.tolerations.as_deref().unwrap_or_default();
+    node.taints
+        .iter()
+        .filter(|t| crate::cluster::blocks(&t.effect))
+        .all(|taint| tolerations.iter().any(|t| tolerates(t, taint)))
+}
+
+/// One node-selector requirement against the label's value (`None`: the node lacks it).
+fn expression_matches(
+    e: &k8s_openapi::api::core::v1::NodeSelectorRequirement,
+    value: Option<&String>,
+) -> bool {
+    let values = e.values.as_deref().unwrap_or_default();
+    let number = |s: &str| s.trim().parse::<i64>().ok();
+    let compare = |ordering: std::cmp::Ordering| match (value, values) {
+        (Some(v), [bound]) => match (number(v), number(bound)) {
+            (Some(v), Some(b)) => v.cmp(&b) == ordering,
+            _ => false,
+        },
+        _ => false,
+    };
+    match e.operator.as_str() {
+        "In" => value.is_some_and(|v| values.contains(v)),
+        "NotIn" => value.is_none_or(|v| !values.contains(v)),
+        "Exists" => value.is_some(),
+        "DoesNotExist" => value.is_none(),
+        "Gt" => compare(std::cmp::Ordering::Greater),
+        "Lt" => compare(std::cmp::Ordering::Less),
+        // The API server refuses any other operator: nothing matches it.
+        _ => false,
+    }
+}
+
+/// Whether `toleration` tolerates `taint`, as the scheduler decides it: the effect (empty: any),
+/// and `Exists` on the key (an empty key: every taint) or `Equal` on key and value.
+fn tolerates(
+    toleration: &k8s_openapi::api::core::v1::Toleration,
+    taint: &crate::cluster::NodeTaint,
+) -> bool {
+    let effect = toleration.effect.as_deref().unwrap_or_default();
+    if !effect.is_empty() && effect != taint.effect {
+        return false;
+    }
+    let key = toleration.key.as_deref().unwrap_or_default();
+    match toleration.operator.as_deref().unwrap_or("Equal") {
+        "Exists" => key.is_empty() || key == taint.key,
+        "Equal" | "" => {
+            key == taint.key && toleration.value.as_deref().unwrap_or_default() == taint.value
+        }
+        _ => false,
+    }
 }
 
 /// A trainer's config file read from the ConfigMap its launch names, with the overrides on its
@@ -1842,7 +1975,12 @@ impl Accelerators {
                         .problems
                         .push(format!("{name}: `{}` is not in 1..=100", q.0)),
                 },
-                (None, other) if some && is_extended(other) && !KNOWN_SETTINGS.contains(&other) => {
+                (None, other)
+                    if some
+                        && is_extended(other)
+                        && !KNOWN_SETTINGS.contains(&other)
+                        && !is_not_accelerator(other) =>
+                {
                     a.unknown.push(other.to_string());
                 }
                 _ => {}
@@ -1962,6 +2100,30 @@ pub fn memory_limit(c: &Container) -> Option<Bytes> {
         .map(Bytes)
 }
 
+/// Extended resources that are devices but no accelerator with memory (network adapters,
+/// FUSE): asking for one says nothing about the trainer's memory. By prefix.
+pub const NOT_ACCELERATOR_PREFIXES: &[&str] = &[
+    // AWS: Elastic Fabric Adapter, branch ENIs, IP addresses.
+    "vpc.amazonaws.com/",
+    // RDMA shared device plugin, Mellanox/NVIDIA network operators, SR-IOV (OpenShift, Intel).
+    "rdma/",
+    "mellanox.com/",
+    "nvidia.com/rdma",
+    "nvidia.com/hostdev",
+    "openshift.io/",
+    "intel.com/sriov",
+    "networking.gke.io/",
+    // FUSE device plugins.
+    "smarter-devices/",
+    "github.com/fuse",
+    "squat.ai/",
+];
+
+/// Whether an extended resource is a known non-accelerator ([`NOT_ACCELERATOR_PREFIXES`]).
+fn is_not_accelerator(name: &str) -> bool {
+    NOT_ACCELERATOR_PREFIXES.iter().any(|p| name.starts_with(p))
+}
+
 /// An extended resource: a domain-prefixed name outside `kubernetes.io` (`example.com/npu`);
 /// not `cpu`, `memory`, `ephemeral-storage` or `hugepages-*`.
 fn is_extended(name: &str) -> bool {
@@ -2009,7 +2171,8 @@ pub fn parse_mps_limit(value: &str) -> Result<u64, String> {
 ///
 /// A pod pinned by a cloud's own accelerator label instead ([`CLOUD_ACCELERATOR_LABELS`]: GKE's
 /// `cloud.google.com/gke-accelerator`, EKS's `k8s.amazonaws.com/accelerator`, Karpenter's and
-/// EKS Auto Mode's `instance-gpu-name`; AKS's GPU VM sizes by `node.kubernetes.io/instance-type`)
+/// EKS Auto Mode's `instance-gpu-name`; AKS's GPU VM sizes and AWS's GPU instance families by
+/// `node.kubernetes.io/instance-type`, [`instance_type_gpu`])
 /// is pinned as surely: each value is read as the
 /// `nvidia.com/gpu.product` GPU feature discovery writes on such a node (the smallest where the
 /// cloud's name covers several, as AWS's `a100` covers 40 and 80 GB), or kept as
@@ -2019,16 +2182,11 @@ pub fn gpu_products(pod: &Pod) -> Vec<String> {
     if !nvidia.is_empty() {
         return nvidia;
     }
-    // AKS names no GPU product in a label: its VM size does. An instance type not in the table
-    // (another cloud's, a CPU size) pins nothing here.
+    // AKS (and EKS without GPU labels) name no GPU product in a label: the instance type does.
+    // An instance type not in the tables (a CPU size) pins nothing here.
     let sizes: Vec<String> = pinned_values(pod, INSTANCE_TYPE_LABEL)
         .iter()
-        .filter_map(|v| {
-            AZURE_GPU_VM_SIZES
-                .iter()
-                .find(|(size, _)| size.eq_ignore_ascii_case(v.trim()))
-                .map(|(_, p)| (*p).to_string())
-        })
+        .filter_map(|v| instance_type_gpu(v).map(str::to_string))
         .collect();
     if !sizes.is_empty() {
         return sizes;
@@ -2110,6 +2268,36 @@ const AZURE_GPU_VM_SIZES: &[(&str, &str)] = &[
     ("Standard_ND96isr_H100_v5", "NVIDIA-H100-80GB-HBM3"),
     ("Standard_ND96isr_H200_v5", "NVIDIA-H200"),
 ];
+
+/// AWS GPU instance families and the GPU each carries (AWS's accelerated-computing instance
+/// pages), matched on the instance type's prefix up to its dot: `g5.12xlarge` is an A10G
+/// (`g5g.*`, Graviton with T4G, is another family). EKS labels no GPU product by default: a pod
+/// pinned to one of these types by `node.kubernetes.io/instance-type` is pinned to its GPU.
+const AWS_GPU_INSTANCE_FAMILIES: &[(&str, &str)] = &[
+    ("g5.", "NVIDIA-A10G"),
+    ("g6.", "NVIDIA-L4"),
+    ("g6e.", "NVIDIA-L40S"),
+    ("p4d.", "NVIDIA-A100-SXM4-40GB"),
+    ("p4de.", "NVIDIA-A100-SXM4-80GB"),
+    ("p5.", "NVIDIA-H100-80GB-HBM3"),
+    ("p5e.", "NVIDIA-H200"),
+    ("p5en.", "NVIDIA-H200"),
+];
+
+/// The GPU product of a GPU instance type (`node.kubernetes.io/instance-type`): an AKS VM size
+/// ([`AZURE_GPU_VM_SIZES`]) or an AWS instance family ([`AWS_GPU_INSTANCE_FAMILIES`]); `None`
+/// for any other (a CPU size, another cloud's).
+pub fn instance_type_gpu(value: &str) -> Option<&'static str> {
+    let v = value.trim();
+    let azure = AZURE_GPU_VM_SIZES
+        .iter()
+        .find(|(size, _)| size.eq_ignore_ascii_case(v));
+    let lower = v.to_ascii_lowercase();
+    let aws = AWS_GPU_INSTANCE_FAMILIES
+        .iter()
+        .find(|(family, _)| lower.starts_with(family));
+    azure.or(aws).map(|(_, p)| *p)
+}
 
 /// Node labels by which a cloud names a node's GPU, read after `nvidia.com/gpu.product` and an
 /// AKS VM size ([`AZURE_GPU_VM_SIZES`]), each with its values.
@@ -2465,5 +2653,76 @@ mod tests {
         assert!(missing.starts_with("container: "), "{missing}");
         assert!(pick_trainer(&pod[..1], None).is_err());
         assert_eq!(gpu_count(&pod[2]), 2);
+    }
+
+    /// The scheduler's rules, where a slip would let a pod "use" a node it cannot: an empty
+    /// term matches nothing, `Gt`/`Lt` need a number, an unknown operator matches nothing,
+    /// `NoExecute` needs its own toleration, `PreferNoSchedule` never excludes.
+    #[test]
+    fn a_node_is_usable_as_the_scheduler_decides() {
+        use crate::cluster::{NodeInfo, NodeTaint};
+        let node = NodeInfo {
+            name: "n".into(),
+            labels: BTreeMap::from([("mem".to_string(), "40960".to_string())]),
+            taints: vec![NodeTaint {
+                key: "k".into(),
+                value: "v".into(),
+                effect: "NoExecute".into(),
+            }],
+        };
+        let pod_with = |spec: serde_json::Value| -> Pod {
+            serde_json::from_value(serde_json::json!({"spec": spec})).expect("pod")
+        };
+        let everything = serde_json::json!([{"operator": "Exists"}]);
+        let affinity = |term: serde_json::Value| {
+            pod_with(
+                serde_json::json!({"containers": [], "tolerations": everything,
+                "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution":
+                    {"nodeSelectorTerms": [term]}}}}),
+            )
+        };
+        let expr = |op: &str, values: &[&str]| {
+            affinity(serde_json::json!({"matchExpressions": [
+                {"key": "mem", "operator": op, "values": values}]}))
+        };
+        assert!(!pod_may_use(&affinity(serde_json::json!({})), &node));
+        assert!(pod_may_use(&expr("Gt", &["40000"]), &node));
+        assert!(!pod_may_use(&expr("Gt", &["40960"]), &node));
+        assert!(!pod_may_use(&expr("Gt", &["forty"]), &node));
+        assert!(pod_may_use(&expr("Lt", &["50000"]), &node));
+        assert!(!pod_may_use(&expr("Near", &["40960"]), &node));
+        let tolerating = |t: serde_json::Value| {
+            pod_may_use(
+                &pod_with(serde_json::json!({"containers": [], "tolerations": t})),
+                &node,
+            )
+        };
+        assert!(!tolerating(serde_json::json!([])));
+        assert!(!tolerating(
+            serde_json::json!([{"key": "k", "value": "v", "effect": "NoSchedule"}])
+        ));
+        assert!(tolerating(serde_json::json!([{"key": "k", "value": "v"}])));
+        assert!(tolerating(
+            serde_json::json!([{"key": "k", "operator": "Exists", "effect": "NoExecute"}])
+        ));
+        assert!(!tolerating(serde_json::json!([{"key": "k", "value": "w"}])));
+        let soft = NodeInfo {
+            taints: vec![NodeTaint {
+                key: "k".into(),
+                value: String::new(),
+                effect: "PreferNoSchedule".into(),
+            }],
+            ..node.clone()
+        };
+        assert!(pod_may_use(
+            &pod_with(serde_json::json!({"containers": []})),
+            &soft
+        ));
+        // A pod bound to another node by name cannot use this one.
+        assert!(!pod_may_use(
+            &pod_with(serde_json::json!({"containers": [], "nodeName": "other",
+                "tolerations": everything})),
+            &node
+        ));
     }
 }

@@ -250,6 +250,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok(parsed) => parsed,
         Err(messages) => return Ok(bad_input(messages)),
     };
+    for note in world_notes(&args, &parsed.config) {
+        eprintln!("note: {note}");
+    }
     // The pod the flags describe goes through the webhook's own stages: resolved as at
     // admission, then the budget stage every caller shares (memguard_learn::decision).
     let flags_pod = match pod_of_flags(&args) {
@@ -317,7 +320,25 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let suggestions = match (&decided, &plan) {
         (Some(d), _) => d.suggestions.clone(),
         (None, Some(p)) if !p.fits => {
-            memguard_estimator::suggest(cfg, p.budget, &Calibration::none(), &floors, &bound)
+            let mut out =
+                memguard_estimator::suggest(cfg, p.budget, &Calibration::none(), &floors, &bound);
+            // A larger GPU of the policy's table, when the budget is one GPU's memory.
+            if let (Some(gpu), memguard_estimator::Device::Cuda) = (parsed.gpu_memory, cfg.device) {
+                let ratio = parsed.safety_ratio.unwrap_or(DEFAULT_SAFETY_RATIO);
+                let larger = memguard_learn::placement::larger_gpu(
+                    cfg,
+                    gpu,
+                    ratio,
+                    &Calibration::none(),
+                    &floors,
+                    &bound,
+                    &policy,
+                    &[],
+                );
+                out.splice(0..0, larger);
+                out.sort_by_key(|s| !s.fits);
+            }
+            out
         }
         _ => Vec::new(),
     };
@@ -350,6 +371,33 @@ fn parse_flags(args: &Args, policy: &Policy) -> Result<(TrainingAnnotations, boo
     let parsed = TrainingAnnotations::parse_keys_with_model(&keys, &policy.models, given)
         .map_err(|errors| errors.iter().map(|e| format!("--{e}")).collect::<Vec<_>>())?;
     Ok((parsed, keys.contains_key("world-size")))
+}
+
+/// What the flags leave to a default or ignore about data parallelism, said: a sharded
+/// parallelism without `--world-size` (one device assumed, unless `--gpu-resource` gives the
+/// count as a pod's GPUs would), and `--world-size` without a parallelism (ignored).
+fn world_notes(args: &Args, cfg: &TrainingConfig) -> Vec<String> {
+    use memguard_estimator::Parallelism;
+    let mut notes = Vec::new();
+    let parallel = cfg.parallelism != Parallelism::None;
+    match (&args.world_size, parallel) {
+        (None, true) if args.gpu_resource.is_empty() => notes.push(format!(
+            "--parallelism {} without --world-size: world size 1 assumed (nothing is sharded \
+             or replicated); give --world-size N",
+            cfg.parallelism.name()
+        )),
+        (None, true) => notes.push(format!(
+            "--parallelism {} without --world-size: the world is the GPUs --gpu-resource asks \
+             for, as for a pod",
+            cfg.parallelism.name()
+        )),
+        (Some(n), false) => notes.push(format!(
+            "--world-size {n} ignored: without --parallelism (ddp|fsdp|zero1|zero2|zero3) every \
+             device holds the whole job"
+        )),
+        _ => {}
+    }
+    notes
 }
 
 /// The budget: the budget stage's for the pod the flags describe (its warnings on stderr), else
@@ -408,6 +456,8 @@ fn write_output(
                         json!({
                             "change": s.change,
                             "upper_bytes": s.upper.0,
+                            // A larger GPU's suggestion is planned into that GPU's budget.
+                            "budget_bytes": s.budget.0,
                             "fits": s.fits,
                             "world_size": s.config.world_size,
                             "config": config_json(&s.config),
@@ -829,6 +879,21 @@ fn bad_input(messages: impl IntoIterator<Item = String>) -> ExitCode {
 /// `--budget`, else gpu-memory × safety-ratio, else none.
 fn resolve_budget(args: &Args, parsed: &TrainingAnnotations) -> Result<Option<Bytes>, String> {
     if let Some(b) = &args.budget {
+        // Two figures for one budget: refused, rather than one of them silently ignored.
+        let other: Vec<&str> = [
+            ("--gpu-memory", args.gpu_memory.is_some()),
+            ("--safety-ratio", args.safety_ratio.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(flag, given)| given.then_some(flag))
+        .collect();
+        if !other.is_empty() {
+            return Err(format!(
+                "--budget is the memory the plan aims at, and {} gives another (gpu-memory × \
+                 safety-ratio); pick one",
+                other.join(" and ")
+            ));
+        }
         // The one size parser: `--budget 40` is refused with "did you mean `40Gi`?".
         let size = Size::parse(b).map_err(|e| format!("--budget: {e}"))?;
         return Ok(Some(size.bytes()));
@@ -902,11 +967,14 @@ fn write_table(
     let name = cfg.model.name.as_deref().unwrap_or("custom shape");
     writeln!(
         out,
-        "{name}: {} training, {}, {} on {}; batch {} × seq {}, accumulation {}, checkpointing {}",
+        "{name}: {} training, {}, {} on {}, parallelism {} × {}; batch {} × seq {}, \
+         accumulation {}, checkpointing {}",
         cfg.method,
         cfg.precision,
         cfg.optimizer,
         cfg.device,
+        cfg.parallelism.name(),
+        cfg.world_size,
         cfg.batch_size,
         cfg.seq_length,
         cfg.grad_accumulation,
@@ -958,12 +1026,17 @@ fn write_table(
             }
         )?;
     } else {
+        // The verdict is taken against the upper bound: say it, and the shortfall from it.
+        let upper = match plan.bound.level {
+            Some(level) => format!(" (upper bound {} at {level})", plan.upper()),
+            None => String::new(),
+        };
         writeln!(
             out,
-            "DOES NOT FIT: even fully downgraded it needs {} of {} ({} short)",
+            "DOES NOT FIT: even fully downgraded it needs {}{upper} of {} ({} short)",
             plan.total(),
             plan.budget,
-            Bytes(plan.total().0.saturating_sub(plan.budget.0))
+            Bytes(plan.upper().0.saturating_sub(plan.budget.0))
         )?;
     }
     Ok(())

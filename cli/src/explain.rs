@@ -215,8 +215,8 @@ pub struct NextContext {
     pub dra: Option<Arc<StaticCatalog>>,
     /// The ConfigMaps in the input (trainers' config files).
     pub config_maps: memguard_api::cluster::ConfigMapList,
-    /// The Nodes' labels in the input.
-    pub nodes: memguard_api::cluster::NodeLabelList,
+    /// The Nodes in the input (names, labels, taints).
+    pub nodes: memguard_api::cluster::NodeList,
 }
 
 impl NextContext {

@@ -7,7 +7,7 @@
 //! ([`Input::originals`]), so that `mutate` prints the whole input back with only its
 //! workloads changed.
 
-use memguard_api::cluster::{ConfigMapList, NodeLabelList};
+use memguard_api::cluster::{ConfigMapList, NodeInfo, NodeList};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -25,8 +25,8 @@ pub struct Input {
     pub documents: Vec<Document>,
     /// The ConfigMaps given, by namespace (`default` when unset) and name.
     pub config_maps: ConfigMapList,
-    /// The Nodes' labels given.
-    pub nodes: NodeLabelList,
+    /// The Nodes given: their names, labels and taints.
+    pub nodes: NodeList,
 }
 
 /// One object to mutate or explain: a document, or one item of a List.
@@ -131,11 +131,9 @@ pub fn from_text(source: String, text: &str) -> Result<Input, String> {
                         .insert((namespace.to_string(), name.to_string()), data);
                 }
                 Some("Node") => {
-                    let labels: BTreeMap<String, String> = serde_json::from_value(
-                        item["metadata"].get("labels").cloned().unwrap_or_default(),
-                    )
-                    .map_err(|e| format!("{source}: document {place}: a Node's labels: {e}"))?;
-                    input.nodes.0.push(labels);
+                    let node: k8s_openapi::api::core::v1::Node = serde_json::from_value(item)
+                        .map_err(|e| format!("{source}: {at}: a Node: {e}"))?;
+                    input.nodes.0.push(NodeInfo::of(&node));
                 }
                 _ => input.documents.push(Document {
                     place: at,
@@ -200,7 +198,7 @@ data: {lora.yml: "micro_batch_size: 2"}
                 .0
                 .contains_key(&("ml".into(), "axolotl".into()))
         );
-        assert_eq!(input.nodes.0[0]["nvidia.com/gpu.memory"], "24576");
+        assert_eq!(input.nodes.0[0].labels["nvidia.com/gpu.memory"], "24576");
         let err = from_text("f.yaml".into(), "a: [1\n").expect_err("bad YAML");
         assert!(err.starts_with("f.yaml: not valid YAML or JSON"), "{err}");
         assert!(!err.contains("<input>"), "{err}");

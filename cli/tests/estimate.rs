@@ -342,7 +342,7 @@ fn an_8b_full_finetune_on_80_gib_ends_with_a_change_that_fits() {
     find("optimizer state offloaded");
     for s in suggestions {
         let upper = s["upper_bytes"].as_u64().expect("upper");
-        assert_eq!(s["fits"], upper <= u64_at(&v, "budget_bytes"), "{s}");
+        assert_eq!(s["fits"], upper <= u64_at(s, "budget_bytes"), "{s}");
     }
     // The table says the same, after DOES NOT FIT.
     let out = memguard(&args);
@@ -940,4 +940,101 @@ fn serve_names_the_training_flags_it_ignores() {
     );
     let out = memguard(&["estimate", "--model", "llama-3-8b", "--serve"]);
     assert!(!String::from_utf8_lossy(&out.stderr).contains("ignores"));
+}
+
+/// Issue 38, item 6: the verdict names the upper bound it is taken against, and the shortfall
+/// from it (the old line read "needs 64.68 GiB of 72.00 GiB (0 B short)"); a larger GPU of the
+/// policy's table is named when one fits.
+#[test]
+fn the_verdict_says_the_upper_bound_and_names_a_larger_gpu() {
+    let args = [
+        "estimate",
+        "--model",
+        "llama-3.2-3b",
+        "--method",
+        "full",
+        "--batch-size",
+        "4",
+        "--seq-length",
+        "2048",
+        "--gpu-memory",
+        "80GiB",
+    ];
+    let out = memguard(&args);
+    assert_eq!(out.status.code(), Some(3));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("DOES NOT FIT"))
+        .expect("verdict");
+    let v = json(&args);
+    let (total, upper, budget) = (
+        u64_at(&v, "planned_total_bytes"),
+        u64_at(&v, "planned_upper_bytes"),
+        u64_at(&v, "budget_bytes"),
+    );
+    assert!(total <= budget && upper > budget, "the case: {v}");
+    assert!(
+        line.contains(" (upper bound ")
+            && line.contains(" at 0.95) of 72.00 GiB (")
+            && !line.contains("(0 B short)"),
+        "{line}"
+    );
+    let larger = v["suggestions"]
+        .as_array()
+        .expect("suggestions")
+        .iter()
+        .find(|s| {
+            s["change"]
+                .as_str()
+                .is_some_and(|c| c.starts_with("a larger GPU: "))
+        })
+        .unwrap_or_else(|| panic!("{v}"));
+    assert_eq!(larger["fits"], true, "{larger}");
+    // Planned into that GPU's budget, which the suggestion carries.
+    assert!(
+        u64_at(larger, "budget_bytes") > budget
+            && u64_at(larger, "upper_bytes") <= u64_at(larger, "budget_bytes"),
+        "{larger}"
+    );
+    assert!(text.contains("  - a larger GPU: "), "{text}");
+}
+
+/// Issue 38, item 6: what the flags leave to a default or ignore is said, and two budgets are
+/// refused; the header shows the parallelism and the world size.
+#[test]
+fn ignored_or_defaulted_parallelism_flags_are_said_and_two_budgets_refused() {
+    let base = ["estimate", "--model", "llama-3-8b", "--method", "lora"];
+    let out = memguard(&[&base[..], &["--parallelism", "fsdp"]].concat());
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--parallelism fsdp without --world-size: world size 1 assumed"),
+        "{err}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).starts_with(
+            "llama-3-8b: lora training, bf16-mixed, adamw on cuda, parallelism fsdp × 1;"
+        ),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let out = memguard(&[&base[..], &["--world-size", "8"]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--world-size 8 ignored"), "{err}");
+    let out = memguard(&[&base[..], &["--parallelism", "zero3", "--world-size", "8"]].concat());
+    assert!(String::from_utf8_lossy(&out.stderr).is_empty());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("parallelism zero3 × 8;"));
+    for other in [
+        &["--gpu-memory", "80GiB"][..],
+        &["--safety-ratio", "0.5"][..],
+    ] {
+        let out = memguard(&[&base[..], &["--budget", "40GiB"], other].concat());
+        assert_eq!(out.status.code(), Some(2), "{other:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("--budget is the memory the plan aims at") && err.contains(other[0]),
+            "{err}"
+        );
+    }
 }

@@ -266,7 +266,7 @@ fn a_memguard_policy_manifest_works_as_the_policy_file() {
     // The fixture's A10G entry (24Gi × 0.9), not the built-in table's (the fixture does not
     // fit it without a quality cut: the error annotation names the budget).
     assert!(
-        stdout(&from_manifest).contains("exceeds budget 21.60 GiB"),
+        stdout(&from_manifest).contains("of budget 21.60 GiB"),
         "the manifest's spec is the policy: {}",
         stdout(&from_manifest)
     );
@@ -374,7 +374,7 @@ spec:
         .as_str()
         .unwrap_or_default();
     assert!(
-        error.contains("exceeds budget 14.40 GiB with every knob at its floor")
+        error.contains("of budget 14.40 GiB with every knob at its floor")
             && error.contains("smallest config tried: batch 1 × "),
         "{error}"
     );
@@ -814,4 +814,61 @@ fn mutate_prints_every_document_in_order_and_mutating_twice_changes_nothing() {
 /// The documents of a YAML stream, as JSON values.
 fn documents(text: &str) -> Vec<Value> {
     serde_saphyr::from_multiple(text).expect("YAML documents")
+}
+
+/// Issue 38, item 4: `memguard mutate` reads Nodes' taints and GKE's accelerator label from its
+/// input, as the webhook's Node watch keeps them: a node tainted against the pod is not one it
+/// can use (on the old code the budget was the tainted L4's).
+#[test]
+fn nodes_in_the_input_are_read_with_their_taints_and_cloud_labels() {
+    let input = r#"
+apiVersion: v1
+kind: Pod
+metadata:
+  name: t
+  labels: {memguard.io/enabled: "true"}
+  annotations: {memguard.io/model: llama-3-8b, memguard.io/method: lora}
+spec:
+  containers:
+    - name: trainer
+      image: trainer
+      resources: {limits: {nvidia.com/gpu: "1", vpc.amazonaws.com/efa: "1"}}
+---
+apiVersion: v1
+kind: Node
+metadata:
+  name: l4
+  labels: {nvidia.com/gpu.product: NVIDIA-L4, nvidia.com/gpu.memory: "23034"}
+spec:
+  taints: [{key: dedicated, value: inference, effect: NoSchedule}]
+---
+apiVersion: v1
+kind: Node
+metadata:
+  name: a100
+  labels: {cloud.google.com/gke-accelerator: nvidia-a100-80gb}
+"#;
+    let out = memguard(&["mutate", "-f", "-", "--output", "json"], Some(input));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    // Several documents print as one List, the Nodes kept beside the pod.
+    let doc: Value = serde_json::from_str(&stdout(&out)).expect("json");
+    let pod = doc["items"]
+        .as_array()
+        .and_then(|items| items.iter().find(|i| i["kind"] == "Pod"))
+        .expect("the pod");
+    let estimate: Value = serde_json::from_str(
+        pod["metadata"]["annotations"]["memguard.io/estimate"]
+            .as_str()
+            .expect("estimate"),
+    )
+    .expect("estimate JSON");
+    assert_eq!(
+        estimate["budgetSource"]["detail"], "smallest of 1 GPU node: NVIDIA-A100-SXM4-80GB",
+        "{estimate}"
+    );
+    assert!(
+        !stderr(&out).contains("unknown accelerator"),
+        "{}",
+        stderr(&out)
+    );
 }

@@ -3,7 +3,7 @@
 
 use crate::bound::Bound;
 use crate::calibration::Calibration;
-use crate::config::{Method, Optimizer, Parallelism, TrainingConfig};
+use crate::config::{Loss, Method, Optimizer, Parallelism, TrainingConfig};
 use crate::estimate::estimate;
 use crate::plan::{DowngradePlan, Floors, plan_against};
 use crate::units::Bytes;
@@ -22,7 +22,9 @@ pub struct Suggestion {
     pub config: TrainingConfig,
     /// The figure compared with the budget (the upper bound at the plan's level).
     pub upper: Bytes,
-    /// Whether it fits the budget.
+    /// The budget it was planned into: the job's, or a larger GPU's for that suggestion.
+    pub budget: Bytes,
+    /// Whether it fits `budget`.
     pub fits: bool,
 }
 
@@ -50,8 +52,9 @@ pub const MIN_SUGGESTED_SAVING: f64 = 0.02;
 
 /// The changes outside the knobs that `cfg` could make, each planned into `budget`: sharding
 /// over the fewest GPUs that fits ([`sharded_over_more_gpus`]), LoRA or QLoRA instead of full
-/// fine-tuning, an 8-bit optimizer, optimizer offload to the CPU (each only when it saves
-/// [`MIN_SUGGESTED_SAVING`] of the budget or more). A change that does not apply to `cfg`
+/// fine-tuning, a fused loss (`memguard.io/loss: fused`: no logits held), QLoRA with a fused
+/// loss when neither alone fits, an 8-bit optimizer, optimizer offload to the CPU (each
+/// only when it saves [`MIN_SUGGESTED_SAVING`] of the budget or more). A change that does not apply to `cfg`
 /// (already LoRA, already 8-bit, …) or that the estimator refuses is left out. Those that fit
 /// come first.
 pub fn suggest(
@@ -66,6 +69,7 @@ pub fn suggest(
         Some(Suggestion {
             change,
             upper: plan.upper(),
+            budget,
             fits: plan.fits,
             config: plan.config,
         })
@@ -98,13 +102,46 @@ pub fn suggest(
             c,
         ));
     }
-    // An optimizer change is worth naming only when it saves a share of the budget that
+    // An optimizer change (or a loss) is worth naming only when it saves a share of the budget that
     // matters, with every knob as configured.
     let min_saving = budget.as_f64() * MIN_SUGGESTED_SAVING;
     let saves_enough = |c: &TrainingConfig| match (estimate(cfg), estimate(c)) {
         (Ok(before), Ok(after)) => before.total.as_f64() - after.total.as_f64() >= min_saving,
         _ => false,
     };
+    // The logits (and their fp32 copy) are often the largest activation of a long sequence
+    // over a large vocabulary; a fused loss never holds them.
+    let mut fused_loss = cfg.clone();
+    fused_loss.loss = Loss::Fused;
+    if cfg.loss != Loss::Fused && saves_enough(&fused_loss) {
+        let c = fused_loss;
+        let fused = planned(
+            format!(
+                "a fused loss (loss: fused; Liger, Cut Cross-Entropy) instead of {}",
+                cfg.loss.name()
+            ),
+            c,
+        );
+        // Combined with QLoRA, only when neither alone fits: a combination is named to fix
+        // the job, not to stack every change.
+        let qlora_fits = out
+            .iter()
+            .any(|s: &Suggestion| s.fits && s.config.method == Method::Qlora);
+        let fused_fits = fused.as_ref().is_some_and(|s| s.fits);
+        out.extend(fused);
+        if !qlora_fits && !fused_fits && matches!(cfg.method, Method::Full | Method::Lora) {
+            let mut c = cfg.clone();
+            c.method = Method::Qlora;
+            c.loss = Loss::Fused;
+            out.extend(planned(
+                format!(
+                    "QLoRA (rank {}, 4-bit base) and a fused loss, instead of {}",
+                    c.lora_rank, cfg.method
+                ),
+                c,
+            ));
+        }
+    }
     if matches!(cfg.optimizer, Optimizer::AdamW | Optimizer::Adam) {
         let mut c = cfg.clone();
         c.optimizer = Optimizer::AdamW8bit;
@@ -168,6 +205,7 @@ pub fn sharded_over_more_gpus(
             return Some(Suggestion {
                 change: format!("{name} over {n} GPUs"),
                 upper: best.upper(),
+                budget,
                 fits: true,
                 config: best.config.clone(),
             });
@@ -243,6 +281,7 @@ mod tests {
         cfg.method = Method::Qlora;
         cfg.optimizer = Optimizer::AdamW8bit;
         cfg.optimizer_offload = true;
+        cfg.loss = Loss::Fused;
         let s = suggest(
             &cfg,
             Bytes::gib(1),
@@ -350,5 +389,59 @@ mod tests {
         );
         assert!(s.iter().any(|x| x.change.contains("8-bit AdamW")));
         assert!(s.iter().any(|x| x.change.contains("offload")));
+    }
+
+    /// Issue 38: a fused loss, and QLoRA with a fused loss when neither alone fits, are named
+    /// with their estimates; a job already fused is not told to fuse.
+    #[test]
+    fn a_fused_loss_and_its_combination_with_qlora_are_named() {
+        // LoRA on Llama 3 8B at 8 × 4096: its 128k-vocabulary logits are gigabytes.
+        let cfg = lora_8b();
+        let bound = Bound::at(0.95, &[]);
+        let floors = Floors::default();
+        let by = |budget: Bytes, c: &TrainingConfig| {
+            suggest(c, budget, &Calibration::none(), &floors, &bound)
+        };
+        let s = by(Bytes::gib(20), &cfg);
+        let names: Vec<String> = s.iter().map(ToString::to_string).collect();
+        let fused = s
+            .iter()
+            .find(|x| x.change.starts_with("a fused loss"))
+            .unwrap_or_else(|| panic!("{names:?}"));
+        assert_eq!(fused.config.loss, Loss::Fused, "{names:?}");
+        // Where neither QLoRA nor a fused loss alone fits, but both together do: the
+        // combination, named once.
+        let tight = (8..40)
+            .map(|g| Bytes::from_f64(g as f64 * 0.5 * Bytes::gib(1).as_f64()))
+            .find(|&b| {
+                by(b, &cfg)
+                    .iter()
+                    .any(|x| x.fits && x.change.contains("and a fused loss"))
+            })
+            .expect("a budget where only the combination fits");
+        let s = by(tight, &cfg);
+        let names: Vec<String> = s.iter().map(ToString::to_string).collect();
+        let both = s
+            .iter()
+            .find(|x| x.change.contains("and a fused loss"))
+            .expect("combination");
+        assert!(both.fits, "{names:?}");
+        assert_eq!(
+            (both.config.method, both.config.loss),
+            (Method::Qlora, Loss::Fused)
+        );
+        assert!(
+            !s.iter()
+                .any(|x| x.fits && x.change.starts_with("a fused loss")),
+            "{names:?}"
+        );
+        // Already fused: no such suggestion.
+        let mut done = cfg.clone();
+        done.loss = Loss::Fused;
+        assert!(
+            by(Bytes::gib(20), &done)
+                .iter()
+                .all(|x| !x.change.contains("fused")),
+        );
     }
 }

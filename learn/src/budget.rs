@@ -7,7 +7,9 @@
 //! 3. the device of its DRA claims ([`memguard_api::dra`], read when the pod was resolved);
 //! 4. a MIG slice (mixed strategy resource, or single strategy product): its profile's size;
 //! 5. the GPU product the pod is pinned to, from the policy's table;
-//! 6. the policy's default.
+//! 6. the smallest GPU among the nodes the pod may use, when nodes are known;
+//! 7. a required affinity's bound on `nvidia.com/gpu.memory`;
+//! 8. the policy's default.
 //!
 //! For a CPU or Metal pod, the trainer's memory limit. Anything the pod asks for that memguard
 //! cannot size (an unknown extended resource, an unreadable DRA claim, time-slicing without a cap) is a
@@ -223,8 +225,9 @@ fn gpu_memory(
 }
 
 /// One whole device (or MIG slice): the slice's profile, else the smallest pinned product in the
-/// table, else a required affinity's bound, else the smallest GPU among the nodes the pod could
-/// land on (their labels), else the policy's default.
+/// table, else the smallest GPU among the nodes the pod may use (their labels; its selector,
+/// required affinity and tolerations), else a required affinity's bound, else the policy's
+/// default.
 fn device_memory(
     pod: &Pod,
     device: Device,
@@ -252,6 +255,14 @@ fn device_memory(
     if let Some(found) = known {
         return found;
     }
+    // The nodes the pod may use (its selector, required affinity and tolerations) say more
+    // than a bound in its affinity: the smallest of them, when the cluster's nodes are known.
+    if device == Device::Cuda
+        && products.is_empty()
+        && let Some(found) = smallest_node(nodes, policy)
+    {
+        return found;
+    }
     let floor = match device {
         Device::Cuda => gpu_memory_floor_mib(pod),
         _ => None,
@@ -262,12 +273,6 @@ fn device_memory(
             BudgetSource::Placement(format!("{NVIDIA_GPU_MEMORY_LABEL}>{}", mib - 1)),
         ),
         None => {
-            if device == Device::Cuda
-                && products.is_empty()
-                && let Some(found) = smallest_node(nodes, policy)
-            {
-                return found;
-            }
             if products.is_empty() {
                 warnings.push(truncate(&format!(
                     "{ASSUMED_DEFAULT} {} (no GPU product label); set {}",
@@ -287,25 +292,11 @@ fn device_memory(
     }
 }
 
-/// The smallest GPU among `nodes`: a product in the policy's table at its usable figure, else
-/// the node's `nvidia.com/gpu.memory` less the largest driver reservation. `None` when no node
-/// says.
+/// The smallest GPU among `nodes` ([`node_memory`]). `None` when no node says.
 fn smallest_node(nodes: &[GpuNode], policy: &Policy) -> Option<(Bytes, BudgetSource)> {
     let sized: Vec<(Bytes, String)> = nodes
         .iter()
-        .filter_map(|n| {
-            let from_table = n.product.as_ref().and_then(|p| {
-                product_memory(p, policy, &mut Vec::new()).map(|(b, _)| (b, p.clone()))
-            });
-            from_table.or_else(|| {
-                n.memory_mib.map(|mib| {
-                    (
-                        Bytes::mib(mib.saturating_sub(MAX_DRIVER_RESERVED_MIB)),
-                        format!("{NVIDIA_GPU_MEMORY_LABEL}={mib}"),
-                    )
-                })
-            })
-        })
+        .filter_map(|n| node_memory(n, policy))
         .collect();
     let count = sized.len();
     let (bytes, what) = sized.into_iter().min_by_key(|(b, _)| *b)?;
@@ -314,6 +305,37 @@ fn smallest_node(nodes: &[GpuNode], policy: &Policy) -> Option<(Bytes, BudgetSou
         bytes,
         BudgetSource::Nodes(format!("smallest of {count} GPU {nodes}: {what}")),
     ))
+}
+
+/// One node's GPU memory and what said it: its product in the policy's table at its usable
+/// figure, else its `nvidia.com/gpu.memory` less the largest driver reservation. `None` when
+/// neither says.
+pub fn node_memory(node: &GpuNode, policy: &Policy) -> Option<(Bytes, String)> {
+    let from_table = node
+        .product
+        .as_ref()
+        .and_then(|p| product_memory(p, policy, &mut Vec::new()).map(|(b, _)| (b, p.clone())));
+    from_table.or_else(|| {
+        node.memory_mib.map(|mib| {
+            (
+                Bytes::mib(mib.saturating_sub(MAX_DRIVER_RESERVED_MIB)),
+                format!("{NVIDIA_GPU_MEMORY_LABEL}={mib}"),
+            )
+        })
+    })
+}
+
+/// The whole-device memory of a pod on `nodes` (the nodes it may use), as [`resolve`] finds it
+/// for an unpinned pod: what placement plans a `required` choice for, so that the pod's
+/// reinvocation, reading the affinity placement wrote, decides the same.
+pub fn placed_memory(
+    pod: &Pod,
+    device: Device,
+    acc: &Accelerators,
+    nodes: &[GpuNode],
+    policy: &Policy,
+) -> (Bytes, BudgetSource) {
+    device_memory(pod, device, acc, nodes, policy, &mut Vec::new())
 }
 
 /// A product label's memory: the table's entry (a `-SHARED` product is its GPU's), else for a

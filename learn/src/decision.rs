@@ -195,30 +195,52 @@ fn plan(
                 policy,
             )
         }
+        // The nodes the pod may use are known: placement chooses among them.
+        Some(b) if matches!(b.source, BudgetSource::Nodes(_)) && placeable(training) => {
+            crate::placement::place_on_nodes(
+                training.pod,
+                &start,
+                &calibration,
+                &bound,
+                &floors,
+                safety_ratio(training, policy),
+                policy,
+                &training.gpu_nodes,
+            )
+        }
         _ => None,
     };
     if let Some(p) = &placement {
-        let bound = format!(
-            "{}>{}",
-            memguard_api::pod::NVIDIA_GPU_MEMORY_LABEL,
-            p.min_label_mib - 1
-        );
         if policy.placement == PlacementMode::Required {
             // Every node the affinity allows has at least this much: plan for it, not the
-            // assumed default.
+            // assumed default or the smallest node.
             warnings.retain(|w| !w.starts_with(crate::budget::ASSUMED_DEFAULT));
-            budget = Some(Budget::new(
-                p.device_memory,
-                safety_ratio(training, policy),
-                BudgetSource::Placement(bound.clone()),
-            ));
+            let (memory, source) = if p.nodes.is_empty() {
+                (p.device_memory, BudgetSource::Placement(p.bound.clone()))
+            } else {
+                // As the budget stage reads the placed pod back on reinvocation.
+                let mut placed = training.pod.clone();
+                if let Some(spec) = placed.spec.as_mut() {
+                    spec.affinity = Some(p.affinity.clone());
+                }
+                crate::budget::placed_memory(
+                    &placed,
+                    training.config.device,
+                    &training.accelerators,
+                    &p.nodes,
+                    policy,
+                )
+            };
+            budget = Some(Budget::new(memory, safety_ratio(training, policy), source));
         }
         warnings.push(truncate(&format!(
-            "memguard: placement {}: node affinity {bound} (MiB)",
+            "memguard: placement {}: node affinity {}{}",
             match policy.placement {
                 PlacementMode::Required => "required",
                 _ => "preferred",
-            }
+            },
+            p.bound,
+            if p.nodes.is_empty() { " (MiB)" } else { "" }
         )));
     }
     let plan = plan_into(
@@ -233,12 +255,42 @@ fn plan(
     // Every knob at its floor and still over the budget: admitted anyway, at the smallest config
     // tried, saying so and what would fit (the profile's verdict, when it has one, says more).
     let suggestions = match &budget {
-        Some(b) if !plan.fits => suggest(&start, b.bytes, &calibration, &floors, &bound),
+        Some(b) if !plan.fits => {
+            let mut out = suggest(&start, b.bytes, &calibration, &floors, &bound);
+            // A larger GPU helps only where the budget is a whole device the pod could trade
+            // (not a share, a slice, a claim or the user's own figure).
+            let whole_device = matches!(
+                b.source,
+                BudgetSource::PolicyDefault
+                    | BudgetSource::GpuProduct(_)
+                    | BudgetSource::Nodes(_)
+                    | BudgetSource::Placement(_)
+            );
+            // A time-sliced GPU is shared whatever its size.
+            if whole_device
+                && training.config.device == Device::Cuda
+                && !training.accelerators.time_sliced
+            {
+                let larger = crate::placement::larger_gpu(
+                    &start,
+                    b.device_memory,
+                    b.safety_ratio,
+                    &calibration,
+                    &floors,
+                    &bound,
+                    policy,
+                    &training.gpu_nodes,
+                );
+                out.splice(0..0, larger);
+                out.sort_by_key(|s| !s.fits);
+            }
+            out
+        }
         _ => Vec::new(),
     };
     let floor_verdict = budget.as_ref().filter(|_| !plan.fits).map(|b| {
         format!(
-            "cannot fit: estimate {}{} exceeds budget {} with every knob at its floor; smallest \
+            "cannot fit: needs {}{} of budget {} with every knob at its floor; smallest \
              config tried: {}{}{}",
             plan.total(),
             plan.bound

@@ -116,7 +116,7 @@ pub struct Args {
     )]
     pub config_map_namespaces: Vec<String>,
 
-    /// Do not watch Nodes' GPU labels (metadata only): an unpinned GPU pod is planned against
+    /// Do not watch Nodes (their labels and taints): an unpinned GPU pod is planned against
     /// `defaultGpuMemory`, with a warning.
     #[arg(long, env = "MEMGUARD_WEBHOOK_NO_NODES")]
     pub no_nodes: bool,

@@ -3,36 +3,26 @@
 //! [`ConfigMaps`] and [`NodeLabels`]. Admission reads the stores, never the API.
 //!
 //! What is kept is bounded: a ConfigMap's `data` only (no `binaryData`, no managed fields),
-//! and none of it when it is larger than [`MAX_CONFIG_MAP_BYTES`]; of a node, only its
-//! accelerator labels, from a metadata-only watch. A watch that fails (no RBAC: 403) logs the
+//! and none of it when it is larger than [`MAX_CONFIG_MAP_BYTES`]; of a node, its name, its
+//! labels (a pod's `nodeSelector` and affinity may name any of them) and at most
+//! [`MAX_NODE_TAINTS`] of its `NoSchedule` / `NoExecute` taints; its status, annotations and
+//! the rest of its spec are dropped as each event arrives. A watch that fails (no RBAC: 403) logs the
 //! error and keeps retrying; until it lists, lookups answer "not known", and a pod whose file
 //! is in a ConfigMap is planned without it, with a warning that says so. Never a failed
 //! admission.
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Node};
-use kube::api::PartialObjectMeta;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
-use memguard_api::cluster::{ConfigMaps, NodeLabels};
+use memguard_api::cluster::{ConfigMaps, MAX_NODE_TAINTS, NodeInfo, NodeLabels, blocks};
 use std::collections::BTreeMap;
 use tokio::task::JoinHandle;
 
 /// The most `data` a cached ConfigMap may hold: a trainer's config is a few KiB; a larger
 /// ConfigMap (a dataset, a bundle) is not kept.
 pub const MAX_CONFIG_MAP_BYTES: usize = 1 << 20;
-
-/// The label prefixes of a node kept: its GPUs (GPU Feature Discovery, AMD's labeller), the
-/// cloud's accelerator label, and the instance type that names the GPU where no label does.
-pub const NODE_LABEL_PREFIXES: &[&str] = &[
-    "nvidia.com/",
-    "amd.com/",
-    "cloud.google.com/gke-accelerator",
-    "k8s.amazonaws.com/accelerator",
-    "kubernetes.azure.com/accelerator",
-    "node.kubernetes.io/instance-type",
-];
 
 /// ConfigMaps from watch caches: one store for the whole cluster, or one per namespace named.
 pub struct ConfigMapCache {
@@ -51,9 +41,9 @@ impl ConfigMaps for ConfigMapCache {
     }
 }
 
-/// Nodes' accelerator labels from a metadata watch cache.
+/// Nodes' names, labels and blocking taints from a watch cache.
 pub struct NodeCache {
-    store: Store<PartialObjectMeta<Node>>,
+    store: Store<Node>,
 }
 
 impl NodeLabels for NodeCache {
@@ -63,6 +53,10 @@ impl NodeLabels for NodeCache {
             .iter()
             .map(|n| n.metadata.labels.clone().unwrap_or_default())
             .collect()
+    }
+
+    fn nodes(&self) -> Vec<NodeInfo> {
+        self.store.state().iter().map(|n| NodeInfo::of(n)).collect()
     }
 }
 
@@ -83,18 +77,29 @@ fn trimmed(cm: &mut ConfigMap) {
     }
 }
 
-/// `node` as kept: its accelerator labels only.
-fn node_trimmed(node: &mut PartialObjectMeta<Node>) {
-    let labels = node.metadata.labels.take().unwrap_or_default();
-    let kept: BTreeMap<String, String> = labels
+/// `node` as kept: its name, labels and at most [`MAX_NODE_TAINTS`] blocking taints; nothing
+/// else (a Node's status, with its image list, is most of its size).
+fn node_trimmed(node: &mut Node) {
+    let taints: Vec<_> = node
+        .spec
+        .take()
+        .and_then(|s| s.taints)
+        .unwrap_or_default()
         .into_iter()
-        .filter(|(k, _)| NODE_LABEL_PREFIXES.iter().any(|p| k.starts_with(p)))
+        .filter(|t| blocks(&t.effect))
+        .take(MAX_NODE_TAINTS)
         .collect();
+    node.status = None;
     node.metadata = kube::api::ObjectMeta {
         name: node.metadata.name.take(),
-        labels: Some(kept),
+        labels: node.metadata.labels.take(),
+        resource_version: node.metadata.resource_version.take(),
         ..Default::default()
     };
+    node.spec = Some(k8s_openapi::api::core::v1::NodeSpec {
+        taints: (!taints.is_empty()).then_some(taints),
+        ..Default::default()
+    });
 }
 
 /// Starts the ConfigMap watches: every namespace (`namespaces` empty), or each one named.
@@ -139,11 +144,11 @@ pub fn start_config_maps(
     (std::sync::Arc::new(ConfigMapCache { stores }), task)
 }
 
-/// Starts the node metadata watch.
+/// Starts the node watch. Taints are in a Node's spec, so this watches whole Nodes (not
+/// metadata only) and trims each as it arrives.
 pub fn start_nodes(client: Client) -> (std::sync::Arc<NodeCache>, JoinHandle<()>) {
-    let (reader, writer) = reflector::store::<PartialObjectMeta<Node>>();
-    // An `Api` of `PartialObjectMeta` asks for metadata only.
-    let api: Api<PartialObjectMeta<Node>> = Api::all(client);
+    let (reader, writer) = reflector::store::<Node>();
+    let api: Api<Node> = Api::all(client);
     let watch = reflector::reflector(
         writer,
         watcher(api, watcher::Config::default()).modify(node_trimmed),
@@ -156,7 +161,7 @@ pub fn start_nodes(client: Client) -> (std::sync::Arc<NodeCache>, JoinHandle<()>
             if let Err(error) = item {
                 tracing::warn!(
                     %error,
-                    "Node watch error: nodes' GPU labels are not read until it lists"
+                    "Node watch error: nodes' GPU labels and taints are not read until it lists"
                 );
             }
         }

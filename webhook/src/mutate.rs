@@ -1075,3 +1075,7 @@ fn estimate_annotation(
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+#[path = "mutate/nodes_tests.rs"]
+mod nodes_tests;

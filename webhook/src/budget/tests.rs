@@ -279,11 +279,12 @@ fn a_cloud_accelerator_label_pins_the_product() {
             "{label}={value}: {warnings:?}"
         );
     }
-    // Another cloud's instance type (or a CPU size) pins nothing.
+    // A CPU size (or a GPU type not in the tables) pins nothing; AWS's GPU types do (issue 38:
+    // `p4d.24xlarge` used to pin nothing here).
     let (b, _, _) = decide(
         trainer_pod()
             .gpus(1)
-            .node_label("node.kubernetes.io/instance-type", "p4d.24xlarge"),
+            .node_label("node.kubernetes.io/instance-type", "m5.24xlarge"),
     );
     assert_eq!(b.source, BudgetSource::PolicyDefault);
     // An unknown value is named, not taken for a product.

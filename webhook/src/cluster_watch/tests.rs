@@ -91,23 +91,13 @@ async fn a_forbidden_watch_answers_nothing_and_admission_goes_on() {
 }
 
 #[tokio::test]
-async fn nodes_keep_only_their_accelerator_labels() {
+async fn nodes_keep_their_labels_and_blocking_taints_bounded() {
     let (client, mut handle) = client();
     let (cache, task) = start_nodes(client);
     let server = tokio::spawn(async move {
         let mut pending = Vec::new();
         while let Some((request, send)) = handle.next_request().await {
             assert_eq!(request.uri().path(), "/api/v1/nodes");
-            let accept = request
-                .headers()
-                .get("accept")
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or_default()
-                .to_string();
-            assert!(
-                accept.contains("PartialObjectMetadata"),
-                "metadata only: {accept}"
-            );
             if request
                 .uri()
                 .query()
@@ -117,24 +107,49 @@ async fn nodes_keep_only_their_accelerator_labels() {
                 pending.push(send);
                 continue;
             }
+            let taints: Vec<_> = (0..40)
+                .map(|i| json!({"key": format!("t{i}"), "effect": "NoSchedule"}))
+                .chain([json!({"key": "soft", "effect": "PreferNoSchedule"})])
+                .collect();
             send.send_response(answer(
                 StatusCode::OK,
-                &json!({"kind": "PartialObjectMetadataList", "apiVersion": "meta.k8s.io/v1",
+                &json!({"kind": "NodeList", "apiVersion": "v1",
                     "metadata": {"resourceVersion": "1"},
-                    "items": [{"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
-                        "metadata": {"name": "gpu-1", "labels": {
+                    "items": [{"metadata": {"name": "gpu-1",
+                        "annotations": {"big": "x".repeat(4096)},
+                        "labels": {
                         "nvidia.com/gpu.product": "NVIDIA-A30", "nvidia.com/gpu.memory": "24576",
-                        "kubernetes.io/hostname": "gpu-1", "team": "ml"}}}]}),
+                        "kubernetes.io/hostname": "gpu-1", "team": "ml"}},
+                        "spec": {"taints": [{"key": "pool", "value": "inference", "effect": "NoSchedule"},
+                                            {"key": "soft", "effect": "PreferNoSchedule"}],
+                                 "podCIDR": "10.0.0.0/24"},
+                        "status": {"images": [{"names": ["x"], "sizeBytes": 1}]}},
+                        {"metadata": {"name": "gpu-2", "labels": {"nvidia.com/gpu.memory": "81920"}},
+                         "spec": {"taints": taints}}]}),
             ));
         }
     });
-    assert!(eventually(|| !cache.labels().is_empty()).await, "listed");
-    let labels = &cache.labels()[0];
+    assert!(eventually(|| cache.nodes().len() == 2).await, "listed");
+    let nodes = cache.nodes();
+    let one = nodes.iter().find(|n| n.name == "gpu-1").expect("gpu-1");
     assert_eq!(
-        labels.get("nvidia.com/gpu.memory").map(String::as_str),
+        one.labels.get("nvidia.com/gpu.memory").map(String::as_str),
         Some("24576")
     );
-    assert!(!labels.contains_key("team") && !labels.contains_key("kubernetes.io/hostname"));
+    // Every label: a pod's nodeSelector or affinity may name any of them.
+    assert_eq!(one.labels.get("team").map(String::as_str), Some("ml"));
+    // The blocking taints only; a PreferNoSchedule one only steers.
+    assert_eq!(
+        one.taints,
+        vec![memguard_api::cluster::NodeTaint {
+            key: "pool".into(),
+            value: "inference".into(),
+            effect: "NoSchedule".into()
+        }]
+    );
+    // Bounded.
+    let two = nodes.iter().find(|n| n.name == "gpu-2").expect("gpu-2");
+    assert_eq!(two.taints.len(), MAX_NODE_TAINTS);
     task.abort();
     server.abort();
 }

@@ -347,8 +347,8 @@ fn a_config_that_cannot_fit_says_so() {
     assert_eq!(m.plan.config.seq_length, floors.seq_length);
     let error = m.error.clone().expect("memguard.io/error");
     assert!(
-        error.starts_with("cannot fit: estimate ")
-            && error.contains("exceeds budget 921.60 MiB with every knob at its floor")
+        error.starts_with("cannot fit: needs ")
+            && error.contains("of budget 921.60 MiB with every knob at its floor")
             && error.contains("smallest config tried: batch 1 × "),
         "{error}"
     );
