@@ -126,6 +126,7 @@ class Agreement:
         self._pipeline: Optional[_Pipeline] = None
         #: One reused tensor per device for the blocking collectives (see :meth:`close`).
         self._buffers: Dict[str, Any] = {}
+        self._retired: List[Any] = []  # the tensors of closed pipelines
         self._at_exit = False
 
     def world_size(self) -> int:
@@ -205,8 +206,10 @@ class Agreement:
         deadline = time.monotonic() + timeout
         pipeline, self._pipeline = self._pipeline, None
         ok = pipeline.close(timeout) if pipeline is not None else True
-        tensors = list(self._buffers.values()) + (pipeline.buffers() if pipeline is not None else [])
-        return _settle(tensors, deadline) and ok
+        if pipeline is not None:
+            # Kept, not dropped: a tensor gloo still held (a timeout) is settled again at exit.
+            self._retired.extend(pipeline.buffers())
+        return _settle(list(self._buffers.values()) + self._retired, deadline) and ok
 
 
 class _Pipeline:
