@@ -113,3 +113,21 @@ def test_a_collective_in_flight_at_exit_is_completed_before_finalization(tmp_pat
     exception" (exit -6), every time with this timing."""
     r0, r1 = torchrun("exit-in-flight", tmp_path)
     assert r0["collectives"] == r1["collectives"] == step_collectives(3, True)
+
+
+@pytest.mark.parametrize("value, pipelined", [(None, True), ("pipelined", True), ("blocking", False),
+                                              (" Blocking ", False), ("anything", True)])
+def test_the_agreement_is_pipelined_unless_blocking_is_asked_for(
+    monkeypatch: pytest.MonkeyPatch, value: Any, pipelined: bool
+) -> None:
+    from memguard_client.distributed import Agreement
+
+    if value is None:
+        monkeypatch.delenv("MEMGUARD_AGREEMENT", raising=False)
+    else:
+        monkeypatch.setenv("MEMGUARD_AGREEMENT", value)
+    assert Agreement().pipelined is pipelined
+    assert Agreement(pipelined=not pipelined).pipelined is not pipelined
+    # One process: nothing to agree with, close() has nothing to wait for.
+    assert Agreement().step_sync(4, True, False) == (4, True, False)
+    assert Agreement().close() is True
