@@ -67,7 +67,15 @@ def burn() -> None:
         pass
 
 
-def one_run(work: Path, sig: Path, i: int, batch: int, samples: int, agreement: str) -> Dict[str, Any]:
+def allow_cores() -> None:
+    """A rank that aborts leaves a core in the run's directory (with core_pattern ``core``)."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+def one_run(work: Path, sig: Path, i: int, batch: int, samples: int, agreement: str,
+            cores: bool = False) -> Dict[str, Any]:
     run = work / f"run{i}"
     run.mkdir()
     log = run / "log.jsonl"
@@ -84,7 +92,8 @@ def one_run(work: Path, sig: Path, i: int, batch: int, samples: int, agreement: 
            "--min_len", "8", "--max_len", "24", "--log_file", str(log), "--ddp_backend", "gloo"]
     t0 = time.monotonic()
     try:
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=run,
+                             preexec_fn=allow_cores if cores else None)
         rc, text = out.returncode, out.stdout + out.stderr
     except subprocess.TimeoutExpired as exc:
         rc, text = -999, f"timeout: {exc}"
@@ -106,6 +115,8 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--keep", type=Path, default=None, help="directory for failed runs' output")
     ap.add_argument("--json", type=Path, default=None, help="write the summary there too")
+    ap.add_argument("--cores", action="store_true",
+                    help="keep an aborted rank's core file under --keep (for gdb)")
     args = ap.parse_args()
 
     burners = [multiprocessing.Process(target=burn, daemon=True) for _ in range(args.burners)]
@@ -120,7 +131,7 @@ def main() -> int:
             work = Path(tmp)
             sig = install(work)
             for i in range(args.runs):
-                r = one_run(work, sig, i, args.batch, args.samples, args.agreement)
+                r = one_run(work, sig, i, args.batch, args.samples, args.agreement, args.cores)
                 codes[str(r["rc"])] = codes.get(str(r["rc"]), 0) + 1
                 seconds.append(r["seconds"])
                 ok = r["rc"] == 0 and r["agreed"]
@@ -129,6 +140,8 @@ def main() -> int:
                     if args.keep is not None:
                         args.keep.mkdir(parents=True, exist_ok=True)
                         (args.keep / f"failure{len(failures)}-run{i}.txt").write_text(r["text"])
+                        for core in (work / f"run{i}").glob("core*"):
+                            shutil.move(str(core), str(args.keep / f"failure{len(failures)}-{core.name}"))
                 print(f"run {i + 1}/{args.runs}: rc {r['rc']} agreed {r['agreed']} "
                       f"{r['seconds']:.1f}s{' TERMINATE' if r['terminate'] else ''}",
                       file=sys.stderr, flush=True)
