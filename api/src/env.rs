@@ -28,8 +28,8 @@ pub const SIDECAR_URL: &str = "MEMGUARD_SIDECAR_URL";
 pub const AUTO_ATTACH: &str = "MEMGUARD_AUTO_ATTACH";
 /// Python's module search path, which the webhook prepends the client's directory to.
 pub const PYTHONPATH: &str = "PYTHONPATH";
-/// `pipelined`: the Python client's per-step rank agreement overlaps the step (applied one step
-/// later, still the same step on every rank); `blocking` (default).
+/// `pipelined` (default): the Python client's per-step rank agreement overlaps the step (applied
+/// one step later, still the same step on every rank); `blocking`: applied at its own step.
 pub const AGREEMENT: &str = "MEMGUARD_AGREEMENT";
 /// Where the trainer writes its OOM record (default [`crate::wellknown::TERMINATION_LOG`]).
 pub const TERMINATION_LOG: &str = "MEMGUARD_TERMINATION_LOG";

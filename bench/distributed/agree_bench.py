@@ -3,12 +3,13 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 bench/distributed/agree_bench.py
 
-Times ``Agreement.step`` (the one collective per step boundary) and ``Agreement.status`` (the
+Times the blocking ``Agreement.step`` (the one collective per step boundary) and ``Agreement.status`` (the
 OOM-recovery check after a micro-batch phase) over gloo on CPU, after a warm-up, and prints the
 median and 90th percentile in µs from rank 0. Record the numbers in docs/python-client.md.
 
-Then, in the same run, the cost a training loop sees per step, blocking against pipelined
-(``Agreement(pipelined=True)``: started at one boundary, completed at the next): between two
+Then, in the same run, the cost a training loop sees per step, blocking
+(``Agreement(pipelined=False)``, ``MEMGUARD_AGREEMENT=blocking``) against pipelined (the default:
+started at one boundary, completed at the next): between two
 boundaries each rank computes a "step" (single-threaded matrix products, ~``STEP_MS``) and
 all-reduces a gradient of ``GRAD_FLOATS`` floats, as DDP does at the end of each step (which also
 keeps the ranks in step, as in training); only the time spent inside ``Agreement.step`` is
@@ -76,7 +77,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    agree = Agreement()
+    agree = Agreement(pipelined=False)  # the collective itself (pipelined is the default)
     step = timed(lambda: agree.step(8 - rank, rank == 1))
     status = timed(lambda: agree.status(False, 8, True))
     a = torch.randn(192, 192)

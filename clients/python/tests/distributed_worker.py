@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node 2 distributed_worker.py MODE OUT_DIR
     python distributed_worker.py reference OUT_DIR
 
-MODE is ``ddp``, ``fsdp2`` or ``ddp-oom``. Each rank follows its own signal file, as each pod of
+MODE is ``ddp``, ``fsdp2``, ``ddp-oom`` or ``exit-in-flight`` (below). Each rank follows its own signal file, as each pod of
 a multi-pod job follows its own sidecar; only rank 0's signal changes mid-run (batch 8 → 3 at
 step 2; → 4 in ``ddp-oom``). In ``ddp-oom`` rank 1 also raises the real
 ``torch.OutOfMemoryError`` from a forward hook for micro-batches above 2 rows from step 4 on,
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -140,10 +141,52 @@ def rank_main(mode: str, out: Path) -> None:
     dist.destroy_process_group()
 
 
+class _SlowFinalization:
+    """Held in a module global, so its ``__del__`` runs while the interpreter finalizes: it keeps
+    that phase open long enough for a collective in flight to complete inside it."""
+
+    def __del__(self, sleep: Any = time.sleep) -> None:  # the time module may be gone by then
+        sleep(3.0)
+
+
+def exit_in_flight(out: Path) -> None:
+    """Rank 0 leaves its last pipelined collective in flight and returns; rank 1 issues its side
+    only once rank 0 is done, so rank 0's collective completes while rank 0 exits. Without
+    ``Agreement.close`` at exit it completes during finalization and rank 0 aborts
+    ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    from memguard_client.distributed import Agreement
+
+    global _keep
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    agree = Agreement()  # the default: pipelined
+    assert agree.pipelined
+    for _ in range(2):
+        agree.step(8, False)
+    marker = out / "rank0-returned"
+    if rank == 0:
+        agree.step(8, False)  # in flight until rank 1 issues its side
+        marker.write_text("done")
+        _keep = _SlowFinalization()
+    else:
+        while not marker.exists():
+            time.sleep(0.01)
+        time.sleep(1.0)  # rank 0 is in its exit by now
+        agree.step(8, False)
+    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "collectives": agree.collectives}))
+
+
+_keep: Any = None
+
+
 if __name__ == "__main__":
     mode_arg, out_arg = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
     if mode_arg == "reference":
         reference(out_arg)
+    elif mode_arg == "exit-in-flight":
+        exit_in_flight(out_arg)
     else:
         rank_main(mode_arg, out_arg)

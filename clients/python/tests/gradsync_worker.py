@@ -36,7 +36,9 @@ from memguard_client import Guard  # noqa: E402
 from memguard_client.recovery import sync_each_batch_on  # noqa: E402
 from memguard_client.torch import MicroBatcher  # noqa: E402
 
-STEPS, PER_RANK, WORLD, LR = 3, 8, 2, 0.1
+# Four steps: rank 0's downgrade seen at step 1 is applied at step 2 by the (default) pipelined
+# agreement, and step 3 shows it stays.
+STEPS, PER_RANK, WORLD, LR = 4, 8, 2, 0.1
 
 
 def data() -> "tuple[torch.Tensor, torch.Tensor]":
@@ -126,8 +128,8 @@ def raw(rank: int, sync_first: bool) -> Dict[str, Any]:
 
 
 def client(rank: int, out: Path, name: str, **kw: Any) -> Dict[str, Any]:
-    """Three steps through MicroBatcher; rank 0's signal drops 8 → 4 at step 1 (unless the env
-    already starts at 4). Measures gradient bytes when each micro-batch after the first begins."""
+    """:data:`STEPS` steps through MicroBatcher; rank 0's signal drops 8 → 4 at step 1 (unless the
+    env already starts at 4), applied by both ranks at step 2 (pipelined agreement). Measures gradient bytes when each micro-batch after the first begins."""
     x, y = data()
     model = sharded_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -210,7 +212,8 @@ def accelerate(rank: int, out: Path) -> Dict[str, Any]:
     acc.gradient_state.plugin_kwargs.pop("sync_each_batch")
 
     # Through the client, with an FSDP2 model beside the Accelerator (accelerate does not shard
-    # on CPU): the flag is set at the step of rank 0's downgrade, on every rank.
+    # on CPU): the flag is set at the step the downgrade applies (the one after rank 0 saw it),
+    # on every rank.
     sharded = sharded_model()
     opt = torch.optim.SGD(sharded.parameters(), lr=LR)
     sig = out / f"signal-acc-{rank}.json"

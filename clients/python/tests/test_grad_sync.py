@@ -66,18 +66,19 @@ def test_the_clients_downgrade_syncs_each_batch_on_every_rank_and_stays_exact(
     full, shard = r0["full_grad_bytes"], r0["each_batch"]["after_first"]
     ref = r0["reference"]
     for r in (r0, r1):
-        # Only rank 0's signal drops 8 -> 4 at step 1; both ranks split and switch together.
-        assert r["client"]["rows"] == [[8], [4, 4], [4, 4]]
-        assert r["client"]["sync"] == [False, True, True]
+        # Only rank 0's signal drops 8 -> 4 at step 1; the pipelined agreement applies it at
+        # step 2, where both ranks split and switch together.
+        assert r["client"]["rows"] == [[8], [8], [4, 4], [4, 4]]
+        assert r["client"]["sync"] == [False, False, True, True]
         # Gradient bytes when the second micro-batch begins: sharded with the fix...
-        assert r["client"]["between"] == [[], [shard], [shard]]
+        assert r["client"]["between"] == [[], [], [shard], [shard]]
         # ...unsharded without it (sync_each_batch=False: the micro-batches under no_sync).
-        assert r["client_never"]["between"] == [[], [full], [full]]
-        assert r["client_never"]["sync"] == [False, False, False]
+        assert r["client_never"]["between"] == [[], [], [full], [full]]
+        assert r["client_never"]["sync"] == [False] * 4
         # MEMGUARD_GRAD_SYNC=each-batch with batch 4 from the env: sharded from the first step.
-        assert r["client_env"]["rows"] == [[4, 4]] * 3
-        assert r["client_env"]["sync"] == [True, True, True]
-        assert r["client_env"]["between"] == [[shard]] * 3
+        assert r["client_env"]["rows"] == [[4, 4]] * 4
+        assert r["client_env"]["sync"] == [True] * 4
+        assert r["client_env"]["between"] == [[shard]] * 4
         # Syncing each micro-batch changes communication, not the result.
         for run in ("client", "client_never", "client_env"):
             for got, want in zip(r[run]["params"], ref):
@@ -93,8 +94,8 @@ def test_the_real_accelerator_honours_the_flag_and_the_client_sets_it_at_the_dow
         # accumulate(): the first of two micro-batches runs under no_sync unless the flag is set.
         assert (r["before"], r["after"]) == (False, True)
         assert (r["set_now"], r["set_again"]) == (True, False)
-        # Set at the step of rank 0's downgrade (step 1), on both ranks.
-        assert r["client_flags"] == [False, True, True]
+        # Set at the step rank 0's downgrade (seen at step 1) applies: step 2, on both ranks.
+        assert r["client_flags"] == [False, False, True, True]
 
 
 def test_guard_reads_grad_sync_from_the_env() -> None:

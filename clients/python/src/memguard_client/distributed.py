@@ -16,15 +16,31 @@ by ``bench/distributed/agree_bench.py`` and recorded in docs/python-client.md). 
 OOM recovery the same kind of collective tells every rank whether any rank ran out of memory in
 the micro-batch just run (:meth:`Agreement.status`), so all ranks halve together.
 
-Pipelined (``Agreement(pipelined=True)``, or ``MEMGUARD_AGREEMENT=pipelined`` in the env): the
-step's collective is started at one step boundary and completed at the next, so it runs while
-the step computes; what the ranks proposed at boundary ``k`` is applied by every rank at boundary
-``k + 1`` (the first boundary exchanges at once). Still exact: every rank applies the same values
-at the same step, one step later than the blocking default. The collective runs in a daemon
-thread on a gloo group of its own (created by every rank at the first boundary), so the training
-loop pays two queue operations per step, and the group's collectives keep their own order
-whatever the trainer's collectives do meanwhile. The OOM-recovery :meth:`Agreement.status` stays
-blocking on the default group (it decides the micro-batch being run).
+Pipelined (the default; ``MEMGUARD_AGREEMENT=blocking`` or ``Agreement(pipelined=False)`` for
+the blocking one): the step's collective is started at one step boundary and completed at the
+next, so it runs while the step computes; what the ranks proposed at boundary ``k`` is applied by
+every rank at boundary ``k + 1`` (the first boundary exchanges at once). Still exact: every rank
+applies the same values at the same step, one step later than the blocking agreement. The
+collective runs in a daemon thread on a gloo group of its own (created by every rank at the first
+boundary), so the training loop pays two queue operations per step, and the group's collectives
+keep their own order whatever the trainer's collectives do meanwhile. The OOM-recovery
+:meth:`Agreement.status` stays blocking on the default group (it decides the micro-batch being
+run).
+
+Exit. A gloo collective outlives the call that waited for it: the process group's worker thread
+destroys the finished work (and drops its reference to the tensor) a moment later, and because
+the tensor was made in Python, dropping that reference takes the GIL. If the interpreter is
+finalizing by then, taking the GIL ends the worker thread with ``pthread_exit``, the unwinding
+meets a ``noexcept`` frame of ``ProcessGroupGloo::runLoop``, and a run that finished aborts with
+"terminate called without an active exception" (SIGABRT; issue 37, item 8, seen in a core dump:
+``runLoop`` → ``~AsyncAllreduceWork`` → ``decref_pyobject`` → ``take_gil`` →
+``PyThread_exit_thread``). The pipelined agreement makes it likely, as its last boundary leaves
+a collective in flight until exit. So :meth:`Agreement.close` completes the collective in flight,
+joins the agreement's thread and waits until no work of gloo's still holds one of the
+agreement's tensors (each group reuses one tensor, so its use count says so). The HF adapter
+calls it at ``on_train_end``, ``MicroBatcher.close()`` does, and an ``atexit`` handler does it
+for whatever is still open, before finalization (reproduced, and its fix checked, by
+``tests/test_distributed.py::test_a_collective_in_flight_at_exit_is_completed_before_finalization``).
 
 Without torch, without ``torch.distributed``, or with one rank, nothing is exchanged and the
 local values are returned unchanged. Every rank must call the same methods in the same order:
@@ -33,14 +49,19 @@ the adapters call them at fixed points of the step, whatever the signal says.
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import sys
 import threading
+import time
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import env as _env
+
+#: How long :meth:`Agreement.close` waits for the peers' side of the collective in flight.
+CLOSE_TIMEOUT_SECONDS = 60.0
 
 
 def _dist() -> Optional[Any]:
@@ -91,17 +112,22 @@ class Agreement:
         enabled: ``False`` skips every exchange (each rank keeps its own values: only for a
             job whose ranks train independently).
         pipelined: overlap the per-step collective with the step (see the module doc);
-            ``None`` (default) reads ``MEMGUARD_AGREEMENT`` (``pipelined`` or ``blocking``).
+            ``None`` (default) reads ``MEMGUARD_AGREEMENT``: ``blocking`` for the blocking one,
+            anything else (unset, ``pipelined``) for the pipelined one.
     """
 
     def __init__(self, enabled: bool = True, pipelined: Optional[bool] = None) -> None:
         self.enabled = enabled
         if pipelined is None:
-            pipelined = os.environ.get(_env.AGREEMENT, "").strip().lower() == _env.PIPELINED
+            pipelined = os.environ.get(_env.AGREEMENT, "").strip().lower() != _env.BLOCKING
         self.pipelined = pipelined
         #: Number of collectives issued (each one ``all_reduce`` of a few int64).
         self.collectives = 0
         self._pipeline: Optional[_Pipeline] = None
+        #: One reused tensor per device for the blocking collectives (see :meth:`close`).
+        self._buffers: Dict[str, Any] = {}
+        self._retired: List[Any] = []  # the tensors of closed pipelines
+        self._at_exit = False
 
     def world_size(self) -> int:
         """Ranks this agreement spans (1 when disabled or not distributed)."""
@@ -143,7 +169,12 @@ class Agreement:
         backend = str(dist.get_backend())
         if backend == "nccl" and torch.cuda.is_available():  # NCCL reduces device tensors only
             device = f"cuda:{torch.cuda.current_device()}"
-        t = torch.tensor(values, dtype=torch.int64, device=device)
+        if not self._at_exit:
+            # Registered after torch's import and init_process_group, so it runs before any exit
+            # handler torch registers (atexit is last in, first out).
+            atexit.register(self.close)
+            self._at_exit = True
+        t = _fill(self._buffers, torch, device, values)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         self.collectives += 1
         return [int(v) for v in t.tolist()]
@@ -165,33 +196,101 @@ class Agreement:
         self.collectives += 1
         return reduced
 
+    def close(self, timeout: float = CLOSE_TIMEOUT_SECONDS) -> bool:
+        """End of training: complete the pipelined collective still in flight (its result is
+        dropped: no step follows), join the agreement's thread, and wait until gloo's workers
+        have let go of the agreement's tensors (module doc, "Exit"). Every rank must call it at
+        the same point, as every rank ran the same boundaries; a later :meth:`step_sync` starts
+        afresh (first boundary blocking, a new group). Returns False when a peer did not answer
+        within ``timeout`` seconds (the thread is then left to the interpreter). Idempotent."""
+        deadline = time.monotonic() + timeout
+        pipeline, self._pipeline = self._pipeline, None
+        ok = pipeline.close(timeout) if pipeline is not None else True
+        if pipeline is not None:
+            # Kept, not dropped: a tensor gloo still held (a timeout) is settled again at exit.
+            self._retired.extend(pipeline.buffers())
+        return _settle(list(self._buffers.values()) + self._retired, deadline) and ok
+
 
 class _Pipeline:
     """A daemon thread that runs ``all_reduce(MIN)`` of each request on ``group``, in order."""
 
     def __init__(self, dist: Any, group: Any) -> None:
         self._dist, self._group = dist, group
-        self._requests: "queue.SimpleQueue[List[int]]" = queue.SimpleQueue()
+        self._requests: "queue.SimpleQueue[Optional[List[int]]]" = queue.SimpleQueue()
         self._results: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="memguard-agreement", daemon=True).start()
+        #: Requests started whose result was not taken yet (0 or 1 in the adapters' use).
+        self._in_flight = 0
+        self._buffers: Dict[str, Any] = {}  # the thread's reused tensor
+        # Daemon, so that a peer that never answers cannot hang the exit; close() is what
+        # keeps it from being inside a collective when the interpreter finalizes.
+        self._thread = threading.Thread(target=self._run, name="memguard-agreement", daemon=True)
+        self._thread.start()
 
     def start(self, values: List[int]) -> None:
+        self._in_flight += 1
         self._requests.put(values)
 
     def result(self) -> List[int]:
         out = self._results.get()
+        self._in_flight -= 1
         if isinstance(out, BaseException):
             raise out
         return list(out)
+
+    def close(self, timeout: float) -> bool:
+        """Wait for the results in flight, then stop and join the thread."""
+        deadline = time.monotonic() + timeout
+        while self._in_flight > 0:
+            try:
+                self._results.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return False  # a peer is gone or stuck: joining would hang
+            self._in_flight -= 1
+        self._requests.put(None)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        return not self._thread.is_alive()
+
+    def buffers(self) -> List[Any]:
+        return list(self._buffers.values())
 
     def _run(self) -> None:
         import torch
 
         while True:
             values = self._requests.get()
+            if values is None:
+                return
             try:
-                t = torch.tensor(values, dtype=torch.int64)
+                t = _fill(self._buffers, torch, "cpu", values)
                 self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self._group)
                 self._results.put([int(v) for v in t.tolist()])
             except BaseException as exc:  # noqa: BLE001 - handed to the training loop
                 self._results.put(exc)
+
+
+def _fill(buffers: Dict[str, Any], torch: Any, device: str, values: List[int]) -> Any:
+    """``values`` in the int64 tensor reused for ``device``. Reused, not made anew: a tensor made
+    in Python and dropped while a gloo worker still holds it is freed by that worker, which then
+    needs the GIL (module doc, "Exit"); one tensor kept alive here is one use count to watch."""
+    t = buffers.get(device)
+    if t is None or t.numel() != len(values):
+        t = torch.zeros(len(values), dtype=torch.int64, device=device)
+        buffers[device] = t  # lengths never change in practice (3), so nothing is dropped
+    t.copy_(torch.tensor(values, dtype=torch.int64))
+    return t
+
+
+def _settle(tensors: List[Any], deadline: float) -> bool:
+    """Wait until nothing but this module holds ``tensors``: the gloo workers have destroyed the
+    works that used them. Sleeping releases the GIL, which those workers need to do so."""
+    for t in tensors:
+        use_count = getattr(t, "_use_count", None)
+        if use_count is None:  # a torch without it: give the workers a moment
+            time.sleep(0.05)
+            return True
+        while use_count() > 1:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+    return True

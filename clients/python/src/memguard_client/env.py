@@ -36,8 +36,9 @@ SIDECAR_URL = "MEMGUARD_SIDECAR_URL"
 TERMINATION_LOG = "MEMGUARD_TERMINATION_LOG"
 #: ``0``/``false``: the injected client does not attach itself to a ``transformers.Trainer``.
 AUTO_ATTACH = "MEMGUARD_AUTO_ATTACH"
-#: ``pipelined``: the ranks' per-step agreement overlaps the step (applied one step later);
-#: ``blocking`` (default): applied at the step it is made (memguard_client.distributed).
+#: ``pipelined`` (default, also when unset): the ranks' per-step agreement overlaps the step
+#: (applied one step later); ``blocking``: applied at the step it is made
+#: (memguard_client.distributed).
 AGREEMENT = "MEMGUARD_AGREEMENT"
 #: :data:`AGREEMENT`'s values.
 PIPELINED = "pipelined"

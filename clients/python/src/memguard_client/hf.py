@@ -165,6 +165,13 @@ class MemguardCallback(RunnerCounters, _callback_base()):  # type: ignore[misc]
             return
         self._wrap_optimizer(kwargs.get("optimizer"))
 
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Every rank ends training here: complete the pipelined agreement's last collective and
+        # join its thread now, not while the interpreter finalizes (module doc of
+        # memguard_client.distributed).
+        if self.attached:
+            self.runner.agreement.close()
+
     def _wrap_optimizer(self, optimizer: Any) -> None:
         """Make ``optimizer.step`` skip the step an OOM in backward spoiled."""
         if optimizer is None or optimizer is self._wrapped_optimizer:

@@ -201,6 +201,10 @@ class StepRunner:
             self.sync_policy is None and getattr(self.guard, "grad_sync", None) == "each-batch"
         )
         size, ckpt, sync = self.agreement.step_sync(want, self.guard.grad_checkpointing, want_sync)
+        if self.oom_cap is not None:
+            # The cap was agreed by every rank (Agreement.status) when it was set; the pipelined
+            # agreement may hand back proposals made before it, so it is applied again here.
+            size = min(size, self.oom_cap)
         if self._first_size is None:
             self._first_size = size
         # Agreed values only, so every rank decides alike at the same step.

@@ -178,6 +178,13 @@ class MicroBatcher(RunnerCounters):
             optimizer.zero_grad(set_to_none=True)
         return stepped
 
+    def close(self) -> bool:
+        """End of training, on every rank at the same point (before ``destroy_process_group``):
+        complete the pipelined agreement's collective still in flight and join its thread
+        (:meth:`memguard_client.distributed.Agreement.close`; an ``atexit`` handler does it
+        otherwise). Returns False when a peer did not answer."""
+        return self.runner.agreement.close()
+
 
 def _item(loss: Any) -> float:
     item = getattr(loss, "item", None)
