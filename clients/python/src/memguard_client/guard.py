@@ -423,6 +423,13 @@ class Guard:
             body["framework"] = framework[:64]
         return self._post_report(body)
 
+    def report_config(self, config: Mapping[str, float]) -> bool:
+        """POST the config the trainer runs at (knob → number, a bool as 0 or 1) to
+        ``/v1/report`` as ``config``: the sidecar exports it beside what admission planned.
+        Never raises; True when accepted."""
+        body = {"config": {str(k): float(v) for k, v in config.items()}}
+        return self._post_report(body)
+
     def report_oom(self, record: Mapping[str, Any]) -> bool:
         """POST an OOM record (:func:`memguard_client.oom.build_record`) to ``/v1/report``.
 

@@ -83,7 +83,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 from .guard import Guard
 from .recovery import (
@@ -164,6 +164,11 @@ class MemguardCallback(RunnerCounters, _callback_base()):  # type: ignore[misc]
             )
             return
         self._wrap_optimizer(kwargs.get("optimizer"))
+        # The truth from inside the trainer (issue 37): the config it really runs at, read
+        # from its own objects, for the sidecar to export beside what admission believed.
+        config = trainer_config(args, kwargs.get("model"))
+        if config and getattr(state, "is_world_process_zero", True):
+            self.guard.report_config(config)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Every rank ends training here: complete the pipelined agreement's last collective and
@@ -304,6 +309,44 @@ def attach(
     if callable(add):
         add(cb)
     return cb
+
+
+def trainer_config(args: Any, model: Any = None) -> Dict[str, float]:
+    """The config a Trainer runs at, read from its ``TrainingArguments`` (and TRL's configs,
+    their subclasses) and its model, as the sidecar's ``config`` report takes it
+    (``memguard_api::signal::TRAINER_CONFIG_KNOBS``). Only what the objects say: a value that
+    is missing or not a number is left out, never guessed."""
+    out: Dict[str, float] = {}
+
+    def put(knob: str, value: Any) -> None:
+        if isinstance(value, bool):
+            out[knob] = 1.0 if value else 0.0
+        elif isinstance(value, (int, float)) and value >= 0:
+            out[knob] = float(value)
+
+    put("batch-size", getattr(args, "per_device_train_batch_size", None))
+    put("grad-accumulation", getattr(args, "gradient_accumulation_steps", None))
+    put("grad-checkpointing", getattr(args, "gradient_checkpointing", None))
+    put("world-size", getattr(args, "world_size", None))
+    # TRL's configs cut at `max_length` (`max_seq_length` before TRL 0.20).
+    for name in ("max_length", "max_seq_length"):
+        value = getattr(args, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            put("seq-length", value)
+            break
+    if model is not None:
+        try:
+            put("params", int(sum(p.numel() for p in model.parameters())))
+            put(
+                "trainable-params",
+                int(sum(p.numel() for p in model.parameters() if p.requires_grad)),
+            )
+        except Exception:  # a model-like object without parameters: nothing to say
+            pass
+        peft = getattr(model, "peft_config", None)
+        if isinstance(peft, dict) and peft:
+            put("lora-rank", getattr(next(iter(peft.values())), "r", None))
+    return out
 
 
 def _loss_is_scaled_for_ga(trainer: Any, num_items_in_batch: Any) -> bool:
