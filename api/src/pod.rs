@@ -852,11 +852,9 @@ fn launch_model(
     }))
 }
 
-/// What memguard saw of a trainer whose launch names no model it reads: the program it
-/// recognised (or why none), the part not read and why, and what to add. For the skip message
-/// of a pod opted in with the label alone.
-fn unread_launch(pod: &Pod) -> String {
-    use crate::launch::{HfRules, LaunchError, Program};
+/// The trainer of `pod` ([`pick_trainer`] over its containers and `memguard.io/container`),
+/// with its index.
+pub fn pod_trainer(pod: &Pod) -> Result<(usize, &Container), String> {
     let containers = pod
         .spec
         .as_ref()
@@ -868,7 +866,15 @@ fn unread_launch(pod: &Pod) -> String {
         .as_ref()
         .and_then(|a| a.get(annotations::CONTAINER))
         .map(|s| s.trim());
-    let Ok((_, trainer)) = pick_trainer(containers, named) else {
+    pick_trainer(containers, named)
+}
+
+/// What memguard saw of a trainer whose launch names no model it reads: the program it
+/// recognised (or why none), the part not read and why, and what to add. For the skip message
+/// of a pod opted in with the label alone.
+fn unread_launch(pod: &Pod) -> String {
+    use crate::launch::{HfRules, LaunchError, Program};
+    let Ok((_, trainer)) = pod_trainer(pod) else {
         return "no trainer container was found".into();
     };
     let add = format!("annotate {} (and the knobs it runs at)", annotations::MODEL);
@@ -1435,13 +1441,7 @@ impl<'a> TrainingPod<'a> {
         let from_launch = if annotations::names_model(given) {
             Ok(None)
         } else {
-            let containers = pod
-                .spec
-                .as_ref()
-                .map(|s| s.containers.as_slice())
-                .unwrap_or_default();
-            let named = given.get(annotations::CONTAINER).map(|s| s.trim());
-            match pick_trainer(containers, named) {
+            match pod_trainer(pod) {
                 Ok((index, trainer)) => {
                     // Read once: the knobs come from the same file below.
                     let file = read_config_file(pod, trainer, cluster);

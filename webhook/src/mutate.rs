@@ -170,18 +170,7 @@ pub fn mutate(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Outcome {
 /// (the sidecar watches its memory, the client follows the signal and recovers from an OOM in
 /// process), unless the policy or the pod keeps the client out; anything else is skipped.
 fn guard(pod: &Pod, policy: &Policy, why: String) -> Outcome {
-    let containers = pod
-        .spec
-        .as_ref()
-        .map(|s| s.containers.as_slice())
-        .unwrap_or_default();
-    let named = pod
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(memguard_api::annotations::CONTAINER))
-        .map(|s| s.trim());
-    let Ok((trainer_index, trainer)) = memguard_api::pod::pick_trainer(containers, named) else {
+    let Ok((trainer_index, trainer)) = memguard_api::pod::pod_trainer(pod) else {
         return skipped(why);
     };
     let mut warnings = Vec::new();

@@ -280,21 +280,14 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
     let trainer_path = ["spec", "containers", trainer_index.as_str()];
     trainer_env(trainer, &trainer_path, m, ops);
     trainer_command_line(trainer, &trainer_path, m, ops);
-    signal_mount(trainer, &trainer_path, ops);
-    termination_message(trainer, &trainer_path, ops);
-    signal_volume(spec, ops);
-    // The client's init container goes before a native sidecar: it has run to completion
-    // before the sidecar starts looking for the trainer, so its process is never taken for it.
-    client(
+    injection(
         pod,
-        spec,
         trainer,
         &trainer_path,
-        m.client.as_ref(),
         &m.sidecar,
+        m.client.as_ref(),
         ops,
     );
-    sidecar(pod, spec, trainer, &m.sidecar, ops);
     placement(spec, m, ops);
     shared_pid_namespace(spec, ops);
     estimate_and_error(pod, m, ops);
@@ -318,19 +311,14 @@ fn guarded(pod: &Pod, g: &Guarded, ops: &mut Ops) {
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
     set_env(trainer, &trainer_path, &desired, ops);
-    signal_mount(trainer, &trainer_path, ops);
-    termination_message(trainer, &trainer_path, ops);
-    signal_volume(spec, ops);
-    client(
+    injection(
         pod,
-        spec,
         trainer,
         &trainer_path,
-        g.client.as_ref(),
         &g.sidecar,
+        g.client.as_ref(),
         ops,
     );
-    sidecar(pod, spec, trainer, &g.sidecar, ops);
     shared_pid_namespace(spec, ops);
     let reason: String = g.reason.chars().take(MAX_ERROR_CHARS).collect();
     annotate(
@@ -339,6 +327,36 @@ fn guarded(pod: &Pod, g: &Guarded, ops: &mut Ops) {
         &[(keys::ERROR, reason.as_str())],
         &[keys::ESTIMATE],
     );
+}
+
+/// What a planned and a run-time-only guard share: the signal volume and its mount, the
+/// trainer's termination message policy, the client and the sidecar.
+fn injection(
+    pod: &Pod,
+    trainer: &Container,
+    trainer_path: &[&str],
+    sidecar_plan: &SidecarPlan,
+    client_plan: Option<&ClientPlan>,
+    ops: &mut Ops,
+) {
+    let Some(spec) = pod.spec.as_ref() else {
+        return;
+    };
+    signal_mount(trainer, trainer_path, ops);
+    termination_message(trainer, trainer_path, ops);
+    signal_volume(spec, ops);
+    // The client's init container goes before a native sidecar: it has run to completion
+    // before the sidecar starts looking for the trainer, so its process is never taken for it.
+    client(
+        pod,
+        spec,
+        trainer,
+        trainer_path,
+        client_plan,
+        sidecar_plan,
+        ops,
+    );
+    sidecar(pod, spec, trainer, sidecar_plan, ops);
 }
 
 /// The trainer's env: memguard's variables, then the user's own, rewritten in place.
