@@ -259,6 +259,9 @@ def injected_pod(args: argparse.Namespace, cmd: List[str], out: Path) -> Dict[st
             a + "hidden-size": "64", a + "num-layers": "2", a + "num-heads": "4",
             a + "num-kv-heads": "2", a + "vocab-size": "512", a + "intermediate-size": "128",
             a + "batch-size": str(args.batch_size), a + "seq-length": str(args.max_len),
+            # The script's own parser sets the accumulation it leaves out: memguard plans a
+            # bespoke script only on what it is told (issue 36), so the pod says it.
+            a + "grad-accumulation": "1",
             a + "precision": "fp32", a + "device": "cpu",
         }},
         "spec": {"containers": [{
