@@ -113,12 +113,12 @@ fn grade(entry: &Value, policy: &Policy) -> Result<Grade, String> {
         // Guarded at run time, its command line as it was: left, with the reason.
         Outcome::Guarded(g) => Outcome::Skipped {
             error: g.reason.clone(),
-            warning: String::new(),
+            warning: "guarded".into(),
         },
         outcome => outcome,
     };
     let m = match &outcome {
-        Outcome::Skipped { error, .. } => {
+        Outcome::Skipped { error, warning } => {
             // The reason names what was seen and what was not read, never the bare generic.
             let telling = [
                 "memguard recognised",
@@ -131,7 +131,12 @@ fn grade(entry: &Value, policy: &Policy) -> Result<Grade, String> {
             if !telling.iter().any(|t| error.contains(t)) {
                 return Err(format!("skipped without saying what was not read: {error}"));
             }
-            return Ok(Grade::Left(format!("skipped: {error}")));
+            let how = if warning == "guarded" {
+                "guarded"
+            } else {
+                "skipped"
+            };
+            return Ok(Grade::Left(format!("{how}: {error}")));
         }
         Outcome::Mutated(m) => m,
         other => return Err(format!("unexpected outcome {other:?}")),
