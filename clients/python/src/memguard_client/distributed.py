@@ -41,6 +41,9 @@ agreement's tensors (each group reuses one tensor, so its use count says so). Th
 calls it at ``on_train_end``, ``MicroBatcher.close()`` does, and an ``atexit`` handler does it
 for whatever is still open, before finalization (reproduced, and its fix checked, by
 ``tests/test_distributed.py::test_a_collective_in_flight_at_exit_is_completed_before_finalization``).
+The trainer's own collectives race the same way (a core dump showed the HF Trainer's
+all-gather at train end): their tensors are not the client's to wait for, so the last exit
+handler waits :data:`EXIT_GRACE_SECONDS`, the GIL released, while several ranks are up.
 
 Without torch, without ``torch.distributed``, or with one rank, nothing is exchanged and the
 local values are returned unchanged. Every rank must call the same methods in the same order:
@@ -171,7 +174,9 @@ class Agreement:
             device = f"cuda:{torch.cuda.current_device()}"
         if not self._at_exit:
             # Registered after torch's import and init_process_group, so it runs before any exit
-            # handler torch registers (atexit is last in, first out).
+            # handler torch registers (atexit is last in, first out): the grace first
+            # registered runs last.
+            _register_exit_grace()
             atexit.register(self.close)
             self._at_exit = True
         t = _fill(self._buffers, torch, device, values)
@@ -210,6 +215,31 @@ class Agreement:
             # Kept, not dropped: a tensor gloo still held (a timeout) is settled again at exit.
             self._retired.extend(pipeline.buffers())
         return _settle(list(self._buffers.values()) + self._retired, deadline) and ok
+
+
+#: At exit, how long the interpreter waits, the GIL released, before it finalizes while a
+#: process group of several ranks is up: gloo's worker threads then destroy the works of the
+#: trainer's own last collectives (the HF Trainer's all-gathers at train end, whose tensors the
+#: client never holds) while Python can still take their references (module doc, "Exit").
+EXIT_GRACE_SECONDS = 0.25
+
+_exit_grace_registered = False
+
+
+def _exit_grace() -> None:
+    dist = _dist()
+    try:
+        if dist is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            time.sleep(EXIT_GRACE_SECONDS)
+    except Exception:  # a torch that cannot say: nothing to wait for
+        pass
+
+
+def _register_exit_grace() -> None:
+    global _exit_grace_registered
+    if not _exit_grace_registered:
+        atexit.register(_exit_grace)
+        _exit_grace_registered = True
 
 
 class _Pipeline:
