@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod mutate;
 #[cfg(feature = "server")]
 pub mod not_ready;
+pub mod outcome;
 pub mod patch;
 pub mod placement;
 pub mod policy_sources;
@@ -30,6 +31,7 @@ pub mod policy_watch;
 #[cfg(feature = "server")]
 pub mod profiles;
 pub mod python_launch;
+mod render;
 pub mod review;
 #[cfg(feature = "server")]
 pub mod server;

@@ -6,7 +6,7 @@
 //! or replaced at its own index. Keys are JSON-pointer escaped (`memguard.io/estimate` →
 //! `memguard.io~1estimate`).
 
-use crate::mutate::{ClientPlan, Guarded, Mutation, Outcome, SidecarPlan};
+use crate::outcome::{ClientPlan, Guarded, Mutation, Outcome, SidecarPlan};
 use crate::serving::ServerAdmission;
 use json_patch::jsonptr::PointerBuf;
 use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation, ReplaceOperation};

@@ -9,7 +9,7 @@
 //! command line byte for byte; one that cannot start in its share gets `memguard.io/error` with
 //! the numbers.
 
-use crate::mutate::{Outcome, skipped};
+use crate::outcome::{Outcome, skipped};
 use k8s_openapi::api::core::v1::{Container, Pod};
 use memguard_api::annotations::{self as keys, TrainingAnnotations};
 use memguard_api::launch::{ArgvEdit, ServerLaunch};
@@ -136,7 +136,7 @@ fn decide(
         .map_err(|e| format!("its command line cannot be rewritten: {e}"))?;
     let mut warnings = warnings;
     if !settings.max_length_given {
-        warnings.push(crate::mutate::truncate(&format!(
+        warnings.push(memguard_learn::warnings::truncate(&format!(
             "memguard: {} takes {model_name}'s own maximum length, which memguard does not \
              know: give {} to have it checked",
             launch.engine.name(),

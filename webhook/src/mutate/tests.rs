@@ -3,7 +3,8 @@ use crate::testutil::{PodBuilder, bare_pod, trainer_pod};
 use memguard_api::PolicySpec;
 use memguard_api::annotations as keys;
 use memguard_api::crd::MemoryProfile;
-use memguard_estimator::Bytes;
+use memguard_api::policy::SidecarMode;
+use memguard_estimator::{Bytes, Device};
 
 fn policy_with_products() -> Policy {
     let spec: PolicySpec = serde_json::from_value(serde_json::json!({
