@@ -121,14 +121,7 @@ pub fn pod_may_use(pod: &Pod, node: &crate::cluster::NodeInfo) -> bool {
     if !selected {
         return false;
     }
-    let required = spec
-        .affinity
-        .as_ref()
-        .and_then(|a| a.node_affinity.as_ref())
-        .and_then(|n| {
-            n.required_during_scheduling_ignored_during_execution
-                .as_ref()
-        });
+    let required = required_node_selector(spec);
     if let Some(required) = required {
         // An empty or absent term matches no node, as the scheduler reads it.
         let any = required.node_selector_terms.iter().any(|term| {
@@ -717,6 +710,19 @@ pub fn constrains_gpu_memory(pod: &Pod) -> bool {
     })
 }
 
+/// The pod's required node affinity (`requiredDuringSchedulingIgnoredDuringExecution`).
+fn required_node_selector(
+    spec: &k8s_openapi::api::core::v1::PodSpec,
+) -> Option<&k8s_openapi::api::core::v1::NodeSelector> {
+    spec.affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|n| {
+            n.required_during_scheduling_ignored_during_execution
+                .as_ref()
+        })
+}
+
 /// The values of node label `label` the pod is pinned to, read as [`gpu_products`] reads
 /// `nvidia.com/gpu.product` (AMD: [`AMD_GPU_PRODUCT_LABEL`]).
 pub fn pinned_values(pod: &Pod, label: &str) -> Vec<String> {
@@ -726,14 +732,7 @@ pub fn pinned_values(pod: &Pod, label: &str) -> Vec<String> {
     if let Some(p) = spec.node_selector.as_ref().and_then(|s| s.get(label)) {
         return vec![p.clone()];
     }
-    let terms = spec
-        .affinity
-        .as_ref()
-        .and_then(|a| a.node_affinity.as_ref())
-        .and_then(|n| {
-            n.required_during_scheduling_ignored_during_execution
-                .as_ref()
-        })
+    let terms = required_node_selector(spec)
         .map(|r| r.node_selector_terms.as_slice())
         .unwrap_or_default();
     let mut products = Vec::new();
