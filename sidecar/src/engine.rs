@@ -193,9 +193,7 @@ impl Engine {
     /// The inode of the trainer's cgroup directory: a cgroup created again under the same
     /// name (a container restarted in place) has a new one.
     fn cgroup_identity(&self) -> Option<u64> {
-        use std::os::unix::fs::MetadataExt;
-        let dir = self.source.cgroup_dir()?;
-        std::fs::metadata(dir).ok().map(|m| m.ino())
+        self.source.cgroup_identity()
     }
 
     /// The trainer left: look for it again (a restart in place brings a new process and cgroup).
