@@ -196,6 +196,22 @@ impl Engine {
         self.source.cgroup_identity()
     }
 
+    /// The device memory the `dmem` cgroup controller charges to the trainer's cgroup, where
+    /// NVML has no figure (sample/dmem.rs); none where the controller is not there.
+    fn dmem_gpus(&mut self) -> Vec<gpu::GpuMemory> {
+        let read = match self.source.cgroup_dir() {
+            Some(dir) => crate::sample::dmem::read(dir),
+            None => return Vec::new(),
+        };
+        match read {
+            Ok(found) => found.unwrap_or_default(),
+            Err(e) => {
+                self.sample_error("dmem", &e);
+                Vec::new()
+            }
+        }
+    }
+
     /// The trainer left: look for it again (a restart in place brings a new process and cgroup).
     /// Ask [`trainer_died_of_oom`](Self::trainer_died_of_oom) first: this forgets it.
     pub fn trainer_left(&mut self) {
@@ -317,6 +333,11 @@ impl Engine {
                 self.sample_error("gpu", &e);
                 Vec::new()
             }
+        };
+        let gpus = if gpus.is_empty() {
+            self.dmem_gpus()
+        } else {
+            gpus
         };
         let limit = sample.as_ref().and_then(MemorySample::effective_limit);
         let working_set = sample.as_ref().and_then(|s| s.working_set_bytes);
@@ -807,6 +828,34 @@ mod tests {
         assert_eq!(s.level, Level::Critical);
         assert!(s.reason.contains("GPU memory 0.96"), "{}", s.reason);
         assert_eq!(shared.status().gpu_peak, Some(77));
+    }
+
+    #[test]
+    fn without_nvml_the_dmem_controller_of_the_trainers_cgroup_is_the_gpu_figure() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cg = dir.path().join("trainer");
+        std::fs::create_dir(&cg).expect("mkdir");
+        std::fs::write(cg.join("dmem.current"), "drm/0000:03:00.0/vram0 77\n").expect("w");
+        std::fs::write(cg.join("dmem.max"), "drm/0000:03:00.0/vram0 80\n").expect("w");
+        let source = Restarting {
+            script: Script(vec![mem(100, true)]),
+            dirs: vec![cg],
+            at: 0,
+        };
+        let shared = Arc::new(Shared::new(Signal::initial(8, 2, false)));
+        let mut e = Engine::new(
+            Box::new(source),
+            Box::new(FakeGpu(Ok(Vec::new()))),
+            PsiPaths::default(),
+            PressureConfig::new(Thresholds::default()),
+            SignalWriter::new(dir.path().join("signal.json")),
+            shared.clone(),
+        );
+        e.tick(0);
+        let s = shared.signal.borrow().clone();
+        assert_eq!(s.level, Level::Critical);
+        assert!(s.reason.contains("GPU memory 0.96"), "{}", s.reason);
+        assert_eq!(shared.status().gpus[0].uuid, "drm/0000:03:00.0/vram0");
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 pub mod cgroup;
 pub mod discover;
+pub mod dmem;
 pub mod gpu;
 pub mod procfs;
 pub mod psi;
