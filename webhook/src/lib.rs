@@ -16,6 +16,7 @@ pub mod cluster_watch;
 pub mod dra;
 #[cfg(feature = "server")]
 pub mod dra_watch;
+pub mod gpu_enforce;
 pub mod manifest;
 #[cfg(feature = "server")]
 pub mod metrics;
