@@ -68,6 +68,9 @@ class FakeSidecar:
         self.status_override: Optional[int] = None
         self.reports: List[Dict[str, Any]] = []
         self.container_memory: List[Dict[str, Any]] = []
+        #: Report fields answered with 400, as a sidecar that does not know them does.
+        self.unknown_fields: set = set()
+        self.refused: List[Dict[str, Any]] = []
         self.report_headers: List[Dict[str, str]] = []
         self.requests: List[str] = []
         sidecar = self
@@ -119,6 +122,11 @@ class FakeSidecar:
                     return
                 n = int(self.headers.get("Content-Length", "0"))
                 body = json.loads(self.rfile.read(n))
+                if sidecar.unknown_fields & set(body):
+                    # As an older sidecar (serde's deny_unknown_fields) answers.
+                    sidecar.refused.append(body)
+                    self.send_error(400)
+                    return
                 # The container's own cgroup figures ride along at their own rate
                 # (own_cgroup.py): kept apart, so a report's other fields compare exactly.
                 memory = body.pop("container_memory", None)

@@ -160,3 +160,17 @@ def test_the_guard_sends_its_cgroup_at_a_low_rate_beside_its_figures(sidecar: Fa
     assert len(sidecar.container_memory) == 1, sidecar.container_memory
     fig = sidecar.container_memory[0]
     assert fig["cgroup_version"] == where[1] and fig["usage_bytes"] > 0, fig
+
+
+def test_a_sidecar_that_refuses_the_figures_still_gets_the_report_and_never_them_again(sidecar: FakeSidecar) -> None:
+    if OwnCgroup().where() is None:
+        pytest.fail("this test needs a visible memory cgroup (every Linux host and container has one)")
+    sidecar.unknown_fields = {"container_memory"}
+    g = Guard(sidecar_url=sidecar.url, env={}, background=False)
+    assert g.report(step=1) is True, "sent again without the figures, and accepted"
+    assert [set(b) for b in sidecar.refused] == [{"step", "container_memory"}]
+    assert sidecar.reports == [{"step": 1}]
+    time.sleep(0.01)
+    g._own_cgroup._every = 0  # due at every report now, were it not stopped
+    assert g.report(step=2) is True
+    assert len(sidecar.refused) == 1 and sidecar.reports == [{"step": 1}, {"step": 2}]

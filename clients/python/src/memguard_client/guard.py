@@ -470,8 +470,19 @@ class Guard:
         if self._url is None:
             return False
         memory = self._own_cgroup.due()
+        status = None
         if memory is not None:
-            body = dict(body, container_memory=memory)
+            status = self._send_report(dict(body, container_memory=memory))
+            if status == 400:
+                # A sidecar older than `container_memory` refuses the whole report: the
+                # figures are sent again without it, and from now on.
+                self._own_cgroup.stop()
+        if memory is None or status == 400:
+            status = self._send_report(body)
+        return status is not None and 200 <= status < 300
+
+    def _send_report(self, body: Dict[str, Any]) -> Optional[int]:
+        """POSTs ``body``: the HTTP status, None when no answer came."""
         req = urllib.request.Request(
             f"{self._url}/v1/report",
             data=json.dumps(body).encode("utf-8"),
@@ -480,10 +491,13 @@ class Guard:
         )
         try:
             with urllib.request.urlopen(req, timeout=self._report_timeout) as resp:
-                return 200 <= int(resp.status) < 300
+                return int(resp.status)
+        except urllib.error.HTTPError as err:
+            log.debug("memguard report refused: %s", err)
+            return int(err.code)
         except Exception as err:
             log.debug("memguard report failed: %s", err)
-            return False
+            return None
 
 
 class _PollError(Exception):

@@ -203,6 +203,11 @@ class OwnCgroup:
         self._last_read: Optional[float] = None
         self._last_kills: Optional[int] = None
 
+    def stop(self) -> None:
+        """Never read again (a sidecar that refuses the figures)."""
+        self._located = True
+        self._where = None
+
     def where(self) -> Optional[Tuple[str, int]]:
         """The cgroup directory and version, found on first use (``None``: not visible)."""
         if not self._located:
