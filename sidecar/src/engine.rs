@@ -43,6 +43,9 @@ pub struct Engine {
     /// The trainer now watched (or the one that just left) died of an OOM: a kill counted in
     /// its cgroup, or a fatal OOM record it reported.
     trainer_oom: bool,
+    /// Reports received when that OOM was seen: a report after it came from a trainer that
+    /// survived it (a worker process was killed, not the trainer).
+    reports_at_oom: u64,
     waiting_for_trainer: bool,
 }
 
@@ -104,6 +107,7 @@ impl Engine {
             errors_logged: 0,
             oom_baseline: None,
             trainer_oom: false,
+            reports_at_oom: 0,
             waiting_for_trainer: false,
         }
     }
@@ -127,7 +131,10 @@ impl Engine {
                 Some(_) => 0,
             };
             if k > before {
-                self.shared.status().oom_kills += k - before;
+                let mut st = self.shared.status();
+                st.oom_kills += k - before;
+                self.reports_at_oom = st.reports_total;
+                drop(st);
                 self.trainer_oom = true;
                 let next = pressure::sticky_downgrade(state, self.state.knobs(), None, now_ms);
                 let why = format!("OOM kill in the trainer's cgroup (oom_kill {before} -> {k})");
@@ -138,6 +145,7 @@ impl Engine {
         if let Some(r) = record {
             if r.outcome == memguard_api::oom::OomOutcome::Fatal {
                 self.trainer_oom = true;
+                self.reports_at_oom = self.shared.status().reports_total;
             }
             let base = out.as_ref().map_or(state, |(s, _)| s).clone();
             let reported = pressure::Knobs {
@@ -222,9 +230,10 @@ impl Engine {
     }
 
     /// The trainer that just left (or the one watched) died of an OOM (a kill counted in its cgroup,
-    /// or a fatal OOM record it reported): a restart in place is to be expected.
+    /// or a fatal OOM record it reported, and no report from it since): a restart in place is to
+    /// be expected.
     pub fn trainer_died_of_oom(&self) -> bool {
-        self.trainer_oom
+        self.trainer_oom && self.shared.status().reports_total <= self.reports_at_oom
     }
 
     /// A trainer is being watched (a sample was read since it was found).
@@ -663,6 +672,35 @@ mod tests {
             s.reason
         );
         assert_eq!(shared.status().sticky_batch_size, Some(4));
+    }
+
+    #[test]
+    fn a_kill_the_trainer_reports_after_is_a_workers_and_no_restart_is_awaited() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut e, shared) = engine(
+            vec![
+                killed(100, 0, true),
+                killed(100, 1, true),
+                killed(0, 1, false),
+            ],
+            FakeGpu(Ok(vec![])),
+            dir.path(),
+        );
+        shared.status().reports_total = 5;
+        e.tick(0);
+        e.tick(100);
+        assert_eq!(shared.status().oom_kills, 1);
+        assert!(
+            e.trainer_died_of_oom(),
+            "no word from the trainer since the kill"
+        );
+        // The trainer reports on: the kill was a worker's, and it runs the sticky downgrade.
+        shared.status().reports_total = 6;
+        assert_eq!(e.tick(200), Tick::TrainerGone);
+        assert!(
+            !e.trainer_died_of_oom(),
+            "it left on its own after the kill"
+        );
     }
 
     /// Scripted memory read from a cgroup directory that is created anew at each restart

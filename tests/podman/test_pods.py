@@ -289,6 +289,8 @@ def test_a_trainer_whose_group_differs_from_the_sidecars_has_its_limit_and_kill_
         env = {"SHAPE": "worker", "STEPS": "4", "STEP_SECONDS": "0.3"}
         pod = trainer_pod("mgtest-own-group", {"runAsUser": 65532, "runAsNonRoot": True}, env, logdir)
         pod["spec"]["containers"][0]["image"] = TRAINER_OWN_GROUP
+        # The client under test is this checkout's (hostPath), not the copy the image embeds.
+        pod["metadata"]["annotations"]["memguard.io/inject-client"] = "false"
         mutated = mutate(pod)
         sidecar = next(c for c in mutated["spec"]["containers"] if c["name"] == "memguard-sidecar")
         manifest = for_podman(mutated, tmp)
