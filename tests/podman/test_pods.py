@@ -313,12 +313,13 @@ def test_a_trainer_whose_group_differs_from_the_sidecars_has_its_limit_and_kill_
                 kernel = kernel_oom_kills(p.container_id("train"))
                 fallback = log_events(p, "found the trainer but not its cgroup; falling back to summed RSS (give the sidecar the trainer's uid/gid, see docs/sidecar.md)")
                 trainer_state = p.state("train")
+            events = read_jsonl(trainer_log)
         finally:
             podman("rmi", "-f", TRAINER_OWN_GROUP, check=False)
-    events = read_jsonl(trainer_log)
     starts = [e for e in events if e["event"] == "start"]
     killed = [e for e in events if e["event"] == "worker-killed"]
     sc = sidecar["securityContext"]
+    print(f"group mismatch: kernel kills {kernel}, sidecar summary {json.dumps(summary)}")
     # The mismatch: the trainer took its image's group, the sidecar the webhook's 0.
     assert (sc["runAsUser"], sc["runAsGroup"]) == (65532, 0), sc
     assert {(e["uid"], e["gid"]) for e in starts} == {(65532, 65532)}, starts
