@@ -347,8 +347,8 @@ class SyntheticTokens:
 
 def work_input(case: dict) -> None:
     import torch
-    import transformers  # noqa: F401  (a trainer has both loaded)
     from torch.utils.data import DataLoader
+    from transformers import LlamaForCausalLM  # noqa: F401  (a trainer has its model's code loaded)
 
     ds = SyntheticTokens(case["batch"] * 24, case["seq"])
     kwargs = dict(batch_size=case["batch"], num_workers=case["workers"], pin_memory=case["pin"])
