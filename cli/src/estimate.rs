@@ -298,10 +298,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok(e) => e,
         Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
     };
-    let host = match crate::host::estimate(cfg, &args.host) {
-        Ok(host) => host,
-        Err(message) => return Ok(bad_input([message])),
-    };
+    let host =
+        match crate::host::estimate(cfg, crate::host::pod_gpus(&args.gpu_resource), &args.host) {
+            Ok(host) => host,
+            Err(message) => return Ok(bad_input([message])),
+        };
     // As the webhook plans: against the upper bound at the policy's level.
     let bound = Bound::at(policy.estimate_level, &[]);
     let upper = bound.upper(cfg, estimate.total, estimate.total);

@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 #[derive(clap::Args, Debug, Default)]
 pub struct HostArgs {
     /// Ranks (GPUs) in one pod: they load, feed and save on the pod's one host. Default: the
-    /// world size (the whole job in one pod).
+    /// GPUs --gpu-resource asks for, else the world size (the whole job in one pod).
     #[arg(long, value_name = "N", help_heading = "Host memory (per pod)")]
     gpus_per_pod: Option<u32>,
     /// Storage dtype of the checkpoint's files: fp32|bf16|fp16. Default bf16 (as published
@@ -59,10 +59,26 @@ pub fn applies(cfg: &TrainingConfig) -> bool {
     matches!(cfg.device, Device::Cuda | Device::Rocm)
 }
 
-/// The pod's host configuration from the training config and the host flags, with a note for
-/// each flag left to its default.
+/// The GPUs one pod asks for, from `--gpu-resource NAME=QTY` flags whose resource is a whole
+/// GPU (`nvidia.com/gpu`, `amd.com/gpu`): each is a rank under torchrun.
+pub fn pod_gpus(gpu_resources: &[String]) -> Option<u32> {
+    gpu_resources
+        .iter()
+        .filter_map(|r| {
+            let (name, qty) = r.split_once('=').unwrap_or((r, "1"));
+            name.trim()
+                .ends_with("/gpu")
+                .then(|| qty.trim().parse::<u32>().ok())
+                .flatten()
+        })
+        .max()
+}
+
+/// The pod's host configuration from the training config, the GPUs the pod asks for and the
+/// host flags, with a note for each flag left to its default.
 pub fn host_config(
     cfg: &TrainingConfig,
+    pod_gpus: Option<u32>,
     args: &HostArgs,
 ) -> Result<(HostConfig, Vec<String>), String> {
     let mut notes = Vec::new();
@@ -70,10 +86,17 @@ pub fn host_config(
         notes.push(format!("--{flag} not given: {default} assumed"));
     };
     let world = u32::try_from(cfg.world_size.max(1)).unwrap_or(u32::MAX);
-    let ranks = match args.gpus_per_pod {
-        Some(0) => return Err("--gpus-per-pod: must be at least 1".into()),
-        Some(n) => n,
-        None => {
+    let ranks = match (args.gpus_per_pod, pod_gpus) {
+        (Some(0), _) => return Err("--gpus-per-pod: must be at least 1".into()),
+        (Some(n), _) => n,
+        (None, Some(n)) if n > 0 => {
+            note(
+                "gpus-per-pod",
+                format!("{n} rank(s), the GPUs --gpu-resource asks for"),
+            );
+            n
+        }
+        _ => {
             note("gpus-per-pod", format!("{world} rank(s) in one pod"));
             world
         }
@@ -229,11 +252,15 @@ impl HostFigure {
 }
 
 /// The host figure of a GPU job; `None` for a job on another device.
-pub fn estimate(cfg: &TrainingConfig, args: &HostArgs) -> Result<Option<HostFigure>, String> {
+pub fn estimate(
+    cfg: &TrainingConfig,
+    pod_gpus: Option<u32>,
+    args: &HostArgs,
+) -> Result<Option<HostFigure>, String> {
     if !applies(cfg) {
         return Ok(None);
     }
-    let (config, notes) = host_config(cfg, args)?;
+    let (config, notes) = host_config(cfg, pod_gpus, args)?;
     let estimate = host_estimate(&config);
     Ok(Some(HostFigure {
         config,

@@ -151,6 +151,21 @@ fn the_table_shows_the_host_figure_beside_the_gpu_figure() {
 }
 
 #[test]
+fn the_ranks_in_the_pod_are_the_gpus_it_asks_for_unless_given() {
+    let gpus = ["--gpu-resource", "nvidia.com/gpu=4"];
+    let v = json(&[&FSDP_8[..], &gpus].concat());
+    assert_eq!(v["host_ranks_in_pod"], 4);
+    assert!(
+        v["host_defaults"][0]
+            .as_str()
+            .is_some_and(|d| d.contains("the GPUs --gpu-resource asks for")),
+        "{v}"
+    );
+    let v = json(&[&FSDP_8[..], &gpus, &["--gpus-per-pod", "2"]].concat());
+    assert_eq!(v["host_ranks_in_pod"], 2);
+}
+
+#[test]
 fn a_cpu_job_has_no_separate_host_figure() {
     let v = json(&["--model", "llama-3-8b", "--device", "cpu"]);
     assert!(v.get("host_bytes").is_none(), "{v}");
