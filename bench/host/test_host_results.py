@@ -4,13 +4,15 @@ machine facts and versions; and the figures the estimator's replay test reads ar
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import measure  # noqa: E402
+# Loaded under its own name: bench/gpu has a measure.py too, and pytest runs both.
+_spec = importlib.util.spec_from_file_location("host_measure", HERE / "measure.py")
+measure = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(measure)
 
 RESULTS = HERE / "results" / "host.jsonl"
 
