@@ -47,13 +47,14 @@ use constants::*;
 /// What a pod gathers on one host when it saves a checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
-#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
+#[cfg_attr(feature = "serde", serde(rename_all = "kebab-case"))]
 pub enum SaveMode {
     /// No checkpoint is saved while the job runs.
     None,
     /// The full model state dict gathered on one rank (FSDP `FULL_STATE_DICT`, ZeRO-3
     /// consolidation with `save_only_model`, a plain `save_pretrained`) and written.
     #[default]
+    #[cfg_attr(feature = "serde", serde(rename = "full"))]
     ModelOnlyFull,
     /// The full model and optimizer state gathered on one rank and written.
     FullWithOptimizer,
