@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Host-memory ground truth on this machine's CPUs (root, cgroup v1 memory controller at
 # /sys/fs/cgroup/memory): every case of bench/host/measure.py, each in its own fresh memory
-# cgroup, appended as one JSON line to bench/host/results/host.jsonl (or $OUT). About 20 minutes
-# on 2 busy cores; every case stays under ~8 GiB. Random-init checkpoints are built once under
-# $MEMGUARD_HOST_MODELS (default /tmp/memguard-host-models, ~9 GiB of disk).
+# cgroup, appended as one JSON line to bench/host/results/host.jsonl (or $OUT). About 40 minutes
+# on 2 cores shared with other work (load average 8-13); every case but the 4-rank and m400 saves
+# (up to 9.6 GiB) stays under 8 GiB. Random-init checkpoints are built once under
+# $MEMGUARD_HOST_MODELS (default /tmp/memguard-host-models, 4.6 GiB of disk).
 #
 #   sudo bash bench/host/run.sh                 # the full sweep
 #   sudo bash bench/host/run.sh --only load-m150 # the cases whose name contains load-m150
