@@ -9,7 +9,6 @@
 
 #[cfg(feature = "server")]
 pub mod args;
-pub mod budget;
 pub mod cluster_view;
 #[cfg(feature = "server")]
 pub mod cluster_watch;
@@ -24,7 +23,6 @@ pub mod mutate;
 pub mod not_ready;
 pub mod outcome;
 pub mod patch;
-pub mod placement;
 pub mod policy_sources;
 #[cfg(feature = "server")]
 pub mod policy_watch;

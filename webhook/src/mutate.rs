@@ -13,13 +13,13 @@ use k8s_openapi::api::core::v1::Pod;
 use memguard_api::estimate::{ArgsChange, EstimateAnnotation};
 use memguard_api::pod::{ResolveError, TrainingPod};
 use memguard_api::{Knob, Policy, env, wellknown};
-use memguard_estimator::TrainingConfig;
-use memguard_learn::decision;
-pub use memguard_learn::decision::{
+use memguard_decide::decision;
+pub use memguard_decide::decision::{
     ALLOC_CONF, EXPANDABLE_SEGMENTS, expandable_segments, user_alloc_conf,
 };
+use memguard_estimator::TrainingConfig;
 
-pub use memguard_learn::warnings::{MAX_WARNING_CHARS, cannot_fit_warning, truncate};
+pub use memguard_decide::warnings::{MAX_WARNING_CHARS, cannot_fit_warning, truncate};
 
 pub use crate::cluster_view::{ClusterView, ProfileSource};
 pub use crate::outcome::{
@@ -27,7 +27,7 @@ pub use crate::outcome::{
 };
 use crate::render::{client_plan, render, sidecar_base_env};
 
-pub use crate::budget::{Budget, BudgetSource};
+pub use memguard_decide::budget::{Budget, BudgetSource};
 
 /// Decides what to do with `pod` under `policy`. Never panics, never fails.
 pub fn mutate(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Outcome {
@@ -642,3 +642,11 @@ mod tests;
 #[cfg(test)]
 #[path = "mutate/nodes_tests.rs"]
 mod nodes_tests;
+
+#[cfg(test)]
+#[path = "mutate/budget_tests.rs"]
+mod budget_tests;
+
+#[cfg(test)]
+#[path = "mutate/placement_tests.rs"]
+mod placement_tests;
