@@ -21,11 +21,11 @@ use memguard_estimator::TrainingConfig;
 
 pub use memguard_decide::warnings::{MAX_WARNING_CHARS, cannot_fit_warning, truncate};
 
-pub use crate::cluster_view::{ClusterView, ProfileSource};
 pub use crate::outcome::{
     ClientPlan, CommandLine, Guarded, Mutation, Outcome, SidecarPlan, skipped,
 };
 use crate::render::{client_plan, render, sidecar_base_env};
+pub use crate::watch::view::{ClusterView, ProfileSource};
 
 pub use memguard_decide::budget::{Budget, BudgetSource};
 

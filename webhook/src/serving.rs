@@ -22,7 +22,7 @@ use memguard_estimator::{Bytes, Device};
 use serde_json::json;
 use std::collections::BTreeMap;
 
-pub use crate::cluster_view::ClusterView;
+pub use crate::watch::view::ClusterView;
 
 /// What memguard decided for an inference server.
 #[derive(Debug, Clone, PartialEq)]
