@@ -184,7 +184,7 @@ impl<'a> TrainingPod<'a> {
         // The trainer's launch, found once: with_file reads its knobs from the same value.
         let first = pod_trainer(pod)
             .ok()
-            .map(|(index, trainer)| (index, trainer, TrainerLaunch::of(trainer)));
+            .map(|(index, trainer)| (index, trainer, TrainerLaunch::of(pod, trainer)));
         // The model (and with it the method) from the trainer's launch, unless an annotation
         // names the model or its shape.
         let from_launch = if annotations::names_model(given) {
@@ -343,7 +343,7 @@ impl<'a> TrainingPod<'a> {
             pick_trainer(containers, parsed.container.as_deref()).map_err(ResolveError::Trainer)?;
         let launch = match launch_read {
             Some((index, launch)) if index == trainer_index => launch,
-            _ => TrainerLaunch::of(trainer),
+            _ => TrainerLaunch::of(pod, trainer),
         };
         let gpus = gpu_count(trainer);
         let accelerators = Accelerators::of(pod, trainer);
@@ -366,7 +366,7 @@ impl<'a> TrainingPod<'a> {
             mut sources,
             unreadable,
             set_by_trainer,
-        } = read_mapped_env(pod, trainer, &parsed, policy, &mut config);
+        } = read_mapped_env(&launch, trainer, &parsed, policy, &mut config);
         let (args, args_unreadable) = match read_args(
             pod,
             trainer,
@@ -507,7 +507,7 @@ struct MappedEnv {
 /// Returns the sources of what was read, the mapped variables set by `valueFrom`, and the
 /// knobs whose variable the trainer sets.
 fn read_mapped_env(
-    pod: &Pod,
+    launch: &TrainerLaunch,
     trainer: &Container,
     parsed: &TrainingAnnotations,
     policy: &Policy,
@@ -518,7 +518,7 @@ fn read_mapped_env(
     } else {
         &parsed.env_map
     };
-    let earlier = earlier_estimate(pod);
+    let earlier = &launch.earlier;
     let mut sources = BTreeMap::new();
     let mut unreadable = BTreeMap::new();
     let mut set_by_trainer = BTreeSet::new();

@@ -10,7 +10,7 @@
 //! the patch, computed as a difference against the pod, comes out empty.
 
 use k8s_openapi::api::core::v1::Pod;
-use memguard_api::estimate::{ArgsChange, EstimateAnnotation};
+use memguard_api::estimate::ArgsChange;
 use memguard_api::pod::{Dialect, ResolveError, TrainingPod};
 use memguard_api::{Knob, Policy, env, wellknown};
 use memguard_decide::decision;
@@ -490,13 +490,10 @@ fn rewrite_tune(
 fn args_change(training: &TrainingPod, items: &[String], rewritten: &[String]) -> ArgsChange {
     let now = ArgsChange::new(items, rewritten);
     let earlier = training
-        .pod
-        .metadata
-        .annotations
+        .launch
+        .earlier
         .as_ref()
-        .and_then(|a| a.get(memguard_api::annotations::ESTIMATE))
-        .and_then(|text| EstimateAnnotation::parse(text).ok())
-        .and_then(|e| e.args);
+        .and_then(|e| e.args.clone());
     match earlier {
         Some(e) if e.after == now.before => ArgsChange {
             before: e.before,

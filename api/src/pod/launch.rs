@@ -637,7 +637,7 @@ pub(crate) fn read_config_file(
     // that differs from the value read then) is not the trainer's: the value read then counts
     // when it came from the command line (memguard replaced the user's word), the file's
     // otherwise (memguard appended the word).
-    let earlier = earlier_estimate(pod);
+    let earlier = &launch.earlier;
     let mut own = config.clone();
     for (knob, read) in config.read(&doc).knobs {
         let Some(e) = earlier.as_ref().filter(|e| {
@@ -683,7 +683,6 @@ pub(crate) fn read_config_file(
 /// knobs no annotation gives, each recorded as `args`. Any program: the map says the script
 /// defines these flags.
 pub(crate) fn read_mapped_flags(
-    pod: &Pod,
     launch: &TrainerLaunch,
     dialect: Dialect,
     parsed: &TrainingAnnotations,
@@ -704,7 +703,7 @@ pub(crate) fn read_mapped_flags(
         .map(|(_, f)| f.as_str());
     let rules = MappedRules::new(map.flags.values().map(String::as_str), bools);
     let flags = Flags::parse(&found.texts(), &rules);
-    let earlier = earlier_estimate(pod);
+    let earlier = &launch.earlier;
     for (knob, flag) in &map.flags {
         if parsed.knobs_given.contains(knob) {
             continue;
@@ -768,7 +767,6 @@ pub(crate) fn read_args(
     let dialect = trainer_launch.dialect(map.is_some())?;
     if let (Some(Dialect::Mapped), Some(map)) = (dialect, map) {
         return read_mapped_flags(
-            pod,
             trainer_launch,
             Dialect::Mapped,
             parsed,
@@ -779,7 +777,6 @@ pub(crate) fn read_args(
     }
     if dialect == Some(Dialect::Swift) {
         let mut reading = read_mapped_flags(
-            pod,
             trainer_launch,
             Dialect::Swift,
             parsed,
@@ -805,7 +802,7 @@ pub(crate) fn read_args(
         .filter(|_| dialect == Some(Dialect::Tune))
     {
         let tc = tune_config(pod, trainer, run, cluster)?;
-        let earlier = earlier_estimate(pod);
+        let earlier = &trainer_launch.earlier;
         for (knob, key) in TUNE_KEYS {
             if parsed.knobs_given.contains(knob) {
                 continue;
@@ -890,7 +887,7 @@ pub(crate) fn read_args(
         } else {
             flag.value.clone()
         };
-        let earlier = earlier_estimate(pod);
+        let earlier = &trainer_launch.earlier;
         if let Some(value) = value
             && let Some(read) = as_read(earlier.as_ref(), *knob, &value)
             && knob.set(config, read)

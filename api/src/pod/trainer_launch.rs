@@ -4,6 +4,7 @@
 //! in which the dialects are tried is written here only ([`TrainerLaunch::dialect`]).
 
 use super::*;
+use crate::estimate::EstimateAnnotation;
 use crate::launch::tune::TuneRun;
 use crate::launch::{Flags, HfRules, Launch, LaunchError, Program};
 
@@ -38,11 +39,16 @@ pub struct TrainerLaunch {
     hf: Result<Option<Flags>, String>,
     /// Its `tune run`, when it runs one; `Err`: a `tune run` that cannot be read, and why.
     tune: Result<Option<TuneRun>, String>,
+    /// What memguard wrote into the pod at an earlier admission (reinvocation, a pod recreated
+    /// from its own output): its estimate annotation, parsed once. A value read now that equals
+    /// what memguard wrote is memguard's, and the value read then is the trainer's.
+    pub earlier: Option<EstimateAnnotation>,
 }
 
 impl TrainerLaunch {
-    /// Finds and classifies the launch of `trainer`: the one parse of its command line.
-    pub fn of(trainer: &Container) -> TrainerLaunch {
+    /// Finds and classifies the launch of `pod`'s `trainer`: the one parse of its command line
+    /// (and of memguard's earlier estimate).
+    pub fn of(pod: &Pod, trainer: &Container) -> TrainerLaunch {
         let (items, command_len) = command_items(trainer);
         let found = crate::launch::find_in_env(&items, &literal_env(trainer));
         let hf = match &found {
@@ -62,6 +68,7 @@ impl TrainerLaunch {
             found,
             hf,
             tune,
+            earlier: earlier_estimate(pod),
         }
     }
 
