@@ -263,6 +263,19 @@ pub(crate) fn swift_method(
     }
 }
 
+/// Whether `flag` and its value are written out in `launch`, not words the shell or the kubelet
+/// expands (`$MODEL`): only then is the value read the one that runs.
+fn literal(launch: &crate::launch::Launch, flag: &crate::launch::flags::Flag) -> bool {
+    let value_at = match flag.value_at {
+        crate::launch::flags::ValueAt::Next(i) => Some(i),
+        _ => None,
+    };
+    [Some(flag.at), value_at]
+        .into_iter()
+        .flatten()
+        .all(|i| launch.args.get(i).is_some_and(|a| !a.expands))
+}
+
 /// The flags that name the model in a launch with HF rules: HF scripts, then TRL's `trl sft`.
 /// `--model_id` and `--model_name` last: ms-swift's `--model_name` names the model being
 /// taught its own name, and `--model` comes first there.
@@ -380,16 +393,8 @@ pub(crate) fn launch_model(
     let Some(flag) = HF_MODEL_FLAGS.iter().find_map(|k| flags.get(k)) else {
         return Ok(None);
     };
-    let value_at = match flag.value_at {
-        crate::launch::flags::ValueAt::Next(i) => Some(i),
-        _ => None,
-    };
     // A value the shell expands (`$MODEL`) is not the model.
-    let known = [Some(flag.at), value_at]
-        .into_iter()
-        .flatten()
-        .all(|i| found.args.get(i).is_some_and(|a| !a.expands));
-    let Some(value) = flag.value.clone().filter(|_| known) else {
+    let Some(value) = flag.value.clone().filter(|_| literal(found, flag)) else {
         return Ok(None);
     };
     let on = |key| flags.bool(key, &HfRules) == Some(true);
@@ -710,16 +715,7 @@ pub(crate) fn read_mapped_flags(
         }
         let key = MappedRules::key_of(flag);
         let Some(f) = flags.get(&key) else { continue };
-        let known = [
-            Some(f.at),
-            match f.value_at {
-                crate::launch::flags::ValueAt::Next(i) => Some(i),
-                _ => None,
-            },
-        ]
-        .into_iter()
-        .flatten()
-        .all(|i| found.args.get(i).is_some_and(|a| !a.expands));
+        let known = literal(found, f);
         let value = if *knob == Knob::GradCheckpointing {
             flags.bool(&key, &rules).map(|b| b.to_string())
         } else {
@@ -869,17 +865,7 @@ pub(crate) fn read_args(
             continue;
         }
         let Some(flag) = flags.get(key) else { continue };
-        let known = [
-            Some(flag.at),
-            match flag.value_at {
-                launch::flags::ValueAt::Next(i) => Some(i),
-                _ => None,
-            },
-        ]
-        .into_iter()
-        .flatten()
-        .all(|i| found.args.get(i).is_some_and(|a| !a.expands));
-        if !known {
+        if !literal(found, flag) {
             continue;
         }
         let value = if *knob == Knob::GradCheckpointing {
