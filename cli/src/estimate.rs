@@ -7,11 +7,11 @@ use memguard_api::annotations::TrainingAnnotations;
 use memguard_api::dra::DraCatalog;
 use memguard_api::policy::DEFAULT_SAFETY_RATIO;
 use memguard_api::{ModelCatalog, Policy, Size, TrainingPod};
+use memguard_decide::decision;
 use memguard_estimator::{
     Bound, Bytes, Calibration, DowngradePlan, Estimate, GradSync, ServingConfig, Suggestion,
     TrainingConfig, catalog, estimate_serving,
 };
-use memguard_learn::decision;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -259,7 +259,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         eprintln!("note: {note}");
     }
     // The pod the flags describe goes through the webhook's own stages: resolved as at
-    // admission, then the budget stage every caller shares (memguard_learn::decision).
+    // admission, then the budget stage every caller shares (memguard_decide::decision).
     let flags_pod = match pod_of_flags(&args) {
         Ok(p) => p,
         Err(message) => return Ok(bad_input([message])),
@@ -286,7 +286,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .map_or(&parsed.config, |t| &t.config)
         .clone();
     // The trainer's own allocator setting, as admission reads it from the trainer's env.
-    cfg.expandable_segments = memguard_learn::decision::expandable_segments(
+    cfg.expandable_segments = memguard_decide::decision::expandable_segments(
         cfg.device,
         args.pytorch_cuda_alloc_conf.as_deref().map(Some),
     );
@@ -335,7 +335,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             // A larger GPU of the policy's table, when the budget is one GPU's memory.
             if let (Some(gpu), memguard_estimator::Device::Cuda) = (parsed.gpu_memory, cfg.device) {
                 let ratio = parsed.safety_ratio.unwrap_or(DEFAULT_SAFETY_RATIO);
-                let larger = memguard_learn::placement::larger_gpu(
+                let larger = memguard_decide::placement::larger_gpu(
                     cfg,
                     gpu,
                     ratio,
