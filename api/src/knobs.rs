@@ -167,7 +167,7 @@ pub struct RuntimeKnobs {
 mod training_knobs {
     use super::{Knob, Setting};
     use crate::crd::TrainingKnobs;
-    use memguard_estimator::TrainingConfig;
+    use memguard_estimator::{GradSync, TrainingConfig};
     use std::collections::BTreeMap;
 
     impl TrainingKnobs {
@@ -236,6 +236,34 @@ mod training_knobs {
                 }
             }
             out
+        }
+
+        /// `batch 4 × 4, checkpointing, seq 2048, rank 16` from the knobs that are set: what a
+        /// person recognizes of a config (profile status, verdicts, `memguard explain`).
+        pub fn describe(&self) -> String {
+            let mut parts = Vec::new();
+            if let Some(b) = self.batch_size {
+                parts.push(format!(
+                    "batch {b} × {}",
+                    self.grad_accumulation.unwrap_or(1)
+                ));
+            }
+            if self.grad_checkpointing == Some(true) {
+                parts.push("checkpointing".into());
+            }
+            if let Some(s) = self.seq_length {
+                parts.push(format!("seq {s}"));
+            }
+            if let Some(r) = self.lora_rank {
+                parts.push(format!("rank {r}"));
+            }
+            if let Some(l) = self.lora_layers {
+                parts.push(format!("{l} layers"));
+            }
+            if self.grad_sync.as_deref() == Some(GradSync::EachBatch.name()) {
+                parts.push("gradients synced each batch".into());
+            }
+            parts.join(", ")
         }
     }
 }

@@ -6,6 +6,7 @@
 //! the run) all decide from these answers, read once, so they live here once.
 //!
 //! Three parts: this file holds the pod core (the trainer, the resolution, the env);
+//! `pod/trainer_launch.rs` finds the trainer's launch once and classifies its dialect;
 //! `pod/launch.rs` reads the trainer's own launch and config file, with each knob's provenance;
 //! `pod/accelerators.rs` holds what the pod asks of accelerators, the vendor and cloud tables and
 //! the nodes it may use.
@@ -25,8 +26,10 @@ pub use crate::quantity::parse_quantity;
 
 mod accelerators;
 mod launch;
+mod trainer_launch;
 pub use accelerators::*;
 pub use launch::*;
+pub use trainer_launch::{Dialect, TrainerLaunch};
 
 /// Why a pod is not a training pod memguard can read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -112,6 +115,9 @@ pub struct TrainingPod<'a> {
     /// The knobs whose mapped variable the trainer sets itself (not a value memguard wrote):
     /// a downgrade must rewrite them all consistently.
     pub set_by_trainer: BTreeSet<Knob>,
+    /// The trainer's launch, found and classified once ([`TrainerLaunch::of`]): every reading of
+    /// the command line below, and its rewrite, start from it.
+    pub launch: TrainerLaunch,
     /// The trainer's command line, when it is a launch read with Hugging Face argument rules.
     pub args: Option<ArgsReading>,
     /// Why the trainer's command line could not be read (inline code, a shell expansion as the
@@ -175,27 +181,36 @@ impl<'a> TrainingPod<'a> {
         let given = pod.metadata.annotations.as_ref().unwrap_or(&empty);
         let has_input = annotations::has_training_input(given);
         let mut file_read = None;
+        // The trainer's launch, found once: with_file reads its knobs from the same value.
+        let first = pod_trainer(pod)
+            .ok()
+            .map(|(index, trainer)| (index, trainer, TrainerLaunch::of(pod, trainer)));
         // The model (and with it the method) from the trainer's launch, unless an annotation
         // names the model or its shape.
         let from_launch = if annotations::names_model(given) {
             Ok(None)
         } else {
-            match pod_trainer(pod) {
-                Ok((index, trainer)) => {
+            match &first {
+                Some((index, trainer, launch)) => {
                     // Read once: the knobs come from the same file below.
-                    let file = read_config_file(pod, trainer, cluster);
-                    let model = launch_or_file_model(pod, trainer, cluster, &file);
-                    file_read = Some((index, file));
+                    let file = read_config_file(pod, trainer, launch, cluster);
+                    let model = launch_or_file_model(pod, trainer, launch, cluster, &file);
+                    file_read = Some((*index, file));
                     model
                 }
-                Err(_) => Ok(None),
+                None => Ok(None),
             }
         };
         let launched = match from_launch {
             Ok(Some(m)) => Some(m),
             Ok(None) if has_input => None,
             Err(_) if has_input => None,
-            Ok(None) => return Err(ResolveError::NoTrainingInput(Some(unread_launch(pod)))),
+            Ok(None) => {
+                let trainer = first
+                    .as_ref()
+                    .map(|(_, trainer, launch)| (*trainer, launch));
+                return Err(ResolveError::NoTrainingInput(Some(unread_launch(trainer))));
+            }
             Err(why) => {
                 return Err(ResolveError::NoTrainingInput(Some(format!(
                     "the trainer's launch could not be read ({why})"
@@ -254,12 +269,14 @@ impl<'a> TrainingPod<'a> {
         };
         let parsed =
             TrainingAnnotations::parse(given, &policy.models).map_err(ResolveError::Annotations)?;
+        let launch_read = first.map(|(index, _, launch)| (index, launch));
         let mut training = Self::with_file(
             pod,
             parsed,
             given.contains_key(annotations::WORLD_SIZE),
             policy,
             cluster,
+            launch_read,
             file_read,
         )?;
         training.read_from_args = read_from_args;
@@ -303,17 +320,18 @@ impl<'a> TrainingPod<'a> {
         policy: &Policy,
         cluster: Cluster<'_>,
     ) -> Result<Self, ResolveError> {
-        Self::with_file(pod, parsed, world_size_given, policy, cluster, None)
+        Self::with_file(pod, parsed, world_size_given, policy, cluster, None, None)
     }
 
-    /// [`with_annotations`](Self::with_annotations), given the config file already read for
-    /// the container at that index (or `None`: read it here).
+    /// [`with_annotations`](Self::with_annotations), given the launch found and the config
+    /// file already read for the container at that index (or `None`: read them here).
     fn with_file(
         pod: &'a Pod,
         parsed: TrainingAnnotations,
         world_size_given: bool,
         policy: &Policy,
         cluster: Cluster<'_>,
+        launch_read: Option<(usize, TrainerLaunch)>,
         file_read: Option<(usize, Result<Option<ConfigFileReading>, String>)>,
     ) -> Result<Self, ResolveError> {
         let containers = pod
@@ -323,6 +341,10 @@ impl<'a> TrainingPod<'a> {
             .unwrap_or_default();
         let (trainer_index, trainer) =
             pick_trainer(containers, parsed.container.as_deref()).map_err(ResolveError::Trainer)?;
+        let launch = match launch_read {
+            Some((index, launch)) if index == trainer_index => launch,
+            _ => TrainerLaunch::of(pod, trainer),
+        };
         let gpus = gpu_count(trainer);
         let accelerators = Accelerators::of(pod, trainer);
         let mut config = parsed.config.clone();
@@ -344,10 +366,11 @@ impl<'a> TrainingPod<'a> {
             mut sources,
             unreadable,
             set_by_trainer,
-        } = read_mapped_env(pod, trainer, &parsed, policy, &mut config);
+        } = read_mapped_env(&launch, trainer, &parsed, policy, &mut config);
         let (args, args_unreadable) = match read_args(
             pod,
             trainer,
+            &launch,
             &parsed,
             &mut config,
             &mut sources,
@@ -359,7 +382,7 @@ impl<'a> TrainingPod<'a> {
         };
         let file = match file_read {
             Some((index, file)) if index == trainer_index => file,
-            _ => read_config_file(pod, trainer, cluster),
+            _ => read_config_file(pod, trainer, &launch, cluster),
         };
         let (config_file, config_unreadable) = match file {
             Ok(file) => (file, None),
@@ -410,8 +433,7 @@ impl<'a> TrainingPod<'a> {
         // ([`crate::job_world`]).
         if !world_size_given && config.parallelism != Parallelism::None && on_gpus {
             config.world_size = gpus.max(1);
-            let launch = find_launch(trainer).ok();
-            if let Some((n, source)) = crate::job_world::read(launch.as_ref(), trainer, gpus) {
+            if let Some((n, source)) = crate::job_world::read(launch.launch(), trainer, gpus) {
                 config.world_size = n;
                 setup_sources.insert("world-size", source);
             }
@@ -432,6 +454,7 @@ impl<'a> TrainingPod<'a> {
             sources,
             unreadable,
             set_by_trainer,
+            launch,
             args,
             args_unreadable,
             read_from_args: BTreeSet::new(),
@@ -484,7 +507,7 @@ struct MappedEnv {
 /// Returns the sources of what was read, the mapped variables set by `valueFrom`, and the
 /// knobs whose variable the trainer sets.
 fn read_mapped_env(
-    pod: &Pod,
+    launch: &TrainerLaunch,
     trainer: &Container,
     parsed: &TrainingAnnotations,
     policy: &Policy,
@@ -495,7 +518,7 @@ fn read_mapped_env(
     } else {
         &parsed.env_map
     };
-    let earlier = earlier_estimate(pod);
+    let earlier = &launch.earlier;
     let mut sources = BTreeMap::new();
     let mut unreadable = BTreeMap::new();
     let mut set_by_trainer = BTreeSet::new();
@@ -634,6 +657,48 @@ mod tests {
         Container {
             args: Some(args.iter().map(|a| a.to_string()).collect()),
             ..gpus("trainer", "1")
+        }
+    }
+
+    /// Resolving a pod searches the trainer's command line for its launch once
+    /// ([`TrainerLaunch::of`]), whichever readers ask (the model, the knobs, the config file,
+    /// the world size) and whichever dialect it is.
+    #[test]
+    fn resolving_a_pod_searches_its_command_line_once() {
+        let cases: [&[&str]; 3] = [
+            &[
+                "torchrun",
+                "--nproc_per_node",
+                "2",
+                "train.py",
+                "--model_name_or_path",
+                "Qwen/Qwen2.5-7B",
+                "--per_device_train_batch_size",
+                "4",
+            ],
+            &[
+                "tune",
+                "run",
+                "lora_finetune_single_device",
+                "--config",
+                "llama3_1/8B_lora_single_device",
+            ],
+            &[
+                "swift",
+                "sft",
+                "--model",
+                "Qwen/Qwen2.5-7B",
+                "--train_type",
+                "lora",
+            ],
+        ];
+        for args in cases {
+            let p = pod(&[], vec![launching(args)]);
+            crate::launch::launcher::SEARCHES.with(|n| n.set(0));
+            let training = resolve(&p).expect("resolves");
+            assert!(training.launch.found.is_ok(), "{args:?}");
+            let searches = crate::launch::launcher::SEARCHES.with(|n| n.get());
+            assert_eq!(searches, 1, "{args:?}");
         }
     }
 

@@ -7,15 +7,17 @@ use memguard_api::annotations::TrainingAnnotations;
 use memguard_api::dra::DraCatalog;
 use memguard_api::policy::DEFAULT_SAFETY_RATIO;
 use memguard_api::{ModelCatalog, Policy, Size, TrainingPod};
+use memguard_decide::decision;
 use memguard_estimator::{
     Bound, Bytes, Calibration, DowngradePlan, Estimate, GradSync, ServingConfig, Suggestion,
     TrainingConfig, catalog, estimate_serving,
 };
-use memguard_learn::decision;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::process::ExitCode;
+
+use crate::host::HostFigure;
 
 /// Declares the pass-through flags once: each is an annotation key (without prefix) taking the
 /// value exactly as an annotation would.
@@ -99,6 +101,9 @@ macro_rules! annotation_flags {
             /// Bits of one cached key or value element (16, or 8 for an fp8 cache); with --serve.
             #[arg(long, value_name = "BITS", default_value_t = 16, help_heading = "Serving")]
             kv_cache_bits: u32,
+            /// The host flags: what one pod's memory cgroup must hold beside its GPUs.
+            #[command(flatten)]
+            host: crate::host::HostArgs,
         }
 
         /// The flags that are annotation keys (without the `memguard.io/` prefix).
@@ -254,7 +259,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         eprintln!("note: {note}");
     }
     // The pod the flags describe goes through the webhook's own stages: resolved as at
-    // admission, then the budget stage every caller shares (memguard_learn::decision).
+    // admission, then the budget stage every caller shares (memguard_decide::decision).
     let flags_pod = match pod_of_flags(&args) {
         Ok(p) => p,
         Err(message) => return Ok(bad_input([message])),
@@ -281,7 +286,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .map_or(&parsed.config, |t| &t.config)
         .clone();
     // The trainer's own allocator setting, as admission reads it from the trainer's env.
-    cfg.expandable_segments = memguard_learn::decision::expandable_segments(
+    cfg.expandable_segments = memguard_decide::decision::expandable_segments(
         cfg.device,
         args.pytorch_cuda_alloc_conf.as_deref().map(Some),
     );
@@ -293,6 +298,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok(e) => e,
         Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
     };
+    let host =
+        match crate::host::estimate(cfg, crate::host::pod_gpus(&args.gpu_resource), &args.host) {
+            Ok(host) => host,
+            Err(message) => return Ok(bad_input([message])),
+        };
     // As the webhook plans: against the upper bound at the policy's level.
     let bound = Bound::at(policy.estimate_level, &[]);
     let upper = bound.upper(cfg, estimate.total, estimate.total);
@@ -325,7 +335,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             // A larger GPU of the policy's table, when the budget is one GPU's memory.
             if let (Some(gpu), memguard_estimator::Device::Cuda) = (parsed.gpu_memory, cfg.device) {
                 let ratio = parsed.safety_ratio.unwrap_or(DEFAULT_SAFETY_RATIO);
-                let larger = memguard_learn::placement::larger_gpu(
+                let larger = memguard_decide::placement::larger_gpu(
                     cfg,
                     gpu,
                     ratio,
@@ -348,7 +358,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         &mut out,
         args.output,
         cfg,
-        &estimate,
+        (&estimate, host.as_ref()),
         (plan.as_ref(), &suggestions, written.as_ref()),
         decided.as_ref(),
         (upper, policy.estimate_level),
@@ -431,7 +441,7 @@ fn write_output(
     out: &mut impl Write,
     output: Output,
     cfg: &TrainingConfig,
-    estimate: &Estimate,
+    (estimate, host): (&Estimate, Option<&HostFigure>),
     (plan, suggestions, written): (Option<&DowngradePlan>, &[Suggestion], Option<&Size>),
     decided: Option<&decision::Decision>,
     (upper, level): (Bytes, f64),
@@ -440,6 +450,11 @@ fn write_output(
     match output {
         Output::Json => {
             let mut value = to_json(cfg, estimate, plan);
+            if let Some(host) = host
+                && let Some(value) = value.as_object_mut()
+            {
+                value.extend(host.json_fields());
+            }
             value["total_upper_bytes"] = json!(upper.0);
             value["upper_level"] = json!(level);
             if let Some(b) = pod_budget {
@@ -470,7 +485,7 @@ fn write_output(
             writeln!(out)?;
         }
         Output::Table => {
-            write_table(out, cfg, estimate, plan, written)?;
+            write_table(out, cfg, estimate, plan, written, host)?;
             if !suggestions.is_empty() {
                 writeln!(
                     out,
@@ -963,6 +978,7 @@ fn write_table(
     estimate: &Estimate,
     plan: Option<&DowngradePlan>,
     written: Option<&Size>,
+    host: Option<&HostFigure>,
 ) -> std::io::Result<()> {
     let name = cfg.model.name.as_deref().unwrap_or("custom shape");
     writeln!(
@@ -982,6 +998,9 @@ fn write_table(
     )?;
     writeln!(out)?;
     write_components(out, estimate)?;
+    if let Some(host) = host {
+        write!(out, "{}", host.table_lines())?;
+    }
     let Some(plan) = plan else {
         return Ok(());
     };

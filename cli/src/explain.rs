@@ -22,7 +22,7 @@ use memguard_api::{
 use memguard_api::{Knob, Policy, TrainingPod};
 use memguard_estimator::{Bytes, estimate};
 use memguard_learn::observe::{NotObserved, oom_reason, parse_summary, try_observe};
-use memguard_learn::update::{OomRules, apply_limited, describe_knobs};
+use memguard_learn::update::{OomRules, apply_limited};
 use memguard_webhook::policy_sources::{Overrides, policy_from_str};
 use serde::Serialize;
 use serde_json::Value;
@@ -423,7 +423,7 @@ fn read_profile(
         serde_saphyr::from_str(&text).map_err(|e| format!("{shown}: not valid YAML: {e}"))?;
     let profile: MemoryProfile =
         serde_json::from_value(value).map_err(|e| format!("{shown}: not a MemoryProfile: {e}"))?;
-    let key = memguard_learn::key::pod_key(pod, &ctx.policy, ctx.cluster())
+    let key = memguard_decide::key::pod_key(pod, &ctx.policy, ctx.cluster())
         .map_err(|e| format!("{shown}: the pod has no profile key to match it with: {e}"))?;
     if profile.spec != key.spec {
         let json = |v: &MemoryProfileSpec| serde_json::to_string(v).unwrap_or_default();
@@ -883,7 +883,7 @@ fn write_table(out: &mut impl Write, e: &Explanation) -> std::io::Result<()> {
     row(out, "verdict", e.next.verdict)?;
     row(out, "reason", &e.next.reason)?;
     if let Some(k) = &e.next.config {
-        row(out, "config", &describe_knobs(k))?;
+        row(out, "config", &k.describe())?;
     }
     if let Some(err) = &e.next.error {
         row(out, "error", err)?;
@@ -912,7 +912,7 @@ fn write_table(out: &mut impl Write, e: &Explanation) -> std::io::Result<()> {
         if let Some(r) = &s.recovery
             && e.next.config.as_ref() != Some(&r.config)
         {
-            row(out, "recovery (pending)", &describe_knobs(&r.config))?;
+            row(out, "recovery (pending)", &r.config.describe())?;
         }
         if let Some(v) = &s.verdict {
             row(out, "verdict", v)?;

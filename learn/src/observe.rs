@@ -1,7 +1,6 @@
 //! What a finished pod taught: [`observe`] reads the trainer's terminated state, the sidecar's
 //! summary, the estimate and the knobs the pod ran with. Pure: a `&Pod` in, a value out.
 
-use crate::key::{KeyError, PodKey};
 use k8s_openapi::api::core::v1::{ContainerStateTerminated, ContainerStatus, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use memguard_api::Cluster;
@@ -11,6 +10,7 @@ use memguard_api::{
     EstimateAnnotation, Level, OomKind, OomOutcome, OomRecord, Policy, Summary, TrainingPod,
     wellknown,
 };
+use memguard_decide::key::{KeyError, PodKey};
 use memguard_estimator::{Bytes, TrainingConfig};
 
 /// `reason` of a container the kernel OOM-killed.

@@ -4,9 +4,7 @@ use crate::observe::Observation;
 use memguard_api::crd::{MemoryProfileStatus, OomEvent, ProfileRun, Recovery, TrainingKnobs};
 use memguard_api::policy::DEFAULT_MAX_OOM_RECOVERIES;
 use memguard_estimator::calibration::FACTOR_RANGE;
-use memguard_estimator::{
-    Bytes, Calibration, Floors, GradSync, Rung, TrainingConfig, best_step, estimate,
-};
+use memguard_estimator::{Bytes, Calibration, Floors, Rung, TrainingConfig, best_step, estimate};
 
 /// What the policy in force says about recovering from OOMs: how many recoveries in a row, and
 /// the floors no recovery steps below (the webhook clamps to the same floors, so a recovery
@@ -87,7 +85,7 @@ pub fn apply_limited(
         next.oom_recoveries = status.oom_recoveries.saturating_add(1);
         // The config that died is the smallest tried so far: every recovery starts below the
         // one before.
-        let tried = describe_knobs(&TrainingKnobs::of(&obs.ran));
+        let tried = TrainingKnobs::of(&obs.ran).describe();
         if status.oom_recoveries >= max_oom_recoveries {
             // The limit: keep the recovery in force instead of shrinking forever.
             let n = next.oom_recoveries;
@@ -185,30 +183,6 @@ pub fn recovery(obs: &Observation, previous: Option<&Recovery>, floors: &Floors)
 }
 
 /// `batch 16, seq 4096` (and `rank 64` for adapters): what a person recognizes of a config.
-/// `batch 4 × 4, checkpointing, seq 2048, rank 16` from the knobs that are set.
-pub fn describe_knobs(k: &TrainingKnobs) -> String {
-    let mut parts = Vec::new();
-    if let Some(b) = k.batch_size {
-        parts.push(format!("batch {b} × {}", k.grad_accumulation.unwrap_or(1)));
-    }
-    if k.grad_checkpointing == Some(true) {
-        parts.push("checkpointing".into());
-    }
-    if let Some(s) = k.seq_length {
-        parts.push(format!("seq {s}"));
-    }
-    if let Some(r) = k.lora_rank {
-        parts.push(format!("rank {r}"));
-    }
-    if let Some(l) = k.lora_layers {
-        parts.push(format!("{l} layers"));
-    }
-    if k.grad_sync.as_deref() == Some(GradSync::EachBatch.name()) {
-        parts.push("gradients synced each batch".into());
-    }
-    parts.join(", ")
-}
-
 fn describe(cfg: &TrainingConfig) -> String {
     let mut parts = vec![
         format!("batch {}", cfg.batch_size),

@@ -5,11 +5,11 @@
 //! (`enforceGpuMemory`, off by default). Untested on hardware: no such node has been lent yet.
 //! Pure.
 
-use crate::budget::{Budget, BudgetSource};
 use k8s_openapi::api::core::v1::Container;
 use memguard_api::wellknown::{NVIDIA_GPU_MEMORY_LIMIT_ENV, NVIDIA_GPU_MEMORY_REQUEST_ENV};
+use memguard_decide::budget::{Budget, BudgetSource};
+use memguard_decide::warnings::truncate;
 use memguard_estimator::{Device, DowngradePlan};
-use memguard_learn::warnings::truncate;
 
 /// The two variables for a CUDA trainer whose budget is a GPU's (or a slice's): the request is
 /// what the plan needs at its upper bound (never above the share), the limit the pod's share
@@ -51,10 +51,10 @@ pub fn env(
 
 #[cfg(test)]
 mod tests {
-    use crate::cluster_view::ClusterView;
     use crate::mutate::mutate;
     use crate::outcome::{Mutation, Outcome};
     use crate::testutil::{PodBuilder, trainer_pod};
+    use crate::watch::ClusterView;
     use memguard_api::wellknown::{NVIDIA_GPU_MEMORY_LIMIT_ENV, NVIDIA_GPU_MEMORY_REQUEST_ENV};
     use memguard_api::{Policy, PolicySpec};
 

@@ -9,13 +9,7 @@
 
 #[cfg(feature = "server")]
 pub mod args;
-pub mod budget;
-pub mod cluster_view;
-#[cfg(feature = "server")]
-pub mod cluster_watch;
 pub mod dra;
-#[cfg(feature = "server")]
-pub mod dra_watch;
 pub mod gpu_enforce;
 pub mod manifest;
 #[cfg(feature = "server")]
@@ -25,10 +19,7 @@ pub mod mutate;
 pub mod not_ready;
 pub mod outcome;
 pub mod patch;
-pub mod placement;
 pub mod policy_sources;
-#[cfg(feature = "server")]
-pub mod policy_watch;
 #[cfg(feature = "server")]
 pub mod profiles;
 pub mod python_launch;
@@ -41,11 +32,12 @@ pub mod serving;
 pub mod tasks;
 #[cfg(feature = "server")]
 pub mod tls;
+pub mod watch;
 
 #[cfg(all(test, feature = "server"))]
 mod mock_kube;
 #[cfg(test)]
 mod testutil;
 
-pub use cluster_view::ClusterView;
 pub use mutate::{Mutation, Outcome, mutate};
+pub use watch::ClusterView;

@@ -10,24 +10,24 @@
 //! the patch, computed as a difference against the pod, comes out empty.
 
 use k8s_openapi::api::core::v1::Pod;
-use memguard_api::estimate::{ArgsChange, EstimateAnnotation};
-use memguard_api::pod::{ResolveError, TrainingPod};
+use memguard_api::estimate::ArgsChange;
+use memguard_api::pod::{Dialect, ResolveError, TrainingPod};
 use memguard_api::{Knob, Policy, env, wellknown};
-use memguard_estimator::TrainingConfig;
-use memguard_learn::decision;
-pub use memguard_learn::decision::{
+use memguard_decide::decision;
+pub use memguard_decide::decision::{
     ALLOC_CONF, EXPANDABLE_SEGMENTS, expandable_segments, user_alloc_conf,
 };
+use memguard_estimator::TrainingConfig;
 
-pub use memguard_learn::warnings::{MAX_WARNING_CHARS, cannot_fit_warning, truncate};
+pub use memguard_decide::warnings::{MAX_WARNING_CHARS, cannot_fit_warning, truncate};
 
-pub use crate::cluster_view::{ClusterView, ProfileSource};
 pub use crate::outcome::{
     ClientPlan, CommandLine, Guarded, Mutation, Outcome, SidecarPlan, skipped,
 };
 use crate::render::{client_plan, render, sidecar_base_env};
+pub use crate::watch::view::{ClusterView, ProfileSource};
 
-pub use crate::budget::{Budget, BudgetSource};
+pub use memguard_decide::budget::{Budget, BudgetSource};
 
 /// Decides what to do with `pod` under `policy`. Never panics, never fails.
 pub fn mutate(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Outcome {
@@ -137,12 +137,7 @@ fn decide(
         (None, Vec::new())
     } else {
         keeps_effective_batch(training, policy, &decided.plan.config)?;
-        match &training.config_file {
-            Some(file) => {
-                rewrite_config_file(training, file, &decided.plan.config, &mut file_warnings)?
-            }
-            None => rewrite_args(training, &decided.plan.config)?,
-        }
+        rewrite_launch(training, &decided.plan.config, &mut file_warnings)?
     };
     let quality_allowed =
         decision::floors(training.annotations.allow_quality, policy).allow_quality;
@@ -277,27 +272,42 @@ pub fn pinned_floors(
 /// The trainer's command line is a launch memguard recognises (a launcher, a Python script or
 /// module, or a trainer command), whether or not it reads its flags.
 fn recognised_launch(training: &TrainingPod) -> bool {
-    memguard_api::pod::find_launch(training.trainer).is_ok()
+    training.launch.found.is_ok()
+}
+
+/// The plan written into the trainer's launch, in the dialect it was read with
+/// ([`Dialect`], chosen once by [`memguard_api::pod::TrainerLaunch::dialect`]): the config
+/// file's overrides when the launch names one memguard read, else the command line's own words.
+fn rewrite_launch(
+    training: &TrainingPod,
+    planned: &TrainingConfig,
+    warnings: &mut Vec<String>,
+) -> Result<(Option<CommandLine>, Vec<String>), String> {
+    if let Some(file) = &training.config_file {
+        return rewrite_config_file(training, file, planned, warnings);
+    }
+    let Some(reading) = &training.args else {
+        return Ok((None, Vec::new()));
+    };
+    match (reading.dialect, &reading.tune, &reading.flag_map) {
+        (Dialect::Tune, Some(tune), _) => Ok(rewrite_tune(training, reading, tune, planned)),
+        (Dialect::Mapped | Dialect::Swift, _, Some(map)) => {
+            rewrite_mapped(training, reading, map, planned)
+        }
+        _ => rewrite_hf(training, reading, planned),
+    }
 }
 
 /// The trainer's command line with the plan's changes to the knobs read from it, in its own
 /// flags: a present flag's value replaced in place, `--k=v` appended only where the parser is
 /// known to define `k`. Batch and accumulation are written together, so their product holds.
-fn rewrite_args(
+fn rewrite_hf(
     training: &TrainingPod,
+    reading: &memguard_api::pod::ArgsReading,
     planned: &TrainingConfig,
 ) -> Result<(Option<CommandLine>, Vec<String>), String> {
     use memguard_api::launch::{FlagRules, HfRules};
-    let Some(reading) = &training.args else {
-        return Ok((None, Vec::new()));
-    };
     let before = &training.config;
-    if let Some(tune) = &reading.tune {
-        return Ok(rewrite_tune(training, reading, tune, planned));
-    }
-    if let Some(map) = &reading.flag_map {
-        return rewrite_mapped(training, reading, map, planned);
-    }
     let from_args = |k: &Knob| training.sources.get(k).is_some_and(|s| s == "args");
     // A flag only TrainingArguments defines, or a TRL launch, says the parser is
     // HfArgumentParser: then the flags it defines may be appended (a bespoke argparse script
@@ -480,13 +490,10 @@ fn rewrite_tune(
 fn args_change(training: &TrainingPod, items: &[String], rewritten: &[String]) -> ArgsChange {
     let now = ArgsChange::new(items, rewritten);
     let earlier = training
-        .pod
-        .metadata
-        .annotations
+        .launch
+        .earlier
         .as_ref()
-        .and_then(|a| a.get(memguard_api::annotations::ESTIMATE))
-        .and_then(|text| EstimateAnnotation::parse(text).ok())
-        .and_then(|e| e.args);
+        .and_then(|e| e.args.clone());
     match earlier {
         Some(e) if e.after == now.before => ArgsChange {
             before: e.before,
@@ -642,3 +649,11 @@ mod tests;
 #[cfg(test)]
 #[path = "mutate/nodes_tests.rs"]
 mod nodes_tests;
+
+#[cfg(test)]
+#[path = "mutate/budget_tests.rs"]
+mod budget_tests;
+
+#[cfg(test)]
+#[path = "mutate/placement_tests.rs"]
+mod placement_tests;

@@ -2,11 +2,11 @@
 //! the decision ([`crate::mutate`]), the servers' fit ([`crate::serving`]), the patch
 //! ([`crate::patch`]) and the review. Data only.
 
-use crate::budget::Budget;
 use memguard_api::estimate::{ArgsChange, EstimateAnnotation};
 use memguard_api::policy::{SidecarMode, SidecarResources};
+use memguard_decide::budget::Budget;
+use memguard_decide::warnings::truncate;
 use memguard_estimator::DowngradePlan;
-use memguard_learn::warnings::truncate;
 
 /// What memguard does with a pod.
 #[derive(Debug, Clone, PartialEq)]
@@ -26,7 +26,7 @@ pub enum Outcome {
     Skipped {
         /// The full reason, for the `memguard.io/error` annotation.
         error: String,
-        /// A short form (≤ [`MAX_WARNING_CHARS`](memguard_learn::warnings::MAX_WARNING_CHARS)) for the admission response.
+        /// A short form (≤ [`MAX_WARNING_CHARS`](memguard_decide::warnings::MAX_WARNING_CHARS)) for the admission response.
         warning: String,
     },
 }
@@ -77,7 +77,7 @@ pub struct Mutation {
     pub sidecar: SidecarPlan,
     /// The `memguard.io/estimate` annotation.
     pub estimate: EstimateAnnotation,
-    /// Warnings for the admission response, each ≤ [`MAX_WARNING_CHARS`](memguard_learn::warnings::MAX_WARNING_CHARS).
+    /// Warnings for the admission response, each ≤ [`MAX_WARNING_CHARS`](memguard_decide::warnings::MAX_WARNING_CHARS).
     pub warnings: Vec<String>,
     /// `memguard.io/error` to keep on the mutated pod: "cannot fit: …", the profile's verdict
     /// (OOM recoveries exhausted) or the plan's (every knob at its floor and still over budget).
@@ -103,7 +103,7 @@ pub struct Guarded {
     pub client: Option<ClientPlan>,
     /// `memguard.io/error`: why nothing was planned at admission, and that the pod is guarded.
     pub reason: String,
-    /// For the admission response, each ≤ [`MAX_WARNING_CHARS`](memguard_learn::warnings::MAX_WARNING_CHARS).
+    /// For the admission response, each ≤ [`MAX_WARNING_CHARS`](memguard_decide::warnings::MAX_WARNING_CHARS).
     pub warnings: Vec<String>,
 }
 

@@ -3,10 +3,10 @@
 //! tasks are handed to [`KubeTasks`].
 
 use crate::mutate::{ClusterView, ProfileSource};
-use crate::policy_watch::LivePolicy;
+use crate::watch::policy::LivePolicy;
+use crate::watch::{drive, reflected};
 use k8s_openapi::api::coordination::v1::Lease;
-use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client};
 use memguard_api::crd::MemoryProfile;
 use memguard_learn::lease::LeaseLock;
@@ -51,25 +51,8 @@ pub fn start(
     policy: LivePolicy,
     dra: Option<Arc<dyn memguard_api::dra::DraCatalog>>,
 ) -> (ClusterView, KubeTasks) {
-    let (reader, writer) = reflector::store::<MemoryProfile>();
-    let stream = reflector::reflector(
-        writer,
-        watcher(
-            Api::<MemoryProfile>::all(client.clone()),
-            watcher::Config::default(),
-        ),
-    )
-    .default_backoff()
-    .touched_objects();
-    let reflector_task = tokio::spawn(async move {
-        use futures::StreamExt;
-        let mut stream = std::pin::pin!(stream);
-        while let Some(item) = stream.next().await {
-            if let Err(error) = item {
-                tracing::warn!(%error, "MemoryProfile watch error");
-            }
-        }
-    });
+    let (reader, watch) = reflected(Api::<MemoryProfile>::all(client.clone()), |_| {});
+    let reflector_task = drive(vec![watch], "MemoryProfile watch error");
 
     let (leader_tx, leader_rx) = tokio::sync::watch::channel(false);
     let lock = LeaseLock::new(

@@ -1,17 +1,17 @@
 //! The plan as the pod will carry it: the trainer's `MEMGUARD_*` env and its own variables,
 //! the sidecar and the client to inject, and the `memguard.io/estimate` annotation. Pure.
 
-use crate::budget::{Budget, BudgetSource};
 use crate::outcome::{ClientPlan, Mutation, SidecarPlan};
 use crate::python_launch::runs_python;
 use k8s_openapi::api::core::v1::Pod;
 use memguard_api::estimate::{ESTIMATE_VERSION, EstimateAnnotation};
 use memguard_api::pod::TrainingPod;
 use memguard_api::{Knob, Policy, env, wellknown};
+use memguard_decide::Adjustments;
+use memguard_decide::budget::{Budget, BudgetSource};
+use memguard_decide::decision::{ALLOC_CONF, Decision, EXPANDABLE_SEGMENTS, user_alloc_conf};
+use memguard_decide::warnings::{cannot_fit_warning, truncate};
 use memguard_estimator::{Device, DowngradePlan, TrainingConfig};
-use memguard_learn::Adjustments;
-use memguard_learn::decision::{ALLOC_CONF, Decision, EXPANDABLE_SEGMENTS, user_alloc_conf};
-use memguard_learn::warnings::{cannot_fit_warning, truncate};
 
 /// The plan as the pod will carry it: the trainer's `MEMGUARD_*` env, its own variables
 /// (env-map), the sidecar, the estimate annotation.

@@ -4,9 +4,9 @@
 use crate::args::{Args, LogFormat};
 use crate::metrics::Metrics;
 use crate::mutate::ClusterView;
-use crate::policy_watch::{LivePolicy, PolicyWatch};
 use crate::review::{self, Disposition};
 use crate::tls::{self, CertFiles};
+use crate::watch::policy::{LivePolicy, PolicyWatch};
 use anyhow::Context;
 use arc_swap::ArcSwap;
 use axum::Router;
@@ -365,7 +365,7 @@ async fn connect(
         }
     };
     tracing::info!(policy = policy_watch.name(), "watching the MemguardPolicy");
-    let policy_task = crate::policy_watch::spawn(client.clone(), policy_watch);
+    let policy_task = crate::watch::policy::spawn(client.clone(), policy_watch);
     let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
     let lease_namespace = args
         .lease_namespace
@@ -379,7 +379,7 @@ async fn connect(
         .or_else(|| env("HOSTNAME"))
         .unwrap_or_else(|| format!("memguard-webhook-{}", std::process::id()));
     tracing::info!(identity, lease_namespace, "profile controller enabled");
-    let dra = (!args.no_dra).then(|| crate::dra_watch::start(client.clone()));
+    let dra = (!args.no_dra).then(|| crate::watch::dra::start(client.clone()));
     // The controller keys pods on the same DRA objects admission reads.
     let catalog = dra
         .as_ref()
@@ -409,14 +409,14 @@ async fn connect(
         tracing::info!("--no-config-maps: trainers' config files in ConfigMaps are not read");
     } else {
         let (maps, task) =
-            crate::cluster_watch::start_config_maps(client.clone(), &args.config_map_namespaces);
+            crate::watch::cluster::start_config_maps(client.clone(), &args.config_map_namespaces);
         profiles = profiles.with_config_maps(maps);
         tasks = tasks.with(task);
     }
     if args.no_nodes {
         tracing::info!("--no-nodes: unpinned GPU pods are planned against defaultGpuMemory");
     } else {
-        let (nodes, task) = crate::cluster_watch::start_nodes(client.clone());
+        let (nodes, task) = crate::watch::cluster::start_nodes(client.clone());
         profiles = profiles.with_nodes(nodes);
         tasks = tasks.with(task);
     }

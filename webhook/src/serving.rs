@@ -5,7 +5,7 @@
 //! The model is the one the command line serves (`memguard.io/model` overrides it, for a local
 //! path the catalog cannot name), the budget stage is the one every pod goes through
 //! ([`decision::budget`]), and the device the engine sizes itself on is what its process sees
-//! ([`memguard_learn::budget::seen_by_process`]). A server that fits as written keeps its
+//! ([`memguard_decide::budget::seen_by_process`]). A server that fits as written keeps its
 //! command line byte for byte; one that cannot start in its share gets `memguard.io/error` with
 //! the numbers.
 
@@ -15,14 +15,14 @@ use memguard_api::annotations::{self as keys, TrainingAnnotations};
 use memguard_api::launch::{ArgvEdit, ServerLaunch};
 use memguard_api::pod::pick_trainer;
 use memguard_api::{BudgetSource, Policy, TrainingPod};
+use memguard_decide::decision;
 use memguard_estimator::estimate::runtime_overhead;
 use memguard_estimator::serving_fit::{self, Change, DeviceShare, Engine, FitRules, ServerFit};
 use memguard_estimator::{Bytes, Device};
-use memguard_learn::decision;
 use serde_json::json;
 use std::collections::BTreeMap;
 
-pub use crate::cluster_view::ClusterView;
+pub use crate::watch::view::ClusterView;
 
 /// What memguard decided for an inference server.
 #[derive(Debug, Clone, PartialEq)]
@@ -113,7 +113,7 @@ fn decide(
     }
     let (budget, warnings) = decision::budget(&training, policy);
     let budget = budget.ok_or_else(|| "no GPU memory to fit it to".to_string())?;
-    let seen = memguard_learn::budget::seen_by_process(&training, &budget, policy);
+    let seen = memguard_decide::budget::seen_by_process(&training, &budget, policy);
     let settings = launch
         .settings(shape, model_bits)
         .map_err(|errors| errors.join("; "))?;
@@ -136,7 +136,7 @@ fn decide(
         .map_err(|e| format!("its command line cannot be rewritten: {e}"))?;
     let mut warnings = warnings;
     if !settings.max_length_given {
-        warnings.push(memguard_learn::warnings::truncate(&format!(
+        warnings.push(memguard_decide::warnings::truncate(&format!(
             "memguard: {} takes {model_name}'s own maximum length, which memguard does not \
              know: give {} to have it checked",
             launch.engine.name(),

@@ -5,7 +5,7 @@ use super::API_VERSION;
 use super::objects::{DeviceClass, Meta, ResourceClaim, ResourceClaimTemplate, ResourceSlice};
 
 /// A read-only view of the DRA objects: the webhook's watch caches
-/// (`dra_watch`, with the `server` feature) or objects read from files ([`StaticCatalog`]). Lookups never call
+/// (`watch::dra`, with the `server` feature) or objects read from files ([`StaticCatalog`]). Lookups never call
 /// the API.
 pub trait DraCatalog: Send + Sync {
     /// Why the catalog cannot answer at all (API group not served, caches not synced, no

@@ -361,12 +361,21 @@ pub fn find_by(items: &[String], accept: &dyn Fn(&Launch) -> bool) -> Result<Lau
     find_by_in_env(items, &std::collections::BTreeMap::new(), accept)
 }
 
+#[cfg(test)]
+thread_local! {
+    /// How many command lines this thread has searched for a launch: a test counts what one
+    /// reading of a pod costs.
+    pub(crate) static SEARCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 /// [`find_by`] with the container's literal env ([`find_in_env`]).
 pub fn find_by_in_env(
     items: &[String],
     env: &std::collections::BTreeMap<String, String>,
     accept: &dyn Fn(&Launch) -> bool,
 ) -> Result<Launch, LaunchError> {
+    #[cfg(test)]
+    SEARCHES.with(|n| n.set(n.get() + 1));
     let first = items.first().ok_or(LaunchError::Empty)?;
     if is_shell(first) {
         // `bash -c STRING`, `bash -lc STRING`, `sh -ec STRING`, `bash --login -c STRING`: the

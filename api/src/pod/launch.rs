@@ -116,6 +116,8 @@ pub struct ArgsReading {
     pub command_len: usize,
     /// The launch in them.
     pub launch: crate::launch::Launch,
+    /// The dialect it was read with, and is rewritten with.
+    pub dialect: Dialect,
     /// Its flags.
     pub flags: crate::launch::Flags,
     /// Whether its parser is known to be `HfArgumentParser` over `TrainingArguments` (a flag
@@ -195,29 +197,6 @@ pub(crate) fn tune_config(
     }
 }
 
-/// A trainer's `tune run`: its `command` + `args`, how many are `command`, the launch, the run.
-pub(crate) type TuneLaunch = (
-    Vec<String>,
-    usize,
-    crate::launch::Launch,
-    crate::launch::tune::TuneRun,
-);
-
-/// The trainer's `tune run`, if it runs one. `Err`: a launch that cannot be read.
-pub(crate) fn tune_launch(trainer: &Container) -> Result<Option<TuneLaunch>, String> {
-    use crate::launch;
-    let (items, command_len) = command_items(trainer);
-    let found = match find_launch(trainer) {
-        Ok(found) => found,
-        Err(_) => return Ok(None),
-    };
-    match launch::tune::TuneRun::read(&found) {
-        Ok(Some(run)) => Ok(Some((items, command_len, found, run))),
-        Ok(None) => Ok(None),
-        Err(e) => Err(e.to_string()),
-    }
-}
-
 /// The HF flag that carries each knob, in its canonical spelling.
 pub const HF_FLAGS: &[(Knob, &str)] = &[
     (Knob::BatchSize, "per_device_train_batch_size"),
@@ -226,14 +205,6 @@ pub const HF_FLAGS: &[(Knob, &str)] = &[
     (Knob::SeqLength, "max_length"),
     (Knob::LoraRank, "lora_r"),
 ];
-
-/// A trainer's launch read with Hugging Face argument rules.
-pub(crate) struct HfLaunch {
-    pub(crate) items: Vec<String>,
-    pub(crate) command_len: usize,
-    pub(crate) launch: crate::launch::Launch,
-    pub(crate) flags: crate::launch::Flags,
-}
 
 /// The trainer's `command` followed by its `args` (what a launch is found in), and how many of
 /// them are `command` (a rewrite splits them back there).
@@ -245,15 +216,6 @@ pub(crate) fn command_items(trainer: &Container) -> (Vec<String>, usize) {
         .chain(trainer.args.clone().unwrap_or_default())
         .collect();
     (items, command_len)
-}
-
-/// The trainer's launch ([`crate::launch::find_in_env`]): its `command` + `args`, with the
-/// shell's and the kubelet's variables resolved from its literal env.
-pub fn find_launch(
-    trainer: &Container,
-) -> Result<crate::launch::Launch, crate::launch::LaunchError> {
-    let (items, _) = command_items(trainer);
-    crate::launch::find_in_env(&items, &literal_env(trainer))
 }
 
 /// ms-swift's `swift sft|pt|rlhf`: `HfArgumentParser` over its own arguments (ms-swift 3.x,
@@ -301,36 +263,17 @@ pub(crate) fn swift_method(
     }
 }
 
-/// The trainer's `command` + `args` as a launch with HF rules (Python scripts and modules, and
-/// `trl`). `Ok(None)`: no launch, or not one with HF rules; `Err`: a launch that cannot be read.
-pub(crate) fn hf_launch(trainer: &Container) -> Result<Option<HfLaunch>, String> {
-    use crate::launch::{self, Flags, HfRules, Program};
-    let (items, command_len) = command_items(trainer);
-    let found = match find_launch(trainer) {
-        Ok(found) => found,
-        Err(
-            launch::LaunchError::Empty
-            | launch::LaunchError::NoProgram
-            | launch::LaunchError::NestedShell(_),
-        ) => return Ok(None),
-        Err(e) => return Err(e.to_string()),
+/// Whether `flag` and its value are written out in `launch`, not words the shell or the kubelet
+/// expands (`$MODEL`): only then is the value read the one that runs.
+fn literal(launch: &crate::launch::Launch, flag: &crate::launch::flags::Flag) -> bool {
+    let value_at = match flag.value_at {
+        crate::launch::flags::ValueAt::Next(i) => Some(i),
+        _ => None,
     };
-    let hf = match &found.program {
-        // axolotl's module takes fire keyword arguments, read by its config-file reader.
-        Program::Module(m) => m != "axolotl.cli.train",
-        Program::Script(_) => true,
-        Program::Command(_) => found.program.name() == "trl" || is_swift(&found),
-    };
-    if !hf {
-        return Ok(None);
-    }
-    let flags = Flags::parse(&found.texts(), &HfRules);
-    Ok(Some(HfLaunch {
-        items,
-        command_len,
-        launch: found,
-        flags,
-    }))
+    [Some(flag.at), value_at]
+        .into_iter()
+        .flatten()
+        .all(|i| launch.args.get(i).is_some_and(|a| !a.expands))
 }
 
 /// The flags that name the model in a launch with HF rules: HF scripts, then TRL's `trl sft`.
@@ -367,11 +310,14 @@ pub(crate) struct LaunchModel {
 pub(crate) fn launch_model(
     pod: &Pod,
     trainer: &Container,
+    launch: &TrainerLaunch,
     cluster: Cluster<'_>,
 ) -> Result<Option<LaunchModel>, String> {
     use crate::launch::HfRules;
-    if let Some((_, _, _, run)) = tune_launch(trainer)? {
-        let config = tune_config(pod, trainer, &run, cluster)?;
+    // Without the policy's flag map: the model is read with the launch's own rules.
+    let dialect = launch.dialect(false)?;
+    if let Some((_, run)) = launch.tune_run().filter(|_| dialect == Some(Dialect::Tune)) {
+        let config = tune_config(pod, trainer, run, cluster)?;
         let Some(component) = config.component else {
             return Ok(None);
         };
@@ -441,25 +387,17 @@ pub(crate) fn launch_model(
             implied,
         }));
     }
-    let Some(hf) = hf_launch(trainer)? else {
+    let Some((found, flags)) = launch.hf() else {
         return Ok(None);
     };
-    let Some(flag) = HF_MODEL_FLAGS.iter().find_map(|k| hf.flags.get(k)) else {
+    let Some(flag) = HF_MODEL_FLAGS.iter().find_map(|k| flags.get(k)) else {
         return Ok(None);
-    };
-    let value_at = match flag.value_at {
-        crate::launch::flags::ValueAt::Next(i) => Some(i),
-        _ => None,
     };
     // A value the shell expands (`$MODEL`) is not the model.
-    let known = [Some(flag.at), value_at]
-        .into_iter()
-        .flatten()
-        .all(|i| hf.launch.args.get(i).is_some_and(|a| !a.expands));
-    let Some(value) = flag.value.clone().filter(|_| known) else {
+    let Some(value) = flag.value.clone().filter(|_| literal(found, flag)) else {
         return Ok(None);
     };
-    let on = |key| hf.flags.bool(key, &HfRules) == Some(true);
+    let on = |key| flags.bool(key, &HfRules) == Some(true);
     // TRL's `--use_peft`, PEFT's examples' `--use_peft_lora`, the Qwen and FastChat scripts'
     // `--use_lora` / `--lora_enable`, or a rank given (`--lora_r`, `--lora_rank`).
     let lora = ["use_peft", "use_peft_lora", "use_lora", "lora_enable"]
@@ -467,12 +405,12 @@ pub(crate) fn launch_model(
         .any(|k| on(k))
         || ["lora_r", "lora_rank"]
             .iter()
-            .any(|k| hf.flags.get(k).is_some());
+            .any(|k| flags.get(k).is_some());
     // TRL's `get_quantization_config`: 4 bits first, then 8 (`--use_bnb_nested_quant` only
     // refines the 4-bit one). TRL trains a quantized base only through adapters: a 4-bit base
     // is QLoRA, an 8-bit one LoRA on an 8-bit base.
-    let (method, model_bits) = if is_swift(&hf.launch) {
-        swift_method(&hf.flags)
+    let (method, model_bits) = if is_swift(found) {
+        swift_method(flags)
     } else if on("load_in_4bit") || on("q_lora") {
         // `--q_lora` (FastChat, Qwen): LoRA on a 4-bit bitsandbytes base.
         (Some(memguard_estimator::Method::Qlora), None)
@@ -501,11 +439,11 @@ pub(crate) fn launch_model(
         implied.push((annotations::LOSS, "loss", "fused".into(), args()));
     }
     let adapters = method.is_some_and(|m| m != memguard_estimator::Method::Full);
-    if let Some(targets) = hf_lora_targets(&hf.flags).filter(|_| adapters) {
+    if let Some(targets) = hf_lora_targets(flags).filter(|_| adapters) {
         implied.push((annotations::LORA_TARGETS, "lora-targets", targets, args()));
     }
     // Dropout on the adapters' input keeps a mask per adapted projection.
-    if let Some(dropout) = hf.flags.value("lora_dropout").filter(|_| adapters)
+    if let Some(dropout) = flags.value("lora_dropout").filter(|_| adapters)
         && let Ok(p) = dropout.trim().parse::<f64>()
     {
         let on = if p > 0.0 { "true" } else { "false" };
@@ -526,13 +464,13 @@ pub(crate) fn launch_model(
 /// What memguard saw of a trainer whose launch names no model it reads: the program it
 /// recognised (or why none), the part not read and why, and what to add. For the skip message
 /// of a pod opted in with the label alone.
-pub(crate) fn unread_launch(pod: &Pod) -> String {
+pub(crate) fn unread_launch(trainer: Option<(&Container, &TrainerLaunch)>) -> String {
     use crate::launch::{HfRules, LaunchError, Program};
-    let Ok((_, trainer)) = pod_trainer(pod) else {
+    let Some((trainer, trainer_launch)) = trainer else {
         return "no trainer container was found".into();
     };
     let add = format!("annotate {} (and the knobs it runs at)", annotations::MODEL);
-    let launch = match find_launch(trainer) {
+    let launch = match &trainer_launch.found {
         Ok(launch) => launch,
         Err(LaunchError::Empty) => {
             return format!(
@@ -542,8 +480,7 @@ pub(crate) fn unread_launch(pod: &Pod) -> String {
             );
         }
         Err(e) => {
-            let (items, _) = command_items(trainer);
-            let mut shown = items.join(" ");
+            let mut shown = trainer_launch.items.join(" ");
             if shown.chars().count() > 80 {
                 shown = format!("{}…", shown.chars().take(80).collect::<String>());
             }
@@ -616,11 +553,12 @@ pub(crate) fn hf_model_id(value: &str) -> String {
 pub(crate) fn launch_or_file_model(
     pod: &Pod,
     trainer: &Container,
+    launch: &TrainerLaunch,
     cluster: Cluster<'_>,
     file: &Result<Option<ConfigFileReading>, String>,
 ) -> Result<Option<LaunchModel>, String> {
     use crate::launch::config_file::{Origin, Trainer};
-    let flags = launch_model(pod, trainer, cluster);
+    let flags = launch_model(pod, trainer, launch, cluster);
     let file = match file {
         Ok(file) => file,
         Err(_) if matches!(flags, Ok(Some(_))) => &None,
@@ -677,14 +615,14 @@ pub(crate) fn launch_or_file_model(
 pub(crate) fn read_config_file(
     pod: &Pod,
     trainer: &Container,
+    launch: &TrainerLaunch,
     cluster: Cluster<'_>,
 ) -> Result<Option<ConfigFileReading>, String> {
     use crate::launch::config_file;
-    let (items, command_len) = command_items(trainer);
-    let Ok(found) = find_launch(trainer) else {
+    let Ok(found) = &launch.found else {
         return Ok(None);
     };
-    let Some(config) = config_file::find(&found) else {
+    let Some(config) = config_file::find(found) else {
         return Ok(None);
     };
     let name = config.trainer.name();
@@ -704,7 +642,7 @@ pub(crate) fn read_config_file(
     // that differs from the value read then) is not the trainer's: the value read then counts
     // when it came from the command line (memguard replaced the user's word), the file's
     // otherwise (memguard appended the word).
-    let earlier = earlier_estimate(pod);
+    let earlier = &launch.earlier;
     let mut own = config.clone();
     for (knob, read) in config.read(&doc).knobs {
         let Some(e) = earlier.as_ref().filter(|e| {
@@ -734,9 +672,9 @@ pub(crate) fn read_config_file(
             (path, parsed)
         });
     Ok(Some(ConfigFileReading {
-        items,
-        command_len,
-        launch: found,
+        items: launch.items.clone(),
+        command_len: launch.command_len,
+        launch: found.clone(),
         config,
         doc,
         source: file.source,
@@ -750,18 +688,17 @@ pub(crate) fn read_config_file(
 /// knobs no annotation gives, each recorded as `args`. Any program: the map says the script
 /// defines these flags.
 pub(crate) fn read_mapped_flags(
-    pod: &Pod,
-    trainer: &Container,
+    launch: &TrainerLaunch,
+    dialect: Dialect,
     parsed: &TrainingAnnotations,
     config: &mut TrainingConfig,
     sources: &mut BTreeMap<Knob, String>,
     map: &crate::policy::FlagMap,
 ) -> Result<Option<ArgsReading>, String> {
-    use crate::launch::{self, Flags, MappedRules};
-    let (items, command_len) = command_items(trainer);
-    let found = match find_launch(trainer) {
+    use crate::launch::{Flags, LaunchError, MappedRules};
+    let found = match &launch.found {
         Ok(found) => found,
-        Err(launch::LaunchError::Empty | launch::LaunchError::NoProgram) => return Ok(None),
+        Err(LaunchError::Empty | LaunchError::NoProgram) => return Ok(None),
         Err(e) => return Err(e.to_string()),
     };
     let bools = map
@@ -771,23 +708,14 @@ pub(crate) fn read_mapped_flags(
         .map(|(_, f)| f.as_str());
     let rules = MappedRules::new(map.flags.values().map(String::as_str), bools);
     let flags = Flags::parse(&found.texts(), &rules);
-    let earlier = earlier_estimate(pod);
+    let earlier = &launch.earlier;
     for (knob, flag) in &map.flags {
         if parsed.knobs_given.contains(knob) {
             continue;
         }
         let key = MappedRules::key_of(flag);
         let Some(f) = flags.get(&key) else { continue };
-        let known = [
-            Some(f.at),
-            match f.value_at {
-                launch::flags::ValueAt::Next(i) => Some(i),
-                _ => None,
-            },
-        ]
-        .into_iter()
-        .flatten()
-        .all(|i| found.args.get(i).is_some_and(|a| !a.expands));
+        let known = literal(found, f);
         let value = if *knob == Knob::GradCheckpointing {
             flags.bool(&key, &rules).map(|b| b.to_string())
         } else {
@@ -802,9 +730,10 @@ pub(crate) fn read_mapped_flags(
         }
     }
     Ok(Some(ArgsReading {
-        items,
-        command_len,
-        launch: found,
+        items: launch.items.clone(),
+        command_len: launch.command_len,
+        launch: found.clone(),
+        dialect,
         flags,
         hf_parser: false,
         defaults: BTreeMap::new(),
@@ -817,9 +746,11 @@ pub(crate) fn read_mapped_flags(
 /// Reads the trainer's command line with HF rules into `config`, for the knobs no annotation
 /// gives; each knob read is recorded in `sources` as `args`. `Ok(None)`: no launch, or not one
 /// with HF rules; `Err`: a launch that cannot be read, and why.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn read_args(
     pod: &Pod,
     trainer: &Container,
+    trainer_launch: &TrainerLaunch,
     parsed: &TrainingAnnotations,
     config: &mut TrainingConfig,
     sources: &mut BTreeMap<Knob, String>,
@@ -828,13 +759,27 @@ pub(crate) fn read_args(
 ) -> Result<Option<ArgsReading>, String> {
     use crate::launch::{self, HfRules};
     let image = trainer.image.as_deref().unwrap_or_default();
-    if let Some(map) = policy.flag_map_for(image) {
-        return read_mapped_flags(pod, trainer, parsed, config, sources, map);
+    let map = policy.flag_map_for(image);
+    let dialect = trainer_launch.dialect(map.is_some())?;
+    if let (Some(Dialect::Mapped), Some(map)) = (dialect, map) {
+        return read_mapped_flags(
+            trainer_launch,
+            Dialect::Mapped,
+            parsed,
+            config,
+            sources,
+            map,
+        );
     }
-    if let Some(hf) = hf_launch(trainer)?
-        && is_swift(&hf.launch)
-    {
-        let mut reading = read_mapped_flags(pod, trainer, parsed, config, sources, &swift_flags())?;
+    if dialect == Some(Dialect::Swift) {
+        let mut reading = read_mapped_flags(
+            trainer_launch,
+            Dialect::Swift,
+            parsed,
+            config,
+            sources,
+            &swift_flags(),
+        )?;
         // ms-swift's own `TrainingArguments` (`swift/trainers/arguments.py`): 1 per device,
         // checkpointing on. Its accumulation is derived at run time (16 / batch / world size)
         // and its sequence from the model's config: both unknown when left out.
@@ -848,9 +793,12 @@ pub(crate) fn read_args(
         }
         return Ok(reading);
     }
-    if let Some((items, command_len, found, run)) = tune_launch(trainer)? {
-        let tc = tune_config(pod, trainer, &run, cluster)?;
-        let earlier = earlier_estimate(pod);
+    if let Some((found, run)) = trainer_launch
+        .tune_run()
+        .filter(|_| dialect == Some(Dialect::Tune))
+    {
+        let tc = tune_config(pod, trainer, run, cluster)?;
+        let earlier = &trainer_launch.earlier;
         for (knob, key) in TUNE_KEYS {
             if parsed.knobs_given.contains(knob) {
                 continue;
@@ -894,24 +842,22 @@ pub(crate) fn read_args(
             .and_then(launch::tune::component_model)
             .map(|(_, method)| method);
         return Ok(Some(ArgsReading {
-            items,
-            command_len,
-            launch: found,
+            items: trainer_launch.items.clone(),
+            command_len: trainer_launch.command_len,
+            launch: found.clone(),
+            dialect: Dialect::Tune,
             flags: launch::Flags::default(),
             hf_parser: false,
             defaults: BTreeMap::new(),
             unread_sequence_flags: Vec::new(),
             flag_map: None,
-            tune: Some(TuneReading { run, method }),
+            tune: Some(TuneReading {
+                run: run.clone(),
+                method,
+            }),
         }));
     }
-    let Some(HfLaunch {
-        items,
-        command_len,
-        launch: found,
-        flags,
-    }) = hf_launch(trainer)?
-    else {
+    let Some((found, flags)) = trainer_launch.hf().filter(|_| dialect == Some(Dialect::Hf)) else {
         return Ok(None);
     };
     for (knob, key) in HF_FLAGS {
@@ -919,17 +865,7 @@ pub(crate) fn read_args(
             continue;
         }
         let Some(flag) = flags.get(key) else { continue };
-        let known = [
-            Some(flag.at),
-            match flag.value_at {
-                launch::flags::ValueAt::Next(i) => Some(i),
-                _ => None,
-            },
-        ]
-        .into_iter()
-        .flatten()
-        .all(|i| found.args.get(i).is_some_and(|a| !a.expands));
-        if !known {
+        if !literal(found, flag) {
             continue;
         }
         let value = if *knob == Knob::GradCheckpointing {
@@ -937,7 +873,7 @@ pub(crate) fn read_args(
         } else {
             flag.value.clone()
         };
-        let earlier = earlier_estimate(pod);
+        let earlier = &trainer_launch.earlier;
         if let Some(value) = value
             && let Some(read) = as_read(earlier.as_ref(), *knob, &value)
             && knob.set(config, read)
@@ -955,7 +891,7 @@ pub(crate) fn read_args(
     }
     // A knob the launch leaves out runs at its parser's default where memguard knows the
     // parser (TRL, transformers' example scripts); in a bespoke script it is unknown.
-    let parser = hf_parser(&found, &flags);
+    let parser = hf_parser(found, flags);
     let mut defaults = BTreeMap::new();
     for (knob, value) in &parser.defaults {
         if !parsed.knobs_given.contains(knob) && !sources.contains_key(knob) {
@@ -963,12 +899,13 @@ pub(crate) fn read_args(
             defaults.insert(*knob, parser.citation);
         }
     }
-    let unread_sequence_flags = crate::launch::flags::unread_sequence_flags(&flags);
+    let unread_sequence_flags = crate::launch::flags::unread_sequence_flags(flags);
     Ok(Some(ArgsReading {
-        items,
-        command_len,
-        launch: found,
-        flags,
+        items: trainer_launch.items.clone(),
+        command_len: trainer_launch.command_len,
+        launch: found.clone(),
+        dialect: Dialect::Hf,
+        flags: flags.clone(),
         hf_parser: parser.accepts_training_arguments,
         defaults,
         unread_sequence_flags,

@@ -3,11 +3,11 @@
 
 use super::*;
 use crate::mock_api::{Step, client, status_error, step, verify};
-use crate::testutil::{PodBuilder, summary};
 use crate::update::apply;
 use http::{Method, StatusCode};
 use memguard_api::crd::{MemoryProfileSpec, MemoryProfileStatus};
 use memguard_api::env;
+use memguard_decide::testutil::{PodBuilder, summary};
 
 /// Observes under the default policy (the built-in catalog only), without DRA objects.
 fn try_observe(
@@ -35,7 +35,7 @@ fn pod() -> PodBuilder {
 }
 
 fn profile_name() -> String {
-    crate::pod_key(
+    memguard_decide::pod_key(
         &pod().build(),
         &memguard_api::Policy::default(),
         memguard_api::Cluster::default(),
@@ -45,7 +45,7 @@ fn profile_name() -> String {
 }
 
 fn key() -> MemoryProfileSpec {
-    crate::pod_key(
+    memguard_decide::pod_key(
         &pod().build(),
         &memguard_api::Policy::default(),
         memguard_api::Cluster::default(),

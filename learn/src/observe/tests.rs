@@ -1,6 +1,6 @@
 use super::*;
-use crate::testutil::{PodBuilder, summary};
 use memguard_api::env;
+use memguard_decide::testutil::{PodBuilder, summary};
 
 /// Observes under the default policy (the built-in catalog only), without DRA objects.
 fn try_observe(
@@ -121,7 +121,7 @@ fn reads_the_summary_from_native_or_classic_sidecars() {
         assert_eq!(obs.measured_peak, Some(Bytes(15 * GIB)));
         assert_eq!(obs.limit, Some(Bytes(16 * GIB)));
         assert_eq!(obs.oom, None);
-        assert_eq!(obs.finished_at, crate::testutil::at(100));
+        assert_eq!(obs.finished_at, memguard_decide::testutil::at(100));
         assert_eq!(obs.pod, "trainer-0");
         assert_eq!(obs.uid, "uid-0");
     }
@@ -407,7 +407,7 @@ fn knows_an_oom_from_other_deaths() {
     for (name, reason, code, message, summary, disrupted, want) in table {
         let mut pod = gpu_pod().build();
         if disrupted {
-            pod.metadata.deletion_timestamp = Some(crate::testutil::at(5));
+            pod.metadata.deletion_timestamp = Some(memguard_decide::testutil::at(5));
         }
         let terminated = ContainerStateTerminated {
             reason: Some(reason.into()),

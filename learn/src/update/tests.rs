@@ -1,8 +1,8 @@
 use super::*;
-use crate::testutil::{PodBuilder, at, summary};
 use memguard_api::crd::{MAX_RUNS, TrainingKnobs};
 use memguard_api::env;
 use memguard_api::policy::DEFAULT_MAX_OOM_RECOVERIES as MAX_OOM_RECOVERIES;
+use memguard_decide::testutil::{PodBuilder, at, summary};
 
 /// Observes under the default policy (the built-in catalog only), without DRA objects.
 fn try_observe(
@@ -429,9 +429,9 @@ fn an_fsdp_oom_kill_recovers_by_syncing_each_batch_and_the_next_pod_starts_so() 
     assert_eq!(r.config.batch_size, Some(4), "the batch is not halved yet");
     assert!(r.reason.contains("every micro-batch"), "{}", r.reason);
 
-    let start = crate::adjust::recovery_start(&obs.ran, &r, &Floors::default());
+    let start = memguard_decide::adjust::recovery_start(&obs.ran, &r, &Floors::default());
     assert_eq!(start.grad_sync, memguard_estimator::GradSync::EachBatch);
-    assert!(describe_knobs(&r.config).contains("gradients synced each batch"));
+    assert!(r.config.describe().contains("gradients synced each batch"));
 
     // Without accumulation, syncing alone would change nothing: the batch is halved with it.
     let mut single = obs.clone();

@@ -278,7 +278,7 @@ fn a_dra_only_gpu_pods_run_is_learned_under_the_key_its_next_admission_reads() {
     .expect("observed");
     assert_eq!(obs.oom.as_deref(), Some("OOMKilled"));
     assert_eq!(obs.key.spec.device_class, KeyDeviceClass::Gpu);
-    let admission_key = memguard_learn::pod_key(
+    let admission_key = memguard_decide::pod_key(
         &pod,
         &policy,
         memguard_api::Cluster::with_dra(Some(

@@ -432,7 +432,7 @@ fn lora_knobs_only_for_adapter_methods() {
 
 /// A profile for the key of `pod`, with `status`.
 fn profile_for(pod: &Pod, status: memguard_api::crd::MemoryProfileStatus) -> MemoryProfile {
-    let key = memguard_learn::pod_key(pod, &Policy::default(), memguard_api::Cluster::default())
+    let key = memguard_decide::pod_key(pod, &Policy::default(), memguard_api::Cluster::default())
         .expect("a key");
     let mut p = MemoryProfile::new(&key.name, key.spec);
     p.status = Some(status);
@@ -685,15 +685,6 @@ fn sidecar_plan_follows_the_policy() {
     assert_eq!(get(env::SIDECAR_WARN), Some("0.6"));
     assert_eq!(get(env::SIDECAR_INTERVAL), Some("50ms"));
     assert_eq!(get(env::TRAINER_CONTAINER), Some("train"));
-}
-
-#[test]
-fn truncate_keeps_short_text_and_marks_the_cut() {
-    assert_eq!(truncate("short"), "short");
-    let long = "x".repeat(500);
-    let cut = truncate(&long);
-    assert_eq!(cut.chars().count(), MAX_WARNING_CHARS);
-    assert!(cut.ends_with('…'));
 }
 
 /// A watch cache that answers for one namespace and records what admission asked it.

@@ -185,7 +185,7 @@ fn estimate(pod: &Value, response: &Value) -> Value {
 
 #[tokio::test]
 async fn a_policy_swapped_in_by_the_watch_applies_to_the_next_review() {
-    use crate::policy_watch::{Change, PolicyWatch};
+    use crate::watch::policy::{Change, PolicyWatch};
     use kube::runtime::watcher::Event;
     use memguard_api::crd::{MemguardPolicy, MemguardPolicySpec};
 

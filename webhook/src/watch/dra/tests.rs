@@ -32,7 +32,7 @@ async fn a_cluster_without_the_api_is_said_once_and_asked_nothing_more() {
 #[tokio::test]
 async fn synced_caches_answer_from_the_listed_objects() {
     let objects: Vec<Value> =
-        serde_saphyr::from_multiple(include_str!("../../tests/fixtures/dra/objects.yaml"))
+        serde_saphyr::from_multiple(include_str!("../../../tests/fixtures/dra/objects.yaml"))
             .expect("fixture");
     let (client, mut handle) = client();
     let (catalog, task) = start(client);

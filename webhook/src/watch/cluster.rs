@@ -11,10 +11,9 @@
 //! is in a ConfigMap is planned without it, with a warning that says so. Never a failed
 //! admission.
 
-use futures::StreamExt;
+use super::{drive, reflected};
 use k8s_openapi::api::core::v1::{ConfigMap, Node};
-use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client};
 use memguard_api::cluster::{ConfigMaps, MAX_NODE_TAINTS, NodeInfo, NodeLabels, blocks};
 use std::collections::BTreeMap;
@@ -113,59 +112,31 @@ pub fn start_config_maps(
         namespaces.iter().cloned().map(Some).collect()
     };
     let mut stores = Vec::new();
-    let mut streams = Vec::new();
+    let mut watches = Vec::new();
     for scope in scopes {
         let api: Api<ConfigMap> = match &scope {
             Some(ns) => Api::namespaced(client.clone(), ns),
             None => Api::all(client.clone()),
         };
-        let (reader, writer) = reflector::store::<ConfigMap>();
-        let watch = reflector::reflector(
-            writer,
-            watcher(api, watcher::Config::default()).modify(trimmed),
-        )
-        .default_backoff()
-        .touched_objects()
-        .map(|r| r.map(|_| ()));
-        streams.push(watch.boxed());
+        let (reader, watch) = reflected(api, trimmed);
+        watches.push(watch);
         stores.push((scope, reader));
     }
-    let task = tokio::spawn(async move {
-        let mut all = futures::stream::select_all(streams);
-        while let Some(item) = all.next().await {
-            if let Err(error) = item {
-                tracing::warn!(
-                    %error,
-                    "ConfigMap watch error: trainers' config files are not read until it lists"
-                );
-            }
-        }
-    });
+    let task = drive(
+        watches,
+        "ConfigMap watch error: trainers' config files are not read until it lists",
+    );
     (std::sync::Arc::new(ConfigMapCache { stores }), task)
 }
 
 /// Starts the node watch. Taints are in a Node's spec, so this watches whole Nodes (not
 /// metadata only) and trims each as it arrives.
 pub fn start_nodes(client: Client) -> (std::sync::Arc<NodeCache>, JoinHandle<()>) {
-    let (reader, writer) = reflector::store::<Node>();
-    let api: Api<Node> = Api::all(client);
-    let watch = reflector::reflector(
-        writer,
-        watcher(api, watcher::Config::default()).modify(node_trimmed),
-    )
-    .default_backoff()
-    .touched_objects();
-    let task = tokio::spawn(async move {
-        let mut watch = std::pin::pin!(watch);
-        while let Some(item) = watch.next().await {
-            if let Err(error) = item {
-                tracing::warn!(
-                    %error,
-                    "Node watch error: nodes' GPU labels and taints are not read until it lists"
-                );
-            }
-        }
-    });
+    let (reader, watch) = reflected(Api::<Node>::all(client), node_trimmed);
+    let task = drive(
+        vec![watch],
+        "Node watch error: nodes' GPU labels and taints are not read until it lists",
+    );
     (std::sync::Arc::new(NodeCache { store: reader }), task)
 }
 

@@ -309,7 +309,7 @@ fn an_unpinned_gpu_pod_is_told_the_default_was_assumed() {
     assert!(
         warnings
             .iter()
-            .any(|w| w.starts_with(memguard_learn::budget::ASSUMED_DEFAULT)
+            .any(|w| w.starts_with(memguard_decide::budget::ASSUMED_DEFAULT)
                 && w.contains(keys::GPU_MEMORY)),
         "{warnings:?}"
     );

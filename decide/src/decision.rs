@@ -11,7 +11,6 @@
 use crate::Adjustments;
 use crate::budget::{Budget, BudgetSource};
 use crate::key::PodKey;
-use crate::update::describe_knobs;
 use crate::warnings::truncate;
 use k8s_openapi::api::core::v1::Affinity;
 use memguard_api::annotations as keys;
@@ -298,7 +297,7 @@ fn plan(
                 .map(|level| format!(" (upper bound {} at {level})", plan.upper()))
                 .unwrap_or_default(),
             b.bytes,
-            describe_knobs(&TrainingKnobs::of(&plan.config)),
+            TrainingKnobs::of(&plan.config).describe(),
             quality_note(&plan, &floors),
             would_fit(&suggestions)
         )

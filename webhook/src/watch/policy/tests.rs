@@ -404,7 +404,7 @@ async fn a_resource_flapping_between_valid_and_invalid_always_serves_the_last_va
 #[tokio::test]
 async fn a_models_entry_with_a_wrong_parameter_count_is_rejected_and_the_models_in_force_stay() {
     let config: serde_json::Value = serde_json::from_str(include_str!(
-        "../../../api/fixtures/hf-config/qwen2.5-coder-7b-instruct.json"
+        "../../../../api/fixtures/hf-config/qwen2.5-coder-7b-instruct.json"
     ))
     .expect("fixture");
     let mut f = fixture(Overrides::default());

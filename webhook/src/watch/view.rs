@@ -5,7 +5,7 @@ use crate::dra::DraCatalog;
 use memguard_api::Cluster;
 use memguard_api::cluster::{ConfigMaps, NodeLabels};
 use memguard_api::crd::MemoryProfile;
-use memguard_learn::{Adjustments, PodKey, adjustments};
+use memguard_decide::{Adjustments, PodKey, adjustments};
 use std::sync::Arc;
 
 /// A read-only view of `MemoryProfile`s: the webhook's watch cache (a kube reflector store) or

@@ -1,5 +1,3 @@
-use super::*;
-use crate::budget::BudgetSource;
 use crate::testutil::{PodBuilder, trainer_pod};
 use crate::{ClusterView, Outcome, mutate, patch};
 use k8s_openapi::api::core::v1::Pod;
@@ -7,6 +5,8 @@ use memguard_api::Policy;
 use memguard_api::PolicySpec;
 use memguard_api::annotations as keys;
 use memguard_api::pod::NVIDIA_GPU_MEMORY_LABEL;
+use memguard_decide::budget::BudgetSource;
+use memguard_decide::placement::*;
 use serde_json::{Value, json};
 
 fn policy(mode: &str) -> Policy {
