@@ -1,6 +1,7 @@
 //! One sampling step: sample every source, assess, publish. No sockets, no clock of its own (the
 //! caller passes milliseconds), so tests drive it with fake sources.
 
+use crate::growth::{self, Growth, GrowthConfig, Memory, Observation, Reading};
 use crate::pressure::{self, History, Inputs, PressureConfig};
 use crate::sample::gpu::{self, GpuSource};
 use crate::sample::psi::{self, Psi};
@@ -29,6 +30,8 @@ pub struct Engine {
     psi_host: Option<PathBuf>,
     pressure: PressureConfig,
     state: pressure::State,
+    growth_config: GrowthConfig,
+    growth: Growth,
     history: History,
     writer: SignalWriter,
     shared: Arc<Shared>,
@@ -81,6 +84,11 @@ impl Engine {
         shared: Arc<Shared>,
     ) -> Self {
         let s = shared.signal.borrow().clone();
+        let mut growth = Growth::default();
+        if let Some(k) = s.sticky {
+            // A sticky downgrade carried over a restart: the rung above it ran out of memory.
+            growth.forbid_from(k.batch_size.saturating_add(1));
+        }
         {
             let mut st = shared.status();
             st.source = source.describe();
@@ -94,6 +102,8 @@ impl Engine {
             pressure,
             state: pressure::State::new(s.batch_size, s.grad_accumulation, s.grad_checkpointing)
                 .with_sticky(s.sticky),
+            growth_config: GrowthConfig::new(pressure.thresholds.warn),
+            growth,
             history: History::default(),
             writer,
             shared,
@@ -106,6 +116,13 @@ impl Engine {
             trainer_oom: false,
             waiting_for_trainer: false,
         }
+    }
+
+    /// The growth back toward the configured micro-batch with these settings (default:
+    /// [`GrowthConfig::new`] at the `warn` threshold).
+    pub fn with_growth(mut self, config: GrowthConfig) -> Self {
+        self.growth_config = config;
+        self
     }
 
     /// The sticky downgrade after an OOM kill counted in the cgroup since the last sample, or an
@@ -382,10 +399,48 @@ impl Engine {
             decision.state = state;
             decision.reason = why;
         }
+        if let Some(grow) = self.grow(&decision.state, r, now_ms) {
+            tracing::info!(reason = %grow.reason, "micro-batch grown back");
+            decision.state.batch_size = grow.batch_size;
+            decision.state.grad_accumulation = grow.grad_accumulation;
+            decision.reason = grow.reason;
+        }
         let changed = decision.state.signal_differs(&self.state)
             || decision.state.sticky != self.state.sticky;
         self.state = decision.state;
         (decision.reason, changed)
+    }
+
+    /// The growth rule's step on the state just assessed (downgrades included, so that a shrink
+    /// lowers its ceiling first): a growth when the peaks measured at the current micro-batch
+    /// show room for the next rung.
+    fn grow(&mut self, state: &pressure::State, r: &Readings, now_ms: u64) -> Option<growth::Grow> {
+        let configured = self
+            .shared
+            .status()
+            .trainer_config
+            .get("batch-size")
+            .copied()
+            .filter(|b| b.is_finite() && *b >= 1.0 && b.fract() == 0.0)
+            .map(|b| b as u64);
+        // Never above a sticky downgrade: the rung above it ran out of memory.
+        let configured = match (configured, state.sticky) {
+            (Some(c), Some(k)) => Some(c.min(k.batch_size)),
+            (c, _) => c,
+        };
+        let trainer = r
+            .report
+            .as_ref()
+            .and_then(|rep| Some((rep.step?, rep.batch_size?)));
+        let observation = Observation {
+            level: state.level,
+            knobs: state.knobs(),
+            configured_batch: configured,
+            trainer,
+            readings: growth_readings(r),
+        };
+        self.growth
+            .observe(&observation, now_ms, &self.growth_config)
     }
 
     /// What this step saw, into the status the metrics, the summary and the API read.
@@ -405,6 +460,8 @@ impl Engine {
             st.gpu_peak = Some(st.gpu_peak.map_or(g, |p| p.max(g)));
         }
         st.downgrades = self.state.downgrades;
+        st.growths = self.growth.growths;
+        st.growth_ceiling = self.growth.ceiling();
         st.sticky_batch_size = self.state.sticky.map(|k| k.batch_size);
         st.max_level = st.max_level.max(self.state.level);
         st.seconds_to_limit = r.inputs.seconds_to_limit;
@@ -481,6 +538,47 @@ impl Engine {
             None => Tick::Running,
         }
     }
+}
+
+/// The peaks the growth rule measures this step: the cgroup's working set (or its peak since the
+/// previous sample) against its limit, and the most loaded device (the trainer's reserved peak,
+/// or NVML's used) against its size. A memory whose figure or budget was not read is left out.
+fn growth_readings(r: &Readings) -> Vec<Reading> {
+    let mut out = Vec::new();
+    if let (Some(s), Some(limit)) = (r.sample.as_ref(), r.limit.filter(|&l| l > 0))
+        && let Some(ws) = s.working_set_bytes
+    {
+        let used = ws.max(s.interval_peak_working_set_bytes.unwrap_or(0));
+        out.push(Reading {
+            memory: Memory::Cgroup,
+            used,
+            budget: limit,
+        });
+    }
+    let reported = r.report.as_ref().and_then(|rep| {
+        let used = rep
+            .reserved_peak_bytes
+            .or(rep.reserved_bytes)
+            .max(rep.peak_bytes)?;
+        Some((used, rep.total_bytes.filter(|&t| t > 0)?))
+    });
+    let nvml = r
+        .gpus
+        .iter()
+        .filter(|g| g.total_bytes > 0)
+        .map(|g| (g.used_bytes, g.total_bytes));
+    let device = reported
+        .into_iter()
+        .chain(nvml)
+        .max_by(|a, b| (a.0 as f64 / a.1 as f64).total_cmp(&(b.0 as f64 / b.1 as f64)));
+    if let Some((used, budget)) = device {
+        out.push(Reading {
+            memory: Memory::Device,
+            used,
+            budget,
+        });
+    }
+    out
 }
 
 /// The starting signal: the configured knobs, or, when the file already holds a signal of this

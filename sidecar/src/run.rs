@@ -1,6 +1,7 @@
 //! Wiring: sources, listeners, kernel events, the sampling loop, and the summary at exit.
 
 use crate::config::{Config, LogFormat};
+use crate::growth::GrowthConfig;
 use crate::engine::{Engine, PsiPaths, Tick, starting_signal};
 use crate::events;
 use crate::pressure::PressureConfig;
@@ -240,7 +241,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         pressure,
         SignalWriter::new(a.signal_file.clone()),
         shared.clone(),
-    );
+    )
+    .with_growth(GrowthConfig {
+        enabled: a.grow_back,
+        steady_steps: a.grow_steady_steps,
+        min_window_ms: a.grow_window.as_millis() as u64,
+        watermark: config.thresholds.warn,
+    });
     engine.flush();
     let (source, info) = {
         let st = shared.status();
