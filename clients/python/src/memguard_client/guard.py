@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import urllib.error
@@ -421,6 +422,34 @@ class Guard:
             self._last_step = body["step"]
         if isinstance(framework, str) and framework:
             body["framework"] = framework[:64]
+        return self._post_report(body)
+
+    def report_step(
+        self,
+        *,
+        step: int,
+        batch_size: int,
+        reserved_peak_bytes: Optional[int] = None,
+        total_bytes: Optional[int] = None,
+    ) -> bool:
+        """POST the step the trainer runs, its micro-batch and, on an accelerator, the reserved
+        peak of its most loaded device with that device's size: what the sidecar grows the
+        micro-batch back on (:mod:`memguard_client.peaks` sends it in the background). Never
+        raises; True when accepted."""
+        body: Dict[str, Any] = {}
+        for name, value in (
+            ("step", step),
+            ("batch_size", batch_size),
+            ("reserved_peak_bytes", reserved_peak_bytes),
+            ("total_bytes", total_bytes),
+        ):
+            n = _env.non_negative_int(value)
+            if n is not None:
+                body[name] = n
+        if "step" in body:
+            self._last_step = body["step"]
+        if "torch" in sys.modules and reserved_peak_bytes is not None:
+            body["framework"] = "torch"
         return self._post_report(body)
 
     def report_config(self, config: Mapping[str, float]) -> bool:
