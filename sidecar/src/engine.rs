@@ -615,6 +615,7 @@ mod tests {
     use super::*;
     use crate::sample::gpu::{GpuError, GpuMemory};
     use crate::sample::{Limit, SampleError};
+    use crate::growth::GrowthConfig;
     use memguard_api::Level;
     use memguard_api::policy::Thresholds;
 
@@ -1107,6 +1108,77 @@ mod tests {
         let s = starting_signal(Some(&text), 8, 2, false);
         assert_eq!(s.seq, u64::MAX);
         assert_eq!(s.batch_size, 4, "the kept knobs still apply");
+    }
+
+    /// The trainer, configured at 16, admitted at 2 × 8: with room measured over its steps it
+    /// grows back 4, 8, 16, the effective batch kept, and never above 16; a downgrade then lowers the ceiling so 16 is not tried
+    /// again. Counted in the metrics and the summary.
+    #[test]
+    fn measured_room_grows_the_batch_back_and_a_downgrade_lowers_the_ceiling() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let shared = Arc::new(Shared::new(Signal::initial(2, 8, false)));
+        // 300 of 1000 for 120 samples, then 900: pressure.
+        let mut script = vec![mem(300, true); 120];
+        script.push(mem(900, true));
+        let mut e = Engine::new(
+            Box::new(Script(script)),
+            Box::new(FakeGpu(Ok(vec![]))),
+            PsiPaths::default(),
+            PressureConfig::new(Thresholds::default()),
+            SignalWriter::new(dir.path().join("signal.json")),
+            shared.clone(),
+        )
+        .with_growth(GrowthConfig {
+            min_window_ms: 500,
+            ..GrowthConfig::new(0.70)
+        });
+        let mut batches = Vec::new();
+        let mut step = 0;
+        for i in 0..80u64 {
+            // The trainer runs what the signal says, one step per sample.
+            let running = shared.signal.borrow().batch_size;
+            step += 1;
+            shared.status().report = Some(memguard_api::Report {
+                step: Some(step),
+                batch_size: Some(running),
+                ..Default::default()
+            });
+            if i == 5 {
+                // Its config arrives at train start; until then the ceiling is unknown.
+                assert_eq!(shared.signal.borrow().batch_size, 2, "no growth while unknown");
+                shared.status().trainer_config = [("batch-size".to_string(), 16.0)].into();
+            }
+            e.tick(i * 100);
+            let s = shared.signal.borrow().clone();
+            assert_eq!(s.effective_batch(), 16, "sample {i}");
+            batches.push(s.batch_size);
+        }
+        batches.dedup();
+        assert_eq!(batches, [2, 4, 8, 16]);
+        let s = on_disk(dir.path());
+        assert_eq!((s.batch_size, s.grad_accumulation, s.level), (16, 1, Level::Ok));
+        assert!(s.reason.contains("batch 8 -> 16"), "{}", s.reason);
+        assert_eq!(shared.status().growths, 3);
+        // Pressure: down to 8, and 16 is off the table for the run even once it is gone.
+        for i in 80..400u64 {
+            let running = shared.signal.borrow().batch_size;
+            step += 1;
+            shared.status().report = Some(memguard_api::Report {
+                step: Some(step),
+                batch_size: Some(running),
+                ..Default::default()
+            });
+            e.tick(i * 100);
+        }
+        let s = shared.signal.borrow().clone();
+        assert!(s.batch_size <= 8, "{s:?}");
+        let st = shared.status();
+        assert!(st.growth_ceiling.is_some_and(|c| c < 16));
+        assert_eq!(st.growths, 3);
+        let metrics = crate::metrics::render(&st, &s);
+        assert!(metrics.contains("memguard_sidecar_growths_total 3"), "{metrics}");
+        assert!(metrics.contains("memguard_sidecar_growth_ceiling 15"), "{metrics}");
+        assert_eq!(crate::summary::build(&st, &s, None, "x").growths, 3);
     }
 
     /// Fault injection (docs/reliability.md): the clock the loop passes jumps forward by days and

@@ -21,8 +21,10 @@
 //!   policy's margin). No memory known: no growth.
 //! * **A ceiling that only goes down.** The configured micro-batch (the trainer's own config,
 //!   reported at train start); unknown, never grow. Every shrink (a downgrade under pressure, the
-//!   sticky downgrade of an OOM) lowers it below the micro-batch left: a rung that was shrunk
-//!   from, or that ran out of memory, is never tried again in the run. So the two rules never
+//!   sticky downgrade of an OOM) from a micro-batch the trainer reported running lowers it below
+//!   that micro-batch: a rung that was shrunk from, or that ran out of memory, is never tried
+//!   again in the run. (A shrink before the trainer ran a step there, e.g. pressure while
+//!   several ranks import their libraries, says nothing about the rung and leaves it.) So the two rules never
 //!   fight, and grow, shrink, grow cannot cycle.
 
 use crate::pressure::Knobs;
@@ -126,6 +128,8 @@ pub struct Growth {
     /// No micro-batch above this is recommended again (lowered by every shrink).
     ceiling: Option<u64>,
     last_batch: Option<u64>,
+    /// The micro-batches the trainer reported running a step at.
+    ran: std::collections::BTreeSet<u64>,
     window: Option<Window>,
     /// Per memory, the measured peak by micro-batch (for the per-row slope).
     measured: BTreeMap<Memory, BTreeMap<u64, u64>>,
@@ -184,11 +188,18 @@ impl Growth {
     /// One sample at `now_ms`: a growth when the window at the current micro-batch allows one.
     pub fn observe(&mut self, o: &Observation, now_ms: u64, c: &GrowthConfig) -> Option<Grow> {
         let batch = o.knobs.batch_size.max(1);
+        if let Some((_, running)) = o.trainer {
+            self.ran.insert(running);
+        }
         if let Some(last) = self.last_batch
             && batch < last
         {
-            // A shrink, whatever its cause: that rung is not for this run.
-            self.forbid_from(last);
+            // A shrink, whatever its cause, from a rung the trainer ran: that rung is not for
+            // this run. A shrink before the trainer ran it (pressure while it starts up) says
+            // nothing of the rung.
+            if self.ran.contains(&last) {
+                self.forbid_from(last);
+            }
             self.window = None;
         }
         self.last_batch = Some(batch);
@@ -465,6 +476,23 @@ mod tests {
         assert!(after.iter().all(|k| k.batch_size == 4));
         assert_eq!(g.ceiling(), Some(7));
         assert_eq!(g.growths, 3, "no growth after the shrinks");
+    }
+
+    #[test]
+    fn a_shrink_before_the_trainer_ran_the_batch_leaves_the_ceiling() {
+        let mut g = Growth::default();
+        let starting = |knobs| Observation {
+            level: Level::Downgrade,
+            knobs,
+            configured_batch: Some(16),
+            trainer: None,
+            readings: cgroup(GIB),
+        };
+        assert_eq!(g.observe(&starting(knobs(2, 8)), 0, &cfg()), None);
+        assert_eq!(g.observe(&starting(knobs(1, 16)), 100, &cfg()), None);
+        assert_eq!(g.ceiling(), None, "2 was never run");
+        let seen = run(&mut g, knobs(1, 16), Some(16), 80, roomy);
+        assert_eq!(seen.last().map(|k| k.batch_size), Some(16));
     }
 
     #[test]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import threading
 import time
 import urllib.error
@@ -425,31 +424,32 @@ class Guard:
         return self._post_report(body)
 
     def report_step(
-        self,
-        *,
-        step: int,
-        batch_size: int,
-        reserved_peak_bytes: Optional[int] = None,
-        total_bytes: Optional[int] = None,
+        self, *, step: int, batch_size: int, figures: Optional[Mapping[str, Any]] = None
     ) -> bool:
-        """POST the step the trainer runs, its micro-batch and, on an accelerator, the reserved
-        peak of its most loaded device with that device's size: what the sidecar grows the
-        micro-batch back on (:mod:`memguard_client.peaks` sends it in the background). Never
-        raises; True when accepted."""
+        """POST the step the trainer runs and its micro-batch, with the device's figures when
+        it has an accelerator (``report()`` keyword names plus ``reserved_peak_bytes``): what
+        the sidecar grows the micro-batch back on (:mod:`memguard_client.peaks` sends it in the
+        background). Never raises; True when accepted."""
         body: Dict[str, Any] = {}
-        for name, value in (
-            ("step", step),
-            ("batch_size", batch_size),
-            ("reserved_peak_bytes", reserved_peak_bytes),
-            ("total_bytes", total_bytes),
+        items = dict(figures or {})
+        items.update(step=step, batch_size=batch_size)
+        for name in (
+            "allocated_bytes",
+            "reserved_bytes",
+            "peak_bytes",
+            "reserved_peak_bytes",
+            "total_bytes",
+            "step",
+            "batch_size",
         ):
-            n = _env.non_negative_int(value)
+            n = _env.non_negative_int(items.get(name))
             if n is not None:
                 body[name] = n
+        framework = items.get("framework")
+        if isinstance(framework, str) and framework:
+            body["framework"] = framework[:64]
         if "step" in body:
             self._last_step = body["step"]
-        if "torch" in sys.modules and reserved_peak_bytes is not None:
-            body["framework"] = "torch"
         return self._post_report(body)
 
     def report_config(self, config: Mapping[str, float]) -> bool:

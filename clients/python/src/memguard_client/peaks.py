@@ -3,14 +3,14 @@
 The sidecar grows the micro-batch back only on peaks measured while the trainer runs the
 recommended one, over several steps. So at every step boundary the adapters (through
 :class:`memguard_client.recovery.StepRunner`) tell it which step runs at which micro-batch, and,
-on CUDA, the highest memory the caching allocator reserved on the most loaded device
-(``torch.cuda.max_memory_reserved``) with that device's size. On a CPU the sidecar reads the
-cgroup's peak itself; only the step and the micro-batch are sent.
+on CUDA, the highest memory the caching allocator reserved on the process's device
+(``torch.cuda.max_memory_reserved``, one device per rank) with the device's current figures. On a
+CPU the sidecar reads the cgroup's peak itself; only the step and the micro-batch are sent.
 
-The training loop pays for reading the peaks and handing them over (a lock and an event,
-measured in docs/performance.md); a daemon thread posts the latest figures at most every
-``min_interval`` seconds, so a slow or dead sidecar never slows a step. The allocator's peak
-statistics are read, never reset: the trainer's own logging may read them too.
+The training loop pays for handing ``(step, micro-batch)`` over (a lock and an event, measured
+in docs/performance.md); a daemon thread reads the device figures and posts the latest at most
+every ``min_interval`` seconds, so neither the reads nor a slow or dead sidecar slow a step. The
+allocator's peak statistics are read, never reset: the trainer's own logging may read them too.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import sys
 import threading
 from typing import Any, Dict, Optional, Tuple
 
+from .frameworks import framework_memory
 from .guard import Guard
 
 log = logging.getLogger("memguard_client")
@@ -27,42 +28,23 @@ log = logging.getLogger("memguard_client")
 #: Least seconds between two step reports (the sidecar samples every 100 ms by default).
 DEFAULT_MIN_INTERVAL = 0.2
 
-_DevicePeak = Tuple[int, int]
-
-
-def cuda_reserved_peak() -> Optional[_DevicePeak]:
-    """``(max_memory_reserved, total_memory)`` of the visible CUDA device whose reserved peak is
-    the largest share of its size; ``None`` without torch, without CUDA initialised in this
-    process, or when a figure cannot be read. Never raises."""
+def device_figures() -> Dict[str, Any]:
+    """The report fields of the framework in use (:func:`memguard_client.frameworks.framework_memory`:
+    allocated, reserved, peak and total of the current CUDA device) plus
+    ``reserved_peak_bytes`` (``torch.cuda.max_memory_reserved``) when CUDA is initialised in this
+    process; ``{}`` on a CPU. Never raises."""
     torch = sys.modules.get("torch")
-    if torch is None:
-        return None
     try:
-        cuda = torch.cuda
-        if not cuda.is_initialized():
-            return None
-        best: Optional[_DevicePeak] = None
-        for dev in range(cuda.device_count()):
-            total = int(_device_total(cuda, dev))
-            peak = int(cuda.max_memory_reserved(dev))
-            if total <= 0 or peak < 0:
-                continue
-            if best is None or peak / total > best[0] / best[1]:
-                best = (peak, total)
-        return best
+        if torch is None or not torch.cuda.is_initialized():
+            return {}
+        body: Dict[str, Any] = dict(framework_memory(import_missing=False) or {})
+        peak = int(torch.cuda.max_memory_reserved(torch.cuda.current_device()))
+        total = body.get("total_bytes")
+        if peak >= 0 and (not isinstance(total, int) or peak <= total):
+            body["reserved_peak_bytes"] = peak
+        return body
     except Exception:
-        return None
-
-
-_TOTALS: Dict[int, int] = {}
-
-
-def _device_total(cuda: Any, dev: int) -> int:
-    # A device's size does not change: read it once (get_device_properties is not free).
-    total = _TOTALS.get(dev)
-    if total is None:
-        total = _TOTALS[dev] = int(cuda.get_device_properties(dev).total_memory)
-    return total
+        return {}
 
 
 class StepReporter:
@@ -78,7 +60,7 @@ class StepReporter:
         self.guard = guard
         self.min_interval = max(0.0, float(min_interval))
         self._lock = threading.Lock()
-        self._latest: Optional[Tuple[int, int, Optional[_DevicePeak]]] = None
+        self._latest: Optional[Tuple[int, int]] = None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -91,13 +73,13 @@ class StepReporter:
         return self.guard.sidecar_url is not None
 
     def step(self, step: int, batch_size: int) -> None:
-        """The trainer runs ``step`` at micro-batch ``batch_size``: read the device peak and
-        hand it to the sender. Never raises, never blocks on the network."""
+        """The trainer runs ``step`` at micro-batch ``batch_size``: hand it to the sender, which
+        reads the device figures (peaks so far: read a moment later, they still cover this
+        step). Never raises, never blocks on the network."""
         if not self.active or self._stop.is_set():
             return
-        figures = (int(step), int(batch_size), cuda_reserved_peak())
         with self._lock:
-            self._latest = figures
+            self._latest = (int(step), int(batch_size))
         if self._thread is None:
             self._thread = threading.Thread(target=self._send_loop, name="memguard-steps", daemon=True)
             self._thread.start()
@@ -111,14 +93,9 @@ class StepReporter:
                 latest, self._latest = self._latest, None
             if latest is None:
                 continue
-            step, batch, device = latest
+            step, batch = latest
             try:
-                if self.guard.report_step(
-                    step=step,
-                    batch_size=batch,
-                    reserved_peak_bytes=device[0] if device else None,
-                    total_bytes=device[1] if device else None,
-                ):
+                if self.guard.report_step(step=step, batch_size=batch, figures=device_figures()):
                     self.sent += 1
             except Exception as err:  # the sender must outlive any surprise
                 log.debug("memguard: step report failed: %s", err)
