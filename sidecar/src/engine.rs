@@ -613,9 +613,9 @@ pub fn starting_signal(existing: Option<&str>, batch: u64, accum: u64, ckpt: boo
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::growth::GrowthConfig;
     use crate::sample::gpu::{GpuError, GpuMemory};
     use crate::sample::{Limit, SampleError};
-    use crate::growth::GrowthConfig;
     use memguard_api::Level;
     use memguard_api::policy::Thresholds;
 
@@ -1145,7 +1145,11 @@ mod tests {
             });
             if i == 5 {
                 // Its config arrives at train start; until then the ceiling is unknown.
-                assert_eq!(shared.signal.borrow().batch_size, 2, "no growth while unknown");
+                assert_eq!(
+                    shared.signal.borrow().batch_size,
+                    2,
+                    "no growth while unknown"
+                );
                 shared.status().trainer_config = [("batch-size".to_string(), 16.0)].into();
             }
             e.tick(i * 100);
@@ -1156,7 +1160,10 @@ mod tests {
         batches.dedup();
         assert_eq!(batches, [2, 4, 8, 16]);
         let s = on_disk(dir.path());
-        assert_eq!((s.batch_size, s.grad_accumulation, s.level), (16, 1, Level::Ok));
+        assert_eq!(
+            (s.batch_size, s.grad_accumulation, s.level),
+            (16, 1, Level::Ok)
+        );
         assert!(s.reason.contains("batch 8 -> 16"), "{}", s.reason);
         assert_eq!(shared.status().growths, 3);
         // Pressure: down to 8, and 16 is off the table for the run even once it is gone.
@@ -1176,8 +1183,14 @@ mod tests {
         assert!(st.growth_ceiling.is_some_and(|c| c < 16));
         assert_eq!(st.growths, 3);
         let metrics = crate::metrics::render(&st, &s);
-        assert!(metrics.contains("memguard_sidecar_growths_total 3"), "{metrics}");
-        assert!(metrics.contains("memguard_sidecar_growth_ceiling 15"), "{metrics}");
+        assert!(
+            metrics.contains("memguard_sidecar_growths_total 3"),
+            "{metrics}"
+        );
+        assert!(
+            metrics.contains("memguard_sidecar_growth_ceiling 15"),
+            "{metrics}"
+        );
         assert_eq!(crate::summary::build(&st, &s, None, "x").growths, 3);
     }
 

@@ -238,8 +238,8 @@ impl Growth {
                 .or_insert(*r);
         }
         let span = window.last_step.saturating_sub(window.first_step);
-        let steady = span >= c.steady_steps
-            && now_ms.saturating_sub(window.opened_ms) >= c.min_window_ms;
+        let steady =
+            span >= c.steady_steps && now_ms.saturating_sub(window.opened_ms) >= c.min_window_ms;
         if !steady || window.peaks.is_empty() {
             return None;
         }
@@ -358,7 +358,8 @@ mod tests {
         batches.dedup();
         assert_eq!(batches, [2, 4, 8, 16], "one rung at a time, up to 16");
         assert!(
-            seen.iter().all(|k| k.batch_size * k.grad_accumulation == 16),
+            seen.iter()
+                .all(|k| k.batch_size * k.grad_accumulation == 16),
             "the effective batch is kept: {seen:?}"
         );
         assert_eq!(g.growths, 3);
@@ -506,10 +507,7 @@ mod tests {
         let mut measured = BTreeMap::new();
         measured.insert(2, 1536 * MIB + 20 * MIB);
         measured.insert(4, 1536 * MIB + 40 * MIB);
-        assert_eq!(
-            projected_peak(&measured, 4, 8),
-            Some(1536 * MIB + 80 * MIB)
-        );
+        assert_eq!(projected_peak(&measured, 4, 8), Some(1536 * MIB + 80 * MIB));
         assert_eq!(projected_peak(&measured, 2, 4), Some(2 * (1536 + 20) * MIB));
         assert_eq!(projected_peak(&measured, 8, 16), None, "not measured at 8");
     }
@@ -521,7 +519,11 @@ mod tests {
         assert_eq!(grown_batch(8, 24, 12), Some(12), "below the ceiling");
         assert_eq!(grown_batch(5, 15, 15), Some(15));
         assert_eq!(grown_batch(4, 12, 5), None, "no divisor in 5..=5");
-        assert_eq!(grown_batch(16, 16, 64), None, "the effective batch is the top");
+        assert_eq!(
+            grown_batch(16, 16, 64),
+            None,
+            "the effective batch is the top"
+        );
         assert_eq!(grown_batch(1, 7, 7), Some(7));
         assert_eq!(grown_batch(u64::MAX, u64::MAX, u64::MAX), None);
     }

@@ -1,9 +1,9 @@
 //! Wiring: sources, listeners, kernel events, the sampling loop, and the summary at exit.
 
 use crate::config::{Config, LogFormat};
-use crate::growth::GrowthConfig;
 use crate::engine::{Engine, PsiPaths, Tick, starting_signal};
 use crate::events;
+use crate::growth::GrowthConfig;
 use crate::pressure::PressureConfig;
 use crate::sample::discover::{DirSource, TrainerSource};
 use crate::sample::gpu;
