@@ -27,6 +27,7 @@
 //!   several ranks import their libraries, says nothing about the rung and leaves it.) So the two rules never
 //!   fight, and grow, shrink, grow cannot cycle.
 
+use crate::config::MAX_BATCH;
 use crate::pressure::Knobs;
 use memguard_api::Level;
 use std::collections::BTreeMap;
@@ -138,9 +139,10 @@ pub struct Growth {
 }
 
 /// The next rung above `batch`: the smallest divisor of `effective` at least `2 × batch`, or else
-/// the largest divisor above `batch`; never above `ceiling`. `None`: nothing above `batch`.
+/// the largest divisor above `batch`; never above `ceiling` nor [`MAX_BATCH`] (which bounds the
+/// search). `None`: nothing above `batch`.
 pub fn grown_batch(batch: u64, effective: u64, ceiling: u64) -> Option<u64> {
-    let top = ceiling.min(effective);
+    let top = ceiling.min(effective).min(MAX_BATCH);
     if batch >= top {
         return None;
     }
@@ -526,5 +528,8 @@ mod tests {
         );
         assert_eq!(grown_batch(1, 7, 7), Some(7));
         assert_eq!(grown_batch(u64::MAX, u64::MAX, u64::MAX), None);
+        // A prime effective batch far above any real one: the search stops at MAX_BATCH.
+        assert_eq!(grown_batch(1, 1_099_511_627_689, u64::MAX), None);
+        assert_eq!(grown_batch(512, 1 << 40, u64::MAX), Some(1024));
     }
 }
