@@ -173,7 +173,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "all_grew_to_16": all(r["ranks"] and all(x and x["sizes"] and x["sizes"][-1] == 16 for x in r["ranks"])
                               for r in runs["guarded"]),
         "max_param_diff": max(r["max_param_diff"] for r in runs["guarded"]),
-        "growths": [r["summary"]["growths"] if r["summary"] else None for r in runs["guarded"]],
+        "growths": [r["summary"].get("growths", 0) if r["summary"] else None for r in runs["guarded"]],
     }
     (out / "results.json").write_text(json.dumps({"report": report, "runs": runs}, indent=1))
     print(json.dumps(report, indent=1))

@@ -21,10 +21,11 @@
 //!   policy's margin). No memory known: no growth.
 //! * **A ceiling that only goes down.** The configured micro-batch (the trainer's own config,
 //!   reported at train start); unknown, never grow. Every shrink (a downgrade under pressure, the
-//!   sticky downgrade of an OOM) from a micro-batch the trainer reported running lowers it below
-//!   that micro-batch: a rung that was shrunk from, or that ran out of memory, is never tried
-//!   again in the run. (A shrink before the trainer ran a step there, e.g. pressure while
-//!   several ranks import their libraries, says nothing about the rung and leaves it.) So the two rules never
+//!   sticky downgrade of an OOM) from a rung growth reached lowers it below that rung: a grown
+//!   rung that was shrunk from is never tried again in the run, and a rung that ran out of memory
+//!   is capped by the sticky downgrade. (A shrink of a rung never grown to, such as the admitted
+//!   one under host PSI or while ranks import, is left to the projection: it may be grown to
+//!   once, and a second shrink from it is final.) So the two rules never
 //!   fight, and grow, shrink, grow cannot cycle.
 
 use crate::config::MAX_BATCH;
@@ -129,8 +130,8 @@ pub struct Growth {
     /// No micro-batch above this is recommended again (lowered by every shrink).
     ceiling: Option<u64>,
     last_batch: Option<u64>,
-    /// The micro-batches the trainer reported running a step at.
-    ran: std::collections::BTreeSet<u64>,
+    /// The micro-batches growth recommended.
+    grown_to: std::collections::BTreeSet<u64>,
     window: Option<Window>,
     /// Per memory, the measured peak by micro-batch (for the per-row slope).
     measured: BTreeMap<Memory, BTreeMap<u64, u64>>,
@@ -190,16 +191,14 @@ impl Growth {
     /// One sample at `now_ms`: a growth when the window at the current micro-batch allows one.
     pub fn observe(&mut self, o: &Observation, now_ms: u64, c: &GrowthConfig) -> Option<Grow> {
         let batch = o.knobs.batch_size.max(1);
-        if let Some((_, running)) = o.trainer {
-            self.ran.insert(running);
-        }
         if let Some(last) = self.last_batch
             && batch < last
         {
-            // A shrink, whatever its cause, from a rung the trainer ran: that rung is not for
-            // this run. A shrink before the trainer ran it (pressure while it starts up) says
-            // nothing of the rung.
-            if self.ran.contains(&last) {
+            // A shrink, whatever its cause, from a rung growth reached: that rung is not for
+            // this run. A shrink of a rung never grown to (the admitted one, shrunk by pressure
+            // from outside the trainer, such as the host's PSI or ranks importing at start)
+            // leaves it to the projection; an OOM's rung is capped by the sticky downgrade.
+            if self.grown_to.contains(&last) {
                 self.forbid_from(last);
             }
             self.window = None;
@@ -272,6 +271,7 @@ impl Growth {
         }
         self.window = None;
         self.growths += 1;
+        self.grown_to.insert(next);
         Some(Grow {
             batch_size: next,
             grad_accumulation: effective / next,
@@ -481,19 +481,22 @@ mod tests {
         assert_eq!(g.growths, 3, "no growth after the shrinks");
     }
 
+    /// Host PSI (not the trainer's memory) shrinks the admitted 2 to 1 while the trainer runs
+    /// it: 2 was never grown to, so it is left to the projection; once grown to, a second
+    /// shrink from it is final.
     #[test]
-    fn a_shrink_before_the_trainer_ran_the_batch_leaves_the_ceiling() {
+    fn a_shrink_of_a_rung_never_grown_to_leaves_the_ceiling() {
         let mut g = Growth::default();
-        let starting = |knobs| Observation {
+        let starting = |knobs, step| Observation {
             level: Level::Downgrade,
             knobs,
             configured_batch: Some(16),
-            trainer: None,
+            trainer: Some((step, 2)),
             readings: cgroup(GIB),
         };
-        assert_eq!(g.observe(&starting(knobs(2, 8)), 0, &cfg()), None);
-        assert_eq!(g.observe(&starting(knobs(1, 16)), 100, &cfg()), None);
-        assert_eq!(g.ceiling(), None, "2 was never run");
+        assert_eq!(g.observe(&starting(knobs(2, 8), 1), 0, &cfg()), None);
+        assert_eq!(g.observe(&starting(knobs(1, 16), 2), 100, &cfg()), None);
+        assert_eq!(g.ceiling(), None, "2 was never grown to");
         let seen = run(&mut g, knobs(1, 16), Some(16), 80, roomy);
         assert_eq!(seen.last().map(|k| k.batch_size), Some(16));
     }
