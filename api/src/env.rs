@@ -95,6 +95,13 @@ pub const SIDECAR_RESTART_WAIT: &str = "MEMGUARD_SIDECAR_RESTART_WAIT";
 pub const SIDECAR_POD_RESTART_POLICY: &str = "MEMGUARD_SIDECAR_POD_RESTART_POLICY";
 /// Sidecar: reset cgroup v1 `memory.max_usage_in_bytes` after each sample (`--reset-v1-peak`).
 pub const SIDECAR_RESET_V1_PEAK: &str = "MEMGUARD_SIDECAR_RESET_V1_PEAK";
+/// Sidecar: grow the micro-batch back toward the configured one on measured peaks
+/// (`--grow-back`, default true).
+pub const SIDECAR_GROW_BACK: &str = "MEMGUARD_SIDECAR_GROW_BACK";
+/// Sidecar: steps at the current micro-batch before a growth (`--grow-steady-steps`).
+pub const SIDECAR_GROW_STEADY_STEPS: &str = "MEMGUARD_SIDECAR_GROW_STEADY_STEPS";
+/// Sidecar: least time measured at the current micro-batch before a growth (`--grow-window`).
+pub const SIDECAR_GROW_WINDOW: &str = "MEMGUARD_SIDECAR_GROW_WINDOW";
 
 /// Sidecar: what admission planned the trainer at (`--admitted-config`), written by the webhook
 /// as `knob=value,…` over [`crate::signal::TRAINER_CONFIG_KNOBS`]: the sidecar compares the
@@ -129,6 +136,9 @@ pub const SIDECAR_VARS: &[&str] = &[
     SIDECAR_POD_RESTART_POLICY,
     SIDECAR_RESET_V1_PEAK,
     SIDECAR_ADMITTED_CONFIG,
+    SIDECAR_GROW_BACK,
+    SIDECAR_GROW_STEADY_STEPS,
+    SIDECAR_GROW_WINDOW,
 ];
 
 /// Every variable the webhook may write into the trainer, for docs and checks (the knobs first:

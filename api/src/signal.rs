@@ -144,6 +144,11 @@ pub struct Report {
     /// Peak of live tensors (`torch.cuda.max_memory_allocated`, `mx.get_peak_memory`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_bytes: Option<u64>,
+    /// Highest bytes the allocator reserved on the most loaded device so far
+    /// (`torch.cuda.max_memory_reserved`): the measured peak the sidecar grows the micro-batch
+    /// back on (issue 37, item 5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserved_peak_bytes: Option<u64>,
     /// Device capacity as the framework sees it, when known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub total_bytes: Option<u64>,
@@ -240,6 +245,7 @@ impl Report {
             ("allocated_bytes", self.allocated_bytes),
             ("reserved_bytes", self.reserved_bytes),
             ("peak_bytes", self.peak_bytes),
+            ("reserved_peak_bytes", self.reserved_peak_bytes),
         ] {
             if let Some(v) = v.filter(|&v| v > total) {
                 return Err(format!("{name} {v} exceeds total_bytes {total}"));

@@ -25,6 +25,9 @@ pub struct Summary {
     pub estimate_bytes: Option<u64>,
     /// Downgrades signalled.
     pub downgrades: u64,
+    /// Times the micro-batch was grown back toward the configured one on measured peaks.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub growths: u64,
     /// OOM kills counted in the cgroup during the run.
     pub oom_events: u64,
     /// Highest level reached.

@@ -227,7 +227,8 @@ fn estimate_annotation(pod: &Pod) -> (Option<EstimateAnnotation>, Option<String>
 }
 
 /// What the trainer ran with when it ended: its OOM record says (a run-time downgrade or an
-/// in-process recovery may have taken it below the env the webhook wrote); else the env.
+/// in-process recovery may have taken it below the env the webhook wrote); else, when the
+/// sidecar only grew it back, the summary's final knobs; else the env.
 fn knobs_ran(
     training: &TrainingPod,
     terminated: &ContainerStateTerminated,
@@ -246,6 +247,13 @@ fn knobs_ran(
             .filter(|a| *a > 0)
             .or(knobs.grad_accumulation);
         knobs.grad_checkpointing = Some(r.grad_checkpointing);
+    } else if let Some(s) = summary.filter(|s| s.growths > 0 && s.downgrades == 0) {
+        // Grown back on measured peaks and never shrunk (issue 37, item 5): it ended at the
+        // largest micro-batch it ran, where its peak was measured; the env is where it began.
+        knobs.batch_size = Some(s.batch_size).filter(|b| *b > 0).or(knobs.batch_size);
+        knobs.grad_accumulation = Some(s.grad_accumulation)
+            .filter(|a| *a > 0)
+            .or(knobs.grad_accumulation);
     }
     knobs
 }

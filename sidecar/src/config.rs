@@ -82,6 +82,16 @@ pub struct Args {
     /// with the config the trainer reports at train start.
     #[arg(long, env = env::SIDECAR_ADMITTED_CONFIG, default_value = "")]
     pub admitted_config: String,
+    /// Grow the micro-batch back toward the trainer's configured one when the peaks measured at
+    /// the current one show room (never above the configured one; see docs/sidecar.md).
+    #[arg(long, env = env::SIDECAR_GROW_BACK, default_value = "true", value_parser = parse_bool, action = clap::ArgAction::Set)]
+    pub grow_back: bool,
+    /// Steps the trainer must report at the current micro-batch, at level ok, before a growth.
+    #[arg(long, env = env::SIDECAR_GROW_STEADY_STEPS, default_value = "4")]
+    pub grow_steady_steps: u64,
+    /// Least time measured at the current micro-batch before a growth (`2s`).
+    #[arg(long, env = env::SIDECAR_GROW_WINDOW, default_value = "2s", value_parser = parse_duration)]
+    pub grow_window: Duration,
     /// Warn at this ratio of the effective limit.
     #[arg(long, env = env::SIDECAR_WARN)]
     pub warn: Option<f64>,

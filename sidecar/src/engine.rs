@@ -1,6 +1,7 @@
 //! One sampling step: sample every source, assess, publish. No sockets, no clock of its own (the
 //! caller passes milliseconds), so tests drive it with fake sources.
 
+use crate::growth::{self, Growth, GrowthConfig, Memory, Observation, Reading};
 use crate::pressure::{self, History, Inputs, PressureConfig};
 use crate::sample::gpu::{self, GpuSource};
 use crate::sample::psi::{self, Psi};
@@ -29,6 +30,8 @@ pub struct Engine {
     psi_host: Option<PathBuf>,
     pressure: PressureConfig,
     state: pressure::State,
+    growth_config: GrowthConfig,
+    growth: Growth,
     history: History,
     writer: SignalWriter,
     shared: Arc<Shared>,
@@ -84,6 +87,11 @@ impl Engine {
         shared: Arc<Shared>,
     ) -> Self {
         let s = shared.signal.borrow().clone();
+        let mut growth = Growth::default();
+        if let Some(k) = s.sticky {
+            // A sticky downgrade carried over a restart: the rung above it ran out of memory.
+            growth.forbid_from(k.batch_size.saturating_add(1));
+        }
         {
             let mut st = shared.status();
             st.source = source.describe();
@@ -97,6 +105,8 @@ impl Engine {
             pressure,
             state: pressure::State::new(s.batch_size, s.grad_accumulation, s.grad_checkpointing)
                 .with_sticky(s.sticky),
+            growth_config: GrowthConfig::new(pressure.thresholds.warn),
+            growth,
             history: History::default(),
             writer,
             shared,
@@ -110,6 +120,13 @@ impl Engine {
             reports_at_oom: 0,
             waiting_for_trainer: false,
         }
+    }
+
+    /// The growth back toward the configured micro-batch with these settings (default:
+    /// [`GrowthConfig::new`] at the `warn` threshold).
+    pub fn with_growth(mut self, config: GrowthConfig) -> Self {
+        self.growth_config = config;
+        self
     }
 
     /// The sticky downgrade after an OOM kill counted in the cgroup since the last sample, or an
@@ -410,10 +427,48 @@ impl Engine {
             decision.state = state;
             decision.reason = why;
         }
+        if let Some(grow) = self.grow(&decision.state, r, now_ms) {
+            tracing::info!(reason = %grow.reason, "micro-batch grown back");
+            decision.state.batch_size = grow.batch_size;
+            decision.state.grad_accumulation = grow.grad_accumulation;
+            decision.reason = grow.reason;
+        }
         let changed = decision.state.signal_differs(&self.state)
             || decision.state.sticky != self.state.sticky;
         self.state = decision.state;
         (decision.reason, changed)
+    }
+
+    /// The growth rule's step on the state just assessed (downgrades included, so that a shrink
+    /// lowers its ceiling first): a growth when the peaks measured at the current micro-batch
+    /// show room for the next rung.
+    fn grow(&mut self, state: &pressure::State, r: &Readings, now_ms: u64) -> Option<growth::Grow> {
+        let configured = self
+            .shared
+            .status()
+            .trainer_config
+            .get("batch-size")
+            .copied()
+            .filter(|b| b.is_finite() && *b >= 1.0 && b.fract() == 0.0)
+            .map(|b| b as u64);
+        // Never above a sticky downgrade: the rung above it ran out of memory.
+        let configured = match (configured, state.sticky) {
+            (Some(c), Some(k)) => Some(c.min(k.batch_size)),
+            (c, _) => c,
+        };
+        let trainer = r
+            .report
+            .as_ref()
+            .and_then(|rep| Some((rep.step?, rep.batch_size?)));
+        let observation = Observation {
+            level: state.level,
+            knobs: state.knobs(),
+            configured_batch: configured,
+            trainer,
+            readings: growth_readings(r),
+        };
+        self.growth
+            .observe(&observation, now_ms, &self.growth_config)
     }
 
     /// What this step saw, into the status the metrics, the summary and the API read.
@@ -433,6 +488,8 @@ impl Engine {
             st.gpu_peak = Some(st.gpu_peak.map_or(g, |p| p.max(g)));
         }
         st.downgrades = self.state.downgrades;
+        st.growths = self.growth.growths;
+        st.growth_ceiling = self.growth.ceiling();
         st.sticky_batch_size = self.state.sticky.map(|k| k.batch_size);
         st.max_level = st.max_level.max(self.state.level);
         st.seconds_to_limit = r.inputs.seconds_to_limit;
@@ -511,6 +568,47 @@ impl Engine {
     }
 }
 
+/// The peaks the growth rule measures this step: the cgroup's working set (or its peak since the
+/// previous sample) against its limit, and the most loaded device (the trainer's reserved peak,
+/// or NVML's used) against its size. A memory whose figure or budget was not read is left out.
+fn growth_readings(r: &Readings) -> Vec<Reading> {
+    let mut out = Vec::new();
+    if let (Some(s), Some(limit)) = (r.sample.as_ref(), r.limit.filter(|&l| l > 0))
+        && let Some(ws) = s.working_set_bytes
+    {
+        let used = ws.max(s.interval_peak_working_set_bytes.unwrap_or(0));
+        out.push(Reading {
+            memory: Memory::Cgroup,
+            used,
+            budget: limit,
+        });
+    }
+    let reported = r.report.as_ref().and_then(|rep| {
+        let used = rep
+            .reserved_peak_bytes
+            .or(rep.reserved_bytes)
+            .max(rep.peak_bytes)?;
+        Some((used, rep.total_bytes.filter(|&t| t > 0)?))
+    });
+    let nvml = r
+        .gpus
+        .iter()
+        .filter(|g| g.total_bytes > 0)
+        .map(|g| (g.used_bytes, g.total_bytes));
+    let device = reported
+        .into_iter()
+        .chain(nvml)
+        .max_by(|a, b| (a.0 as f64 / a.1 as f64).total_cmp(&(b.0 as f64 / b.1 as f64)));
+    if let Some((used, budget)) = device {
+        out.push(Reading {
+            memory: Memory::Device,
+            used,
+            budget,
+        });
+    }
+    out
+}
+
 /// The starting signal: the configured knobs, or, when the file already holds a signal of this
 /// schema (the sidecar restarted), its knobs and a higher seq so readers see a newer signal.
 pub fn starting_signal(existing: Option<&str>, batch: u64, accum: u64, ckpt: bool) -> Signal {
@@ -543,6 +641,7 @@ pub fn starting_signal(existing: Option<&str>, batch: u64, accum: u64, ckpt: boo
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::growth::GrowthConfig;
     use crate::sample::gpu::{GpuError, GpuMemory};
     use crate::sample::{Limit, SampleError};
     use memguard_api::Level;
@@ -1094,6 +1193,90 @@ mod tests {
         let s = starting_signal(Some(&text), 8, 2, false);
         assert_eq!(s.seq, u64::MAX);
         assert_eq!(s.batch_size, 4, "the kept knobs still apply");
+    }
+
+    /// The trainer, configured at 16, admitted at 2 × 8: with room measured over its steps it
+    /// grows back 4, 8, 16, the effective batch kept, and never above 16; a downgrade then lowers the ceiling so 16 is not tried
+    /// again. Counted in the metrics and the summary.
+    #[test]
+    fn measured_room_grows_the_batch_back_and_a_downgrade_lowers_the_ceiling() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let shared = Arc::new(Shared::new(Signal::initial(2, 8, false)));
+        // 300 of 1000 for 120 samples, then 900: pressure.
+        let mut script = vec![mem(300, true); 120];
+        script.push(mem(900, true));
+        let mut e = Engine::new(
+            Box::new(Script(script)),
+            Box::new(FakeGpu(Ok(vec![]))),
+            PsiPaths::default(),
+            PressureConfig::new(Thresholds::default()),
+            SignalWriter::new(dir.path().join("signal.json")),
+            shared.clone(),
+        )
+        .with_growth(GrowthConfig {
+            min_window_ms: 500,
+            ..GrowthConfig::new(0.70)
+        });
+        let mut batches = Vec::new();
+        let mut step = 0;
+        for i in 0..80u64 {
+            // The trainer runs what the signal says, one step per sample.
+            let running = shared.signal.borrow().batch_size;
+            step += 1;
+            shared.status().report = Some(memguard_api::Report {
+                step: Some(step),
+                batch_size: Some(running),
+                ..Default::default()
+            });
+            if i == 5 {
+                // Its config arrives at train start; until then the ceiling is unknown.
+                assert_eq!(
+                    shared.signal.borrow().batch_size,
+                    2,
+                    "no growth while unknown"
+                );
+                shared.status().trainer_config = [("batch-size".to_string(), 16.0)].into();
+            }
+            e.tick(i * 100);
+            let s = shared.signal.borrow().clone();
+            assert_eq!(s.effective_batch(), 16, "sample {i}");
+            batches.push(s.batch_size);
+        }
+        batches.dedup();
+        assert_eq!(batches, [2, 4, 8, 16]);
+        let s = on_disk(dir.path());
+        assert_eq!(
+            (s.batch_size, s.grad_accumulation, s.level),
+            (16, 1, Level::Ok)
+        );
+        assert!(s.reason.contains("batch 8 -> 16"), "{}", s.reason);
+        assert_eq!(shared.status().growths, 3);
+        // Pressure: down to 8, and 16 is off the table for the run even once it is gone.
+        for i in 80..400u64 {
+            let running = shared.signal.borrow().batch_size;
+            step += 1;
+            shared.status().report = Some(memguard_api::Report {
+                step: Some(step),
+                batch_size: Some(running),
+                ..Default::default()
+            });
+            e.tick(i * 100);
+        }
+        let s = shared.signal.borrow().clone();
+        assert!(s.batch_size <= 8, "{s:?}");
+        let st = shared.status();
+        assert!(st.growth_ceiling.is_some_and(|c| c < 16));
+        assert_eq!(st.growths, 3);
+        let metrics = crate::metrics::render(&st, &s);
+        assert!(
+            metrics.contains("memguard_sidecar_growths_total 3"),
+            "{metrics}"
+        );
+        assert!(
+            metrics.contains("memguard_sidecar_growth_ceiling 15"),
+            "{metrics}"
+        );
+        assert_eq!(crate::summary::build(&st, &s, None, "x").growths, 3);
     }
 
     /// Fault injection (docs/reliability.md): the clock the loop passes jumps forward by days and

@@ -1,13 +1,15 @@
 //! memguard-sidecar: watches the trainer's memory (cgroup v1/v2), pressure (PSI) and GPU (NVML or
 //! the trainer's own reports), and tells it to shrink, through a file and HTTP, before it dies.
 //!
-//! Layout: `sample` (parsers and sources), `pressure` (the level state machine, pure), `engine` (one step), `signal` (the
+//! Layout: `sample` (parsers and sources), `pressure` (the level state machine, pure), `growth`
+//! (the micro-batch grown back on measured peaks, pure), `engine` (one step), `signal` (the
 //! file), `server` (HTTP), `metrics`, `trace`, `summary`, `events` (kernel wakeups), `run`.
 #![deny(missing_docs)]
 
 pub mod config;
 pub mod engine;
 pub mod events;
+pub mod growth;
 pub mod metrics;
 pub mod pressure;
 pub mod run;

@@ -217,6 +217,16 @@ pub fn render(st: &Status, sig: &Signal) -> String {
         st.downgrades as f64,
     );
     o.counter(
+        "growths_total",
+        "Micro-batch growths back toward the configured one, on measured peaks.",
+        st.growths as f64,
+    );
+    o.gauge(
+        "growth_ceiling",
+        "Highest micro-batch a growth may recommend again, once a shrink lowered it.",
+        st.growth_ceiling.map(|c| c as f64),
+    );
+    o.counter(
         "oom_kills_total",
         "OOM kills in the trainer's cgroup since the sidecar started.",
         st.oom_events() as f64,

@@ -3,6 +3,7 @@
 use crate::config::{Config, LogFormat};
 use crate::engine::{Engine, PsiPaths, Tick, starting_signal};
 use crate::events;
+use crate::growth::GrowthConfig;
 use crate::pressure::PressureConfig;
 use crate::sample::discover::{DirSource, TrainerSource};
 use crate::sample::gpu;
@@ -243,7 +244,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         pressure,
         SignalWriter::new(a.signal_file.clone()),
         shared.clone(),
-    );
+    )
+    .with_growth(GrowthConfig {
+        enabled: a.grow_back,
+        steady_steps: a.grow_steady_steps,
+        min_window_ms: a.grow_window.as_millis() as u64,
+        watermark: config.thresholds.warn,
+    });
     engine.flush();
     let (source, info) = {
         let st = shared.status();

@@ -121,7 +121,7 @@ async fn post_report(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
     }
     let mut st = shared.status();
     let gpu = report.reserved_bytes.or(report.allocated_bytes);
-    if let Some(g) = gpu.max(report.peak_bytes) {
+    if let Some(g) = gpu.max(report.peak_bytes).max(report.reserved_peak_bytes) {
         st.gpu_peak = Some(st.gpu_peak.map_or(g, |p| p.max(g)));
     }
     if let Some(oom) = &report.oom {

@@ -54,6 +54,10 @@ pub struct Status {
     pub oom_kills: u64,
     /// Downgrades issued.
     pub downgrades: u64,
+    /// Growths of the micro-batch back toward the configured one, on measured peaks.
+    pub growths: u64,
+    /// The highest micro-batch growth may recommend, once a shrink lowered it.
+    pub growth_ceiling: Option<u64>,
     /// OOM records the trainer reported, by kind and outcome.
     pub oom_records: BTreeMap<(OomKind, OomOutcome), u64>,
     /// OOM records whose batch × accumulation is not the effective batch in force: their

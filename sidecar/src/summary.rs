@@ -20,6 +20,7 @@ pub fn build(st: &Status, sig: &Signal, estimate: Option<u64>, exit_reason: &str
         limit_bytes: sample.and_then(|s| s.effective_limit()),
         estimate_bytes: estimate,
         downgrades: st.downgrades,
+        growths: st.growths,
         oom_events: st.oom_events(),
         max_level: st.max_level.max(sig.level),
         batch_size: sig.batch_size,

@@ -483,6 +483,39 @@ fn the_config_that_ran_is_the_annotations_with_the_trainers_env() {
     assert_eq!(obs.oom.as_deref(), Some(OOM_KILLED));
 }
 
+/// Admitted at 2 × 8, grown back to 16 × 1 at run time: the peak was measured at 16, so that
+/// is the config that ran. With a downgrade as well, the env stays (which rung peaked is not
+/// known from the summary).
+#[test]
+fn a_run_grown_back_ran_the_summarys_final_config() {
+    let admitted = || {
+        gpu_pod()
+            .env(env::BATCH_SIZE, "2")
+            .env(env::GRAD_ACCUMULATION, "8")
+            .trainer_terminated("Completed", 0, 7)
+    };
+    let grown = Summary {
+        growths: 3,
+        batch_size: 16,
+        grad_accumulation: 1,
+        ..summary(None, Some(9 * GIB), Some(16 * GIB))
+    };
+    let obs = try_observe(&admitted().native_sidecar_done(&grown).build()).expect("observed");
+    assert_eq!(
+        (obs.knobs.batch_size, obs.knobs.grad_accumulation),
+        (Some(16), Some(1))
+    );
+    let shrunk_too = Summary {
+        downgrades: 1,
+        ..grown.clone()
+    };
+    let obs = try_observe(&admitted().native_sidecar_done(&shrunk_too).build()).expect("observed");
+    assert_eq!(
+        (obs.knobs.batch_size, obs.knobs.grad_accumulation),
+        (Some(2), Some(8))
+    );
+}
+
 #[test]
 fn the_next_step_down_starts_from_the_config_the_oom_record_says_was_in_force() {
     // The env says batch 16 × 1; the sidecar had taken the trainer down to 4 × 4 at run time

@@ -426,6 +426,35 @@ class Guard:
             body["framework"] = framework[:64]
         return self._post_report(body)
 
+    def report_step(
+        self, *, step: int, batch_size: int, figures: Optional[Mapping[str, Any]] = None
+    ) -> bool:
+        """POST the step the trainer runs and its micro-batch, with the device's figures when
+        it has an accelerator (``report()`` keyword names plus ``reserved_peak_bytes``): what
+        the sidecar grows the micro-batch back on (:mod:`memguard_client.peaks` sends it in the
+        background). Never raises; True when accepted."""
+        body: Dict[str, Any] = {}
+        items = dict(figures or {})
+        items.update(step=step, batch_size=batch_size)
+        for name in (
+            "allocated_bytes",
+            "reserved_bytes",
+            "peak_bytes",
+            "reserved_peak_bytes",
+            "total_bytes",
+            "step",
+            "batch_size",
+        ):
+            n = _env.non_negative_int(items.get(name))
+            if n is not None:
+                body[name] = n
+        framework = items.get("framework")
+        if isinstance(framework, str) and framework:
+            body["framework"] = framework[:64]
+        if "step" in body:
+            self._last_step = body["step"]
+        return self._post_report(body)
+
     def report_config(self, config: Mapping[str, float]) -> bool:
         """POST the config the trainer runs at (knob → number, a bool as 0 or 1) to
         ``/v1/report`` as ``config``: the sidecar exports it beside what admission planned.

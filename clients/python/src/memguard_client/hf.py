@@ -176,6 +176,7 @@ class MemguardCallback(RunnerCounters, _callback_base()):  # type: ignore[misc]
         # memguard_client.distributed).
         if self.attached:
             self.runner.agreement.close()
+            self.runner.step_reports.close()
 
     def _wrap_optimizer(self, optimizer: Any) -> None:
         """Make ``optimizer.step`` skip the step an OOM in backward spoiled."""

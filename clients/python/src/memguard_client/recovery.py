@@ -70,6 +70,7 @@ from . import oom
 from .batching import batch_rows, slice_batch
 from .distributed import Agreement, Status
 from .guard import Guard
+from .peaks import StepReporter
 
 log = logging.getLogger("memguard_client")
 
@@ -184,6 +185,8 @@ class StepRunner:
         self.oom_recoveries = 0
         self.skipped_steps = 0
         self._fresh = False
+        #: Tells the sidecar each step's micro-batch (and device peak) for the growth back.
+        self.step_reports = StepReporter(guard)
 
     # --- step boundary --------------------------------------------------------------------
 
@@ -218,6 +221,7 @@ class StepRunner:
         self.size, self.checkpointing = size, ckpt
         self._fresh = bool(grads_fresh()) if (self.recover_oom and grads_fresh is not None) else False
         self.steps += 1
+        self.step_reports.step(self.steps, size)
         return changed
 
     def _release(self) -> None:
