@@ -82,7 +82,13 @@ pub(crate) fn render(
 
     let sidecar = sidecar_plan(policy, training, &plan, budget.as_ref(), guessed);
     let python = training.launch.runs_python();
-    let client = client_plan(training.pod, training.trainer, policy, python, &mut warnings);
+    let client = client_plan(
+        training.pod,
+        training.trainer,
+        policy,
+        python,
+        &mut warnings,
+    );
     let mut estimate = estimate_annotation(&plan, budget.as_ref(), &training.config, &adjust);
     estimate.sources = knob_sources(training);
     estimate.unknown = training

@@ -94,7 +94,10 @@ pub fn admit_launched(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Lau
     Launched::Server(
         match decide(pod, policy, profiles, annotations, (index, launch), &server) {
             Ok(admission) => Outcome::Served(Box::new(admission)),
-            Err(error) => skipped(format!("{} server in {name}: {error}", server.engine.name())),
+            Err(error) => skipped(format!(
+                "{} server in {name}: {error}",
+                server.engine.name()
+            )),
         },
     )
 }

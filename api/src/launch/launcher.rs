@@ -374,7 +374,7 @@ pub fn find_by_in_env(
     env: &std::collections::BTreeMap<String, String>,
     accept: &dyn Fn(&Launch) -> bool,
 ) -> Result<Launch, LaunchError> {
-    let found = search(items, env, accept);
+    let found = find_both_in_env(items, env, accept);
     found.accepted.ok_or(found.why_none)
 }
 
@@ -385,20 +385,13 @@ pub struct Search {
     pub first: Result<Launch, LaunchError>,
     /// The first launch that `accept`ed, as [`find_by_in_env`] finds it.
     pub accepted: Option<Launch>,
+    /// Why none was accepted ([`find_by_in_env`]'s error).
     why_none: LaunchError,
 }
 
 /// [`find_in_env`] and [`find_by_in_env`] in one pass over the command line: its first launch
 /// (a pod's trainer) and its first launch that `accept`s (a server that follows a download).
 pub fn find_both_in_env(
-    items: &[String],
-    env: &std::collections::BTreeMap<String, String>,
-    accept: &dyn Fn(&Launch) -> bool,
-) -> Search {
-    search(items, env, accept)
-}
-
-fn search(
     items: &[String],
     env: &std::collections::BTreeMap<String, String>,
     accept: &dyn Fn(&Launch) -> bool,
@@ -445,10 +438,14 @@ fn search(
     let end = Place::Item(items.len() - 1);
     let first = launch_in(args, end);
     let accepted = first.as_ref().ok().filter(|l| accept(l)).cloned();
+    let why_none = match &first {
+        Err(e) => e.clone(),
+        Ok(_) => LaunchError::NoProgram,
+    };
     Search {
         first,
         accepted,
-        why_none: LaunchError::NoProgram,
+        why_none,
     }
 }
 
@@ -570,9 +567,9 @@ pub fn runs_python(found: &Result<Launch, LaunchError>) -> bool {
             (launch.launcher, &launch.program),
             (Launcher::Direct, Program::Script(_))
         ),
-        Err(LaunchError::InlineCode | LaunchError::ScriptExpands(_) | LaunchError::NestedShell(_)) => {
-            true
-        }
+        Err(
+            LaunchError::InlineCode | LaunchError::ScriptExpands(_) | LaunchError::NestedShell(_),
+        ) => true,
         Err(_) => false,
     }
 }
@@ -1025,6 +1022,33 @@ mod tests {
         // A shell started by a shell script is not searched again: whatever it runs, the
         // client goes in (inert where nothing runs Python).
         assert!(python(&["bash", "-c", "bash -c './run.sh'"]));
+    }
+
+    /// One pass finds both the first launch and the first accepted one, each as the separate
+    /// searches did.
+    #[test]
+    fn one_search_finds_the_first_launch_and_the_first_accepted() {
+        let env = std::collections::BTreeMap::from([("M".to_string(), "m1".to_string())]);
+        let is_vllm = |l: &Launch| l.program.name() == "vllm";
+        let cmd = items(&["sh", "-c", "python -c 'x' ; python get.py && vllm serve $M"]);
+        let both = find_both_in_env(&cmd, &env, &is_vllm);
+        assert_eq!(both.first, find_in_env(&cmd, &env));
+        assert_eq!(
+            both.first.expect("a launch").program,
+            Program::Script("get.py".into())
+        );
+        let server = both.accepted.expect("the server");
+        assert_eq!(server.texts(), ["serve", "m1"]);
+        assert_eq!(Ok(server), find_by_in_env(&cmd, &env, &is_vllm));
+        // No launch accepted: the most telling reason, as before.
+        let cmd = items(&["sh", "-c", "python -c 'x'; echo done"]);
+        let both = find_both_in_env(&cmd, &env, &is_vllm);
+        assert_eq!(both.first, Err(LaunchError::InlineCode));
+        assert_eq!(both.accepted, None);
+        assert_eq!(
+            find_by_in_env(&cmd, &env, &is_vllm),
+            Err(LaunchError::InlineCode)
+        );
     }
 
     #[test]

@@ -7,8 +7,8 @@
 
 use super::*;
 use crate::estimate::EstimateAnnotation;
-use crate::launch::tune::TuneRun;
 use crate::launch::server::starts_server;
+use crate::launch::tune::TuneRun;
 use crate::launch::{Argv, Flags, HfRules, Launch, LaunchError, Program, ServerLaunch};
 
 /// How a trainer's command line is read, and so rewritten.
