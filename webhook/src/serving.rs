@@ -77,12 +77,12 @@ pub enum Launched {
 
 /// [`admit`], handing the launch it found back when it is no server's. Never panics.
 pub fn admit_launched(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Launched {
-    let launched = TrainerLaunch::of_pod(pod);
-    let Some(server) = launched.as_ref().and_then(|(_, l)| l.server()).cloned() else {
-        return Launched::Trainer(launched);
-    };
-    let Some((index, launch)) = launched else {
-        return Launched::Trainer(None);
+    let (index, launch, server) = match TrainerLaunch::of_pod(pod) {
+        Some((index, launch)) => match launch.server().cloned() {
+            Some(server) => (index, launch, server),
+            None => return Launched::Trainer(Some((index, launch))),
+        },
+        None => return Launched::Trainer(None),
     };
     let annotations = pod.metadata.annotations.clone().unwrap_or_default();
     let name = pod
