@@ -6,6 +6,7 @@
 #![deny(missing_docs)]
 
 pub mod annotations;
+pub mod container_memory;
 pub mod duration;
 pub mod env;
 pub mod estimate;

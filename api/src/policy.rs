@@ -345,6 +345,13 @@ pub struct PolicySpec {
     /// `memguard.io/error` with the numbers instead). docs/serving.md.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serving_shorten_max_length: Option<bool>,
+    /// Whether the webhook writes `NVIDIA_GPU_MEMORY_REQUEST` and `NVIDIA_GPU_MEMORY_LIMIT` on a
+    /// GPU trainer from its planned share, for nodes whose driver enforces a per-container GPU
+    /// memory budget through the container toolkit (driver r615 or later, kernel 6.14 or later:
+    /// the `dmem` cgroup controller). Default false. A value the pod sets is kept. Untested on
+    /// hardware (docs/webhook.md, "Enforcing the GPU budget").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enforce_gpu_memory: Option<bool>,
     /// Flag names of bespoke training scripts, by container image: for a trainer whose image
     /// matches `image` (`*` matches any run of characters), knob → the script's flag. The first
     /// matching entry wins. The trainer's command line is read and rewritten with these flags
@@ -525,6 +532,8 @@ pub struct Policy {
     pub models: ModelCatalog,
     /// Whether an inference server's maximum length may be lowered to fit.
     pub serving_shorten_max_length: bool,
+    /// Whether the trainer gets `NVIDIA_GPU_MEMORY_REQUEST`/`LIMIT` from its planned share.
+    pub enforce_gpu_memory: bool,
     /// Flag maps of bespoke training scripts, in order (the first match wins).
     pub flag_maps: Vec<FlagMap>,
 }
@@ -661,6 +670,7 @@ impl PolicySpec {
             placement: self.placement.unwrap_or_default(),
             models,
             serving_shorten_max_length: self.serving_shorten_max_length.unwrap_or(false),
+            enforce_gpu_memory: self.enforce_gpu_memory.unwrap_or(false),
             flag_maps,
         })
     }

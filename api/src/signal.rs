@@ -169,6 +169,10 @@ pub struct Report {
     /// bool as 0 or 1. What admission believed is compared with it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub config: Option<BTreeMap<String, f64>>,
+    /// The trainer container's own memory cgroup as the client read it: the sidecar's sample
+    /// where it cannot read that cgroup itself (issue 37, item 6).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_memory: Option<crate::container_memory::ContainerMemory>,
 }
 
 /// The knobs a trainer reports at train start ([`Report::config`]), by annotation name:
@@ -222,6 +226,9 @@ impl Report {
             if !v.is_finite() || *v < 0.0 {
                 return Err(format!("config: {k} is {v}, not a non-negative number"));
             }
+        }
+        if let Some(c) = &self.container_memory {
+            c.check()?;
         }
         let Some(total) = self.total_bytes else {
             return Ok(());

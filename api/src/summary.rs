@@ -49,6 +49,11 @@ pub struct Summary {
     /// The knobs where admission believed otherwise than the trainer reported.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub config_mismatch: Vec<String>,
+    /// Where the memory figures came from at the end: `<kind> via <view>` of
+    /// `memguard_sidecar_source_info` (`cgroup-v1 via client-report`: the trainer's client read
+    /// its own cgroup for a sidecar that could not).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_source: Option<String>,
     /// Why the sidecar stopped (`sigterm`, `trainer-exited`, …).
     pub exit_reason: String,
 }

@@ -36,6 +36,11 @@ pub const WEBHOOK_METRICS_PORT: u16 = 9090;
 pub const TERMINATION_LOG: &str = "/dev/termination-log";
 /// The API group of memguard's CRDs.
 pub const GROUP: &str = "training.memguard.io";
+/// The container toolkit's per-container GPU memory request, in bytes (driver r615 or later,
+/// kernel 6.14 or later; written only under the policy's `enforceGpuMemory`).
+pub const NVIDIA_GPU_MEMORY_REQUEST_ENV: &str = "NVIDIA_GPU_MEMORY_REQUEST";
+/// The container toolkit's per-container GPU memory limit, in bytes (as above).
+pub const NVIDIA_GPU_MEMORY_LIMIT_ENV: &str = "NVIDIA_GPU_MEMORY_LIMIT";
 /// Extended resource name of NVIDIA GPUs.
 pub const NVIDIA_GPU_RESOURCE: &str = "nvidia.com/gpu";
 /// Node label naming the GPU product (GPU feature discovery).

@@ -43,6 +43,9 @@ pub struct Engine {
     /// The trainer now watched (or the one that just left) died of an OOM: a kill counted in
     /// its cgroup, or a fatal OOM record it reported.
     trainer_oom: bool,
+    /// Reports received when that OOM was seen: a report after it came from a trainer that
+    /// survived it (a worker process was killed, not the trainer).
+    reports_at_oom: u64,
     waiting_for_trainer: bool,
 }
 
@@ -104,6 +107,7 @@ impl Engine {
             errors_logged: 0,
             oom_baseline: None,
             trainer_oom: false,
+            reports_at_oom: 0,
             waiting_for_trainer: false,
         }
     }
@@ -127,7 +131,10 @@ impl Engine {
                 Some(_) => 0,
             };
             if k > before {
-                self.shared.status().oom_kills += k - before;
+                let mut st = self.shared.status();
+                st.oom_kills += k - before;
+                self.reports_at_oom = st.reports_total;
+                drop(st);
                 self.trainer_oom = true;
                 let next = pressure::sticky_downgrade(state, self.state.knobs(), None, now_ms);
                 let why = format!("OOM kill in the trainer's cgroup (oom_kill {before} -> {k})");
@@ -138,6 +145,7 @@ impl Engine {
         if let Some(r) = record {
             if r.outcome == memguard_api::oom::OomOutcome::Fatal {
                 self.trainer_oom = true;
+                self.reports_at_oom = self.shared.status().reports_total;
             }
             let base = out.as_ref().map_or(state, |(s, _)| s).clone();
             let reported = pressure::Knobs {
@@ -193,9 +201,23 @@ impl Engine {
     /// The inode of the trainer's cgroup directory: a cgroup created again under the same
     /// name (a container restarted in place) has a new one.
     fn cgroup_identity(&self) -> Option<u64> {
-        use std::os::unix::fs::MetadataExt;
-        let dir = self.source.cgroup_dir()?;
-        std::fs::metadata(dir).ok().map(|m| m.ino())
+        self.source.cgroup_identity()
+    }
+
+    /// The device memory the `dmem` cgroup controller charges to the trainer's cgroup, where
+    /// NVML has no figure (sample/dmem.rs); none where the controller is not there.
+    fn dmem_gpus(&mut self) -> Vec<gpu::GpuMemory> {
+        let read = match self.source.cgroup_dir() {
+            Some(dir) => crate::sample::dmem::read(dir),
+            None => return Vec::new(),
+        };
+        match read {
+            Ok(found) => found.unwrap_or_default(),
+            Err(e) => {
+                self.sample_error("dmem", &e);
+                Vec::new()
+            }
+        }
     }
 
     /// The trainer left: look for it again (a restart in place brings a new process and cgroup).
@@ -208,9 +230,10 @@ impl Engine {
     }
 
     /// The trainer that just left (or the one watched) died of an OOM (a kill counted in its cgroup,
-    /// or a fatal OOM record it reported): a restart in place is to be expected.
+    /// or a fatal OOM record it reported, and no report from it since): a restart in place is to
+    /// be expected.
     pub fn trainer_died_of_oom(&self) -> bool {
-        self.trainer_oom
+        self.trainer_oom && self.shared.status().reports_total <= self.reports_at_oom
     }
 
     /// A trainer is being watched (a sample was read since it was found).
@@ -319,6 +342,11 @@ impl Engine {
                 self.sample_error("gpu", &e);
                 Vec::new()
             }
+        };
+        let gpus = if gpus.is_empty() {
+            self.dmem_gpus()
+        } else {
+            gpus
         };
         let limit = sample.as_ref().and_then(MemorySample::effective_limit);
         let working_set = sample.as_ref().and_then(|s| s.working_set_bytes);
@@ -646,6 +674,35 @@ mod tests {
         assert_eq!(shared.status().sticky_batch_size, Some(4));
     }
 
+    #[test]
+    fn a_kill_the_trainer_reports_after_is_a_workers_and_no_restart_is_awaited() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut e, shared) = engine(
+            vec![
+                killed(100, 0, true),
+                killed(100, 1, true),
+                killed(0, 1, false),
+            ],
+            FakeGpu(Ok(vec![])),
+            dir.path(),
+        );
+        shared.status().reports_total = 5;
+        e.tick(0);
+        e.tick(100);
+        assert_eq!(shared.status().oom_kills, 1);
+        assert!(
+            e.trainer_died_of_oom(),
+            "no word from the trainer since the kill"
+        );
+        // The trainer reports on: the kill was a worker's, and it runs the sticky downgrade.
+        shared.status().reports_total = 6;
+        assert_eq!(e.tick(200), Tick::TrainerGone);
+        assert!(
+            !e.trainer_died_of_oom(),
+            "it left on its own after the kill"
+        );
+    }
+
     /// Scripted memory read from a cgroup directory that is created anew at each restart
     /// (`forget`), as a runtime recreates a restarted container's cgroup.
     struct Restarting {
@@ -809,6 +866,34 @@ mod tests {
         assert_eq!(s.level, Level::Critical);
         assert!(s.reason.contains("GPU memory 0.96"), "{}", s.reason);
         assert_eq!(shared.status().gpu_peak, Some(77));
+    }
+
+    #[test]
+    fn without_nvml_the_dmem_controller_of_the_trainers_cgroup_is_the_gpu_figure() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cg = dir.path().join("trainer");
+        std::fs::create_dir(&cg).expect("mkdir");
+        std::fs::write(cg.join("dmem.current"), "drm/0000:03:00.0/vram0 77\n").expect("w");
+        std::fs::write(cg.join("dmem.max"), "drm/0000:03:00.0/vram0 80\n").expect("w");
+        let source = Restarting {
+            script: Script(vec![mem(100, true)]),
+            dirs: vec![cg],
+            at: 0,
+        };
+        let shared = Arc::new(Shared::new(Signal::initial(8, 2, false)));
+        let mut e = Engine::new(
+            Box::new(source),
+            Box::new(FakeGpu(Ok(Vec::new()))),
+            PsiPaths::default(),
+            PressureConfig::new(Thresholds::default()),
+            SignalWriter::new(dir.path().join("signal.json")),
+            shared.clone(),
+        );
+        e.tick(0);
+        let s = shared.signal.borrow().clone();
+        assert_eq!(s.level, Level::Critical);
+        assert!(s.reason.contains("GPU memory 0.96"), "{}", s.reason);
+        assert_eq!(shared.status().gpus[0].uuid, "drm/0000:03:00.0/vram0");
     }
 
     #[test]

@@ -6,6 +6,7 @@ use crate::events;
 use crate::pressure::PressureConfig;
 use crate::sample::discover::{DirSource, TrainerSource};
 use crate::sample::gpu;
+use crate::sample::reported::WithClientReport;
 use crate::sample::{MemorySource, SourceInfo};
 use crate::server;
 use crate::signal::SignalWriter;
@@ -221,6 +222,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     }
     shared.status().admitted_config = admitted;
     let (source, dir) = open_source(&config);
+    // Where the sidecar cannot read the trainer's cgroup, the trainer's client reports it.
+    let source: Box<dyn MemorySource> = Box::new(WithClientReport::new(source, shared.clone()));
     let visible = gpu::parse_visible(config.nvidia_visible_devices.as_deref());
     let gpu = gpu::open(&visible);
     tracing::info!(gpu = %gpu.describe(), "GPU source");

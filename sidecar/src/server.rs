@@ -2,6 +2,7 @@
 
 use crate::config::parse_duration;
 use crate::metrics;
+use crate::sample::reported::Reported;
 use crate::state::Shared;
 use axum::Router;
 use axum::body::Bytes;
@@ -132,6 +133,12 @@ async fn post_report(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
     }
     if let Some(config) = &report.config {
         st.trainer_config = config.clone();
+    }
+    if let Some(memory) = &report.container_memory {
+        st.container_memory = Some(Reported {
+            memory: memory.clone(),
+            received: std::time::Instant::now(),
+        });
     }
     st.report = Some(report);
     st.reports_total += 1;

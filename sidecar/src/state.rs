@@ -28,6 +28,8 @@ pub struct Status {
     pub report: Option<Report>,
     /// Reports received.
     pub reports_total: u64,
+    /// The trainer's own cgroup figures, from its last report that had them.
+    pub container_memory: Option<crate::sample::reported::Reported>,
     /// Reports refused (not JSON, unknown fields, impossible figures).
     pub reports_rejected: u64,
     /// Whether the last sample read the trainer's memory (false while the source is missing or

@@ -34,6 +34,10 @@ pub fn build(st: &Status, sig: &Signal, estimate: Option<u64>, exit_reason: &str
             .filter(|(_, differs)| *differs)
             .map(|(k, _)| k.to_string())
             .collect(),
+        memory_source: st
+            .source_info
+            .filter(|i| i.kind != "none")
+            .map(|i| format!("{} via {}", i.kind, i.view)),
         exit_reason: exit_reason.chars().take(200).collect(),
     }
 }

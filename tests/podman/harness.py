@@ -92,6 +92,31 @@ def ensure_trainer_base() -> None:
             run("buildah", "rm", ctr, check=False)
 
 
+#: The trainer image whose /etc/passwd maps the trainer's uid 65532 to its own group 65532.
+TRAINER_OWN_GROUP = "localhost/memguard-test-trainer:own-group"
+
+
+def ensure_trainer_own_group() -> None:
+    """TRAINER_BASE with an /etc/passwd that lists uid 65532 with its own group 65532, as many
+    images list their non-root user: a pod with `runAsUser: 65532` and no `runAsGroup` runs the
+    trainer as 65532:65532, while the webhook, which cannot see the image, gives the sidecar
+    65532:0 (issue 37, item 6). One layer over TRAINER_BASE: seconds."""
+    ensure_trainer_base()
+    if image_exists(TRAINER_OWN_GROUP):
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        etc = Path(tmp) / "etc"
+        etc.mkdir()
+        (etc / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\ntrainer:x:65532:65532::/tmp:/bin/sh\n")
+        (etc / "group").write_text("root:x:0:\ntrainer:x:65532:\n")
+        ctr = run("buildah", "from", "--pull-never", TRAINER_BASE).stdout.strip()
+        try:
+            run("buildah", "copy", ctr, str(etc), "/etc")
+            run("buildah", "commit", "-q", ctr, TRAINER_OWN_GROUP)
+        finally:
+            run("buildah", "rm", ctr, check=False)
+
+
 def memguard_bin() -> str:
     return os.environ.get("MEMGUARD_BIN", str(ROOT / "target" / "debug" / "memguard"))
 

@@ -23,9 +23,11 @@ from harness import (
     MIB,
     ROOT,
     TRAINER_BASE,
+    TRAINER_OWN_GROUP,
     Pod,
     ensure_image,
     ensure_trainer_base,
+    ensure_trainer_own_group,
     for_podman,
     kernel_oom_kills,
     metric,
@@ -268,3 +270,70 @@ def test_under_restart_policy_never_the_sidecar_leaves_with_the_killed_trainer(r
     assert summary["oom_events"] == 1 and summary["exit_reason"] == "trainer-exited", summary
     print(f"restartPolicy Never: the sidecar left {left_after:.1f} s after the trainer's kill")
     assert left_after < 20, left_after
+
+
+def test_a_trainer_whose_group_differs_from_the_sidecars_has_its_limit_and_kill_from_its_client(runtime):
+    """Issue 37, item 6: the trainer's image maps uid 65532 to group 65532 and the pod sets no
+    `runAsGroup`, so the trainer runs as 65532:65532 and the sidecar (65532:0: the webhook cannot
+    see the image) cannot open `/proc/<pid>/root`. The trainer's client reports its own cgroup:
+    the sidecar's limit is the cgroup's (the downward-API limit is taken away here, so it can
+    come from nowhere else), and the OOM kill of a worker process, seen by the trainer that
+    survived it, is counted, as the kernel logged it."""
+    ensure_trainer_own_group()
+    with tempfile.TemporaryDirectory(prefix="mg-pod-own-group-") as t:
+        tmp = Path(t)
+        tmp.chmod(0o755)
+        logdir = tmp / "log"
+        logdir.mkdir(mode=0o777)
+        logdir.chmod(0o777)
+        env = {"SHAPE": "worker", "STEPS": "4", "STEP_SECONDS": "0.3"}
+        pod = trainer_pod("mgtest-own-group", {"runAsUser": 65532, "runAsNonRoot": True}, env, logdir)
+        pod["spec"]["containers"][0]["image"] = TRAINER_OWN_GROUP
+        # The client under test is this checkout's (hostPath), not the copy the image embeds.
+        pod["metadata"]["annotations"]["memguard.io/inject-client"] = "false"
+        mutated = mutate(pod)
+        sidecar = next(c for c in mutated["spec"]["containers"] if c["name"] == "memguard-sidecar")
+        manifest = for_podman(mutated, tmp)
+        side = next(c for c in manifest["spec"]["containers"] if c["name"] == "memguard-sidecar")
+        side["env"] = [e for e in side["env"] if e["name"] != "MEMGUARD_TRAINER_MEMORY_LIMIT"]
+        trainer_log = logdir / "trainer.jsonl"
+        try:
+            with Pod(manifest, tmp) as p:
+                scraped = wait_for(
+                    "the sidecar to take the client's report of the trainer's cgroup, after a kill",
+                    lambda: (m := p.metrics())
+                    and metric(m, "memguard_sidecar_source_info", 'view="client-report"') == 1
+                    and (metric(m, "memguard_sidecar_oom_kills_total") or 0) >= 1
+                    and m,
+                    timeout=90,
+                )
+                wait_for("the trainer to finish", lambda: any(e["event"] in ("done", "failed") for e in read_jsonl(trainer_log)), timeout=90)
+                wait_for("the sidecar to exit", lambda: p.state("memguard-sidecar").get("Status") == "exited", timeout=30)
+                summary = sidecar_summary(p)
+                kernel = kernel_oom_kills(p.container_id("train"))
+                fallback = log_events(p, "found the trainer but not its cgroup; falling back to summed RSS (give the sidecar the trainer's uid/gid, see docs/sidecar.md)")
+                trainer_state = p.state("train")
+            events = read_jsonl(trainer_log)
+        finally:
+            podman("rmi", "-f", TRAINER_OWN_GROUP, check=False)
+    starts = [e for e in events if e["event"] == "start"]
+    killed = [e for e in events if e["event"] == "worker-killed"]
+    sc = sidecar["securityContext"]
+    print(f"group mismatch: kernel kills {kernel}, sidecar summary {json.dumps(summary)}")
+    # The mismatch: the trainer took its image's group, the sidecar the webhook's 0.
+    assert (sc["runAsUser"], sc["runAsGroup"]) == (65532, 0), sc
+    assert {(e["uid"], e["gid"]) for e in starts} == {(65532, 65532)}, starts
+    assert fallback, "the sidecar could not read the trainer's cgroup itself"
+    # The kernel killed a worker at the 1 GiB limit; the trainer survived and reported it.
+    assert kernel >= 1 and len(killed) == kernel, (kernel, killed)
+    assert killed[0]["batch"] == 8, killed
+    assert summary["oom_events"] == kernel, summary
+    assert summary["limit_bytes"] == 1024 * MIB, summary
+    assert summary["memory_source"] == "cgroup-v1 via client-report", summary
+    assert metric(scraped, "memguard_sidecar_limit_bytes") == 1024 * MIB, scraped
+    assert metric(scraped, "memguard_sidecar_source_info", 'kind="cgroup-v1"') == 1
+    # The kill's sticky downgrade reached the trainer: it finished below the killed batch.
+    steps = [e for e in events if e["event"] == "step"]
+    assert steps and all(e["batch"] < 8 for e in steps), steps
+    assert summary["sticky_batch_size"] is not None and summary["sticky_batch_size"] < 8, summary
+    assert trainer_state.get("ExitCode") == 0, trainer_state

@@ -10,6 +10,10 @@ downgrade after an OOM kill). Two shapes:
   starting batch it outgrows the limit and is OOM-killed by the kernel.
 - ``SHAPE=grow``: the held memory grows by ``GROW_MIB`` every step, so the sidecar sees the
   pressure climb and downgrades before the limit (the survival run).
+- ``SHAPE=worker``: each micro-batch runs in a forked worker process, as a data-loader or
+  compile worker does; a worker killed by the kernel is survived by the trainer, which reports
+  (its client sends its own cgroup's OOM-kill counter), waits for the sidecar's smaller batch
+  and runs the step again.
 
 ``KILLS=N``: the first N starts (counted in ``LOG``) keep the webhook's starting batch whatever
 the signal says, so a spike is OOM-killed N times; later starts follow the guard. Every start, step and the end are JSON lines appended to ``LOG`` (a hostPath file),
@@ -35,6 +39,8 @@ def log(event: str, **fields) -> None:
 
 def main() -> int:
     guard = Guard(background=False)
+    if os.environ.get("SHAPE") == "worker":
+        return workers(guard)
     try:
         with open(os.environ["LOG"]) as f:
             starts = sum('"event": "start"' in line for line in f)
@@ -65,6 +71,49 @@ def main() -> int:
             del activations
         guard.report(step=step, batch_size=batch, allocated_bytes=len(held) * grow + batch * per_sample)
         log("step", step=step, batch=batch, accumulation=accumulation, held_mib=len(held) * grow // MIB)
+    log("done", batch=guard.batch_size, accumulation=guard.grad_accumulation)
+    return 0
+
+
+def run_in_worker(nbytes: int, seconds: float) -> bool:
+    """Holds ``nbytes`` in a forked worker; False when the worker was killed."""
+    pid = os.fork()
+    if pid == 0:
+        activations = b"\x01" * nbytes
+        time.sleep(seconds)
+        del activations
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return not (os.WIFSIGNALED(status) and os.WTERMSIG(status) == 9)
+
+
+def workers(guard: Guard) -> int:
+    per_sample = int(os.environ.get("PER_SAMPLE_MIB", "24")) * MIB
+    steps = int(os.environ.get("STEPS", "6"))
+    pause = float(os.environ.get("STEP_SECONDS", "0.3"))
+    # At train start, as the client's train-start hooks do: the sidecar sees the cgroup's
+    # counter before the first step.
+    guard.report(step=0, batch_size=guard.batch_size)
+    time.sleep(float(os.environ.get("STARTUP_SECONDS", "1")))
+    log("start", batch=guard.batch_size, accumulation=guard.grad_accumulation, seq=guard.seq, shape="worker")
+    step = 0
+    while step < steps:
+        guard.refresh()
+        batch = guard.batch_size
+        if not run_in_worker(batch * per_sample, pause):
+            log("worker-killed", step=step, batch=batch)
+            guard.report(step=step, batch_size=batch)
+            end = time.monotonic() + 20
+            while guard.batch_size >= batch and time.monotonic() < end:
+                time.sleep(0.1)
+                guard.refresh()
+            if guard.batch_size >= batch:
+                log("failed", why="no smaller batch after the kill")
+                return 1
+            continue
+        guard.report(step=step, batch_size=batch)
+        log("step", step=step, batch=batch, accumulation=guard.grad_accumulation)
+        step += 1
     log("done", batch=guard.batch_size, accumulation=guard.grad_accumulation)
     return 0
 

@@ -10,6 +10,7 @@
 #[cfg(feature = "server")]
 pub mod args;
 pub mod dra;
+pub mod gpu_enforce;
 pub mod manifest;
 #[cfg(feature = "server")]
 pub mod metrics;

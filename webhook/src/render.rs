@@ -53,6 +53,13 @@ pub(crate) fn render(
     if plan.config.device == Device::Cuda && user_alloc_conf(trainer).is_none() {
         trainer_env.push((ALLOC_CONF.into(), EXPANDABLE_SEGMENTS.into()));
     }
+    trainer_env.extend(crate::gpu_enforce::env(
+        policy.enforce_gpu_memory,
+        trainer,
+        &plan,
+        budget.as_ref(),
+        &mut warnings,
+    ));
     trainer_env.push((env::SIGNAL_FILE.into(), wellknown::SIGNAL_FILE.into()));
     trainer_env.push((
         env::SIDECAR_URL.into(),

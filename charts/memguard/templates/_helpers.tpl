@@ -111,6 +111,7 @@ Its shape is memguard_api::PolicySpec (camelCase, unknown fields rejected).
   "estimateLevel" (float64 $p.estimateLevel)
   "placement" $p.placement
   "servingShortenMaxLength" $p.servingShortenMaxLength
+  "enforceGpuMemory" $p.enforceGpuMemory
   "client" $client
   "sidecar" (dict
     "image" (include "memguard.sidecarImage" .)

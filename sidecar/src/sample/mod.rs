@@ -3,9 +3,11 @@
 
 pub mod cgroup;
 pub mod discover;
+pub mod dmem;
 pub mod gpu;
 pub mod procfs;
 pub mod psi;
+pub mod reported;
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -152,6 +154,12 @@ pub trait MemorySource: Send {
     /// The cgroup directory read, once known (for kernel event sources and PSI).
     fn cgroup_dir(&self) -> Option<&Path> {
         None
+    }
+    /// Which cgroup the OOM-kill counter belongs to (its directory's inode): a cgroup created
+    /// again under the same name (a container restarted in place) has a new one.
+    fn cgroup_identity(&self) -> Option<u64> {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(self.cgroup_dir()?).ok().map(|m| m.ino())
     }
     /// The trainer left (its cgroup emptied or vanished): look for it again from now on, as a
     /// restarted trainer (`restartPolicy: OnFailure`) gets a new process and a new cgroup.

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from . import env as _env
 from .frameworks import framework_memory
+from .own_cgroup import OwnCgroup
 from .signal import Pressure, Signal, parse_signal
 
 log = logging.getLogger("memguard_client")
@@ -91,6 +92,8 @@ class Guard:
         self._url: Optional[str] = sidecar_url.rstrip("/") if sidecar_url else None
         self._poll_wait = max(0.0, float(poll_wait))
         self._report_timeout = float(report_timeout)
+        # The container's own cgroup, for a sidecar that cannot read it (own_cgroup.py).
+        self._own_cgroup = OwnCgroup()
 
         start_batch = _env.env_int(environ, _env.BATCH_SIZE, batch_size if batch_size else 1)
         start_accum = _env.env_int(
@@ -466,6 +469,20 @@ class Guard:
     def _post_report(self, body: Dict[str, Any]) -> bool:
         if self._url is None:
             return False
+        memory = self._own_cgroup.due()
+        status = None
+        if memory is not None:
+            status = self._send_report(dict(body, container_memory=memory))
+            if status == 400:
+                # A sidecar older than `container_memory` refuses the whole report: the
+                # figures are sent again without it, and from now on.
+                self._own_cgroup.stop()
+        if memory is None or status == 400:
+            status = self._send_report(body)
+        return status is not None and 200 <= status < 300
+
+    def _send_report(self, body: Dict[str, Any]) -> Optional[int]:
+        """POSTs ``body``: the HTTP status, None when no answer came."""
         req = urllib.request.Request(
             f"{self._url}/v1/report",
             data=json.dumps(body).encode("utf-8"),
@@ -474,10 +491,13 @@ class Guard:
         )
         try:
             with urllib.request.urlopen(req, timeout=self._report_timeout) as resp:
-                return 200 <= int(resp.status) < 300
+                return int(resp.status)
+        except urllib.error.HTTPError as err:
+            log.debug("memguard report refused: %s", err)
+            return int(err.code)
         except Exception as err:
             log.debug("memguard report failed: %s", err)
-            return False
+            return None
 
 
 class _PollError(Exception):
