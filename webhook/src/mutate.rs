@@ -37,7 +37,7 @@ pub fn mutate(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Outcome {
     // The pod's command line is searched once: a server, or the trainer's launch.
     let launched = match crate::serving::admit_launched(pod, policy, profiles) {
         crate::serving::Launched::Server(served) => return served,
-        crate::serving::Launched::Trainer(launched) => launched,
+        crate::serving::Launched::Trainer(launched) => *launched,
     };
     let python = launched.as_ref().is_some_and(|(_, l)| l.runs_python());
     let training = match TrainingPod::resolve_launched(pod, launched, policy, profiles.cluster()) {

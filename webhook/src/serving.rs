@@ -71,8 +71,9 @@ pub enum Launched {
     /// A server, admitted as one: the admission's outcome.
     Server(Outcome),
     /// No server: the trainer's launch (with its container's index; `None`: no container is
-    /// the trainer), for the training decision to read rather than search again.
-    Trainer(Option<(usize, TrainerLaunch)>),
+    /// the trainer), for the training decision to read rather than search again. Boxed: a
+    /// launch is large, an outcome is not.
+    Trainer(Box<Option<(usize, TrainerLaunch)>>),
 }
 
 /// [`admit`], handing the launch it found back when it is no server's. Never panics.
@@ -80,9 +81,9 @@ pub fn admit_launched(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Lau
     let (index, launch, server) = match TrainerLaunch::of_pod(pod) {
         Some((index, launch)) => match launch.server().cloned() {
             Some(server) => (index, launch, server),
-            None => return Launched::Trainer(Some((index, launch))),
+            None => return Launched::Trainer(Box::new(Some((index, launch)))),
         },
-        None => return Launched::Trainer(None),
+        None => return Launched::Trainer(Box::new(None)),
     };
     let annotations = pod.metadata.annotations.clone().unwrap_or_default();
     let name = pod
