@@ -177,14 +177,29 @@ impl<'a> TrainingPod<'a> {
         policy: &Policy,
         cluster: Cluster<'_>,
     ) -> Result<Self, ResolveError> {
+        Self::resolve_launched(pod, TrainerLaunch::of_pod(pod), policy, cluster)
+    }
+
+    /// [`resolve`](Self::resolve), given the pod's launch already found
+    /// ([`TrainerLaunch::of_pod`]: the webhook finds it once, to tell a server from a trainer).
+    pub fn resolve_launched(
+        pod: &'a Pod,
+        launched: Option<(usize, TrainerLaunch)>,
+        policy: &Policy,
+        cluster: Cluster<'_>,
+    ) -> Result<Self, ResolveError> {
         let empty = BTreeMap::new();
         let given = pod.metadata.annotations.as_ref().unwrap_or(&empty);
         let has_input = annotations::has_training_input(given);
         let mut file_read = None;
         // The trainer's launch, found once: with_file reads its knobs from the same value.
-        let first = pod_trainer(pod)
-            .ok()
-            .map(|(index, trainer)| (index, trainer, TrainerLaunch::of(pod, trainer)));
+        let first = pod_trainer(pod).ok().map(|(index, trainer)| {
+            let launch = match launched {
+                Some((found_at, launch)) if found_at == index => launch,
+                _ => TrainerLaunch::of(pod, trainer),
+            };
+            (index, trainer, launch)
+        });
         // The model (and with it the method) from the trainer's launch, unless an annotation
         // names the model or its shape.
         let from_launch = if annotations::names_model(given) {
@@ -321,6 +336,27 @@ impl<'a> TrainingPod<'a> {
         cluster: Cluster<'_>,
     ) -> Result<Self, ResolveError> {
         Self::with_file(pod, parsed, world_size_given, policy, cluster, None, None)
+    }
+
+    /// [`with_annotations`](Self::with_annotations), given the launch already found for the
+    /// container at that index ([`TrainerLaunch::of_pod`]).
+    pub fn with_annotations_launched(
+        pod: &'a Pod,
+        parsed: TrainingAnnotations,
+        world_size_given: bool,
+        policy: &Policy,
+        cluster: Cluster<'_>,
+        launched: Option<(usize, TrainerLaunch)>,
+    ) -> Result<Self, ResolveError> {
+        Self::with_file(
+            pod,
+            parsed,
+            world_size_given,
+            policy,
+            cluster,
+            launched,
+            None,
+        )
     }
 
     /// [`with_annotations`](Self::with_annotations), given the launch found and the config

@@ -22,7 +22,6 @@ pub mod patch;
 pub mod policy_sources;
 #[cfg(feature = "server")]
 pub mod profiles;
-pub mod python_launch;
 mod render;
 pub mod review;
 #[cfg(feature = "server")]

@@ -34,13 +34,16 @@ pub fn mutate(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Outcome {
     if !memguard_api::pod::opted_in(pod) {
         return Outcome::Unchanged;
     }
-    if let Some(served) = crate::serving::admit(pod, policy, profiles) {
-        return served;
-    }
-    let training = match TrainingPod::resolve(pod, policy, profiles.cluster()) {
+    // The pod's command line is searched once: a server, or the trainer's launch.
+    let launched = match crate::serving::admit_launched(pod, policy, profiles) {
+        crate::serving::Launched::Server(served) => return served,
+        crate::serving::Launched::Trainer(launched) => *launched,
+    };
+    let python = launched.as_ref().is_some_and(|(_, l)| l.runs_python());
+    let training = match TrainingPod::resolve_launched(pod, launched, policy, profiles.cluster()) {
         Ok(training) => training,
         Err(e @ (ResolveError::NoTrainingInput(_) | ResolveError::LaunchModel(_))) => {
-            return guard(pod, policy, e.to_string());
+            return guard(pod, policy, python, e.to_string());
         }
         Err(e) => return skipped(e.to_string()),
     };
@@ -53,12 +56,12 @@ pub fn mutate(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Outcome {
 /// A pod opted in whose config admission cannot read: a Python trainer is guarded at run time
 /// (the sidecar watches its memory, the client follows the signal and recovers from an OOM in
 /// process), unless the policy or the pod keeps the client out; anything else is skipped.
-fn guard(pod: &Pod, policy: &Policy, why: String) -> Outcome {
+fn guard(pod: &Pod, policy: &Policy, python: bool, why: String) -> Outcome {
     let Ok((trainer_index, trainer)) = memguard_api::pod::pod_trainer(pod) else {
         return skipped(why);
     };
     let mut warnings = Vec::new();
-    let Some(client) = client_plan(pod, trainer, policy, &mut warnings) else {
+    let Some(client) = client_plan(pod, trainer, policy, python, &mut warnings) else {
         return skipped(why);
     };
     let reason = format!(

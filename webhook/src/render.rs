@@ -2,7 +2,6 @@
 //! the sidecar and the client to inject, and the `memguard.io/estimate` annotation. Pure.
 
 use crate::outcome::{ClientPlan, Mutation, SidecarPlan};
-use crate::python_launch::runs_python;
 use k8s_openapi::api::core::v1::Pod;
 use memguard_api::estimate::{ESTIMATE_VERSION, EstimateAnnotation};
 use memguard_api::pod::TrainingPod;
@@ -89,7 +88,14 @@ pub(crate) fn render(
     }
 
     let sidecar = sidecar_plan(policy, training, &plan, budget.as_ref(), guessed);
-    let client = client_plan(training.pod, training.trainer, policy, &mut warnings);
+    let python = training.launch.runs_python();
+    let client = client_plan(
+        training.pod,
+        training.trainer,
+        policy,
+        python,
+        &mut warnings,
+    );
     let mut estimate = estimate_annotation(&plan, budget.as_ref(), &training.config, &adjust);
     estimate.sources = knob_sources(training);
     estimate.unknown = training
@@ -123,13 +129,15 @@ pub(crate) fn render(
     }
 }
 
-/// The client goes into a trainer that runs Python ([`runs_python`]) unless the policy or the
+/// The client goes into a trainer that runs Python (`runs_python`: the pod's one classification
+/// of its launch, [`memguard_api::pod::TrainerLaunch::runs_python`]) unless the policy or the
 /// pod (`memguard.io/inject-client: "false"`) opted out. A `PYTHONPATH` from `valueFrom` cannot
 /// be prepended to without losing it: then nothing is injected, and a warning says why.
 pub(crate) fn client_plan(
     pod: &Pod,
     trainer: &k8s_openapi::api::core::v1::Container,
     policy: &Policy,
+    runs_python: bool,
     warnings: &mut Vec<String>,
 ) -> Option<ClientPlan> {
     let opted_out = pod
@@ -138,7 +146,7 @@ pub(crate) fn client_plan(
         .as_ref()
         .and_then(|a| a.get(memguard_api::annotations::INJECT_CLIENT))
         .is_some_and(|v| v.trim().eq_ignore_ascii_case("false"));
-    if !policy.client_inject || opted_out || !runs_python(trainer) {
+    if !policy.client_inject || opted_out || !runs_python {
         return None;
     }
     let from_ref = trainer

@@ -1,6 +1,9 @@
 //! Inference servers at admission: a container that launches vLLM or SGLang
 //! ([`ServerLaunch`]) gets its memory fraction and maximum length fitted to the memory the pod
-//! really has ([`serving_fit::fit`]). Pure, like [`crate::mutate`].
+//! really has ([`serving_fit::fit`]). Pure, like [`crate::mutate`]. The server is read from the
+//! pod's one search of its command line ([`TrainerLaunch::server`], the container's literal env
+//! resolved as for a trainer), which the training decision then takes over
+//! ([`admit_launched`]).
 //!
 //! The model is the one the command line serves (`memguard.io/model` overrides it, for a local
 //! path the catalog cannot name), the budget stage is the one every pod goes through
@@ -10,10 +13,10 @@
 //! the numbers.
 
 use crate::outcome::{Outcome, skipped};
-use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use memguard_api::annotations::{self as keys, TrainingAnnotations};
 use memguard_api::launch::{ArgvEdit, ServerLaunch};
-use memguard_api::pod::pick_trainer;
+use memguard_api::pod::TrainerLaunch;
 use memguard_api::{BudgetSource, Policy, TrainingPod};
 use memguard_decide::decision;
 use memguard_estimator::estimate::runtime_overhead;
@@ -56,28 +59,48 @@ pub struct ServerAdmission {
 /// The server `pod` runs, fitted: `None` when its container launches no server (a training
 /// pod: [`crate::mutate`] goes on). Never panics.
 pub fn admit(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Option<Outcome> {
+    match admit_launched(pod, policy, profiles) {
+        Launched::Server(outcome) => Some(outcome),
+        Launched::Trainer(_) => None,
+    }
+}
+
+/// What the pod's one search of its command line launches ([`TrainerLaunch::of_pod`]).
+#[derive(Debug)]
+pub enum Launched {
+    /// A server, admitted as one: the admission's outcome.
+    Server(Outcome),
+    /// No server: the trainer's launch (with its container's index; `None`: no container is
+    /// the trainer), for the training decision to read rather than search again. Boxed: a
+    /// launch is large, an outcome is not.
+    Trainer(Box<Option<(usize, TrainerLaunch)>>),
+}
+
+/// [`admit`], handing the launch it found back when it is no server's. Never panics.
+pub fn admit_launched(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Launched {
+    let (index, launch, server) = match TrainerLaunch::of_pod(pod) {
+        Some((index, launch)) => match launch.server().cloned() {
+            Some(server) => (index, launch, server),
+            None => return Launched::Trainer(Box::new(Some((index, launch)))),
+        },
+        None => return Launched::Trainer(Box::new(None)),
+    };
     let annotations = pod.metadata.annotations.clone().unwrap_or_default();
-    let containers = pod.spec.as_ref().map(|s| s.containers.as_slice())?;
-    let named = annotations.get(keys::CONTAINER).map(String::as_str);
-    let (index, container) = pick_trainer(containers, named).ok()?;
-    let launch = launch_of(container)?;
-    Some(
-        match decide(pod, policy, profiles, annotations, index, &launch) {
+    let name = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.containers.get(index))
+        .map(|c| c.name.clone())
+        .unwrap_or_default();
+    Launched::Server(
+        match decide(pod, policy, profiles, annotations, (index, launch), &server) {
             Ok(admission) => Outcome::Served(Box::new(admission)),
             Err(error) => skipped(format!(
-                "{} server in {}: {error}",
-                launch.engine.name(),
-                container.name
+                "{} server in {name}: {error}",
+                server.engine.name()
             )),
         },
     )
-}
-
-/// The server `container` launches, if any.
-pub fn launch_of(container: &Container) -> Option<ServerLaunch> {
-    let command = container.command.clone().unwrap_or_default();
-    let args = container.args.clone().unwrap_or_default();
-    ServerLaunch::find(&command, &args, container.args.is_some())
 }
 
 fn decide(
@@ -85,9 +108,10 @@ fn decide(
     policy: &Policy,
     profiles: &ClusterView,
     mut annotations: BTreeMap<String, String>,
-    index: usize,
+    launched: (usize, TrainerLaunch),
     launch: &ServerLaunch,
 ) -> Result<ServerAdmission, String> {
+    let index = launched.0;
     // The served model, read as `memguard.io/model` would be (policy models, then the catalog).
     annotations
         .entry(keys::MODEL.to_string())
@@ -102,8 +126,15 @@ fn decide(
     })?;
     let model_bits = policy.models.lookup(&model_name).and_then(|m| m.model_bits);
     let shape = parsed.config.model.clone();
-    let training = TrainingPod::with_annotations(pod, parsed, false, policy, profiles.cluster())
-        .map_err(|e| e.to_string())?;
+    let training = TrainingPod::with_annotations_launched(
+        pod,
+        parsed,
+        false,
+        policy,
+        profiles.cluster(),
+        Some(launched),
+    )
+    .map_err(|e| e.to_string())?;
     let device_kind = training.config.device;
     if !matches!(device_kind, Device::Cuda | Device::Rocm) {
         return Err(format!(

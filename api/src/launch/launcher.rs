@@ -361,11 +361,11 @@ pub fn find_by(items: &[String], accept: &dyn Fn(&Launch) -> bool) -> Result<Lau
     find_by_in_env(items, &std::collections::BTreeMap::new(), accept)
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "search-count"))]
 thread_local! {
     /// How many command lines this thread has searched for a launch: a test counts what one
-    /// reading of a pod costs.
-    pub(crate) static SEARCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// reading of a pod, or one admission, costs.
+    pub static SEARCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// [`find_by`] with the container's literal env ([`find_in_env`]).
@@ -374,9 +374,33 @@ pub fn find_by_in_env(
     env: &std::collections::BTreeMap<String, String>,
     accept: &dyn Fn(&Launch) -> bool,
 ) -> Result<Launch, LaunchError> {
-    #[cfg(test)]
+    let found = find_both_in_env(items, env, accept);
+    found.accepted.ok_or(found.why_none)
+}
+
+/// What one search of a command line found ([`find_both_in_env`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Search {
+    /// The first launch, as [`find_in_env`] finds it; or why there is none.
+    pub first: Result<Launch, LaunchError>,
+    /// The first launch that `accept`ed, as [`find_by_in_env`] finds it.
+    pub accepted: Option<Launch>,
+    /// Why none was accepted ([`find_by_in_env`]'s error).
+    why_none: LaunchError,
+}
+
+/// [`find_in_env`] and [`find_by_in_env`] in one pass over the command line: its first launch
+/// (a pod's trainer) and its first launch that `accept`s (a server that follows a download).
+pub fn find_both_in_env(
+    items: &[String],
+    env: &std::collections::BTreeMap<String, String>,
+    accept: &dyn Fn(&Launch) -> bool,
+) -> Search {
+    #[cfg(any(test, feature = "search-count"))]
     SEARCHES.with(|n| n.set(n.get() + 1));
-    let first = items.first().ok_or(LaunchError::Empty)?;
+    let Some(first) = items.first() else {
+        return Search::none(LaunchError::Empty);
+    };
     if is_shell(first) {
         // `bash -c STRING`, `bash -lc STRING`, `sh -ec STRING`, `bash --login -c STRING`: the
         // string is the script.
@@ -388,7 +412,7 @@ pub fn find_by_in_env(
                 i += 1;
                 if opt.contains('c') {
                     let Some(script) = items.get(i) else {
-                        return Err(LaunchError::NoProgram);
+                        return Search::none(LaunchError::NoProgram);
                     };
                     return find_in_shell(i, script, env, accept);
                 }
@@ -397,7 +421,7 @@ pub fn find_by_in_env(
             }
         }
         // `bash run.sh`: a script memguard cannot see.
-        return Err(LaunchError::NoProgram);
+        return Search::none(LaunchError::NoProgram);
     }
     let args: Vec<Arg> = items
         .iter()
@@ -412,13 +436,27 @@ pub fn find_by_in_env(
         })
         .collect();
     let end = Place::Item(items.len() - 1);
-    launch_in(args, end).and_then(|l| {
-        if accept(&l) {
-            Ok(l)
-        } else {
-            Err(LaunchError::NoProgram)
+    let first = launch_in(args, end);
+    let accepted = first.as_ref().ok().filter(|l| accept(l)).cloned();
+    let why_none = match &first {
+        Err(e) => e.clone(),
+        Ok(_) => LaunchError::NoProgram,
+    };
+    Search {
+        first,
+        accepted,
+        why_none,
+    }
+}
+
+impl Search {
+    fn none(why: LaunchError) -> Search {
+        Search {
+            first: Err(why.clone()),
+            accepted: None,
+            why_none: why,
         }
-    })
+    }
 }
 
 /// An argv item as the kubelet passes it: `$(NAME)` replaced by the container's variable
@@ -462,9 +500,13 @@ fn find_in_shell(
     script: &str,
     env: &std::collections::BTreeMap<String, String>,
     accept: &dyn Fn(&Launch) -> bool,
-) -> Result<Launch, LaunchError> {
-    let tokens = words::split(script)?;
+) -> Search {
+    let tokens = match words::split(script) {
+        Ok(tokens) => tokens,
+        Err(e) => return Search::none(e.into()),
+    };
     let mut error = LaunchError::NoProgram;
+    let mut first = None;
     let mut commands = words::commands(&tokens);
     words::resolve(&mut commands, env);
     for command in commands {
@@ -485,8 +527,16 @@ fn find_in_shell(
             })
             .collect();
         match launch_in(args, end) {
-            Ok(launch) if accept(&launch) => return Ok(launch),
-            Ok(_) => {}
+            Ok(launch) => {
+                if accept(&launch) {
+                    return Search {
+                        first: first.unwrap_or_else(|| Ok(launch.clone())),
+                        accepted: Some(launch),
+                        why_none: error,
+                    };
+                }
+                first.get_or_insert(Ok(launch));
+            }
             // Remember the most telling reason: inline code over "nothing here".
             Err(
                 e @ (LaunchError::InlineCode
@@ -497,32 +547,31 @@ fn find_in_shell(
             Err(_) => {}
         }
     }
-    Err(error)
+    Search {
+        first: first.unwrap_or_else(|| Err(error.clone())),
+        accepted: None,
+        why_none: error,
+    }
 }
 
-/// How deep `bash -c "bash -c '…'"` is followed.
-const MAX_SHELL_DEPTH: usize = 4;
-
-/// Whether a container's `command` + `args` start a Python program: a launch ([`find`]: every
-/// launcher and trainer or server command is one, but not a file run by its shebang), inline
-/// code (`python -c`), a Python launcher whose script is a shell expansion, or any of these in
-/// a shell started by a shell script.
-pub fn runs_python(items: &[String]) -> bool {
-    let mut items = items.to_vec();
-    for _ in 0..=MAX_SHELL_DEPTH {
-        match find(&items) {
-            Ok(launch) => {
-                return !matches!(
-                    (launch.launcher, &launch.program),
-                    (Launcher::Direct, Program::Script(_))
-                );
-            }
-            Err(LaunchError::InlineCode | LaunchError::ScriptExpands(_)) => return true,
-            Err(LaunchError::NestedShell(inner)) => items = inner,
-            Err(_) => return false,
-        }
+/// Whether the launch found in a container's `command` + `args` ([`find_in_env`]'s answer,
+/// not a search of its own) starts a Python program: a launch (every launcher and trainer or
+/// server command is one, but not a file run by its shebang), inline code (`python -c`), a
+/// Python launcher whose script is a shell expansion, or a shell started by a shell script.
+/// That inner shell is not searched again: the answer is yes, because the client injected into a
+/// process that is not Python is inert (a `PYTHONPATH` nothing reads, an `emptyDir`), while a
+/// Python trainer left without it loses its run-time guard.
+pub fn runs_python(found: &Result<Launch, LaunchError>) -> bool {
+    match found {
+        Ok(launch) => !matches!(
+            (launch.launcher, &launch.program),
+            (Launcher::Direct, Program::Script(_))
+        ),
+        Err(
+            LaunchError::InlineCode | LaunchError::ScriptExpands(_) | LaunchError::NestedShell(_),
+        ) => true,
+        Err(_) => false,
     }
-    false
 }
 
 /// Commands that are Python programs themselves, trainers and servers (their words are read by
@@ -962,17 +1011,44 @@ mod tests {
                 "accelerate launch t.py"
             ])))
         );
-        assert!(runs_python(&nested));
-        assert!(runs_python(&items(&["sh", "-c", "python -c 'import x'"])));
-        assert!(runs_python(&items(&[
-            "sh",
-            "-c",
-            "torchrun --nproc_per_node 2 $S"
-        ])));
-        assert!(!runs_python(&items(&["sh", "-c", "$PY t.py"])));
+        let python = |words: &[&str]| runs_python(&find(&items(words)));
+        assert!(runs_python(&find(&nested)));
+        assert!(python(&["sh", "-c", "python -c 'import x'"]));
+        assert!(python(&["sh", "-c", "torchrun --nproc_per_node 2 $S"]));
+        assert!(!python(&["sh", "-c", "$PY t.py"]));
         // A file run by its shebang may be anything.
-        assert!(!runs_python(&items(&["./train.py"])));
-        assert!(!runs_python(&items(&["accelerate", "config"])));
+        assert!(!python(&["./train.py"]));
+        assert!(!python(&["accelerate", "config"]));
+        // A shell started by a shell script is not searched again: whatever it runs, the
+        // client goes in (inert where nothing runs Python).
+        assert!(python(&["bash", "-c", "bash -c './run.sh'"]));
+    }
+
+    /// One pass finds both the first launch and the first accepted one, each as the separate
+    /// searches did.
+    #[test]
+    fn one_search_finds_the_first_launch_and_the_first_accepted() {
+        let env = std::collections::BTreeMap::from([("M".to_string(), "m1".to_string())]);
+        let is_vllm = |l: &Launch| l.program.name() == "vllm";
+        let cmd = items(&["sh", "-c", "python -c 'x' ; python get.py && vllm serve $M"]);
+        let both = find_both_in_env(&cmd, &env, &is_vllm);
+        assert_eq!(both.first, find_in_env(&cmd, &env));
+        assert_eq!(
+            both.first.expect("a launch").program,
+            Program::Script("get.py".into())
+        );
+        let server = both.accepted.expect("the server");
+        assert_eq!(server.texts(), ["serve", "m1"]);
+        assert_eq!(Ok(server), find_by_in_env(&cmd, &env, &is_vllm));
+        // No launch accepted: the most telling reason, as before.
+        let cmd = items(&["sh", "-c", "python -c 'x'; echo done"]);
+        let both = find_both_in_env(&cmd, &env, &is_vllm);
+        assert_eq!(both.first, Err(LaunchError::InlineCode));
+        assert_eq!(both.accepted, None);
+        assert_eq!(
+            find_by_in_env(&cmd, &env, &is_vllm),
+            Err(LaunchError::InlineCode)
+        );
     }
 
     #[test]

@@ -14,8 +14,8 @@ pub mod words;
 
 pub use flags::{Edit, Flag, FlagRules, Flags, HfRules, MappedRules, SetError};
 pub use launcher::{
-    Arg, Argv, ArgvEdit, Field, Launch, LaunchError, Launcher, Place, Program, find, find_by,
-    find_by_in_env, find_in_env, runs_python,
+    Arg, Argv, ArgvEdit, Field, Launch, LaunchError, Launcher, Place, Program, Search, find,
+    find_both_in_env, find_by, find_by_in_env, find_in_env, runs_python,
 };
 pub use server::{ServerLaunch, ServerRules};
 pub use words::{SplitError, Token, Word};

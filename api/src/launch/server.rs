@@ -212,6 +212,11 @@ pub struct ServerLaunch {
     flags: Flags,
 }
 
+/// Whether `launch` starts a server memguard fits (vLLM or SGLang).
+pub fn starts_server(launch: &Launch) -> bool {
+    recognise(launch).is_some()
+}
+
 /// The engine and model of a launch, when it starts a server.
 fn recognise(launch: &Launch) -> Option<(Engine, String)> {
     let texts = launch.texts();
@@ -250,7 +255,13 @@ impl ServerLaunch {
     /// has an `args` field, even empty).
     pub fn find(command: &[String], args: &[String], has_args: bool) -> Option<ServerLaunch> {
         let argv = Argv::new(Some(command), has_args.then_some(args));
-        let launch = find_by(&argv.items, &|l| recognise(l).is_some()).ok()?;
+        let launch = find_by(&argv.items, &starts_server).ok()?;
+        ServerLaunch::of(argv, launch)
+    }
+
+    /// The server `launch` starts, found in `argv` (a pod's one search of its command line,
+    /// [`crate::pod::TrainerLaunch`]); `None` when it starts none.
+    pub fn of(argv: Argv, launch: Launch) -> Option<ServerLaunch> {
         let (engine, model) = recognise(&launch)?;
         let flags = Flags::parse(&launch.texts(), &ServerRules(engine));
         Some(ServerLaunch {
