@@ -27,7 +27,7 @@ python3 -m pip install -q --disable-pip-version-check ./clients/python
 # In CI (root, cgroup v1) the survival proof must run, not skip; it uses the sidecar built above.
 if [[ ${CI:-} == true ]]; then export MEMGUARD_REQUIRE_SURVIVAL=1; fi
 # tests/launch: the webhook's rewrite of stock HF launches, re-read by transformers' own parser.
-MEMGUARD_BIN=$PWD/target/debug/memguard MEMGUARD_SIDECAR_BIN=$PWD/target/debug/memguard-sidecar python3 -m pytest -q -rs clients/python/tests bench/survival bench/gpu tests/launch
+MEMGUARD_BIN=$PWD/target/debug/memguard MEMGUARD_SIDECAR_BIN=$PWD/target/debug/memguard-sidecar python3 -m pytest -q -rs clients/python/tests bench/survival bench/gpu bench/host tests/launch
 
 step "image: scripts/build-image.sh (once; the pod tests reuse it)"
 export CONTAINERS_CONF=${CONTAINERS_CONF:-$PWD/scripts/containers.conf}

@@ -17,6 +17,8 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::process::ExitCode;
 
+use crate::host::HostFigure;
+
 /// Declares the pass-through flags once: each is an annotation key (without prefix) taking the
 /// value exactly as an annotation would.
 macro_rules! annotation_flags {
@@ -99,6 +101,9 @@ macro_rules! annotation_flags {
             /// Bits of one cached key or value element (16, or 8 for an fp8 cache); with --serve.
             #[arg(long, value_name = "BITS", default_value_t = 16, help_heading = "Serving")]
             kv_cache_bits: u32,
+            /// The host flags: what one pod's memory cgroup must hold beside its GPUs.
+            #[command(flatten)]
+            host: crate::host::HostArgs,
         }
 
         /// The flags that are annotation keys (without the `memguard.io/` prefix).
@@ -293,6 +298,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok(e) => e,
         Err(errors) => return Ok(bad_input(errors.iter().map(|e| format!("--{e}")))),
     };
+    let host =
+        match crate::host::estimate(cfg, crate::host::pod_gpus(&args.gpu_resource), &args.host) {
+            Ok(host) => host,
+            Err(message) => return Ok(bad_input([message])),
+        };
     // As the webhook plans: against the upper bound at the policy's level.
     let bound = Bound::at(policy.estimate_level, &[]);
     let upper = bound.upper(cfg, estimate.total, estimate.total);
@@ -348,7 +358,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         &mut out,
         args.output,
         cfg,
-        &estimate,
+        (&estimate, host.as_ref()),
         (plan.as_ref(), &suggestions, written.as_ref()),
         decided.as_ref(),
         (upper, policy.estimate_level),
@@ -431,7 +441,7 @@ fn write_output(
     out: &mut impl Write,
     output: Output,
     cfg: &TrainingConfig,
-    estimate: &Estimate,
+    (estimate, host): (&Estimate, Option<&HostFigure>),
     (plan, suggestions, written): (Option<&DowngradePlan>, &[Suggestion], Option<&Size>),
     decided: Option<&decision::Decision>,
     (upper, level): (Bytes, f64),
@@ -440,6 +450,11 @@ fn write_output(
     match output {
         Output::Json => {
             let mut value = to_json(cfg, estimate, plan);
+            if let Some(host) = host
+                && let Some(value) = value.as_object_mut()
+            {
+                value.extend(host.json_fields());
+            }
             value["total_upper_bytes"] = json!(upper.0);
             value["upper_level"] = json!(level);
             if let Some(b) = pod_budget {
@@ -470,7 +485,7 @@ fn write_output(
             writeln!(out)?;
         }
         Output::Table => {
-            write_table(out, cfg, estimate, plan, written)?;
+            write_table(out, cfg, estimate, plan, written, host)?;
             if !suggestions.is_empty() {
                 writeln!(
                     out,
@@ -963,6 +978,7 @@ fn write_table(
     estimate: &Estimate,
     plan: Option<&DowngradePlan>,
     written: Option<&Size>,
+    host: Option<&HostFigure>,
 ) -> std::io::Result<()> {
     let name = cfg.model.name.as_deref().unwrap_or("custom shape");
     writeln!(
@@ -982,6 +998,9 @@ fn write_table(
     )?;
     writeln!(out)?;
     write_components(out, estimate)?;
+    if let Some(host) = host {
+        write!(out, "{}", host.table_lines())?;
+    }
     let Some(plan) = plan else {
         return Ok(());
     };

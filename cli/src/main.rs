@@ -4,6 +4,7 @@ mod client;
 mod crdgen;
 mod estimate;
 mod explain;
+mod host;
 mod input;
 mod mutate;
 mod serving;

@@ -74,14 +74,12 @@ pub mod constants {
     /// chunk until backward; the gradients exist for one chunk at a time.
     pub const CHUNKED_LOSS_BYTES_PER_LOGIT: f64 = 4.0;
     /// The CUDA caching allocator's extra reserve when batch shapes vary, per unit of
-    /// `seq_length_spread`, as a fraction of the per-step tensors: at spread 1 (the shortest
-    /// batch a sliver of the longest) freed blocks cut for short batches cannot serve the long
-    /// one, and the reserve grows by half the per-step tensors. **Not fitted**: no source here
-    /// publishes both `max_memory_allocated` and `max_memory_reserved` on variable-length data
-    /// (`docs/accuracy.md`, "Reserved memory and fragmentation"); `bench/gpu/measure.py` measures
-    /// both, padded and packed, with and without expandable segments, and is how it gets fitted.
+    /// `seq_length_spread`, as a fraction of the per-step tensors: freed blocks cut for short
+    /// batches cannot serve the long one. Fitted (with the other constants held) on the one
+    /// source that measures `max_memory_reserved` on batches of varying length, ms-swift's
+    /// benchmark (`docs/accuracy.md`, "Sets 1 and 2"); it was an unfitted 0.5 before.
     /// Packing and `expandable_segments:True` remove it.
-    pub const CUDA_FRAGMENTATION_PER_SPREAD: f64 = 0.5;
+    pub const CUDA_FRAGMENTATION_PER_SPREAD: f64 = 1.48;
 }
 
 use constants::*;
@@ -100,6 +98,8 @@ pub struct Fitted {
     pub cpu_process_baseline: Bytes,
     /// See [`constants::CPU_HEAP_FRACTION`].
     pub cpu_heap_fraction: f64,
+    /// See [`constants::CUDA_FRAGMENTATION_PER_SPREAD`].
+    pub cuda_fragmentation_per_spread: f64,
 }
 
 impl Fitted {
@@ -109,6 +109,7 @@ impl Fitted {
         cuda_cache_fraction: CUDA_CACHE_FRACTION,
         cpu_process_baseline: CPU_PROCESS_BASELINE,
         cpu_heap_fraction: CPU_HEAP_FRACTION,
+        cuda_fragmentation_per_spread: CUDA_FRAGMENTATION_PER_SPREAD,
     };
 }
 
@@ -988,7 +989,7 @@ fn allocator_cache(cfg: &TrainingConfig, per_step: Bytes, fitted: &Fitted) -> By
     };
     let fraction = match cfg.device {
         Device::Cuda | Device::Rocm => {
-            fitted.cuda_cache_fraction + CUDA_FRAGMENTATION_PER_SPREAD * spread
+            fitted.cuda_cache_fraction + fitted.cuda_fragmentation_per_spread * spread
         }
         Device::Cpu => fitted.cpu_heap_fraction,
         Device::Metal => 0.0,

@@ -21,6 +21,7 @@ pub mod calibration;
 pub mod catalog;
 pub mod config;
 pub mod estimate;
+pub mod host;
 pub mod inference;
 pub mod params;
 pub mod plan;
@@ -35,6 +36,7 @@ pub use config::{
     Parallelism, Precision, TrainingConfig,
 };
 pub use estimate::{Component, Estimate, Fitted, estimate, estimate_with};
+pub use host::{HostConfig, HostEstimate, Offload, Phase, SaveMode, host_estimate};
 pub use inference::{ServingConfig, estimate_serving};
 pub use plan::{
     BestStep, Cost, DowngradePlan, Floors, LADDER, QUALITY_MIN_SAVING, Rung, Step, best_step, plan,

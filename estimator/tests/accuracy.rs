@@ -38,10 +38,11 @@ fn cv() -> &'static [harness::Scored] {
 
 #[test]
 fn every_row_is_scored() {
-    // Ground truth 68 GPU + 25 CPU; collected: 33 LitGPT config hub, 5 PEFT method comparison,
-    // 23 LitGPT resource tables, 5 torchtune README, 16 gpjt/fine-tune-2024-04.
-    assert_eq!(rows().len(), 68 + 25 + 33 + 5 + 23 + 5 + 16);
-    assert_eq!(harness::sources(rows()).len(), 10);
+    // Ground truth 68 GPU + 25 CPU, sets 1 (55) and 2 (101); collected: 33 LitGPT config hub,
+    // 5 PEFT method comparison, 23 LitGPT resource tables, 5 torchtune README,
+    // 16 gpjt/fine-tune-2024-04.
+    assert_eq!(rows().len(), 68 + 25 + 55 + 101 + 33 + 5 + 23 + 5 + 16);
+    assert_eq!(harness::sources(rows()).len(), 10 + 8);
 }
 
 #[test]
@@ -81,17 +82,25 @@ fn the_cpu_constants_rest_on_one_source_and_are_named_so() {
 }
 
 #[test]
-fn the_fragmentation_constant_is_named_an_unfitted_prior_while_no_row_can_fit_it() {
-    if harness::fragmentation_support(rows()).is_empty() {
-        let docs = std::fs::read_to_string(
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/estimator.md"),
-        )
-        .expect("docs/estimator.md");
-        assert!(
-            docs.contains("`CUDA_FRAGMENTATION_PER_SPREAD` is an unfitted prior"),
-            "docs/estimator.md must name the fragmentation constant an unfitted prior"
-        );
-    }
+fn the_shipped_fragmentation_is_the_fit_on_the_rows_whose_batches_vary() {
+    // Fitted with the shipped steady constants, on the reserved figures of varying batches
+    // (set 2's ms-swift rows); a fold without such rows keeps the prior, not the shipped fit.
+    let shipped = memguard_estimator::Fitted::SHIPPED;
+    let varying = harness::varying(rows());
+    assert!(!varying.is_empty());
+    let fitted = harness::fit_fragmentation(&varying, shipped);
+    assert!(
+        (fitted.cuda_fragmentation_per_spread - shipped.cuda_fragmentation_per_spread).abs() < 1e-9,
+        "refit gives {}",
+        fitted.cuda_fragmentation_per_spread
+    );
+    let without = harness::fold(rows(), "S-ms-swift-benchmark");
+    assert_eq!(
+        without.cuda_fragmentation_per_spread,
+        harness::FRAGMENTATION_PRIOR
+    );
+    let docs = std::fs::read_to_string(harness::docs_path()).expect("docs/accuracy.md");
+    assert!(docs.contains("`CUDA_FRAGMENTATION_PER_SPREAD` rests on one source only"));
 }
 
 #[test]
@@ -122,7 +131,9 @@ fn no_counted_row_measures_less_than_its_config_holds_at_the_step() {
 
 #[test]
 fn cross_validated_overall_targets_hold() {
-    let s = harness::cv_summary(cv(), |_| true);
+    // On the rows the steady constants and the bound are made of; sets 1 and 2 are held to
+    // their committed figures below (docs/accuracy.md, "Sets 1 and 2").
+    let s = harness::cv_summary(cv(), |r| !r.in_new_set());
     assert!(s.rows >= 140, "{} rows", s.rows);
     assert!(
         s.median_ape <= MEDIAN_APE,
@@ -200,4 +211,34 @@ fn the_committed_residuals_are_what_the_cross_validation_gives() {
             "rerun bench/accuracy/run.sh --write-residuals: {a:?} != {b:?}"
         );
     }
+}
+
+/// Sets 1 and 2, in-sample with the shipped constants (median |error| %, rows under −10 %),
+/// and the shipped 0.95 bound's coverage of them (it is not made of their residuals):
+/// committed in docs/accuracy.md, "Sets 1 and 2". Not the targets yet (≤ 10 %, ≤ 5 %
+/// of rows under −10 %, ≥ 90 % coverage): a figure may only get better.
+const SET1: (f64, usize) = (11.0, 0);
+const SET2: (f64, usize) = (11.0, 9);
+const SETS_BOUND_COVERAGE: f64 = 0.866;
+
+#[test]
+fn sets_1_and_2_are_no_worse_than_their_committed_figures() {
+    for (file, (median, under)) in harness::NEW_SETS.iter().zip([SET1, SET2]) {
+        let s = harness::cv_summary(rows(), |r| r.file == *file);
+        assert!(
+            s.median_ape * 100.0 <= median + 0.05,
+            "{file}: median {:.1} %, committed {median:.1} %",
+            s.median_ape * 100.0
+        );
+        assert!(
+            s.under_ten <= under,
+            "{file}: {} rows under -10 %, committed {under}",
+            s.under_ten
+        );
+    }
+    let (covered, n, _) = harness::bound_coverage_where(cv(), 0.95, |r| r.in_new_set());
+    assert!(
+        covered as f64 >= SETS_BOUND_COVERAGE * n as f64 - 0.5,
+        "0.95 bound covers {covered}/{n} of sets 1 and 2"
+    );
 }

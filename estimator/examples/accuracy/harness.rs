@@ -10,9 +10,18 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// The ground-truth files in `bench/accuracy/data/`: every row is part of the fit set.
-pub const FILES: [&str; 2] = [
+pub const FILES: [&str; 4] = [
     "gpu-published-normalized.csv",
     "cpu-measured-normalized.csv",
+    "gpu-published-set1-normalized.csv",
+    "gpu-published-set2-normalized.csv",
+];
+
+/// Sets 1 and 2 (published measurements from sources the estimator had not seen when they
+/// came, `data/gpu-published-set{1,2}-normalized.md`): fitting data now, scored apart too.
+pub const NEW_SETS: [&str; 2] = [
+    "gpu-published-set1-normalized.csv",
+    "gpu-published-set2-normalized.csv",
 ];
 
 /// Measurements collected for this repository (`bench/accuracy/collected/`), in the same
@@ -30,6 +39,10 @@ pub const COLLECTED: [&str; 5] = [
 /// read from their sources, in `bench/accuracy/collected/` (the ground truth is kept as
 /// copied). Collected rows carry theirs as `[loss=chunked]`-style tags in their notes.
 pub const TRAINER_CHOICES: &str = "trainer-choices.csv";
+
+/// `CUDA_FRAGMENTATION_PER_SPREAD` before any source measured it: half the per-step tensors
+/// at spread 1 (a guess, kept as the prior of folds without varying batches).
+pub const FRAGMENTATION_PRIOR: f64 = 0.5;
 
 /// One row of `trainer-choices.csv`.
 #[derive(Debug, Clone, Default, serde::Deserialize)]
@@ -59,6 +72,14 @@ pub struct Choices {
     /// (`adamw-8bit-torchao`).
     #[serde(default)]
     pub optimizer: String,
+    /// The batches' length spread, `(longest − shortest) / longest`, where the source states
+    /// the data's lengths but the row's notes carry no `[spread=…]`.
+    #[serde(default)]
+    pub spread: String,
+    /// What the source says it measured, where the row's `compare_to` keeps the ground truth's
+    /// coarser reading: `reserved` (`max_memory_reserved`, no CUDA context).
+    #[serde(default)]
+    pub measurement: String,
 }
 
 impl Choices {
@@ -97,6 +118,13 @@ impl Choices {
         cfg.quantized_head |= flag(&self.quantized_head);
         cfg.quant_from_fp16 |= flag(&self.quant_from_fp16);
         cfg.untied_head |= flag(&self.untied_head);
+        if !self.spread.trim().is_empty() {
+            cfg.seq_length_spread = self
+                .spread
+                .trim()
+                .parse()
+                .map_err(|e| format!("spread `{}`: {e}", self.spread))?;
+        }
         Ok(())
     }
 
@@ -128,6 +156,8 @@ impl Choices {
             quant_from_fp16: yes(tag("quant-from-fp16")),
             untied_head: yes(tag("untied-head")),
             optimizer: String::new(),
+            spread: String::new(),
+            measurement: String::new(),
         }
     }
 }
@@ -240,6 +270,8 @@ impl Compare {
 pub struct Scored {
     pub id: String,
     pub source: String,
+    /// The file the row came from (`gpu-published-set1-normalized.csv`, …).
+    pub file: String,
     pub split: Split,
     /// From `bench/accuracy/collected/` rather than the ground truth in `data/`.
     pub collected: bool,
@@ -267,6 +299,9 @@ pub struct Scored {
     pub class: memguard_estimator::bound::Class,
     /// The row's sequence-length spread (`[spread=…]`), which the fragmentation term needs.
     pub spread: f64,
+    /// The spread that fragments the caching allocator: none when the batches are packed or
+    /// the segments expandable.
+    pub fragmenting_spread: f64,
 }
 
 impl Scored {
@@ -289,6 +324,10 @@ impl Scored {
             Device::Cpu => (fitted.cpu_process_baseline, fitted.cpu_heap_fraction),
             _ => (fitted.cuda_context, fitted.cuda_cache_fraction),
         };
+        let fraction = match self.device {
+            Device::Cpu => fraction,
+            _ => fraction + fitted.cuda_fragmentation_per_spread * self.fragmenting_spread,
+        };
         let cache = self.fixed_reserve + Bytes::from_f64(self.per_step.as_f64() * fraction);
         match self.compare {
             Compare::TensorPeak => self.tensor_peak,
@@ -299,6 +338,12 @@ impl Scored {
 
     /// Whether the row can inform the fitted constants: a measured reserved or device-level
     /// figure (the tensor peak carries neither the reserve nor the runtime).
+    /// From sets 1 and 2: scored, and fitting the fragmentation, but not yet the steady
+    /// constants nor the bound's residuals (docs/accuracy.md, "Sets 1 and 2").
+    pub fn in_new_set(&self) -> bool {
+        NEW_SETS.contains(&self.file.as_str())
+    }
+
     fn informs_fit(&self) -> bool {
         self.measured.is_some() && !self.unmodelled && self.compare != Compare::TensorPeak
     }
@@ -408,6 +453,7 @@ pub fn score(row: &Row, choices: Option<&Choices>) -> Result<Scored, String> {
         let fitted = Fitted {
             cuda_cache_fraction: fraction,
             cpu_heap_fraction: fraction,
+            cuda_fragmentation_per_spread: 0.0,
             ..Fitted::SHIPPED
         };
         Ok(estimate_with(&cfg, &fitted)
@@ -422,7 +468,11 @@ pub fn score(row: &Row, choices: Option<&Choices>) -> Result<Scored, String> {
         other => return Err(format!("split: `{other}` is not fit or heldout")),
     };
     let oom = row.outcome.trim().eq_ignore_ascii_case("oom");
-    let compare = match row.compare_to.trim() {
+    let stated = match choices.measurement.trim() {
+        "" => row.compare_to.trim(),
+        m => m,
+    };
+    let compare = match stated {
         "tensor_peak" if !oom => Compare::TensorPeak,
         "reserved" if !oom => Compare::Reserved,
         _ => Compare::Total,
@@ -436,6 +486,7 @@ pub fn score(row: &Row, choices: Option<&Choices>) -> Result<Scored, String> {
     Ok(Scored {
         id: row.id.clone(),
         source: row.source_group.clone(),
+        file: String::new(),
         split,
         collected: !row.split.trim().is_empty(),
         model: row.model.clone(),
@@ -458,6 +509,11 @@ pub fn score(row: &Row, choices: Option<&Choices>) -> Result<Scored, String> {
         fixed_reserve,
         class: memguard_estimator::bound::Class::of(&cfg, compare.figure()),
         spread: cfg.seq_length_spread,
+        fragmenting_spread: if cfg.packing || cfg.expandable_segments {
+            0.0
+        } else {
+            cfg.seq_length_spread
+        },
         estimate: est,
     })
 }
@@ -482,7 +538,13 @@ pub fn score_all() -> Result<Vec<Scored>, String> {
             csv::Reader::from_path(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         for row in reader.deserialize::<Row>() {
             let row = row.map_err(|e| format!("{}: {e}", path.display()))?;
-            out.push(score(&row, choices.get(&row.id)).map_err(|e| format!("{}: {e}", row.id))?);
+            let mut scored =
+                score(&row, choices.get(&row.id)).map_err(|e| format!("{}: {e}", row.id))?;
+            scored.file = path
+                .file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            out.push(scored);
         }
     }
     Ok(out)
@@ -569,7 +631,12 @@ fn fit_loss(rows: &[&Scored], fitted: &Fitted) -> f64 {
 /// family's the shipped values, the CPU family's [`CPU_BASELINE_PRIOR`] and the CUDA fraction
 /// just fitted (the analogous allocator reserve).
 pub fn fit(rows: &[&Scored]) -> Fitted {
-    let mut fitted = Fitted::SHIPPED;
+    // A fold with no varying batches must not inherit the shipped fragmentation (fitted on
+    // every source): it keeps the prior the estimator had before any source measured it.
+    let mut fitted = Fitted {
+        cuda_fragmentation_per_spread: FRAGMENTATION_PRIOR,
+        ..Fitted::SHIPPED
+    };
     let informing = |cpu: bool| -> Vec<&Scored> {
         rows.iter()
             .copied()
@@ -591,15 +658,23 @@ pub fn fit(rows: &[&Scored]) -> Fitted {
         best.1
     };
     let cuda = informing(false);
-    if !cuda.is_empty() {
+    // The context and the steady reserve from batches of one shape; the fragmentation from
+    // those whose lengths vary, on top (a fold with none keeps the prior).
+    let (varying, steady): (Vec<&Scored>, Vec<&Scored>) =
+        cuda.iter().partition(|r| r.fragmenting_spread > 0.0);
+    let steady: Vec<&Scored> = steady.into_iter().filter(|r| !r.in_new_set()).collect();
+    if !steady.is_empty() {
         fitted = grid(
-            &cuda,
+            &steady,
             &|f, c, x| {
                 f.cuda_context = c;
                 f.cuda_cache_fraction = x;
             },
             fitted,
         );
+    }
+    if !varying.is_empty() {
+        fitted = fit_fragmentation(&varying, fitted);
     }
     let cpu = informing(true);
     if cpu.is_empty() {
@@ -616,6 +691,29 @@ pub fn fit(rows: &[&Scored]) -> Fitted {
         );
     }
     fitted
+}
+
+/// `base` with the fragmentation (0–2 by 0.02) that minimises the asymmetric loss over
+/// `varying`, rows whose batches vary in length.
+pub fn fit_fragmentation(varying: &[&Scored], base: Fitted) -> Fitted {
+    let mut best = (f64::INFINITY, base);
+    for k in 0..=100u32 {
+        let mut cand = base;
+        cand.cuda_fragmentation_per_spread = f64::from(k) / 50.0;
+        let loss = fit_loss(varying, &cand);
+        if loss < best.0 {
+            best = (loss, cand);
+        }
+    }
+    best.1
+}
+
+/// The rows of `rows` that fit the fragmentation: a reserved or device-level CUDA figure of
+/// batches whose lengths vary.
+pub fn varying(rows: &[Scored]) -> Vec<&Scored> {
+    rows.iter()
+        .filter(|r| r.informs_fit() && r.device != Device::Cpu && r.fragmenting_spread > 0.0)
+        .collect()
 }
 
 /// The source groups, in order of first appearance.
@@ -662,37 +760,27 @@ pub fn support(rows: &[Scored]) -> Vec<(&'static str, Vec<String>)> {
     vec![
         (
             "CUDA_CONTEXT",
-            by(&|r| r.device != Device::Cpu && r.compare == Compare::Total),
+            by(&|r| {
+                r.device != Device::Cpu
+                    && r.compare == Compare::Total
+                    && r.fragmenting_spread == 0.0
+                    && !r.in_new_set()
+            }),
         ),
-        ("CUDA_CACHE_FRACTION", by(&|r| r.device != Device::Cpu)),
+        (
+            "CUDA_CACHE_FRACTION",
+            by(&|r| r.device != Device::Cpu && r.fragmenting_spread == 0.0 && !r.in_new_set()),
+        ),
         (
             "CPU_PROCESS_BASELINE",
             by(&|r| r.device == Device::Cpu && r.compare == Compare::Total),
         ),
         ("CPU_HEAP_FRACTION", by(&|r| r.device == Device::Cpu)),
+        (
+            "CUDA_FRAGMENTATION_PER_SPREAD",
+            by(&|r| r.device != Device::Cpu && r.fragmenting_spread > 0.0),
+        ),
     ]
-}
-
-/// The sources that could fit `CUDA_FRAGMENTATION_PER_SPREAD`: a measured reserved figure of
-/// batches whose lengths vary (spread above 0) with its allocated pair. None so far: the
-/// constant is an unfitted prior.
-pub fn fragmentation_support(rows: &[Scored]) -> Vec<String> {
-    let mut s: Vec<String> = rows
-        .iter()
-        .filter(|r| r.measured.is_some() && r.compare == Compare::Reserved && r.spread > 0.0)
-        .filter(|r| {
-            rows.iter().any(|a| {
-                a.source == r.source
-                    && a.compare == Compare::TensorPeak
-                    && a.spread == r.spread
-                    && a.measured.is_some()
-            })
-        })
-        .map(|r| r.source.clone())
-        .collect();
-    s.sort();
-    s.dedup();
-    s
 }
 
 /// Cross-validated figures of a set of rows (measured, not UNMODELLED).
@@ -735,7 +823,7 @@ fn median(sorted: &[f64]) -> f64 {
 pub fn residuals(cv: &[Scored]) -> Vec<memguard_estimator::bound::Residual> {
     let mut names: BTreeMap<String, &'static str> = BTreeMap::new();
     cv.iter()
-        .filter(|r| !r.unmodelled)
+        .filter(|r| !r.unmodelled && !r.in_new_set())
         .filter_map(|r| {
             let source = *names
                 .entry(r.source.clone())
@@ -752,12 +840,25 @@ pub fn residuals(cv: &[Scored]) -> Vec<memguard_estimator::bound::Residual> {
 /// The bound's coverage, itself cross-validated: each source's rows are bounded with the
 /// factors of the other sources' residuals. (covered, rows, median bound / measured).
 pub fn bound_coverage(cv: &[Scored], level: f64) -> (usize, usize, f64) {
+    bound_coverage_where(cv, level, |r| !r.in_new_set())
+}
+
+/// [`bound_coverage`] over the rows `keep` selects (the residuals are always the other
+/// sources' rows that the bound is made of).
+pub fn bound_coverage_where(
+    cv: &[Scored],
+    level: f64,
+    keep: impl Fn(&Scored) -> bool,
+) -> (usize, usize, f64) {
     let mut covered = 0;
     let mut widths = Vec::new();
     for source in sources(cv) {
         let others: Vec<Scored> = cv.iter().filter(|r| r.source != source).cloned().collect();
         let res = residuals(&others);
-        for r in cv.iter().filter(|r| r.source == source && !r.unmodelled) {
+        for r in cv
+            .iter()
+            .filter(|r| r.source == source && !r.unmodelled && keep(r))
+        {
             let Some(m) = r.measured else { continue };
             let factor = memguard_estimator::bound::upper_factor_from(&res, &r.class, level);
             let upper = r.estimated.as_f64() * factor;

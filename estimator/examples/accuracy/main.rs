@@ -118,12 +118,13 @@ fn print_cv(label: &str, s: &harness::CvSummary) {
 
 fn print_fitted(label: &str, f: &memguard_estimator::Fitted) {
     println!(
-        "  {:<34} CUDA_CONTEXT {:>5} MiB  CUDA_CACHE_FRACTION {:.2}  CPU_PROCESS_BASELINE {:>4} MB  CPU_HEAP_FRACTION {:.2}",
+        "  {:<34} CUDA_CONTEXT {:>5} MiB  CUDA_CACHE_FRACTION {:.2}  CPU_PROCESS_BASELINE {:>4} MB  CPU_HEAP_FRACTION {:.2}  CUDA_FRAGMENTATION_PER_SPREAD {:.2}",
         label,
         f.cuda_context.0 / (1 << 20),
         f.cuda_cache_fraction,
         f.cpu_process_baseline.0 / 1_000_000,
-        f.cpu_heap_fraction
+        f.cpu_heap_fraction,
+        f.cuda_fragmentation_per_spread
     );
 }
 
@@ -175,6 +176,13 @@ fn main() -> ExitCode {
     print_fitted("shipped", &memguard_estimator::Fitted::SHIPPED);
     let all: Vec<&Scored> = scored.iter().collect();
     print_fitted("fitted on every source", &harness::fit(&all));
+    print_fitted(
+        "fragmentation, shipped steady constants",
+        &harness::fit_fragmentation(
+            &harness::varying(&scored),
+            memguard_estimator::Fitted::SHIPPED,
+        ),
+    );
     for source in harness::sources(&scored) {
         print_fitted(
             &format!("without {source}"),
@@ -191,34 +199,39 @@ fn main() -> ExitCode {
         };
         println!("  {constant:<22} {}{only}", sources.join(", "));
     }
-    let fragmentation = harness::fragmentation_support(&scored);
-    if fragmentation.is_empty() {
-        println!(
-            "  CUDA_FRAGMENTATION_PER_SPREAD {}  UNFITTED PRIOR: no source publishes allocated and reserved \
-             figures of batches whose lengths vary (S publishes both, at spread 0: padded to max_length)",
-            memguard_estimator::estimate::constants::CUDA_FRAGMENTATION_PER_SPREAD
-        );
-    } else {
-        println!(
-            "  CUDA_FRAGMENTATION_PER_SPREAD could be fitted on {} (not yet refitted)",
-            fragmentation.join(", ")
-        );
-    }
     println!();
     println!(
         "Cross-validated, leave one source out (each source scored with constants fitted without it):"
     );
     print_cv("overall", &harness::cv_summary(&cv, |_| true));
+    print_cv(
+        "before sets 1 and 2",
+        &harness::cv_summary(&cv, |r| !harness::NEW_SETS.contains(&r.file.as_str())),
+    );
+    for file in harness::NEW_SETS {
+        print_cv(file, &harness::cv_summary(&cv, |r| r.file == file));
+    }
     for source in harness::sources(&cv) {
         print_cv(&source, &harness::cv_summary(&cv, |r| r.source == source));
     }
     println!();
     println!("In-sample (the shipped constants, for comparison):");
     print_cv("overall", &harness::cv_summary(&scored, |_| true));
+    for file in harness::FILES.iter().chain(harness::COLLECTED.iter()) {
+        print_cv(file, &harness::cv_summary(&scored, |r| r.file == *file));
+    }
     println!();
     println!("Upper bound (factors from the other sources' cross-validated residuals):");
     for level in [0.8, 0.9, 0.95, 0.99] {
         let (covered, rows, width) = harness::bound_coverage(&cv, level);
+        println!(
+            "  level {level:.2}: covers {covered}/{rows} rows ({:.1} %), median bound/measured {width:.3}",
+            covered as f64 * 100.0 / rows as f64
+        );
+    }
+    println!("The same bound on sets 1 and 2 (not among its residuals: held out from it):");
+    for level in [0.8, 0.9, 0.95, 0.99] {
+        let (covered, rows, width) = harness::bound_coverage_where(&cv, level, |r| r.in_new_set());
         println!(
             "  level {level:.2}: covers {covered}/{rows} rows ({:.1} %), median bound/measured {width:.3}",
             covered as f64 * 100.0 / rows as f64
