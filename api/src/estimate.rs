@@ -107,6 +107,38 @@ pub struct EstimateAnnotation {
     /// them ([`ArgsChange::new`] bounds their size).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub args: Option<ArgsChange>,
+    /// The pod's host memory, planned against the trainer's `limits.memory` (GPU pods).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<HostAnnotation>,
+}
+
+/// The host memory of a GPU pod: what its trainer's memory cgroup (`limits.memory`) must hold.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HostAnnotation {
+    /// The peak of the planned config, its unknown values at their largest: what the limit
+    /// must hold.
+    pub bytes: Bytes,
+    /// The peak with the unknown values at their smallest (absent when every value was read).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub least: Option<Bytes>,
+    /// The phase of the peak: `load`, `step` or `save`.
+    pub phase: String,
+    /// Each component at the peak's values: `load`, `input`, `save`, `offload`, `runtime`.
+    pub components: BTreeMap<String, Bytes>,
+    /// The trainer's `limits.memory`; `null` when it has none.
+    pub limit: Option<Bytes>,
+    /// Whether the peak fits the limit; `null` without a limit, or while an unknown value
+    /// could change the answer.
+    pub fits: Option<bool>,
+    /// Ranks in the pod.
+    pub ranks: u32,
+    /// Where each host knob came from (`args`, `default:trl`, …).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub sources: BTreeMap<String, String>,
+    /// The host knobs not read, each with what would say it.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub unknown: BTreeMap<String, String>,
 }
 
 /// Most characters of the command lines an [`ArgsChange`] keeps, both together: a launch line

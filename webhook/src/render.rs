@@ -314,5 +314,6 @@ pub(crate) fn estimate_annotation(
         read: Default::default(),
         changed: Vec::new(),
         args: None,
+        host: None,
     }
 }
