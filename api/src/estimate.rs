@@ -116,12 +116,13 @@ pub struct EstimateAnnotation {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct HostAnnotation {
-    /// The peak of the planned config, its unknown values at their largest: what the limit
-    /// must hold.
+    /// The peak of the planned config, every unknown value at its smallest: at least this
+    /// (exactly this when every value was read).
     pub bytes: Bytes,
-    /// The peak with the unknown values at their smallest (absent when every value was read).
+    /// The peak with every unknown value at its largest, when each has a bound and any is
+    /// unknown.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub least: Option<Bytes>,
+    pub most: Option<Bytes>,
     /// The phase of the peak: `load`, `step` or `save`.
     pub phase: String,
     /// Each component at the peak's values: `load`, `input`, `save`, `offload`, `runtime`.
@@ -139,6 +140,25 @@ pub struct HostAnnotation {
     /// The host knobs not read, each with what would say it.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub unknown: BTreeMap<String, String>,
+    /// The host knobs memguard rewrote in the trainer's flags: a second admission reads the
+    /// value the trainer had (`from`, with its source), not memguard's own.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub rewritten: BTreeMap<String, HostChange>,
+    /// The verdict when nothing fits (`host memory cannot fit: …`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verdict: Option<String>,
+}
+
+/// One host knob memguard rewrote.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HostChange {
+    /// The value the trainer had, as its flag spells it.
+    pub from: String,
+    /// Where that value came from (`args`, `default:trl`).
+    pub source: String,
+    /// The value memguard wrote.
+    pub to: String,
 }
 
 /// Most characters of the command lines an [`ArgsChange`] keeps, both together: a launch line

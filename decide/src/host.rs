@@ -121,27 +121,45 @@ pub struct HostPlan {
     pub warning: Option<String>,
 }
 
-/// A host config with the read knobs set, each unknown at its smallest (`least`) or largest.
-fn with_knobs(base: &HostConfig, knobs: &HostKnobs, largest: bool) -> HostConfig {
-    let mut host = base.clone();
-    host.checkpoint_bytes_per_param = knobs
-        .checkpoint_bytes_per_param
-        .as_ref()
-        .map_or(if largest { 4.0 } else { 2.0 }, |r| r.value);
-    host.load_bytes_per_param = match &knobs.load_bytes_per_param {
-        Some(r) => r.value,
-        // An fp32 load of any checkpoint is the largest; `auto` (no copy) the smallest.
-        None => largest.then_some(4.0),
+/// Every host config `knobs` allows over `base`: each read knob at its value, each unknown
+/// with a bound at each of its values (the checkpoint's and the load's dtype interact: an fp32
+/// load copies a bf16 checkpoint and maps an fp32 one), each unknown without one (workers,
+/// their prefetch) at its smallest.
+fn configs(base: &HostConfig, knobs: &HostKnobs) -> Vec<HostConfig> {
+    let checkpoints: Vec<f64> = match &knobs.checkpoint_bytes_per_param {
+        Some(r) => vec![r.value],
+        None => vec![2.0, 4.0],
     };
-    host.dataloader_workers = knobs.workers.as_ref().map_or(0, |r| r.value);
-    host.prefetch_factor = knobs.prefetch_factor.as_ref().map_or(2, |r| r.value);
-    host.pin_memory = knobs.pin_memory.as_ref().map_or(largest, |r| r.value);
-    host.save = match &knobs.save {
-        Some(r) => r.value,
-        None if largest => SaveMode::FullWithOptimizer,
-        None => SaveMode::None,
+    let loads: Vec<Option<f64>> = match &knobs.load_bytes_per_param {
+        Some(r) => vec![r.value],
+        None => vec![None, Some(2.0), Some(4.0)],
     };
-    host
+    let pins: Vec<bool> = match &knobs.pin_memory {
+        Some(r) => vec![r.value],
+        None => vec![false, true],
+    };
+    let saves: Vec<SaveMode> = match &knobs.save {
+        Some(r) => vec![r.value],
+        None => SaveMode::ALL.to_vec(),
+    };
+    let mut out = Vec::new();
+    for &checkpoint in &checkpoints {
+        for &load in &loads {
+            for &pin in &pins {
+                for &save in &saves {
+                    let mut host = base.clone();
+                    host.checkpoint_bytes_per_param = checkpoint;
+                    host.load_bytes_per_param = load;
+                    host.pin_memory = pin;
+                    host.save = save;
+                    host.dataloader_workers = knobs.workers.as_ref().map_or(0, |r| r.value);
+                    host.prefetch_factor = knobs.prefetch_factor.as_ref().map_or(1, |r| r.value);
+                    out.push(host);
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Whether an unknown knob leaves the largest figure without a bound: the worker count, or
@@ -153,16 +171,23 @@ fn unbounded(knobs: &HostKnobs) -> bool {
     }
 }
 
-/// The peaks of `knobs` over `base`: the smallest, and the largest where bounded.
+/// The smallest pod `knobs` allow, its host memory, and the largest peak where bounded.
 fn peaks(base: &HostConfig, knobs: &HostKnobs) -> (HostConfig, HostEstimate, Option<Bytes>) {
-    let least = with_knobs(base, knobs, false);
-    let estimate = host_estimate(&least);
-    let most = if unbounded(knobs) {
-        None
-    } else {
-        Some(host_estimate(&with_knobs(base, knobs, true)).peak)
-    };
-    (least, estimate, most)
+    let mut least: Option<(HostConfig, HostEstimate)> = None;
+    let mut most = Bytes::ZERO;
+    for host in configs(base, knobs) {
+        let estimate = host_estimate(&host);
+        most = most.max(estimate.peak);
+        if least.as_ref().is_none_or(|(_, e)| estimate.peak < e.peak) {
+            least = Some((host, estimate));
+        }
+    }
+    let (config, estimate) = least.unwrap_or_else(|| {
+        let host = base.clone();
+        let estimate = host_estimate(&host);
+        (host, estimate)
+    });
+    (config, estimate, (!unbounded(knobs)).then_some(most))
 }
 
 /// `bytes` rounded up to whole GiB, as a Kubernetes quantity.
@@ -255,7 +280,7 @@ pub fn plan_against(base: HostConfig, knobs: &HostKnobs, limit: Option<Bytes>) -
     for step in candidates(knobs) {
         let mut next = rewritten.clone();
         step.apply(&mut next);
-        let peak = host_estimate(&with_knobs(&base, &next, false)).peak;
+        let peak = peaks(&base, &next).1.peak;
         if peak < least {
             least = peak;
             rewritten = next;
@@ -266,13 +291,14 @@ pub fn plan_against(base: HostConfig, knobs: &HostKnobs, limit: Option<Bytes>) -
         }
     }
     if least <= limit {
+        let (rewritten, rewrites) = undo_unneeded(&base, knobs, rewritten, &rewrites, limit);
         let (config, estimate, most) = peaks(&base, &rewritten);
         plan.config = config;
         plan.estimate = estimate;
         plan.most = most;
         plan.sources = rewritten.sources();
         plan.fits = fits_largest(most).then_some(true);
-        plan.rewrites = merged(&rewrites);
+        plan.rewrites = rewrites;
         let said: Vec<String> = plan
             .rewrites
             .iter()
@@ -300,6 +326,120 @@ pub fn plan_against(base: HostConfig, knobs: &HostKnobs, limit: Option<Bytes>) -
         }
     ));
     plan
+}
+
+impl HostPlan {
+    /// The `host` field of the estimate annotation.
+    pub fn annotation(&self, before: &HostKnobs) -> memguard_api::estimate::HostAnnotation {
+        let est = &self.estimate;
+        let before_sources = before.sources();
+        memguard_api::estimate::HostAnnotation {
+            bytes: est.peak,
+            most: self.most.filter(|m| *m != est.peak),
+            phase: est.peak_phase.name().to_string(),
+            components: [
+                ("load", est.load),
+                ("input", est.input),
+                ("save", est.save),
+                ("offload", est.offload),
+                ("runtime", est.runtime),
+            ]
+            .into_iter()
+            .map(|(k, b)| (k.to_string(), b))
+            .collect(),
+            limit: self.limit,
+            fits: self.fits,
+            ranks: self.ranks,
+            sources: self.sources.clone(),
+            unknown: self.unknown.clone(),
+            rewritten: self
+                .rewrites
+                .iter()
+                .map(|r| {
+                    let change = memguard_api::estimate::HostChange {
+                        from: r.from.clone(),
+                        source: before_sources
+                            .get(r.knob.name())
+                            .cloned()
+                            .unwrap_or_default(),
+                        to: r.to.clone(),
+                    };
+                    (r.knob.name().to_string(), change)
+                })
+                .collect(),
+            verdict: self.verdict.clone(),
+        }
+    }
+}
+
+/// The rewrites that fit, less those a later one made unneeded: each knob but the last changed
+/// is put back as far as the pod still fits (the workers to the most that fit), so a cheap knob
+/// is not spent for a few MiB when a dearer one had to move anyway.
+fn undo_unneeded(
+    base: &HostConfig,
+    before: &HostKnobs,
+    mut knobs: HostKnobs,
+    steps: &[HostRewrite],
+    limit: Bytes,
+) -> (HostKnobs, Vec<HostRewrite>) {
+    let fits = |k: &HostKnobs| peaks(base, k).1.peak <= limit;
+    let mut changes = merged(steps);
+    let last = changes.pop();
+    let mut kept = Vec::new();
+    for change in changes {
+        let mut trial = knobs.clone();
+        match change.knob {
+            HostKnob::DataloaderWorkers => {
+                let from: u32 = change.from.parse().unwrap_or(0);
+                let mut w = from;
+                let mut best = None;
+                loop {
+                    trial.workers.clone_from(&before.workers);
+                    if let Some(r) = &mut trial.workers {
+                        r.value = w;
+                    }
+                    if fits(&trial) {
+                        best = Some(w);
+                        break;
+                    }
+                    if w == 0 {
+                        break;
+                    }
+                    w /= 2;
+                }
+                let w = best.unwrap_or(0);
+                if w == from {
+                    knobs.workers.clone_from(&before.workers);
+                    continue;
+                }
+                if let Some(r) = &mut knobs.workers {
+                    r.value = w;
+                }
+                kept.push(HostRewrite {
+                    to: w.to_string(),
+                    ..change
+                });
+            }
+            HostKnob::PinMemory => {
+                trial.pin_memory.clone_from(&before.pin_memory);
+                if fits(&trial) {
+                    knobs = trial;
+                } else {
+                    kept.push(change);
+                }
+            }
+            _ => {
+                trial.save.clone_from(&before.save);
+                if fits(&trial) {
+                    knobs = trial;
+                } else {
+                    kept.push(change);
+                }
+            }
+        }
+    }
+    kept.extend(last);
+    (knobs, kept)
 }
 
 /// A rewrite the host plan may try.
@@ -449,7 +589,7 @@ mod tests {
         k.pin_memory = read(false, "x");
         k.workers = read(0, "x");
         k.save = read(SaveMode::ModelOnlyFull, "x");
-        host_estimate(&with_knobs(base, &k, false)).peak
+        peaks(base, &k).1.peak
     }
 
     #[test]
@@ -483,12 +623,29 @@ mod tests {
         );
     }
 
+    /// Where the save must move anyway, the cheaper knobs that helped on the way by a few MiB
+    /// are put back.
+    #[test]
+    fn a_cheap_rewrite_a_dearer_one_made_unneeded_is_undone() {
+        let (mut base, knobs) = busy();
+        base.batch_bytes = Bytes(64 << 10);
+        let mut model_only = knobs.clone();
+        model_only.save = read(SaveMode::ModelOnlyFull, "x");
+        let limit = peaks(&base, &model_only).1.peak;
+        let plan = plan_against(base, &knobs, Some(limit));
+        let moved: Vec<HostKnob> = plan.rewrites.iter().map(|r| r.knob).collect();
+        assert_eq!(moved, [HostKnob::Save], "{:?}", plan.rewrites);
+        assert_eq!(plan.config.dataloader_workers, 8);
+        assert!(plan.config.pin_memory);
+        assert_eq!(plan.fits, Some(true));
+    }
+
     #[test]
     fn the_cheapest_rewrite_that_fits_is_the_only_one() {
         let (base, knobs) = busy();
         let mut unpinned = knobs.clone();
         unpinned.pin_memory = read(false, "x");
-        let limit = host_estimate(&with_knobs(&base, &unpinned, false)).peak;
+        let limit = peaks(&base, &unpinned).1.peak;
         let plan = plan_against(base, &knobs, Some(limit));
         assert_eq!(plan.rewrites.len(), 1, "{:?}", plan.rewrites);
         assert_eq!(plan.rewrites[0].knob, HostKnob::PinMemory);
@@ -540,6 +697,25 @@ mod tests {
         let warning = plan.warning.expect("says why");
         assert!(warning.contains("checkpoint-dtype"), "{warning}");
         assert_eq!(plan_against(base, &knobs, Some(most)).fits, Some(true));
+    }
+
+    /// An fp32 load maps an fp32 checkpoint and copies a bf16 one once per rank: with the
+    /// checkpoint's dtype unknown, the range spans both.
+    #[test]
+    fn the_load_and_checkpoint_dtypes_are_ranged_together() {
+        let (mut base, mut knobs) = busy();
+        base.ranks_in_pod = 4;
+        knobs.workers = read(0, "args");
+        knobs.save = read(SaveMode::None, "args");
+        knobs.load_bytes_per_param = read(Some(4.0), "default:trl");
+        knobs.checkpoint_bytes_per_param = None;
+        let plan = plan_against(base, &knobs, None);
+        let runtime = plan.estimate.runtime.as_f64();
+        // fp32 files, mapped: 32 GB.
+        assert!((plan.estimate.peak.as_f64() - runtime - 8e9 * 4.0).abs() < 2.0);
+        // bf16 files and four fp32 copies: 16 + 128 GB.
+        let most = plan.most.expect("bounded").as_f64();
+        assert!((most - runtime - 8e9 * 2.0 - 4.0 * 8e9 * 4.0).abs() < 2.0);
     }
 
     #[test]

@@ -232,6 +232,7 @@ impl HostKnobs {
                     .or_insert_with(|| unknown_flag(flag));
             }
         }
+        knobs.restore_earlier(training, flags);
         for (knob, flag) in HOST_FLAGS {
             let present = flags.get(flag).is_some();
             let known = !knobs.unknown.contains_key(knob);
@@ -240,6 +241,57 @@ impl HostKnobs {
             }
         }
         knobs
+    }
+
+    /// A flag that holds what memguard wrote at an earlier admission is memguard's: the value
+    /// read is the one the trainer had then, with its source, so a second admission reaches
+    /// the same plan.
+    fn restore_earlier(&mut self, training: &TrainingPod, flags: &crate::launch::Flags) {
+        let Some(host) = training
+            .launch
+            .earlier
+            .as_ref()
+            .and_then(|e| e.host.as_ref())
+        else {
+            return;
+        };
+        for (knob, flag) in HOST_FLAGS {
+            let Some(change) = host.rewritten.get(knob.name()) else {
+                continue;
+            };
+            let now = match flags.get(flag) {
+                Some(f) if f.value.is_none() => Some(if f.negated { "false" } else { "true" }),
+                Some(f) => f.value.as_deref(),
+                None => None,
+            };
+            if now.map(|v| v.trim().to_ascii_lowercase()) != Some(change.to.clone()) {
+                continue;
+            }
+            let source = change.source.clone();
+            let truth = |v: &str| v.trim().eq_ignore_ascii_case("true");
+            match knob {
+                HostKnob::DataloaderWorkers => {
+                    if let Ok(n) = change.from.trim().parse() {
+                        self.workers = Some(HostRead { value: n, source });
+                    }
+                }
+                HostKnob::PinMemory => {
+                    self.pin_memory = Some(HostRead {
+                        value: truth(&change.from),
+                        source,
+                    })
+                }
+                HostKnob::Save => {
+                    let value = if truth(&change.from) {
+                        SaveMode::ModelOnlyFull
+                    } else {
+                        SaveMode::FullWithOptimizer
+                    };
+                    self.save = Some(HostRead { value, source });
+                }
+                _ => {}
+            }
+        }
     }
 
     /// Each known knob's source, by name.
