@@ -144,6 +144,10 @@ pub struct HostAnnotation {
     /// value the trainer had (`from`, with its source), not memguard's own.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub rewritten: BTreeMap<String, HostChange>,
+    /// The `sizeLimit` of the memory-backed `/dev/shm` memguard mounts in the trainer for its
+    /// DataLoader workers' batches (already counted in `input`: they are the same pages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm: Option<Bytes>,
     /// The verdict when nothing fits (`host memory cannot fit: …`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verdict: Option<String>,

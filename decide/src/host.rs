@@ -367,10 +367,31 @@ impl HostPlan {
                     (r.knob.name().to_string(), change)
                 })
                 .collect(),
+            shm: None,
             verdict: self.verdict.clone(),
         }
     }
+
+    /// The `sizeLimit` of a memory-backed `/dev/shm` for the planned DataLoader workers: every
+    /// rank's batches in flight (the workers' prefetched ones and those in hand), which the
+    /// workers hand over through shared memory, and at least [`SHM_FLOOR`]; `None` without
+    /// workers (or with a worker count not read). Its pages are the input component's batches,
+    /// charged to the trainer's cgroup: the host figure counts them already.
+    pub fn shm_size(&self) -> Option<Bytes> {
+        let cfg = &self.config;
+        if cfg.dataloader_workers == 0 {
+            return None;
+        }
+        let batches = f64::from(cfg.ranks_in_pod)
+            * (f64::from(cfg.dataloader_workers) * f64::from(cfg.prefetch_factor) + 2.0);
+        let bytes = Bytes::from_f64(batches * cfg.batch_bytes.as_f64()).max(SHM_FLOOR);
+        Some(Bytes(bytes.0.div_ceil(1 << 20) << 20))
+    }
 }
+
+/// The smallest `/dev/shm` memguard mounts: room for the collate buffers and the tensors
+/// torch's multiprocessing shares besides the batches themselves.
+pub const SHM_FLOOR: Bytes = Bytes::mib(1024);
 
 /// The rewrites that fit, less those a later one made unneeded: each knob but the last changed
 /// is put back as far as the pod still fits (the workers to the most that fit), so a cheap knob
@@ -733,6 +754,22 @@ mod tests {
             "{verdict}"
         );
         assert!(verdict.starts_with("host memory cannot fit"), "{verdict}");
+    }
+
+    #[test]
+    fn shared_memory_is_sized_to_the_workers_batches_with_a_floor() {
+        let (base, knobs) = busy();
+        let plan = plan_against(base, &knobs, None);
+        // 8 ranks × (8 workers × 4 prefetched + 2 in hand) × 96 MiB.
+        assert_eq!(plan.shm_size(), Some(Bytes::mib(8 * 34 * 96)));
+        let (mut base, mut knobs) = busy();
+        base.batch_bytes = Bytes(1000);
+        assert_eq!(
+            plan_against(base.clone(), &knobs, None).shm_size(),
+            Some(SHM_FLOOR)
+        );
+        knobs.workers = read(0, "args");
+        assert_eq!(plan_against(base, &knobs, None).shm_size(), None);
     }
 
     #[test]

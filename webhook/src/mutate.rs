@@ -226,13 +226,43 @@ fn decide(
                 .warnings
                 .insert(0, truncate(&format!("memguard: {verdict}")));
         }
-        mutation.estimate.host = Some(host.annotation(&host_knobs));
+        let mut annotation = host.annotation(&host_knobs);
+        annotation.shm = shm_mount(training, host, &mut mutation.warnings);
+        mutation.shm = annotation.shm;
+        mutation.estimate.host = Some(annotation);
     }
     mutation.estimate.args = command_line.as_ref().map(|line| line.change.clone());
     mutation.command_line = command_line;
     mutation.estimate.changed = changed.clone();
     mutation.changed = changed;
     Ok(mutation)
+}
+
+/// The memory-backed `/dev/shm` a trainer with DataLoader workers gets: its workers hand their
+/// batches over through shared memory, and a container's own `/dev/shm` is 64 MiB. Not where the
+/// trainer mounts something there itself; skipped, and said, where it would not fit the
+/// trainer's `limits.memory` (it is charged there).
+fn shm_mount(
+    training: &TrainingPod,
+    host: &memguard_decide::host::HostPlan,
+    warnings: &mut Vec<String>,
+) -> Option<memguard_estimator::Bytes> {
+    let own = training.trainer.volume_mounts.iter().flatten().any(|m| {
+        m.mount_path.trim_end_matches('/') == wellknown::SHM_DIR && m.name != wellknown::SHM_VOLUME
+    });
+    if own {
+        return None;
+    }
+    let size = host.shm_size()?;
+    if let Some(limit) = host.limit
+        && size > limit
+    {
+        warnings.push(truncate(&format!(
+            "memguard: /dev/shm not mounted: the workers' batches ({size}) exceed limits.memory              {limit}"
+        )));
+        return None;
+    }
+    Some(size)
 }
 
 /// The warning for a launch planned on values nobody read: which, why, and what says them.

@@ -113,6 +113,7 @@ pub(crate) fn render(
         error: verdict,
         affinity,
         client,
+        shm: None,
     }
 }
 
