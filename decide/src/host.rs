@@ -247,6 +247,7 @@ pub fn plan_against(base: HostConfig, knobs: &HostKnobs, limit: Option<Bytes>) -
     };
     let figure = |least: Bytes, most: Option<Bytes>, unknowns: bool| match (most, unknowns) {
         (_, false) => least.to_string(),
+        (Some(most), true) if most == least => least.to_string(),
         (Some(most), true) => format!("{least} to {most}"),
         (None, true) => format!("at least {least}"),
     };
@@ -313,9 +314,26 @@ pub fn plan_against(base: HostConfig, knobs: &HostKnobs, limit: Option<Bytes>) -
     }
     plan.fits = Some(false);
     let need = most.unwrap_or(plan.estimate.peak);
+    // With every rewrite the launch allows, the pod needs less: say that figure too.
+    let (_, cheaper, cheaper_most) = peaks(&base, &rewritten);
+    let cheaper_need = cheaper_most.unwrap_or(cheaper.peak);
+    let with_rewrites = if !rewrites.is_empty() && gib_quantity(cheaper_need) != gib_quantity(need)
+    {
+        let said: Vec<String> = merged(&rewrites)
+            .iter()
+            .map(|r| format!("--{} {}", r.flag, r.to))
+            .collect();
+        format!(
+            ", or ≥ {} with {}",
+            gib_quantity(cheaper_need),
+            said.join(" ")
+        )
+    } else {
+        String::new()
+    };
     plan.verdict = Some(format!(
         "host memory cannot fit: needs {} per pod at {} ({ranks} rank(s)) of limits.memory \
-         {limit}; set limits.memory ≥ {}{}",
+         {limit}; set limits.memory ≥ {}{with_rewrites}{}",
         figure(plan.estimate.peak, most, unknowns),
         plan.estimate.peak_phase.name(),
         gib_quantity(need),
@@ -742,7 +760,7 @@ mod tests {
     #[test]
     fn when_nothing_fits_the_verdict_names_the_memory_to_request() {
         let (base, knobs) = busy();
-        // Below the load phase: no input or save rewrite reaches it.
+        // Below the load phase: no input or save rewrite brings it in.
         let limit = Bytes(16 * GIB);
         let plan = plan_against(base, &knobs, Some(limit));
         assert_eq!(plan.fits, Some(false));
@@ -754,6 +772,18 @@ mod tests {
             "{verdict}"
         );
         assert!(verdict.starts_with("host memory cannot fit"), "{verdict}");
+    }
+
+    /// Over the limit even with every rewrite, the error names both figures: the launch as it
+    /// is, and with the rewrites that would help.
+    #[test]
+    fn the_verdict_names_the_memory_with_the_rewrites_too() {
+        let (base, knobs) = busy();
+        let plan = plan_against(base, &knobs, Some(Bytes(48 * GIB)));
+        let verdict = plan.verdict.expect("a verdict");
+        assert!(verdict.contains(", or ≥ "), "{verdict}");
+        assert!(verdict.contains("--save_only_model true"), "{verdict}");
+        assert!(plan.rewrites.is_empty());
     }
 
     #[test]
