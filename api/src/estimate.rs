@@ -107,6 +107,62 @@ pub struct EstimateAnnotation {
     /// them ([`ArgsChange::new`] bounds their size).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub args: Option<ArgsChange>,
+    /// The pod's host memory, planned against the trainer's `limits.memory` (GPU pods).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<HostAnnotation>,
+}
+
+/// The host memory of a GPU pod: what its trainer's memory cgroup (`limits.memory`) must hold.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HostAnnotation {
+    /// The peak of the planned config, every unknown value at its smallest: at least this
+    /// (exactly this when every value was read).
+    pub bytes: Bytes,
+    /// The peak with every unknown value at its largest, when each has a bound and any is
+    /// unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub most: Option<Bytes>,
+    /// The phase of the peak: `load`, `step` or `save`.
+    pub phase: String,
+    /// Each component at the peak's values: `load`, `input`, `save`, `offload`, `runtime`.
+    pub components: BTreeMap<String, Bytes>,
+    /// The trainer's `limits.memory`; `null` when it has none.
+    pub limit: Option<Bytes>,
+    /// Whether the peak fits the limit; `null` without a limit, or while an unknown value
+    /// could change the answer.
+    pub fits: Option<bool>,
+    /// Ranks in the pod.
+    pub ranks: u32,
+    /// Where each host knob came from (`args`, `default:trl`, …).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub sources: BTreeMap<String, String>,
+    /// The host knobs not read, each with what would say it.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub unknown: BTreeMap<String, String>,
+    /// The host knobs memguard rewrote in the trainer's flags: a second admission reads the
+    /// value the trainer had (`from`, with its source), not memguard's own.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub rewritten: BTreeMap<String, HostChange>,
+    /// The `sizeLimit` of the memory-backed `/dev/shm` memguard mounts in the trainer for its
+    /// DataLoader workers' batches (already counted in `input`: they are the same pages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm: Option<Bytes>,
+    /// The verdict when nothing fits (`host memory cannot fit: …`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verdict: Option<String>,
+}
+
+/// One host knob memguard rewrote.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HostChange {
+    /// The value the trainer had, as its flag spells it.
+    pub from: String,
+    /// Where that value came from (`args`, `default:trl`).
+    pub source: String,
+    /// The value memguard wrote.
+    pub to: String,
 }
 
 /// Most characters of the command lines an [`ArgsChange`] keeps, both together: a launch line

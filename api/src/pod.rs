@@ -25,9 +25,11 @@ use std::collections::{BTreeMap, BTreeSet};
 pub use crate::quantity::parse_quantity;
 
 mod accelerators;
+mod host_knobs;
 mod launch;
 mod trainer_launch;
 pub use accelerators::*;
+pub use host_knobs::{HOST_FLAGS, HostKnob, HostKnobs, HostRead};
 pub use launch::*;
 pub use trainer_launch::{Dialect, TrainerLaunch};
 

@@ -14,6 +14,11 @@ pub const SIGNAL_VOLUME: &str = "memguard-signal";
 pub const SIGNAL_DIR: &str = "/var/run/memguard";
 /// The signal file on the shared volume.
 pub const SIGNAL_FILE: &str = "/var/run/memguard/signal.json";
+/// Name of the memory-backed `emptyDir` memguard mounts at [`SHM_DIR`] in a trainer whose
+/// DataLoader workers pass batches through shared memory.
+pub const SHM_VOLUME: &str = "memguard-shm";
+/// Where shared memory is mounted.
+pub const SHM_DIR: &str = "/dev/shm";
 /// Name of the init container that copies the Python client, and of its `emptyDir` volume.
 pub const CLIENT_CONTAINER: &str = "memguard-client";
 /// Where the client's volume is mounted (init container and trainer); prepended to `PYTHONPATH`.

@@ -107,6 +107,9 @@ pub struct Explanation {
     estimate: Option<EstimateView>,
     #[serde(skip_serializing_if = "Option::is_none")]
     budget: Option<BudgetView>,
+    /// The pod's host memory as admitted, planned against the trainer's `limits.memory`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    host: Option<memguard_api::estimate::HostAnnotation>,
     /// Downgrade steps the webhook applied at admission.
     steps: Vec<String>,
     /// The pending recovery the webhook applied at admission (after an earlier pod's OOM).
@@ -515,6 +518,7 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
             .unwrap_or_default(),
         estimate: estimate_view,
         budget,
+        host: annotation.as_ref().and_then(|a| a.host.clone()),
         steps,
         admitted_after: annotation.and_then(|a| a.recovery),
         admitted,
@@ -754,6 +758,60 @@ fn bytes(b: Option<u64>) -> String {
     b.map_or_else(|| "-".into(), |b| Bytes(b).to_string())
 }
 
+/// The host figure beside the GPU figure: what the trainer's `limits.memory` must hold, its
+/// verdict, the rewrites and the values it rests on.
+fn write_host(
+    out: &mut impl Write,
+    h: &memguard_api::estimate::HostAnnotation,
+) -> std::io::Result<()> {
+    let row = |out: &mut dyn Write, k: &str, v: &str| writeln!(out, "  {k:<22} {v}");
+    writeln!(out, "host memory (per pod, {} rank(s))", h.ranks)?;
+    let figure = match (h.most, h.unknown.is_empty()) {
+        (_, true) => h.bytes.to_string(),
+        (Some(most), false) => format!("{} to {most}", h.bytes),
+        (None, false) => format!("at least {}", h.bytes),
+    };
+    row(out, "peak", &format!("{figure} at {}", h.phase))?;
+    let parts: Vec<String> = h
+        .components
+        .iter()
+        .map(|(name, b)| format!("{name} {b}"))
+        .collect();
+    row(out, "components", &parts.join(", "))?;
+    row(
+        out,
+        "limits.memory",
+        &h.limit.map_or("-".into(), |l| l.to_string()),
+    )?;
+    let verdict = match (h.fits, h.limit) {
+        (_, None) => "no verdict: the trainer has no limits.memory".to_string(),
+        (Some(true), _) => "fits".to_string(),
+        (Some(false), _) => h
+            .verdict
+            .clone()
+            .unwrap_or_else(|| "does not fit".to_string()),
+        (None, _) => {
+            let names: Vec<&str> = h.unknown.keys().map(String::as_str).collect();
+            format!("no verdict: depends on {} (not read)", names.join(", "))
+        }
+    };
+    row(out, "host verdict", &verdict)?;
+    for (knob, c) in &h.rewritten {
+        row(
+            out,
+            &format!("rewritten {knob}"),
+            &format!("{}→{} (was {})", c.from, c.to, c.source),
+        )?;
+    }
+    for (knob, source) in &h.sources {
+        row(out, knob, source)?;
+    }
+    for (knob, why) in &h.unknown {
+        row(out, knob, &format!("unknown: {why}"))?;
+    }
+    Ok(())
+}
+
 fn write_table(out: &mut impl Write, e: &Explanation) -> std::io::Result<()> {
     let row = |out: &mut dyn Write, k: &str, v: &str| writeln!(out, "  {k:<22} {v}");
     let trainer = e.trainer.as_deref().unwrap_or("-");
@@ -824,6 +882,9 @@ fn write_table(out: &mut impl Write, e: &Explanation) -> std::io::Result<()> {
             row(out, "gpu memory", &bytes(b.gpu_memory_bytes))?;
         }
         row(out, "fits", &b.fits.map_or("-".into(), |f| f.to_string()))?;
+    }
+    if let Some(h) = &e.host {
+        write_host(out, h)?;
     }
     let steps = if e.steps.is_empty() {
         "none".to_string()

@@ -1,9 +1,9 @@
 //! The host figure of `memguard estimate`: what one pod's memory cgroup (`limits.memory`) must
 //! hold beside its GPUs, from the training flags and a few host flags.
 
+use memguard_decide::host::training_host_config;
 use memguard_estimator::{
-    Bytes, Component, Device, HostConfig, HostEstimate, Method, Offload, Optimizer, Precision,
-    SaveMode, TrainingConfig, host_estimate, params,
+    Device, HostConfig, HostEstimate, Method, SaveMode, TrainingConfig, host_estimate,
 };
 use serde_json::{Value, json};
 
@@ -142,59 +142,17 @@ pub fn host_config(
         Some(n) => n,
         None => 2,
     };
-    // Full-precision state under fp32 and mixed precision (master weights), 16-bit otherwise.
-    let state = match cfg.precision {
-        Precision::Bf16 | Precision::Fp16 => 2.0,
-        Precision::Fp32 | Precision::Bf16Mixed | Precision::Fp16Mixed => 4.0,
-    };
-    let optimizer = match cfg.optimizer {
-        Optimizer::AdamW | Optimizer::Adam => 2.0 * state,
-        Optimizer::SgdMomentum => state,
-        Optimizer::AdamW8bit | Optimizer::AdamW8bitTorchao => 2.0,
-        Optimizer::Sgd | Optimizer::Adafactor => 0.0,
-    };
-    let params = cfg
-        .model
-        .params
-        .unwrap_or_else(|| params::total_params(&cfg.model)) as f64;
-    // input_ids, labels and attention_mask, int64, as a tokenised causal-LM batch.
-    let batch_bytes = Bytes::from_f64((cfg.batch_size * cfg.seq_length) as f64 * 3.0 * 8.0);
-    let offload = if cfg.optimizer_offload {
-        Offload::Optimizer
-    } else if cfg.activation_offload {
-        Offload::Activations(offloaded_activations(cfg, ranks))
-    } else {
-        Offload::None
-    };
-    let host = HostConfig {
-        ranks_in_pod: ranks,
-        world_size: world.max(ranks),
-        params,
-        checkpoint_bytes_per_param: checkpoint,
-        load_bytes_per_param: load,
-        ram_efficient_loading: args.ram_efficient_loading.unwrap_or(false),
-        dataloader_workers: workers,
-        prefetch_factor: prefetch,
-        pin_memory: args.pin_memory.unwrap_or(false),
-        batch_bytes,
-        save,
-        // A GPU job's state is copied into host memory to be written.
-        state_on_host: false,
-        state_bytes_per_param: state,
-        optimizer_bytes_per_param: if adapter { 0.0 } else { optimizer },
-        offload,
-    };
+    // The model, its state, one micro-batch and the offload, as the webhook reads them.
+    let mut host = training_host_config(cfg, ranks);
+    host.world_size = world.max(ranks);
+    host.checkpoint_bytes_per_param = checkpoint;
+    host.load_bytes_per_param = load;
+    host.ram_efficient_loading = args.ram_efficient_loading.unwrap_or(false);
+    host.dataloader_workers = workers;
+    host.prefetch_factor = prefetch;
+    host.pin_memory = args.pin_memory.unwrap_or(false);
+    host.save = save;
     Ok((host, notes))
-}
-
-/// The saved activations of the pod's ranks, as the GPU estimate counts them without
-/// offloading: what activation offloading moves to the host.
-fn offloaded_activations(cfg: &TrainingConfig, ranks: u32) -> Bytes {
-    let mut on_device = cfg.clone();
-    on_device.activation_offload = false;
-    memguard_estimator::estimate(&on_device)
-        .map(|e| Bytes::from_f64(e.component(Component::Activations).as_f64() * f64::from(ranks)))
-        .unwrap_or(Bytes::ZERO)
 }
 
 /// The host figure of one pod: its configuration, the estimate and a note per defaulted flag.

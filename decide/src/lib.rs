@@ -5,6 +5,7 @@
 //! - [`decision`]: a resolved pod under a policy → a [`Decision`]: the key, the budget
 //!   ([`budget`]), what past runs teach ([`adjust`]), the placement ([`placement`]) and the plan
 //!   under the policy's floors, its warnings cut to size ([`warnings`]).
+//! - [`host`]: the pod's host memory planned against the trainer's `limits.memory`.
 //! - [`key`]: the profile key of a pod and the object name it maps to; the controller learns
 //!   under it and admission reads it.
 //! - [`adjust`]: a profile → the [`Adjustments`] admission applies.
@@ -14,6 +15,7 @@
 pub mod adjust;
 pub mod budget;
 pub mod decision;
+pub mod host;
 pub mod key;
 pub mod placement;
 pub mod warnings;

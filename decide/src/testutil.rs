@@ -99,6 +99,7 @@ impl PodBuilder {
             read: BTreeMap::new(),
             changed: Vec::new(),
             args: None,
+            host: None,
         };
         self.annotate(annotations::ESTIMATE, &annotation.to_json())
     }

@@ -11,12 +11,13 @@
 
 use k8s_openapi::api::core::v1::Pod;
 use memguard_api::estimate::ArgsChange;
-use memguard_api::pod::{Dialect, ResolveError, TrainingPod};
+use memguard_api::pod::{Dialect, HostKnobs, ResolveError, TrainingPod};
 use memguard_api::{Knob, Policy, env, wellknown};
 use memguard_decide::decision;
 pub use memguard_decide::decision::{
     ALLOC_CONF, EXPANDABLE_SEGMENTS, expandable_segments, user_alloc_conf,
 };
+use memguard_decide::host::HostRewrite;
 use memguard_estimator::TrainingConfig;
 
 pub use memguard_decide::warnings::{MAX_WARNING_CHARS, cannot_fit_warning, truncate};
@@ -127,6 +128,23 @@ fn decide(
         }
     }
     let mut file_warnings = Vec::new();
+    // The host plan, on the batch the GPU plan leaves: a guessed launch is left as it is, so
+    // its host knobs are not rewritten either.
+    let host_knobs = HostKnobs::read(training);
+    let guessed = !training.guessed().is_empty();
+    let host = {
+        let mut knobs = host_knobs.clone();
+        if guessed {
+            knobs.writable.clear();
+        }
+        let planned = if guessed {
+            &training.config
+        } else {
+            &decided.plan.config
+        };
+        memguard_decide::host::plan_host(training, planned, &knobs)
+    };
+    let host_rewrites = host.as_ref().map_or(&[][..], |h| h.rewrites.as_slice());
     // A plan on a value nobody read is a guess: nothing of it is applied, the launch stays as
     // it is, the estimate is the config as it runs, and the warning says what was not read
     // ([`TrainingPod::unknown`]).
@@ -140,7 +158,12 @@ fn decide(
         (None, Vec::new())
     } else {
         keeps_effective_batch(training, policy, &decided.plan.config)?;
-        rewrite_launch(training, &decided.plan.config, &mut file_warnings)?
+        rewrite_launch(
+            training,
+            &decided.plan.config,
+            host_rewrites,
+            &mut file_warnings,
+        )?
     };
     let quality_allowed =
         decision::floors(training.annotations.allow_quality, policy).allow_quality;
@@ -186,11 +209,63 @@ fn decide(
             .warnings
             .insert(0, truncate(&format!("memguard: {}", changed.join(", "))));
     }
+    if let Some(host) = &host {
+        // A pod without a limit is warned when its launch gave host knobs: one planned on
+        // annotations alone has its figure in the annotation and `explain`, not a warning on
+        // every admission.
+        // Rewrites are said with the launch's other changes.
+        if let Some(warning) = &host.warning
+            && host.rewrites.is_empty()
+            && (host.limit.is_some() || !host.sources.is_empty())
+        {
+            mutation.warnings.push(truncate(warning));
+        }
+        if let Some(verdict) = &host.verdict {
+            mutation.error = Some(match mutation.error.take() {
+                Some(gpu) => format!("{gpu}; {verdict}"),
+                None => verdict.clone(),
+            });
+            mutation
+                .warnings
+                .insert(0, truncate(&format!("memguard: {verdict}")));
+        }
+        let mut annotation = host.annotation(&host_knobs);
+        annotation.shm = shm_mount(training, host, &mut mutation.warnings);
+        mutation.shm = annotation.shm;
+        mutation.estimate.host = Some(annotation);
+    }
     mutation.estimate.args = command_line.as_ref().map(|line| line.change.clone());
     mutation.command_line = command_line;
     mutation.estimate.changed = changed.clone();
     mutation.changed = changed;
     Ok(mutation)
+}
+
+/// The memory-backed `/dev/shm` a trainer with DataLoader workers gets: its workers hand their
+/// batches over through shared memory, and a container's own `/dev/shm` is 64 MiB. Not where the
+/// trainer mounts something there itself; skipped, and said, where it would not fit the
+/// trainer's `limits.memory` (it is charged there).
+fn shm_mount(
+    training: &TrainingPod,
+    host: &memguard_decide::host::HostPlan,
+    warnings: &mut Vec<String>,
+) -> Option<memguard_estimator::Bytes> {
+    let own = training.trainer.volume_mounts.iter().flatten().any(|m| {
+        m.mount_path.trim_end_matches('/') == wellknown::SHM_DIR && m.name != wellknown::SHM_VOLUME
+    });
+    if own {
+        return None;
+    }
+    let size = host.shm_size()?;
+    if let Some(limit) = host.limit
+        && size > limit
+    {
+        warnings.push(truncate(&format!(
+            "memguard: /dev/shm not mounted: the workers' batches ({size}) exceed limits.memory              {limit}"
+        )));
+        return None;
+    }
+    Some(size)
 }
 
 /// The warning for a launch planned on values nobody read: which, why, and what says them.
@@ -284,6 +359,7 @@ fn recognised_launch(training: &TrainingPod) -> bool {
 fn rewrite_launch(
     training: &TrainingPod,
     planned: &TrainingConfig,
+    host: &[HostRewrite],
     warnings: &mut Vec<String>,
 ) -> Result<(Option<CommandLine>, Vec<String>), String> {
     if let Some(file) = &training.config_file {
@@ -297,7 +373,7 @@ fn rewrite_launch(
         (Dialect::Mapped | Dialect::Swift, _, Some(map)) => {
             rewrite_mapped(training, reading, map, planned)
         }
-        _ => rewrite_hf(training, reading, planned),
+        _ => rewrite_hf(training, reading, planned, host),
     }
 }
 
@@ -308,6 +384,7 @@ fn rewrite_hf(
     training: &TrainingPod,
     reading: &memguard_api::pod::ArgsReading,
     planned: &TrainingConfig,
+    host: &[HostRewrite],
 ) -> Result<(Option<CommandLine>, Vec<String>), String> {
     use memguard_api::launch::{FlagRules, HfRules};
     let before = &training.config;
@@ -373,6 +450,20 @@ fn rewrite_hf(
             knob.value(before),
             knob.value(planned)
         ));
+        edits.push(edit);
+    }
+    // The host plan's rewrites: only knobs it read and whose flag the parser accepts.
+    for rewrite in host {
+        let edit = reading
+            .flags
+            .set(rewrite.flag, &rewrite.to, &HfRules)
+            .map_err(|e| format!("the host plan cannot be written in the trainer's flags: {e}"))?;
+        let spelled = reading
+            .flags
+            .get(rewrite.flag)
+            .map(|f| f.spelled.clone())
+            .unwrap_or_else(|| format!("--{}", rewrite.flag));
+        changed.push(format!("{spelled} {}→{}", rewrite.from, rewrite.to));
         edits.push(edit);
     }
     if edits.is_empty() {

@@ -87,6 +87,9 @@ pub struct Mutation {
     /// The Python client, when the trainer runs Python and neither the policy nor the pod opted
     /// out.
     pub client: Option<ClientPlan>,
+    /// The `sizeLimit` of the memory-backed `/dev/shm` memguard mounts in the trainer for its
+    /// DataLoader workers ([`memguard_api::wellknown::SHM_VOLUME`]).
+    pub shm: Option<memguard_estimator::Bytes>,
 }
 
 /// A trainer guarded at run time only: what admission injects when it cannot read the

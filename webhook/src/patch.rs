@@ -288,6 +288,7 @@ fn mutation(pod: &Pod, m: &Mutation, ops: &mut Ops) {
         m.client.as_ref(),
         ops,
     );
+    shm(spec, trainer, &trainer_path, m, ops);
     placement(spec, m, ops);
     shared_pid_namespace(spec, ops);
     estimate_and_error(pod, m, ops);
@@ -421,6 +422,34 @@ fn termination_message(trainer: &Container, trainer_path: &[&str], ops: &mut Ops
             &[trainer_path, &["terminationMessagePolicy"]].concat(),
             json!(FALLBACK_TO_LOGS_ON_ERROR),
         );
+    }
+}
+
+/// The memory-backed `/dev/shm` of a trainer with DataLoader workers ([`Mutation::shm`]): the
+/// volume, unless one of its name is there, and its mount, unless something is mounted at
+/// `/dev/shm` already.
+fn shm(spec: &PodSpec, trainer: &Container, trainer_path: &[&str], m: &Mutation, ops: &mut Ops) {
+    let Some(size) = m.shm else {
+        return;
+    };
+    let name = wellknown::SHM_VOLUME;
+    if !spec.volumes.iter().flatten().any(|v| v.name == name) {
+        let exists = ops.exists_after(&["spec", "volumes"], spec.volumes.is_some());
+        let size_limit = format!("{}Mi", size.0.div_ceil(1 << 20));
+        let volume =
+            json!({"name": name, "emptyDir": {"medium": "Memory", "sizeLimit": size_limit}});
+        append(ops, &["spec"], "volumes", exists, volume);
+    }
+    let mounted = trainer
+        .volume_mounts
+        .iter()
+        .flatten()
+        .any(|vm| vm.mount_path.trim_end_matches('/') == wellknown::SHM_DIR);
+    if !mounted {
+        let mounts = [trainer_path, &["volumeMounts"]].concat();
+        let exists = ops.exists_after(&mounts, trainer.volume_mounts.is_some());
+        let mount = json!({"name": name, "mountPath": wellknown::SHM_DIR});
+        append(ops, trainer_path, "volumeMounts", exists, mount);
     }
 }
 

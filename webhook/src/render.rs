@@ -126,6 +126,7 @@ pub(crate) fn render(
         error: verdict,
         affinity,
         client,
+        shm: None,
     }
 }
 
@@ -329,5 +330,6 @@ pub(crate) fn estimate_annotation(
         read: Default::default(),
         changed: Vec::new(),
         args: None,
+        host: None,
     }
 }

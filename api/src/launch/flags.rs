@@ -190,6 +190,8 @@ const HF_BOOLS: &[&str] = &[
     "use_flash_attn",
     "assistant_only_loss",
     "completion_only_loss",
+    "dataloader_pin_memory",
+    "save_only_model",
 ];
 
 /// Keys every `HfArgumentParser` over `TrainingArguments` defines.
@@ -200,6 +202,9 @@ const HF_DEFINED: &[&str] = &[
     "bf16",
     "fp16",
     "optim",
+    "dataloader_num_workers",
+    "dataloader_pin_memory",
+    "save_only_model",
 ];
 
 impl FlagRules for HfRules {

@@ -1058,3 +1058,89 @@ fn a_recovery_below_a_pinned_batch_keeps_the_batch_and_says_why() {
         "{said}"
     );
 }
+
+/// A TRL full fine-tune on four GPUs whose trainer's `limits.memory` holds its load but not its
+/// save (the model and AdamW's states gathered on one rank, copied and written) nor its deep
+/// input pipeline: the host plan saves the model only and keeps as many workers as fit, in the
+/// launch's own flags,
+/// keeps the batch, and writes the host figure into the estimate annotation; a limit below the
+/// load is an error naming the memory to request, and nothing is rewritten for it.
+#[test]
+fn a_gpu_pod_over_its_memory_limit_is_planned_on_the_host() {
+    let pod = |limit: &str| {
+        bare_pod()
+            .gpus(4)
+            .memory_limit(limit)
+            .annotate(keys::GPU_MEMORY, "100Ti")
+            .command_line(
+                &["torchrun"],
+                &[
+                    "--nproc_per_node",
+                    "4",
+                    "-m",
+                    "trl.scripts.sft",
+                    "--model_name_or_path",
+                    "meta-llama/Llama-3.1-8B",
+                    "--per_device_train_batch_size",
+                    "16",
+                    "--max_length",
+                    "8192",
+                    "--dataloader_num_workers",
+                    "16",
+                    "--dataloader_prefetch_factor",
+                    "8",
+                    "--dtype",
+                    "bfloat16",
+                    "--output_dir",
+                    "/out",
+                ],
+            )
+    };
+    let m = mutated(pod("63Gi"), &Policy::default());
+    let host = &annotation(&m)["host"];
+    assert_eq!(host["ranks"], 4, "{host}");
+    assert_eq!(host["limit"], 63u64 << 30, "{host}");
+    assert_eq!(host["sources"]["dataloader-workers"], "memguard", "{host}");
+    assert_eq!(host["rewritten"]["dataloader-workers"]["source"], "args");
+    assert_eq!(host["rewritten"]["save"]["source"], "default:trl");
+    assert_eq!(host["rewritten"]["dataloader-workers"]["from"], "16");
+    assert_eq!(host["rewritten"]["save"]["to"], "true");
+    assert!(
+        host["bytes"].as_u64().expect("bytes") <= 80u64 << 30,
+        "{host}"
+    );
+    // The checkpoint's dtype is not read, and an fp32 one would be copied per rank at load:
+    // no fit is claimed.
+    assert_eq!(host["fits"], serde_json::Value::Null, "{host}");
+    let line = m
+        .command_line
+        .as_ref()
+        .and_then(|c| c.args.clone())
+        .expect("rewritten");
+    let joined = line.join(" ");
+    assert!(joined.contains("--save_only_model"), "{joined}");
+    assert!(!joined.contains("--dataloader_num_workers 16"), "{joined}");
+    assert!(
+        joined.contains("--per_device_train_batch_size 16"),
+        "batch kept: {joined}"
+    );
+    assert!(
+        m.changed
+            .iter()
+            .any(|c| c.starts_with("--dataloader_num_workers 16→")),
+        "{:?}",
+        m.changed
+    );
+    assert!(m.error.is_none(), "{:?}", m.error);
+
+    // Below the load: no rewrite helps; the error says what to request.
+    let m = mutated(pod("8Gi"), &Policy::default());
+    let error = m.error.clone().expect("an error");
+    assert!(error.contains("set limits.memory ≥"), "{error}");
+    assert!(
+        m.changed.iter().all(|c| !c.contains("dataloader")),
+        "{:?}",
+        m.changed
+    );
+    assert_eq!(annotation(&m)["host"]["fits"], false);
+}
