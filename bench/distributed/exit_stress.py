@@ -11,6 +11,11 @@ each rank following its own signal file (rank 1's says 2 rows, rank 0's 8), so e
 runs the agreement. ``--burners`` processes spin on the CPU meanwhile: exit races show when
 the ranks' threads are descheduled at the wrong moment.
 
+``--sidecar`` serves the sidecar's HTTP API on loopback (``GET /v1/signal`` long-polls and
+answers "no news", ``POST /v1/report`` takes every report) and gives the ranks its URL, so the
+client's long-poll thread and its step reporter (``memguard_client.peaks``, which posts only with
+a sidecar URL) run, and exit, as they do in a pod. The reports received are counted.
+
 A run fails when torchrun exits non-zero, or when the ranks did not agree on every step (the
 stress must not pass by training less). ``PYTHONFAULTHANDLER=1`` makes an aborting rank print
 every Python thread's stack, kept for the first failures under ``--keep``. Prints one JSON
@@ -20,6 +25,8 @@ summary line (runs, failures, exit codes, seconds) and, with ``--json``, writes 
 from __future__ import annotations
 
 import argparse
+import http.server
+import threading
 import json
 import multiprocessing
 import os
@@ -62,6 +69,50 @@ def install(dest: Path) -> Path:
     return sig
 
 
+class SidecarStandIn(http.server.ThreadingHTTPServer):
+    """The sidecar's HTTP API as the client sees it: signals from the files (no news here),
+    every report accepted and counted."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _SidecarHandler)
+        self.reports: Dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _SidecarHandler(http.server.BaseHTTPRequestHandler):
+    server: SidecarStandIn
+
+    def log_message(self, *args: Any) -> None:  # quiet
+        pass
+
+    def do_GET(self) -> None:
+        # A long-poll with nothing new: hold it a moment, as the sidecar holds it until its
+        # wait ends, then "no news".
+        time.sleep(0.5)
+        self.send_response(204)
+        self.end_headers()
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0") or 0))
+        try:
+            kinds = sorted(json.loads(body or b"{}"))
+        except ValueError:
+            kinds = ["unparsable"]
+        with self.server.lock:
+            for kind in kinds:
+                self.server.reports[kind] = self.server.reports.get(kind, 0) + 1
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+
 def burn() -> None:
     while True:
         pass
@@ -75,7 +126,7 @@ def allow_cores() -> None:
 
 
 def one_run(work: Path, sig: Path, i: int, batch: int, samples: int, agreement: str,
-            cores: bool = False) -> Dict[str, Any]:
+            cores: bool = False, sidecar_url: str = "") -> Dict[str, Any]:
     run = work / f"run{i}"
     run.mkdir()
     log = run / "log.jsonl"
@@ -84,6 +135,8 @@ def one_run(work: Path, sig: Path, i: int, batch: int, samples: int, agreement: 
                PYTHONPATH=f"{work / 'client'}:{work / 'image'}", MEMGUARD_SIGNAL_FILE=str(sig))
     if agreement:
         env["MEMGUARD_AGREEMENT"] = agreement
+    if sidecar_url:
+        env["MEMGUARD_SIDECAR_URL"] = sidecar_url
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(STOCK), "--output_dir", str(run / "out"), "--per_device_train_batch_size", str(batch),
            "--num_train_epochs", "1", "--learning_rate", "1e-3", "--train_sampling_strategy",
@@ -115,10 +168,15 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--keep", type=Path, default=None, help="directory for failed runs' output")
     ap.add_argument("--json", type=Path, default=None, help="write the summary there too")
+    ap.add_argument("--sidecar", action="store_true",
+                    help="serve the sidecar's HTTP API on loopback and give the ranks its URL")
     ap.add_argument("--cores", action="store_true",
                     help="keep an aborted rank's core file under --keep (for gdb)")
     args = ap.parse_args()
 
+    sidecar = SidecarStandIn() if args.sidecar else None
+    if sidecar is not None:
+        threading.Thread(target=sidecar.serve_forever, daemon=True).start()
     burners = [multiprocessing.Process(target=burn, daemon=True) for _ in range(args.burners)]
     for b in burners:
         b.start()
@@ -131,7 +189,8 @@ def main() -> int:
             work = Path(tmp)
             sig = install(work)
             for i in range(args.runs):
-                r = one_run(work, sig, i, args.batch, args.samples, args.agreement, args.cores)
+                r = one_run(work, sig, i, args.batch, args.samples, args.agreement, args.cores,
+                            sidecar.url if sidecar is not None else "")
                 codes[str(r["rc"])] = codes.get(str(r["rc"]), 0) + 1
                 seconds.append(r["seconds"])
                 ok = r["rc"] == 0 and r["agreed"]
@@ -158,6 +217,7 @@ def main() -> int:
         "median_run_s": round(seconds[len(seconds) // 2], 1) if seconds else None,
         "wall_s": round(time.monotonic() - t0, 1),
         "load_avg": os.getloadavg(),
+        "sidecar_reports": dict(sidecar.reports) if sidecar is not None else None,
     }
     print(json.dumps(summary))
     if args.json is not None:
