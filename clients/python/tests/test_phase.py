@@ -170,3 +170,26 @@ def test_a_save_is_put_off_at_most_the_cap_and_never_past_the_last_step() -> Non
     assert d.save_now(21, pressure=True, last=True) is True, "the last step saves"
     assert d.save_now(30, pressure=False, last=False) is True
     assert d.deferred == 2
+
+
+def test_every_rank_puts_off_the_save_when_one_rank_is_under_pressure(tmp_path: Path) -> None:
+    """2-rank torchrun, only rank 1 at warn: both ranks skip the save due at step 2 (the
+    pressure is agreed in one collective) and both save at the last step."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    worker = Path(__file__).resolve().parent / "phase_worker.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMGUARD_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(worker), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r0, r1 = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert (r0["level"], r1["level"]) == ("ok", "warn")
+    assert r0["saved"] == r1["saved"] == [4], (r0, r1)
+    assert r0["saves_deferred"] == r1["saves_deferred"] == 1
+    assert not (tmp_path / "ckpt" / "checkpoint-2").exists()
+    assert (tmp_path / "ckpt" / "checkpoint-4").is_dir()
