@@ -193,3 +193,25 @@ def test_every_rank_puts_off_the_save_when_one_rank_is_under_pressure(tmp_path: 
     assert r0["saves_deferred"] == r1["saves_deferred"] == 1
     assert not (tmp_path / "ckpt" / "checkpoint-2").exists()
     assert (tmp_path / "ckpt" / "checkpoint-4").is_dir()
+
+
+def test_a_sidecar_older_than_the_phase_still_gets_the_reports_and_never_the_phase_again(
+    tmp_path: Path,
+) -> None:
+    from conftest import FakeSidecar
+
+    sidecar = FakeSidecar()
+    try:
+        sidecar.unknown_fields = {"phase", "saves_deferred"}
+        g = Guard(sidecar_url=sidecar.url, env={}, background=False, oom_hook=False)
+        g._own_cgroup.stop()  # this test is about the phase alone
+        assert g.report_phase("load") is True, "sent again without the phase, and accepted"
+        assert [set(b) for b in sidecar.refused] == [{"phase"}]
+        assert g.report(step=1) is True
+        assert sidecar.reports == [{}, {"step": 1}], "no phase once refused"
+        assert len(sidecar.refused) == 1
+        assert g.phase == "load", "the client still knows its phase"
+        with pytest.raises(ValueError, match="unknown phase 'eval'"):
+            g.report_phase("eval")
+    finally:
+        sidecar.close()

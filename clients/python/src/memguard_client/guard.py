@@ -546,12 +546,14 @@ class Guard:
         status = None
         if memory is not None:
             status = self._send_report(dict(body, container_memory=memory))
-            if status == 400:
-                # A sidecar older than `container_memory` refuses the whole report: the
-                # figures are sent again without it, and from now on.
-                self._own_cgroup.stop()
         if memory is None or status == 400:
+            refused_with_memory = status == 400
             status = self._send_report(body)
+            if refused_with_memory and status is not None and 200 <= status < 300:
+                # A sidecar older than `container_memory` refuses the whole report: the
+                # figures are sent again without it, and from now on (only when the report
+                # goes through without them: another field may be the one refused).
+                self._own_cgroup.stop()
         if status == 400:
             return False
         return True if status is not None and 200 <= status < 300 else None
