@@ -178,6 +178,14 @@ pub struct Report {
     /// where it cannot read that cgroup itself (issue 37, item 6).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub container_memory: Option<crate::container_memory::ContainerMemory>,
+    /// The phase the trainer is in (`load`, `step`, `save`; anything else is refused): the
+    /// sidecar records the last one, and an OOM kill with it (issue 39, item 3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<crate::phase::TrainerPhase>,
+    /// Checkpoint saves the client put off so far under host-memory pressure (a count since
+    /// the trainer started; issue 39, item 3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub saves_deferred: Option<u64>,
 }
 
 /// The knobs a trainer reports at train start ([`Report::config`]), by annotation name:
@@ -296,6 +304,18 @@ mod tests {
             parse_admitted_config("batch-size=2, seq-length=4096,x=1,lora-rank=a");
         assert_eq!(knobs.len(), 2);
         assert_eq!(refused, ["x=1", "lora-rank=a"]);
+    }
+
+    #[test]
+    fn a_reported_phase_is_load_step_or_save_and_nothing_else() {
+        let save: Report = serde_json::from_str(r#"{"step": 7, "phase": "save"}"#).expect("parses");
+        assert_eq!(save.phase, Some(crate::phase::TrainerPhase::Save));
+        let err = serde_json::from_str::<Report>(r#"{"phase": "eval"}"#)
+            .expect_err("an unknown phase is refused");
+        assert!(err.to_string().contains("unknown variant `eval`"), "{err}");
+        assert!(serde_json::from_str::<Report>(r#"{"phase": 2}"#).is_err());
+        let none: Report = serde_json::from_str(r#"{"step": 7}"#).expect("parses");
+        assert_eq!(none.phase, None);
     }
 
     #[test]

@@ -30,6 +30,10 @@ pub struct Summary {
     pub growths: u64,
     /// OOM kills counted in the cgroup during the run.
     pub oom_events: u64,
+    /// The phase the trainer last reported before the last OOM kill (`load`, `step`, `save`);
+    /// absent when it reported none, never guessed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oom_kill_phase: Option<crate::phase::TrainerPhase>,
     /// Highest level reached.
     pub max_level: crate::Level,
     /// Final recommended batch size.

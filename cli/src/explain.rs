@@ -163,6 +163,10 @@ struct RunView {
     #[serde(skip_serializing_if = "Option::is_none")]
     sticky_batch_size: Option<u64>,
     oom_kills: u64,
+    /// The trainer's phase (load, step, save) when the last OOM kill came; absent when it
+    /// reported none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    oom_kill_phase: Option<&'static str>,
     oom_records: u64,
     exit_reason: String,
 }
@@ -563,6 +567,7 @@ fn run_view(s: &Summary) -> RunView {
         final_grad_accumulation: s.grad_accumulation,
         sticky_batch_size: s.sticky_batch_size,
         oom_kills: s.oom_events,
+        oom_kill_phase: s.oom_kill_phase.map(|p| p.name()),
         oom_records: s.oom_reports,
         exit_reason: s.exit_reason.clone(),
     }
@@ -911,7 +916,11 @@ fn write_table(out: &mut impl Write, e: &Explanation) -> std::io::Result<()> {
             if let Some(s) = r.sticky_batch_size {
                 row(out, "sticky downgrade", &format!("batch {s}"))?;
             }
-            row(out, "oom kills (cgroup)", &r.oom_kills.to_string())?;
+            let kills = match r.oom_kill_phase {
+                Some(phase) => format!("{} (last in phase {phase})", r.oom_kills),
+                None => r.oom_kills.to_string(),
+            };
+            row(out, "oom kills (cgroup)", &kills)?;
             row(out, "oom records", &r.oom_records.to_string())?;
             row(out, "exit", &r.exit_reason)?;
         }

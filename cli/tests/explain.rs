@@ -525,10 +525,17 @@ fn explain_says_what_it_could_not_read_and_shows_the_next_config_once() {
     // recovery is the same config).
     let oom = json!({"exitCode": 137, "reason": "OOMKilled", "finishedAt": "2026-11-23T22:10:00Z"});
     let summary = json!({"version": 1, "downgrades": 0, "oom_events": 1, "max_level": "critical",
-        "batch_size": 8, "grad_accumulation": 2, "exit_reason": "trainer-exited"});
+        "batch_size": 8, "grad_accumulation": 2, "exit_reason": "trainer-exited",
+        "oom_kill_phase": "save"});
     let dead = finished(admitted, oom, summary, "Failed");
     let table = explain(d, &dead, "table");
     let e = explain_json(d, &dead, &[]);
+    // The phase of the kill (issue 39, item 3): what the next admission plans for.
+    assert!(
+        table.contains("oom kills (cgroup)") && table.contains("1 (last in phase save)"),
+        "{table}"
+    );
+    assert_eq!(e["run"]["oom_kill_phase"], "save", "{e}");
     assert!(e["next"]["config"].is_object(), "{}", e["next"]);
     assert_eq!(table.matches("recovery").count(), 0, "{table}");
 }

@@ -150,6 +150,7 @@ impl Engine {
             if k > before {
                 let mut st = self.shared.status();
                 st.oom_kills += k - before;
+                st.oom_kill_phase = st.phase;
                 self.reports_at_oom = st.reports_total;
                 drop(st);
                 self.trainer_oom = true;
@@ -771,6 +772,38 @@ mod tests {
             s.reason
         );
         assert_eq!(shared.status().sticky_batch_size, Some(4));
+    }
+
+    #[test]
+    fn an_oom_kill_is_recorded_with_the_phase_last_reported_and_none_when_none_was() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut e, shared) = engine(
+            vec![
+                killed(100, 0, true),
+                killed(100, 1, true),
+                killed(100, 2, true),
+            ],
+            FakeGpu(Ok(vec![])),
+            dir.path(),
+        );
+        e.tick(0);
+        e.tick(100);
+        assert_eq!(shared.status().oom_kills, 1);
+        assert_eq!(
+            shared.status().oom_kill_phase,
+            None,
+            "no phase reported: none recorded"
+        );
+        shared.status().phase = Some(memguard_api::TrainerPhase::Save);
+        e.tick(200);
+        let st = shared.status();
+        assert_eq!(st.oom_kills, 2);
+        assert_eq!(st.oom_kill_phase, Some(memguard_api::TrainerPhase::Save));
+        let summary = crate::summary::build(&st, &shared.signal.borrow(), None, "sigterm");
+        assert!(
+            crate::summary::to_line(&summary).contains(r#""oom_kill_phase":"save""#),
+            "{summary:?}"
+        );
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! out rather than reported as 0.
 
 use crate::state::Status;
-use memguard_api::{OomKind, OomOutcome, Signal};
+use memguard_api::{OomKind, OomOutcome, Signal, TrainerPhase};
 use std::fmt::Write;
 
 /// Every metric prefix.
@@ -83,6 +83,27 @@ pub fn render(st: &Status, sig: &Signal) -> String {
         "gauge",
         "1 where admission planned a knob at another value than the trainer reports, else 0.",
         &mismatch,
+    );
+    let phases: Vec<(String, f64)> = st
+        .phase
+        .map(|now| {
+            TrainerPhase::ALL
+                .iter()
+                .map(|p| (label("phase", p.name()), if *p == now { 1.0 } else { 0.0 }))
+                .collect()
+        })
+        .unwrap_or_default();
+    o.family(
+        "trainer_phase",
+        "gauge",
+        "1 for the phase the trainer last reported (load, step, save), else 0; absent until it \
+         reports one.",
+        &phases,
+    );
+    o.gauge(
+        "trainer_saves_deferred",
+        "Checkpoint saves the trainer put off under host-memory pressure, as it last reported.",
+        f(st.saves_deferred),
     );
     o.gauge(
         "working_set_bytes",
@@ -377,5 +398,24 @@ mod tests {
         let empty = render(&Status::default(), &Signal::initial(1, 1, false));
         assert!(!empty.contains("working_set_bytes"));
         assert!(empty.contains("memguard_sidecar_level 0\n"));
+        assert!(
+            !empty.contains("trainer_phase"),
+            "no phase reported: none said"
+        );
+    }
+
+    #[test]
+    fn the_trainer_phase_is_one_for_the_phase_last_reported() {
+        let st = Status {
+            phase: Some(TrainerPhase::Save),
+            ..Default::default()
+        };
+        let text = render(&st, &Signal::initial(1, 1, false));
+        assert!(
+            text.contains("memguard_sidecar_trainer_phase{phase=\"save\"} 1\n"),
+            "{text}"
+        );
+        assert!(text.contains("memguard_sidecar_trainer_phase{phase=\"load\"} 0\n"));
+        assert!(text.contains("memguard_sidecar_trainer_phase{phase=\"step\"} 0\n"));
     }
 }

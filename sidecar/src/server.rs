@@ -131,6 +131,12 @@ async fn post_report(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
         st.pending_oom = Some(kept.clone());
         st.last_oom = Some(kept);
     }
+    if let Some(phase) = report.phase {
+        st.phase = Some(phase);
+    }
+    if let Some(n) = report.saves_deferred {
+        st.saves_deferred = Some(n);
+    }
     if let Some(config) = &report.config {
         st.trainer_config = config.clone();
     }
@@ -299,6 +305,37 @@ mod tests {
             call(trainer_router(sh), req).await.0,
             StatusCode::BAD_REQUEST
         );
+    }
+
+    #[tokio::test]
+    async fn a_reported_phase_is_kept_until_the_next_and_an_unknown_one_is_refused() {
+        let sh = shared();
+        for (body, want) in [
+            (r#"{"phase":"load"}"#, StatusCode::NO_CONTENT),
+            (
+                r#"{"step":3,"phase":"save","saves_deferred":2}"#,
+                StatusCode::NO_CONTENT,
+            ),
+            (r#"{"step":4}"#, StatusCode::NO_CONTENT),
+            (r#"{"phase":"eval"}"#, StatusCode::BAD_REQUEST),
+        ] {
+            let req = Request::post("/v1/report")
+                .body(Body::from(body))
+                .expect("req");
+            assert_eq!(
+                call(trainer_router(sh.clone()), req).await.0,
+                want,
+                "{body}"
+            );
+        }
+        let st = sh.status();
+        assert_eq!(
+            st.phase,
+            Some(memguard_api::TrainerPhase::Save),
+            "a report without a phase keeps the last one; a refused one changes nothing"
+        );
+        assert_eq!(st.reports_rejected, 1);
+        assert_eq!(st.saves_deferred, Some(2));
     }
 
     #[tokio::test]

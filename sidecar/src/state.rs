@@ -4,7 +4,7 @@ use crate::sample::MemorySample;
 use crate::sample::gpu::GpuMemory;
 use crate::sample::psi::Psi;
 use crate::trace::Trace;
-use memguard_api::{Level, OomKind, OomOutcome, OomRecord, Report, Signal};
+use memguard_api::{Level, OomKind, OomOutcome, OomRecord, Report, Signal, TrainerPhase};
 use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use tokio::sync::watch;
@@ -52,6 +52,13 @@ pub struct Status {
     /// OOM kills counted in the trainer's cgroups since the sidecar started, across in-place
     /// restarts (each restart brings a new cgroup whose counter starts at 0).
     pub oom_kills: u64,
+    /// The phase the trainer last reported (`None` until it reports one).
+    pub phase: Option<TrainerPhase>,
+    /// The phase the trainer had last reported when the last OOM kill was counted: `None` when
+    /// it had reported none (never guessed).
+    pub oom_kill_phase: Option<TrainerPhase>,
+    /// Checkpoint saves the trainer put off under pressure, from its last report that said.
+    pub saves_deferred: Option<u64>,
     /// Downgrades issued.
     pub downgrades: u64,
     /// Growths of the micro-batch back toward the configured one, on measured peaks.

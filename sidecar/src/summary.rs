@@ -22,6 +22,7 @@ pub fn build(st: &Status, sig: &Signal, estimate: Option<u64>, exit_reason: &str
         downgrades: st.downgrades,
         growths: st.growths,
         oom_events: st.oom_events(),
+        oom_kill_phase: st.oom_kill_phase,
         max_level: st.max_level.max(sig.level),
         batch_size: sig.batch_size,
         grad_accumulation: sig.grad_accumulation,

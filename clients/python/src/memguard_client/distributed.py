@@ -162,6 +162,12 @@ class Agreement:
             return Status(oom=oom, size=size, fresh=fresh)
         return Status(oom=reduced[0] == 0, size=max(0, reduced[1]), fresh=reduced[2] == 1)
 
+    def any(self, flag: bool) -> bool:
+        """Whether any rank's ``flag`` is set: one blocking collective, for decisions taken
+        at step ends every rank reaches alike (a checkpoint save put off, phase.py)."""
+        reduced = self._min([0 if flag else 1])
+        return bool(flag) if reduced is None else reduced[0] == 0
+
     def _min(self, values: List[int]) -> Optional[List[int]]:
         dist = _dist() if self.enabled else None
         if dist is None:

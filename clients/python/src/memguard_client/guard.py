@@ -119,6 +119,10 @@ class Guard:
         self._source: Optional[str] = None
         self._changed = False
         self._last_step: Optional[int] = None
+        # The phase sent with every report once set (phase.py); dropped for good when the
+        # sidecar is older than the field (it refuses the whole report).
+        self._phase: Optional[str] = None
+        self._send_phase = True
 
         self._file_key: Optional[_FileKey] = None
         self._file_racy = False
@@ -219,6 +223,12 @@ class Guard:
     def last_step(self) -> Optional[int]:
         """The step of the last :meth:`report` that gave one (what an OOM record names)."""
         return self._last_step
+
+    @property
+    def phase(self) -> Optional[str]:
+        """The phase last set by :meth:`report_phase` (``load``, ``step``, ``save``), or
+        ``None`` before any."""
+        return self._phase
 
     @property
     def seen_at(self) -> Optional[float]:
@@ -462,6 +472,25 @@ class Guard:
         body = {"config": {str(k): float(v) for k, v in config.items()}}
         return self._post_report(body)
 
+    def report_phase(self, phase: str, **counters: int) -> bool:
+        """Enter ``phase`` (one of :data:`memguard_client.phase.PHASES`) and POST it at once,
+        with the last step and any ``counters`` given (``saves_deferred``); every later report
+        carries it too, so the sidecar knows the phase an OOM kill comes in. Raises
+        ``ValueError`` for an unknown phase; otherwise never raises; True when accepted."""
+        from .phase import PHASES
+
+        if phase not in PHASES:
+            raise ValueError(f"memguard: unknown phase {phase!r} (known: {', '.join(PHASES)})")
+        self._phase = phase
+        body: Dict[str, Any] = {}
+        if self._last_step is not None:
+            body["step"] = self._last_step
+        for name, value in counters.items():
+            n = _env.non_negative_int(value)
+            if n is not None:
+                body[name] = n
+        return self._post_report(body)
+
     def report_oom(self, record: Mapping[str, Any]) -> bool:
         """POST an OOM record (:func:`memguard_client.oom.build_record`) to ``/v1/report``.
 
@@ -498,17 +527,36 @@ class Guard:
     def _post_report(self, body: Dict[str, Any]) -> bool:
         if self._url is None:
             return False
+        if self._phase is not None and self._send_phase:
+            ok = self._post_report_as_is(dict(body, phase=self._phase))
+            if ok is not False:
+                return ok is True
+            # Refused: if it goes through without the phase, the sidecar is older than the
+            # field (it refuses every report that has it), and none is sent from now on.
+            bare = {k: v for k, v in body.items() if k != "saves_deferred"}
+            accepted = self._post_report_as_is(bare) is True
+            if accepted:
+                self._send_phase = False
+            return accepted
+        return self._post_report_as_is(body) is True
+
+    def _post_report_as_is(self, body: Dict[str, Any]) -> Optional[bool]:
+        """True when accepted, False when refused (400), None when not accepted otherwise."""
         memory = self._own_cgroup.due()
         status = None
         if memory is not None:
             status = self._send_report(dict(body, container_memory=memory))
-            if status == 400:
-                # A sidecar older than `container_memory` refuses the whole report: the
-                # figures are sent again without it, and from now on.
-                self._own_cgroup.stop()
         if memory is None or status == 400:
+            refused_with_memory = status == 400
             status = self._send_report(body)
-        return status is not None and 200 <= status < 300
+            if refused_with_memory and status is not None and 200 <= status < 300:
+                # A sidecar older than `container_memory` refuses the whole report: the
+                # figures are sent again without it, and from now on (only when the report
+                # goes through without them: another field may be the one refused).
+                self._own_cgroup.stop()
+        if status == 400:
+            return False
+        return True if status is not None and 200 <= status < 300 else None
 
     def _send_report(self, body: Dict[str, Any]) -> Optional[int]:
         """POSTs ``body``: the HTTP status, None when no answer came."""

@@ -86,6 +86,7 @@ import threading
 from typing import Any, Callable, Dict, Optional
 
 from .guard import Guard
+from .phase import PRESSURE_LEVELS, SaveDeferral
 from .recovery import (
     DEFAULT_MAX_OOM_RETRIES,
     RunnerCounters,
@@ -153,6 +154,13 @@ class MemguardCallback(RunnerCounters, _callback_base()):  # type: ignore[misc]
         self._local = threading.local()
         self._skip_pending = False
         self._wrapped_optimizer: Any = None
+        #: Checkpoint saves put off under host-memory pressure (phase.py).
+        self.save_deferral = SaveDeferral()
+
+    @property
+    def saves_deferred(self) -> int:
+        """Checkpoint saves put off under host-memory pressure so far."""
+        return self.save_deferral.deferred
 
     # --- callback events ------------------------------------------------------------------
 
@@ -169,6 +177,29 @@ class MemguardCallback(RunnerCounters, _callback_base()):  # type: ignore[misc]
         config = trainer_config(args, kwargs.get("model"))
         if config and getattr(state, "is_world_process_zero", True):
             self.guard.report_config(config)
+        self.guard.report_phase("step")
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Added after the Trainer's own callbacks: `should_save` is what they decided.
+        if not self.attached:
+            return
+        if not (getattr(control, "should_save", False) or self.save_deferral.pending):
+            return
+        step = int(getattr(state, "global_step", 0))
+        max_steps = int(getattr(state, "max_steps", 0) or 0)
+        last = bool(getattr(control, "should_training_stop", False)) or (0 < max_steps <= step)
+        pressure = self.runner.agreement.any(self.guard.level in PRESSURE_LEVELS)
+        deferred_before = self.saves_deferred
+        save = self.save_deferral.save_now(step, pressure, last)
+        control.should_save = save
+        if save:
+            self.guard.report_phase("save", saves_deferred=self.saves_deferred)
+        elif self.saves_deferred != deferred_before:
+            self.guard.report_phase("step", saves_deferred=self.saves_deferred)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.attached and self.guard.phase == "save":
+            self.guard.report_phase("step", saves_deferred=self.saves_deferred)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Every rank ends training here: complete the pipelined agreement's last collective and
@@ -302,6 +333,8 @@ def attach(
         max_oom_retries=max_oom_retries,
         sync_each_batch=sync_each_batch,
     )
+    # Until training begins the host memory holds what loading builds (phase.py).
+    cb.guard.report_phase("load")
     if sync_each_batch is not False and cb.guard.grad_sync == "each-batch":
         # The webhook's plan counted on sharded gradients from the first micro-batch.
         sync_each_batch_on(getattr(trainer, "accelerator", None))
