@@ -46,6 +46,7 @@ pub const FILES: &[(&str, &str)] = client_files![
     "src/memguard_client/oom.py",
     "src/memguard_client/own_cgroup.py",
     "src/memguard_client/peaks.py",
+    "src/memguard_client/phase.py",
     "src/memguard_client/py.typed",
     "src/memguard_client/recovery.py",
     "src/memguard_client/signal.py",
