@@ -253,6 +253,16 @@ mod tests {
         Arc::new(Shared::new(Signal::initial(8, 1, false)))
     }
 
+    /// The client's report over a sampler that sees only the trainer's RSS (4000 bytes).
+    fn over_rss(shared: &Arc<Shared>) -> WithClientReport {
+        let own = Own {
+            kind: "rss",
+            sample: rss(4000, true),
+            forgotten: false,
+        };
+        WithClientReport::new(Box::new(own), shared.clone())
+    }
+
     fn report(shared: &Shared, memory: ContainerMemory) {
         shared.status().container_memory = Some(Reported {
             memory,
@@ -263,12 +273,7 @@ mod tests {
     #[test]
     fn the_report_gives_the_limit_and_the_kills_the_rss_fallback_lacks() {
         let sh = shared();
-        let own = Own {
-            kind: "rss",
-            sample: rss(4000, true),
-            forgotten: false,
-        };
-        let mut src = WithClientReport::new(Box::new(own), sh.clone());
+        let mut src = over_rss(&sh);
         let before = src.sample().expect("ok").expect("rss");
         assert_eq!(before.effective_limit(), None, "the RSS alone has no limit");
         assert_eq!(src.info().kind, "rss");
@@ -347,12 +352,7 @@ mod tests {
     #[test]
     fn reports_of_a_trainer_that_left_are_not_the_next_ones() {
         let sh = shared();
-        let own = Own {
-            kind: "rss",
-            sample: rss(4000, true),
-            forgotten: false,
-        };
-        let mut src = WithClientReport::new(Box::new(own), sh.clone());
+        let mut src = over_rss(&sh);
         report(&sh, v1(10_100, 3, 77));
         assert_eq!(
             src.sample().expect("ok").expect("s").events.oom_kill,
