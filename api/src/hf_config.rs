@@ -7,7 +7,7 @@
 //! `quantization_config` whose method is unknown is an error naming the field: nothing falls
 //! back silently to a default.
 
-use memguard_estimator::{Mla, ModelShape};
+use memguard_estimator::{Mla, ModelShape, Norms};
 use serde_json::{Map, Value};
 
 /// What a `config.json` says about memory.
@@ -310,6 +310,36 @@ impl Reader {
             attention_softcapping: c
                 .get("attn_logit_softcapping")
                 .is_some_and(|v| v.as_f64().is_some_and(|cap| cap > 0.0)),
+            norms: self.norms(c, model_type),
+        }
+    }
+
+    /// The block's norms, from its modelling file: LayerNorm families in sequence, or
+    /// parallel attention and MLP behind one shared norm or two norms of the same input;
+    /// every other model type an RMSNorm decoder.
+    fn norms(&mut self, c: &Map<String, Value>, model_type: &str) -> Norms {
+        match model_type {
+            // `PhiDecoderLayer.input_layernorm`, GPT-J's and CodeGen's `ln_1`: one norm.
+            "phi" | "gptj" | "codegen" => Norms::SharedLayerNorm,
+            // `GPTNeoXLayer`: `input_layernorm` and `post_attention_layernorm` both of `x`
+            // under `use_parallel_residual` (its default).
+            "gpt_neox" if self.boolean(c, "use_parallel_residual").unwrap_or(true) => {
+                Norms::ParallelLayerNorm
+            }
+            // `StableLmDecoderLayer`: no `post_attention_layernorm` under
+            // `use_parallel_residual` (default false).
+            "stablelm" if self.boolean(c, "use_parallel_residual").unwrap_or(false) => {
+                Norms::SharedLayerNorm
+            }
+            // Falcon 40B/180B's `new_decoder_architecture`: `ln_attn` and `ln_mlp` of `x`;
+            // Falcon 7B's `parallel_attn` (default true): one `input_layernorm`.
+            "falcon" if self.boolean(c, "new_decoder_architecture").unwrap_or(false) => {
+                Norms::ParallelLayerNorm
+            }
+            "falcon" if self.boolean(c, "parallel_attn").unwrap_or(true) => Norms::SharedLayerNorm,
+            "gpt2" | "gpt_bigcode" | "gpt_neox" | "stablelm" | "falcon" | "bloom" | "opt"
+            | "bert" | "roberta" | "starcoder2" => Norms::LayerNorm,
+            _ => Norms::RmsNorm,
         }
     }
 
@@ -493,6 +523,35 @@ mod tests {
         assert_eq!(gpt2.attention_dropout, Some(0.1));
         assert!(gpt2.shape.attention_dropout);
         assert!(!q.shape.attention_dropout);
+        assert_eq!(gpt2.shape.norms, Norms::LayerNorm);
+        assert_eq!(q.shape.norms, Norms::RmsNorm);
+    }
+
+    #[test]
+    fn the_block_norms_follow_the_model_type_and_its_parallel_residual() {
+        let norms = |extra: &str| {
+            let text = format!(
+                r#"{{"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "intermediate_size": 256, "vocab_size": 100, {extra}}}"#
+            );
+            parse(&text).expect("valid config").shape.norms
+        };
+        assert_eq!(norms(r#""model_type": "phi""#), Norms::SharedLayerNorm);
+        assert_eq!(
+            norms(r#""model_type": "gpt_neox""#),
+            Norms::ParallelLayerNorm
+        );
+        assert_eq!(
+            norms(r#""model_type": "gpt_neox", "use_parallel_residual": false"#),
+            Norms::LayerNorm
+        );
+        assert_eq!(norms(r#""model_type": "stablelm""#), Norms::LayerNorm);
+        assert_eq!(
+            norms(r#""model_type": "falcon", "new_decoder_architecture": true"#),
+            Norms::ParallelLayerNorm
+        );
+        assert_eq!(norms(r#""model_type": "falcon""#), Norms::SharedLayerNorm);
+        assert_eq!(norms(r#""model_type": "mistral""#), Norms::RmsNorm);
     }
 
     #[test]

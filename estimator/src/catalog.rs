@@ -1,7 +1,7 @@
 //! Built-in catalog of common architectures, with their real config numbers (from each model's
 //! published `config.json`) and published parameter counts.
 
-use crate::config::{Mla, ModelShape};
+use crate::config::{Mla, ModelShape, Norms};
 
 /// One catalog row. `params` is the published exact count (all experts included).
 struct Entry {
@@ -27,6 +27,7 @@ struct Entry {
     dense_layers: u64,
     mla: Option<Mla>,
     extra_params: u64,
+    norms: Norms,
 }
 
 /// A dense decoder with a gated FFN and an LM head: the common case.
@@ -65,6 +66,7 @@ const fn dense(
         dense_layers: 0,
         mla: None,
         extra_params: 0,
+        norms: Norms::RmsNorm,
     }
 }
 
@@ -81,6 +83,7 @@ const fn gpt2(
         aliases,
         gated: false,
         attention_dropout: true,
+        norms: Norms::LayerNorm,
         ..dense(name, params, h, l, a, a, 4 * h, 50257, true)
     }
 }
@@ -228,6 +231,7 @@ const CATALOG: &[Entry] = &[
     // vocabulary.
     Entry {
         gated: false,
+        norms: Norms::LayerNorm,
         ..dense(
             "bloom-560m",
             559_214_592,
@@ -244,6 +248,7 @@ const CATALOG: &[Entry] = &[
     Entry {
         gated: false,
         extra_params: 2050 * 4096,
+        norms: Norms::LayerNorm,
         ..dense(
             "opt-6.7b",
             6_658_473_984,
@@ -260,6 +265,8 @@ const CATALOG: &[Entry] = &[
     // tied 65k vocabulary.
     Entry {
         gated: false,
+        // `parallel_attn` with one `input_layernorm` (not `new_decoder_architecture`).
+        norms: Norms::SharedLayerNorm,
         ..dense(
             "falcon-7b",
             6_921_720_704,
@@ -276,6 +283,7 @@ const CATALOG: &[Entry] = &[
     Entry {
         gated: false,
         aliases: &["chatglm-6b-int4", "chatglm-6b-int8"],
+        norms: Norms::LayerNorm,
         ..dense(
             "chatglm-6b",
             6_173_286_400,
@@ -882,6 +890,7 @@ const CATALOG: &[Entry] = &[
         gated: false,
         attention_dropout: true,
         lm_head: false,
+        norms: Norms::LayerNorm,
         ..dense(
             "bert-large-uncased",
             335_141_888,
@@ -977,6 +986,7 @@ fn shape(e: &Entry) -> ModelShape {
         extra_params: e.extra_params,
         attention_dropout: e.attention_dropout,
         attention_softcapping: e.attention_softcapping,
+        norms: e.norms,
     }
 }
 

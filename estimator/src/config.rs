@@ -105,6 +105,50 @@ impl Default for Loss {
 }
 
 named_enum! {
+    /// Which norms a transformer block has and what they keep for backward.
+    Norms {
+        /// RMSNorm before attention and before the FFN, in sequence, upcasting its input to
+        /// fp32 (Llama, Mistral, Qwen: `hidden_states.to(torch.float32)` in
+        /// `LlamaRMSNorm.forward`).
+        RmsNorm => "rmsnorm" | "rms-norm",
+        /// `torch.nn.LayerNorm` before attention and before the FFN, in sequence (GPT-2,
+        /// GPT-BigCode, BLOOM): no upcast of its own, so in pure 16-bit it keeps its 16-bit
+        /// input.
+        LayerNorm => "layernorm" | "layer-norm",
+        /// Attention and FFN in parallel on the same input, each behind its own LayerNorm
+        /// (GPT-NeoX's `use_parallel_residual`, StableLM Alpha): one input for both norms.
+        ParallelLayerNorm => "parallel-layernorm",
+        /// Attention and FFN in parallel behind one shared LayerNorm (phi-1/1.5/2's
+        /// `input_layernorm`, GPT-J's `ln_1`, LitGPT's `shared_attention_norm`).
+        SharedLayerNorm => "shared-layernorm",
+    }
+}
+
+impl Default for Norms {
+    /// `rmsnorm`: the modern decoders'.
+    fn default() -> Self {
+        Norms::RmsNorm
+    }
+}
+
+impl Norms {
+    /// Norms per block, and the distinct inputs they normalise.
+    pub fn per_block(self) -> (u32, u32) {
+        match self {
+            Norms::RmsNorm | Norms::LayerNorm => (2, 2),
+            Norms::ParallelLayerNorm => (2, 1),
+            Norms::SharedLayerNorm => (1, 1),
+        }
+    }
+
+    /// The norm upcasts its input to fp32 whatever the compute dtype (RMSNorm), rather
+    /// than running in it (LayerNorm).
+    pub fn upcasts(self) -> bool {
+        self == Norms::RmsNorm
+    }
+}
+
+named_enum! {
     /// How gradients are synchronised across data-parallel ranks while micro-batches accumulate.
     GradSync {
         /// The accumulating micro-batches skip synchronisation (`no_sync()`, FSDP2's
@@ -350,6 +394,9 @@ pub struct ModelShape {
     /// kernels without a soft-cap cannot run it, so LitGPT computes the scores itself.
     #[cfg_attr(feature = "serde", serde(default))]
     pub attention_softcapping: bool,
+    /// The block's norms: what they keep for backward.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub norms: Norms,
 }
 
 /// Multi-head latent attention (DeepSeek-V2/V3), as its `config.json` spells it.
@@ -393,6 +440,7 @@ impl Default for ModelShape {
             extra_params: 0,
             attention_dropout: false,
             attention_softcapping: false,
+            norms: Norms::RmsNorm,
         }
     }
 }

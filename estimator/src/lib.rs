@@ -32,7 +32,7 @@ pub mod units;
 pub use bound::Bound;
 pub use calibration::Calibration;
 pub use config::{
-    ConfigError, Device, GradSync, LoraTargets, Loss, Method, Mla, ModelShape, Optimizer,
+    ConfigError, Device, GradSync, LoraTargets, Loss, Method, Mla, ModelShape, Norms, Optimizer,
     Parallelism, Precision, TrainingConfig,
 };
 pub use estimate::{Component, Estimate, Fitted, estimate, estimate_with};

@@ -3,7 +3,7 @@
 //! asserts the targets).
 
 use memguard_estimator::{
-    Bytes, Component, Device, Fitted, LoraTargets, Loss, Method, ModelShape, Optimizer,
+    Bytes, Component, Device, Fitted, LoraTargets, Loss, Method, ModelShape, Norms, Optimizer,
     Parallelism, Precision, TrainingConfig, estimate_with,
 };
 use std::collections::BTreeMap;
@@ -418,6 +418,7 @@ pub fn config(row: &Row) -> Result<TrainingConfig, String> {
     cfg.expandable_segments = row.notes.contains("[expandable-segments]");
     // A model fact with no column: Gemma 2's soft-capped attention scores.
     cfg.model.attention_softcapping = row.notes.contains("[attention-softcapping]");
+    cfg.model.norms = norms_of_family(&row.model);
     cfg.optimizer = row
         .optimizer
         .parse::<Optimizer>()
@@ -437,6 +438,43 @@ pub fn config(row: &Row) -> Result<TrainingConfig, String> {
     cfg.world_size = opt_u64(&row.world_size)?.unwrap_or(1);
     cfg.device = row.device.parse::<Device>().map_err(|e| e.to_string())?;
     Ok(cfg)
+}
+
+/// The block norms of a model family (no column says them), from each family's code as the
+/// rows' trainers ran it: LitGPT's `config.py` (`norm_class_name`, `parallel_residual`,
+/// `shared_attention_norm`) and transformers' modelling files. Families not named here are
+/// RMSNorm decoders (Llama, Mistral, Qwen, Yi, Baichuan 2, Gemma, Phi-3).
+pub fn norms_of_family(model: &str) -> Norms {
+    let m = model.to_ascii_lowercase();
+    let any = |keys: &[&str]| keys.iter().any(|k| m.contains(k));
+    if any(&["phi-1", "phi-2", "falcon-7b"]) {
+        // phi-1.5/phi-2 and Falcon 7B: parallel attention and MLP behind one `norm_1`
+        // (`shared_attention_norm=True`; transformers' `PhiDecoderLayer.input_layernorm`).
+        Norms::SharedLayerNorm
+    } else if any(&[
+        "stablelm-base-alpha",
+        "stablelm base alpha",
+        "falcon-40b",
+        "pythia",
+    ]) {
+        // GPT-NeoX-style parallel residual with two LayerNorms on the block input
+        // (`parallel_residual=True, shared_attention_norm=False`; Falcon 40B's
+        // `new_decoder_architecture` `ln_attn`/`ln_mlp`).
+        Norms::ParallelLayerNorm
+    } else if any(&[
+        "gpt_bigcode",
+        "santacoder",
+        "gpt-2",
+        "gpt2",
+        "bloom",
+        "bert",
+    ]) {
+        // `ln_1`/`ln_2` (GPT-2, GPT-BigCode), BLOOM's `input_layernorm` and
+        // `post_attention_layernorm`, BERT's post-norms: LayerNorm in sequence.
+        Norms::LayerNorm
+    } else {
+        Norms::RmsNorm
+    }
 }
 
 /// Scores one row, with the trainer choices stated for it.

@@ -472,12 +472,12 @@ pub static RESIDUALS: &[Residual] = &[
     r(
         c(false, false, false, false, Figure::TensorPeak),
         "K-litgpt-confighub",
-        0.9485,
+        0.9818,
     ),
     r(
         c(false, true, false, false, Figure::TensorPeak),
         "K-litgpt-confighub",
-        0.9629,
+        1.0252,
     ),
     r(
         c(true, false, true, false, Figure::TensorPeak),
@@ -557,17 +557,17 @@ pub static RESIDUALS: &[Residual] = &[
     r(
         c(true, false, true, false, Figure::TensorPeak),
         "K-litgpt-confighub",
-        1.0445,
+        1.0477,
     ),
     r(
         c(false, false, false, false, Figure::TensorPeak),
         "K-litgpt-confighub",
-        0.8277,
+        0.8991,
     ),
     r(
         c(false, true, false, false, Figure::TensorPeak),
         "K-litgpt-confighub",
-        0.9062,
+        0.9907,
     ),
     r(
         c(false, false, false, false, Figure::TensorPeak),
@@ -582,17 +582,17 @@ pub static RESIDUALS: &[Residual] = &[
     r(
         c(true, false, true, false, Figure::TensorPeak),
         "K-litgpt-confighub",
-        1.0547,
+        1.0553,
     ),
     r(
         c(false, false, false, false, Figure::TensorPeak),
         "K-litgpt-confighub",
-        0.9620,
+        0.9842,
     ),
     r(
         c(false, true, false, false, Figure::TensorPeak),
         "K-litgpt-confighub",
-        1.0003,
+        1.0403,
     ),
     r(
         c(true, false, false, false, Figure::TensorPeak),
@@ -637,52 +637,52 @@ pub static RESIDUALS: &[Residual] = &[
     r(
         c(false, false, false, false, Figure::TensorPeak),
         "R-litgpt-resource-tables",
-        0.9028,
+        0.9781,
     ),
     r(
         c(false, true, false, false, Figure::TensorPeak),
         "R-litgpt-resource-tables",
-        0.8434,
+        0.9285,
     ),
     r(
         c(false, true, false, false, Figure::TensorPeak),
         "R-litgpt-resource-tables",
-        0.8415,
+        0.9277,
     ),
     r(
         c(false, false, false, false, Figure::TensorPeak),
         "R-litgpt-resource-tables",
-        0.8635,
+        0.9647,
     ),
     r(
         c(false, false, false, false, Figure::TensorPeak),
         "R-litgpt-resource-tables",
-        0.8339,
+        0.9565,
     ),
     r(
         c(false, false, false, false, Figure::TensorPeak),
         "R-litgpt-resource-tables",
-        0.9249,
+        0.9623,
     ),
     r(
         c(false, true, false, false, Figure::TensorPeak),
         "R-litgpt-resource-tables",
-        0.8793,
+        0.9317,
     ),
     r(
         c(false, true, false, false, Figure::TensorPeak),
         "R-litgpt-resource-tables",
-        0.8765,
+        0.9301,
     ),
     r(
         c(false, false, false, false, Figure::TensorPeak),
         "R-litgpt-resource-tables",
-        0.8856,
+        0.9416,
     ),
     r(
         c(false, false, false, false, Figure::TensorPeak),
         "R-litgpt-resource-tables",
-        0.8445,
+        0.9191,
     ),
     r(
         c(false, false, false, false, Figure::TensorPeak),

@@ -1,6 +1,6 @@
 use super::*;
 use crate::catalog;
-use crate::config::LoraTargets;
+use crate::config::{LoraTargets, Norms};
 
 fn model(name: &str) -> TrainingConfig {
     TrainingConfig::new(catalog::lookup(name).expect("catalog"))
@@ -945,4 +945,49 @@ fn fsdp_mixed_precision_casts_per_unit_not_per_model() {
     assert!(gib(eight.total) < 180.0, "{}", gib(eight.total));
     assert!(gib(many.total) < 40.0, "{}", gib(many.total));
     assert!(many.total < eight.total);
+}
+
+#[test]
+fn layer_norms_in_pure_16_bits_keep_their_16_bit_inputs_once_per_distinct_input() {
+    // GPT-2's shape with each block layout: in bf16-true a LayerNorm keeps its 16-bit input
+    // and output, no fp32 copy; parallel blocks normalise one input.
+    let mut cfg = model("gpt2");
+    cfg.precision = Precision::Bf16;
+    let h = cfg.model.hidden_size as f64;
+    let per_layer = |cfg: &TrainingConfig, norms: Norms| {
+        let mut c = cfg.clone();
+        c.model.norms = norms;
+        layer_activation_bytes_per_token(&c, 2.0)
+    };
+    let rms = per_layer(&cfg, Norms::RmsNorm);
+    // Two upcast norms, 2·(4h + 2h), against (inputs + norms)·2h.
+    assert_eq!(rms - per_layer(&cfg, Norms::LayerNorm), 12.0 * h - 8.0 * h);
+    assert_eq!(
+        rms - per_layer(&cfg, Norms::ParallelLayerNorm),
+        12.0 * h - 6.0 * h
+    );
+    assert_eq!(
+        rms - per_layer(&cfg, Norms::SharedLayerNorm),
+        12.0 * h - 4.0 * h
+    );
+    // Under autocast (and in fp32) `layer_norm` runs in fp32: as upcast as RMSNorm.
+    cfg.precision = Precision::Bf16Mixed;
+    assert_eq!(
+        per_layer(&cfg, Norms::LayerNorm),
+        per_layer(&cfg, Norms::RmsNorm)
+    );
+    // Compiled, a norm keeps only its 16-bit input, once per distinct input.
+    cfg.precision = Precision::Bf16;
+    cfg.compile = true;
+    assert_eq!(
+        per_layer(&cfg, Norms::LayerNorm) - per_layer(&cfg, Norms::SharedLayerNorm),
+        2.0 * h
+    );
+    // The catalog says which layout a model has.
+    assert_eq!(catalog::lookup("gpt2").unwrap().norms, Norms::LayerNorm);
+    assert_eq!(
+        catalog::lookup("falcon-7b").unwrap().norms,
+        Norms::SharedLayerNorm
+    );
+    assert_eq!(catalog::lookup("llama-3-8b").unwrap().norms, Norms::RmsNorm);
 }
