@@ -984,10 +984,7 @@ fn layer_norms_in_pure_16_bits_keep_their_16_bit_inputs_once_per_distinct_input(
         2.0 * h
     );
     // The catalog says which layout a model has.
-    assert_eq!(catalog::lookup("gpt2").unwrap().norms, Norms::LayerNorm);
-    assert_eq!(
-        catalog::lookup("falcon-7b").unwrap().norms,
-        Norms::SharedLayerNorm
-    );
-    assert_eq!(catalog::lookup("llama-3-8b").unwrap().norms, Norms::RmsNorm);
+    assert_eq!(model("gpt2").model.norms, Norms::LayerNorm);
+    assert_eq!(model("falcon-7b").model.norms, Norms::SharedLayerNorm);
+    assert_eq!(model("llama-3-8b").model.norms, Norms::RmsNorm);
 }
