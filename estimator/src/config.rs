@@ -87,6 +87,11 @@ named_enum! {
         /// The whole logits tensor, upcast to fp32 for the cross-entropy (transformers'
         /// `ForCausalLMLoss`, torchtune's `CEWithChunkedOutputLoss` absent, plain PyTorch).
         Standard => "standard" | "cross-entropy",
+        /// The whole logits tensor in the compute dtype, not upcast: transformers before
+        /// 4.46 (before `ForCausalLMLoss`) for GPT-2 and GPT-BigCode, whose heads pass the
+        /// 16-bit logits straight to `CrossEntropyLoss`. Under autocast `log_softmax` runs
+        /// in fp32 all the same, so it differs from `standard` in pure 16 bits only.
+        Narrow => "narrow" | "no-upcast",
         /// The cross-entropy over chunks of the sequence (torchtune's
         /// `CEWithChunkedOutputLoss`, LitGPT's `chunked_cross_entropy`): the 16-bit logits and
         /// one saved fp32-or-narrower log-softmax per element, one chunk's gradients at a time.

@@ -630,6 +630,12 @@ pub fn layer_activation_bytes_per_token(cfg: &TrainingConfig, compute_bytes: f64
     norms + attention + ffn + adapters
 }
 
+/// Parameters and compute in one 16-bit dtype with no autocast: what `torch.autocast`
+/// would run in fp32 (`layer_norm`, `log_softmax`) runs in 16 bits.
+fn pure_16bit(cfg: &TrainingConfig) -> bool {
+    matches!(cfg.precision, Precision::Bf16 | Precision::Fp16)
+}
+
 /// Bytes one block's norms keep for backward, per token, with `n` norms over `d` distinct
 /// inputs ([`crate::config::Norms::per_block`]: 2 over 2 in sequence, 2 over 1 for parallel attention and
 /// FFN, 1 over 1 for a shared norm):
@@ -652,8 +658,7 @@ fn norm_bytes_per_token(cfg: &TrainingConfig, p: f64) -> f64 {
     if cfg.compile {
         return inputs * p * h;
     }
-    let pure_16bit = matches!(cfg.precision, Precision::Bf16 | Precision::Fp16);
-    if cfg.model.norms.upcasts() || !pure_16bit {
+    if cfg.model.norms.upcasts() || !pure_16bit(cfg) {
         norms * (4.0 * h + p * h)
     } else {
         (inputs + norms) * p * h
@@ -716,6 +721,11 @@ fn quantized_linear_inputs_per_token(x: &Ctx) -> f64 {
 /// Logits and their loss, by how the trainer computes it:
 /// * `standard`: `B·S·V·(p + 12)` — the logits in the compute dtype plus the loss's three
 ///   fp32 tensors (see [`LOSS_BYTES_PER_LOGIT`]);
+/// * `narrow` (no upcast, in pure 16 bits): `B·S·V·4·p` — the same four tensors all in the
+///   compute dtype: `log_softmax` of a bf16 input returns bf16, and so do both gradients
+///   (transformers 4.40's `GPTBigCodeForCausalLM.forward`: `CrossEntropyLoss()` on
+///   `lm_logits[..., :-1, :].contiguous()`, no `.float()`; Llama's head upcast since 4.36).
+///   Under autocast or in fp32, as `standard`;
 /// * `chunked`: `B·S·V·(p + 4)` — the logits plus each chunk's saved log-softmax
 ///   ([`CHUNKED_LOSS_BYTES_PER_LOGIT`]); one chunk's gradients at a time are noise;
 ///   compiled (torchtune's `compile_loss` compiles each chunk's upcast and cross-entropy as
@@ -735,6 +745,8 @@ fn logits(x: &Ctx) -> Bytes {
     let p = x.regime.compute;
     let per_token = match x.cfg.loss {
         Loss::Standard => x.m.vocab_size as f64 * (p + LOSS_BYTES_PER_LOGIT),
+        Loss::Narrow if pure_16bit(x.cfg) => x.m.vocab_size as f64 * 4.0 * p,
+        Loss::Narrow => x.m.vocab_size as f64 * (p + LOSS_BYTES_PER_LOGIT),
         Loss::Chunked if x.cfg.compile => x.m.vocab_size as f64 * p,
         Loss::Chunked => x.m.vocab_size as f64 * (p + CHUNKED_LOSS_BYTES_PER_LOGIT),
         Loss::Fused => x.m.hidden_size as f64 * (p + 8.0),
@@ -884,7 +896,7 @@ fn quantized_head_dequant_excess(x: &Ctx, block: f64) -> f64 {
     let p = x.regime.compute;
     let kept_logits = match x.cfg.loss {
         Loss::Fused => 0.0,
-        Loss::Standard | Loss::Chunked => 2.0 * p * x.tokens * x.m.vocab_size as f64,
+        Loss::Standard | Loss::Narrow | Loss::Chunked => 2.0 * p * x.tokens * x.m.vocab_size as f64,
     };
     (head * dequantized_bytes(x) + kept_logits - logits(x).as_f64()).max(block)
 }

@@ -988,3 +988,24 @@ fn layer_norms_in_pure_16_bits_keep_their_16_bit_inputs_once_per_distinct_input(
     assert_eq!(model("falcon-7b").model.norms, Norms::SharedLayerNorm);
     assert_eq!(model("llama-3-8b").model.norms, Norms::RmsNorm);
 }
+
+#[test]
+fn a_loss_without_upcast_keeps_its_tensors_in_the_compute_dtype_in_pure_16_bits() {
+    // GPT-BigCode's head before transformers 4.46: cross-entropy on the bf16 logits.
+    let mut cfg = model("gpt2");
+    cfg.batch_size = 4;
+    cfg.seq_length = 1024;
+    let logits = |cfg: &TrainingConfig, loss: Loss| {
+        let mut c = cfg.clone();
+        c.loss = loss;
+        est(&c).component(Component::Logits).as_f64()
+    };
+    let elements = 4.0 * 1024.0 * 50257.0;
+    cfg.precision = Precision::Bf16;
+    assert_eq!(logits(&cfg, Loss::Narrow), elements * 4.0 * 2.0);
+    assert_eq!(logits(&cfg, Loss::Standard), elements * (2.0 + 12.0));
+    // Autocast runs log_softmax in fp32 whatever the head does: as the standard loss.
+    cfg.precision = Precision::Bf16Mixed;
+    assert_eq!(logits(&cfg, Loss::Narrow), logits(&cfg, Loss::Standard));
+    assert_eq!("no-upcast".parse::<Loss>(), Ok(Loss::Narrow));
+}
