@@ -154,7 +154,12 @@ fn decide(read: &TrainingPod, policy: &Policy, profiles: &ClusterView) -> Result
         } else {
             &decided.plan.config
         };
-        memguard_decide::host::plan_host(training, planned, &knobs)
+        memguard_decide::host::plan_host_after(
+            training,
+            planned,
+            &knobs,
+            decided.adjust.last_kill_phase,
+        )
     };
     let host_rewrites = host.as_ref().map_or(&[][..], |h| h.rewrites.as_slice());
     // A plan on a value nobody read is a guess: nothing of it is applied, the launch stays as
@@ -224,6 +229,9 @@ fn decide(read: &TrainingPod, policy: &Policy, profiles: &ClusterView) -> Result
         mutation
             .warnings
             .insert(0, truncate(&format!("memguard: {}", changed.join(", "))));
+    }
+    if let Some(note) = host.as_ref().and_then(|h| h.after_kill.as_ref()) {
+        mutation.warnings.push(truncate(note));
     }
     if let Some(host) = &host {
         // A pod without a limit is warned when its launch gave host knobs: one planned on

@@ -200,3 +200,82 @@ fn a_batch_filled_from_the_report_is_planned_as_env_and_never_written_into_the_l
         "{said:?}"
     );
 }
+
+/// A TRL launch on 4 GPUs with room in `limits.memory`: its host plan fits as estimated.
+fn trl_pod() -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "sft", "namespace": "ml", "labels": {"memguard.io/enabled": "true"},
+                     "annotations": {"memguard.io/gpu-memory": "80Gi"}},
+        "spec": {"restartPolicy": "Never", "containers": [{
+            "name": "trainer", "image": "x",
+            "resources": {"limits": {"nvidia.com/gpu": "4", "memory": "512Gi"}},
+            "command": ["torchrun", "--nproc_per_node", "4", "-m", "trl.scripts.sft"],
+            "args": ["--model_name_or_path", "Qwen/Qwen2.5-0.5B",
+                     "--per_device_train_batch_size", "2", "--max_length", "1024",
+                     "--output_dir", "/out"]
+        }]}
+    })
+}
+
+/// The view with `pod`'s profile, whose last OOM kill came in `phase`.
+fn view_with_kill(pod: &Value, phase: memguard_api::phase::TrainerPhase) -> ClusterView {
+    let typed: Pod = serde_json::from_value(pod.clone()).expect("a Pod");
+    let key =
+        memguard_decide::pod_key(&typed, &Policy::default(), Cluster::default()).expect("a key");
+    let mut profile = MemoryProfile::new(&key.name, key.spec);
+    let mut status = MemoryProfileStatus::default();
+    status.record_oom(memguard_api::crd::OomEvent {
+        pod: "sft-earlier".into(),
+        at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::from_second(100).expect("in range"),
+        ),
+        reason: "OOMKilled".into(),
+        config: Default::default(),
+        phase: Some(phase),
+    });
+    status.oom_kill_phases.count(phase);
+    profile.status = Some(status);
+    let mut view = ClusterView::default();
+    view.insert(profile);
+    view
+}
+
+#[test]
+fn a_kill_at_save_gets_model_only_checkpoints_even_where_the_estimate_fits() {
+    use memguard_api::phase::TrainerPhase;
+    let pod = trl_pod();
+    let (fresh, untouched) = admit(&pod, &ClusterView::default());
+    let host = fresh.estimate.host.as_ref().expect("a host plan");
+    assert_eq!(host.fits, Some(true), "fits as estimated");
+    assert_eq!(
+        untouched["spec"]["containers"][0]["args"],
+        pod["spec"]["containers"][0]["args"]
+    );
+
+    let (m, applied) = admit(&pod, &view_with_kill(&pod, TrainerPhase::Save));
+    let args: Vec<String> =
+        serde_json::from_value(applied["spec"]["containers"][0]["args"].clone()).expect("args");
+    let line = args.join(" ");
+    assert!(line.contains("save_only_model"), "{line}");
+    let host = m.estimate.host.as_ref().expect("a host plan");
+    assert_eq!(host.rewritten["save"].to, "true");
+    assert!(
+        m.warnings.iter().any(|w| w.contains("while saving")),
+        "{:?}",
+        m.warnings
+    );
+
+    // A kill at load: no rewrite, and no host verdict claimed.
+    let (m, applied) = admit(&pod, &view_with_kill(&pod, TrainerPhase::Load));
+    assert_eq!(
+        applied["spec"]["containers"][0]["args"],
+        pod["spec"]["containers"][0]["args"]
+    );
+    assert_eq!(m.estimate.host.as_ref().expect("host").fits, None);
+    assert!(
+        m.warnings.iter().any(|w| w.contains("while loading")),
+        "{:?}",
+        m.warnings
+    );
+}
