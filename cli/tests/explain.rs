@@ -685,6 +685,8 @@ fn explain_shows_the_trainers_report_beside_admission_and_the_kill_phases() {
     let status = &e["next"]["profile"]["status"];
     assert_eq!(status["trainerReport"]["mismatch"], json!(["seq-length"]));
     assert_eq!(status["oomKillPhases"]["save"], 1);
+    // The next pod of the Job is planned on what the trainer ran, not on what it was told.
+    assert_eq!(e["next"]["config"]["seqLength"], 4096, "{}", e["next"]);
 
     let table = explain(d, &dead, "table");
     assert!(
