@@ -261,8 +261,8 @@ pub fn plan_after_kill(
             if plan.rewrites.iter().any(|r| r.knob == HostKnob::Save) {
                 return HostPlan {
                     after_kill: Some(format!(
-                        "memguard: the last OOM kill of this profile came while saving a \
-                         checkpoint: checkpoints are model-only ({limit_said})"
+                        "memguard: last OOM kill was while saving: checkpoints made model-only \
+                         ({limit_said})"
                     )),
                     ..plan
                 };
@@ -273,10 +273,8 @@ pub fn plan_after_kill(
             else {
                 return HostPlan {
                     after_kill: Some(format!(
-                        "memguard: the last OOM kill of this profile came while saving a \
-                         checkpoint, and the launch's save cannot be rewritten (model-only \
-                         already, or --save_only_model not read): save at most {}, or raise \
-                         {limit_said}",
+                        "memguard: last OOM kill was while saving, and the save cannot be \
+                         rewritten: raise {limit_said} (save {})",
                         plan.estimate.save
                     )),
                     ..plan
@@ -286,9 +284,8 @@ pub fn plan_after_kill(
             step.apply(&mut cut);
             let mut plan = plan_against(base, &cut, limit);
             plan.after_kill = Some(format!(
-                "memguard: the last OOM kill of this profile came while saving a checkpoint: \
-                 --{} {}→{} (model-only checkpoints: the save spike is now {}; a run resumed \
-                 from one restarts its optimizer)",
+                "memguard: last OOM kill was while saving: --{} {}→{} (model-only \
+                 checkpoints, save {})",
                 step.rewrite.flag, step.rewrite.from, step.rewrite.to, plan.estimate.save
             ));
             plan.rewrites.insert(0, step.rewrite);
@@ -300,9 +297,8 @@ pub fn plan_after_kill(
                 plan.fits = None;
             }
             plan.after_kill = Some(format!(
-                "memguard: the last OOM kill of this profile came while loading the model: the \
-                 load needs more than {limit_said} (estimated {} per pod at load); no host \
-                 verdict: raise the limit, or load in bf16 with low_cpu_mem_usage",
+                "memguard: last OOM kill was while loading: it needs more than {limit_said} \
+                 (estimated {}); no host verdict",
                 plan.estimate.load
             ));
             plan

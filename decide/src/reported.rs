@@ -137,27 +137,29 @@ pub fn on_report<'a>(training: &TrainingPod<'a>, report: &TrainerReport) -> OnRe
             }
         }
     }
+    // Each warning is cut at 120 characters: what was planned on leads, whose report trails.
     let mut warnings = Vec::new();
-    let run = format!("pod {}'s report at train start", report.pod);
     if !filled.is_empty() {
         let said: Vec<String> = filled
             .iter()
             .map(|(k, v)| format!("{} {v}", k.name()))
             .collect();
         warnings.push(truncate(&format!(
-            "memguard: planned on what the trainer reported ({run}): {}; not in its launch, so \
-             never written there (the plan reaches the trainer as MEMGUARD_* env)",
-            said.join(", ")
+            "memguard: planned on the trainer's report for {}; never written in the launch \
+             (pod {})",
+            said.join(", "),
+            report.pod
         )));
     }
     for m in &mismatches {
         warnings.push(truncate(&format!(
-            "memguard: the trainer ran {} {} where the launch says {} ({run}): planned on {}, \
-             the launch kept",
+            "memguard: the trainer ran {} {} where the launch says {}: planned on {}, launch \
+             kept (pod {}'s report)",
             m.knob.name(),
             m.reported,
             m.read,
-            m.reported
+            m.reported,
+            report.pod
         )));
     }
     OnReport {

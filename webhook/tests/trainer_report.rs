@@ -117,8 +117,7 @@ fn a_sequence_admission_could_not_read_is_planned_on_the_trainers_report() {
     assert!(
         m.warnings
             .iter()
-            .any(|w| w.contains("planned on what the trainer reported")
-                && w.contains("seq-length 1024")),
+            .any(|w| w.contains("planned on the trainer's report for seq-length 1024")),
         "{:?}",
         m.warnings
     );

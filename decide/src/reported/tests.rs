@@ -60,7 +60,7 @@ fn an_unknown_sequence_is_planned_on_the_reported_one() {
     }
     assert!(on.mismatches.is_empty());
     assert!(
-        on.warnings[0].contains("seq-length 1024") && on.warnings[0].contains("sft-1"),
+        on.warnings[0].contains("report for seq-length 1024") && on.warnings[0].contains("sft-1"),
         "{:?}",
         on.warnings
     );
