@@ -278,3 +278,80 @@ fn a_kill_at_save_gets_model_only_checkpoints_even_where_the_estimate_fits() {
         m.warnings
     );
 }
+
+/// The whole loop for a trainer whose config is a file in a ConfigMap (issue 37, item 4): the
+/// sidecar's summary carries the trainer's report, the profile controller keys the finished pod
+/// with the same cluster view admission has (ConfigMaps included) and learns the report, and
+/// the next admission, reading that profile through `mutate`, plans on it.
+#[test]
+fn a_config_map_trainers_report_is_learnt_and_planned_on_by_the_next_admission() {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+    let text = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/config-files/axolotl-lora-8b.yml"),
+    )
+    .expect("fixture");
+    let maps = memguard_api::cluster::ConfigMapList(BTreeMap::from([(
+        ("ml".to_string(), "axolotl".to_string()),
+        BTreeMap::from([("lora-8b.yml".to_string(), text)]),
+    )]));
+    let view = ClusterView::default().with_config_maps(Arc::new(maps));
+    let pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "train", "namespace": "ml", "uid": "uid-train",
+                     "labels": {"memguard.io/enabled": "true"}},
+        "spec": {"restartPolicy": "Never",
+            "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"},
+            "containers": [{
+                "name": "trainer", "image": "x",
+                "command": ["axolotl", "train", "/config/lora-8b.yml"],
+                "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                "volumeMounts": [{"name": "config", "mountPath": "/config"}]
+            }],
+            "volumes": [{"name": "config", "configMap": {"name": "axolotl"}}]}
+    });
+    let (first, _) = admit(&pod, &view);
+    assert_eq!(
+        first.plan.config.seq_length, 4096,
+        "read from the ConfigMap"
+    );
+
+    // The run: the trainer reported a sequence of 2048 (say, its dataset's packing).
+    let summary = json!({"version": 1, "downgrades": 0, "oom_events": 0, "max_level": "ok",
+        "batch_size": 2, "grad_accumulation": 4, "exit_reason": "trainer-exited",
+        "trainer_config": {"seq-length": 2048.0, "batch-size": 2.0},
+        "config_mismatch": ["seq-length"]});
+    let mut finished = pod.clone();
+    finished["status"] = json!({"phase": "Succeeded",
+        "containerStatuses": [{"name": "trainer", "image": "x", "imageID": "", "ready": false,
+            "restartCount": 0, "state": {"terminated": {"exitCode": 0, "reason": "Completed",
+            "finishedAt": "2026-11-29T06:00:00Z"}}}]});
+    finished["status"]["initContainerStatuses"] = json!([{"name": "memguard-sidecar",
+        "image": "x", "imageID": "", "ready": false, "restartCount": 0,
+        "state": {"terminated": {"exitCode": 0, "reason": "Completed",
+            "finishedAt": "2026-11-29T06:00:01Z", "message": summary.to_string()}}}]);
+    let finished: Pod = serde_json::from_value(finished).expect("a Pod");
+    let obs = memguard_learn::observe::try_observe(&finished, &Policy::default(), view.cluster())
+        .expect("the controller keys it with the ConfigMaps");
+    let status = memguard_learn::update::apply(&MemoryProfileStatus::default(), &obs);
+    assert_eq!(
+        status.trainer_report.as_ref().expect("learnt").mismatch,
+        ["seq-length"]
+    );
+    let mut profile = MemoryProfile::new(&obs.key.name, obs.key.spec.clone());
+    profile.status = Some(status);
+    let mut learnt = view.clone();
+    learnt.insert(profile);
+
+    // The next pod of the job: admission finds the profile the controller wrote.
+    let (next, _) = admit(&pod, &learnt);
+    assert_eq!(next.plan.config.seq_length, 2048, "planned on what ran");
+    assert!(
+        next.warnings
+            .iter()
+            .any(|w| w.contains("the trainer ran seq-length 2048 where the launch says 4096")),
+        "{:?}",
+        next.warnings
+    );
+}
