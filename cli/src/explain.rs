@@ -159,6 +159,10 @@ struct ReportedKnob {
     /// (`params`) or admission did not read it.
     #[serde(skip_serializing_if = "Option::is_none")]
     admitted: Option<String>,
+    /// What admission read in the trainer's own config, before it planned (absent when the
+    /// knob came from annotations or defaults).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    read: Option<String>,
     /// The sidecar flagged it: admission believed otherwise than the trainer ran.
     mismatch: bool,
 }
@@ -168,6 +172,7 @@ struct ReportedKnob {
 fn learnt_view(
     status: &MemoryProfileStatus,
     config: &BTreeMap<&'static str, String>,
+    read: &BTreeMap<String, String>,
 ) -> Option<LearntView> {
     let report = status.trainer_report.as_ref();
     if report.is_none() && status.oom_kill_phases.is_empty() {
@@ -181,6 +186,7 @@ fn learnt_view(
                     let reported = ReportedKnob {
                         reported: *value,
                         admitted: config.get(knob.as_str()).cloned(),
+                        read: read.get(knob).cloned(),
                         mismatch: r.mismatch.contains(knob),
                     };
                     (knob.clone(), reported)
@@ -566,10 +572,10 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
                 .collect()
         })
         .unwrap_or_default();
-    let learnt = next
-        .profile
-        .as_ref()
-        .and_then(|p| learnt_view(&p.status, &config));
+    let learnt = next.profile.as_ref().and_then(|p| {
+        let read = annotation.as_ref().map(|a| &a.read);
+        learnt_view(&p.status, &config, read.unwrap_or(&BTreeMap::new()))
+    });
     Explanation {
         pod: pod.metadata.name.clone().unwrap_or_default(),
         workload: None,
@@ -1076,16 +1082,26 @@ fn write_learnt(out: &mut impl Write, l: &LearntView) -> std::io::Result<()> {
         row(out, "-", "nothing")?;
     }
     for (knob, r) in &l.knobs {
-        let value = if r.reported.fract() == 0.0 && r.reported.abs() < 1e15 {
-            format!("{}", r.reported as i64)
-        } else {
-            r.reported.to_string()
+        // A flag is reported as 0 or 1: shown as admission writes it.
+        let value = match (knob.as_str(), r.reported) {
+            ("grad-checkpointing", v) if v == 0.0 || v == 1.0 => (v == 1.0).to_string(),
+            (_, v) if v.fract() == 0.0 && v.abs() < 1e15 => format!("{}", v as i64),
+            (_, v) => v.to_string(),
         };
-        let beside = match (&r.admitted, r.mismatch) {
-            (Some(a), true) => format!("  (admission: {a}; mismatch)"),
-            (None, true) => "  (mismatch)".to_string(),
-            (Some(a), false) => format!("  (admission: {a})"),
-            (None, false) => String::new(),
+        let mut beside: Vec<String> = Vec::new();
+        if let Some(a) = &r.admitted {
+            beside.push(format!("admission: {a}"));
+        }
+        if let Some(read) = r.read.as_ref().filter(|v| Some(*v) != r.admitted.as_ref()) {
+            beside.push(format!("read {read}"));
+        }
+        if r.mismatch {
+            beside.push("mismatch".into());
+        }
+        let beside = if beside.is_empty() {
+            String::new()
+        } else {
+            format!("  ({})", beside.join("; "))
         };
         row(out, knob, &format!("{value}{beside}"))?;
     }

@@ -665,9 +665,9 @@ fn explain_shows_the_trainers_report_beside_admission_and_the_kill_phases() {
     let admitted = admit(d, POD, None);
     let oom = json!({"exitCode": 137, "reason": "OOMKilled", "finishedAt": "2026-11-23T22:10:00Z"});
     let summary = json!({"version": 1, "downgrades": 0, "oom_events": 1, "max_level": "critical",
-        "batch_size": 16, "grad_accumulation": 1, "exit_reason": "trainer-exited",
+        "batch_size": 8, "grad_accumulation": 2, "exit_reason": "trainer-exited",
         "oom_kill_phase": "save",
-        "trainer_config": {"batch-size": 16.0, "seq-length": 4096.0, "grad-checkpointing": 1.0,
+        "trainer_config": {"batch-size": 8.0, "seq-length": 4096.0, "grad-checkpointing": 1.0,
                            "params": 8.03e9},
         "config_mismatch": ["seq-length"]});
     let dead = finished(admitted, oom, summary, "Failed");
@@ -689,6 +689,8 @@ fn explain_shows_the_trainers_report_beside_admission_and_the_kill_phases() {
     assert_eq!(e["next"]["config"]["seqLength"], 4096, "{}", e["next"]);
 
     let table = explain(d, &dead, "table");
+    // For a person: `cargo test -p memguard --test explain trainers_report -- --nocapture`.
+    eprintln!("{table}");
     assert!(
         table.contains("trainer reported (pod finetune-0, at train start)"),
         "{table}"
@@ -697,6 +699,7 @@ fn explain_shows_the_trainers_report_beside_admission_and_the_kill_phases() {
         table.contains("seq-length") && table.contains("4096  (admission: 2048; mismatch)"),
         "{table}"
     );
+    assert!(table.contains("true  (admission: true)"), "{table}");
     assert!(
         table.contains("load 0, step 0, save 1 (last in save)"),
         "{table}"
