@@ -29,6 +29,10 @@ pub const VERSION: &str = "v1alpha1";
 pub const MAX_RUNS: usize = 20;
 /// Most events kept in [`MemoryProfileStatus::oom_events`]; older events are dropped first.
 pub const MAX_OOM_EVENTS: usize = 10;
+/// Most knobs kept of a trainer's report ([`TrainerReport::config`]), and of its mismatches.
+pub const MAX_REPORTED_KNOBS: usize = 32;
+/// Longest knob name kept of a trainer's report.
+pub const MAX_KNOB_NAME_LEN: usize = 63;
 /// Runs with a measured peak needed before a correction factor is published.
 pub const MIN_RUNS_FOR_FACTOR: usize = memguard_estimator::calibration::MIN_RUNS;
 /// The first line of every generated CRD file.
@@ -224,10 +228,74 @@ pub struct MemoryProfileStatus {
     /// the smallest config tried; cleared by a successful run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verdict: Option<String>,
+    /// The config the trainer reported at train start in the latest run that reported one,
+    /// and where admission believed otherwise. The next admission plans on it where it could
+    /// not read a knob (issue 37).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trainer_report: Option<TrainerReport>,
+    /// OOM kills counted per phase the trainer was in when killed (`load`, `step`, `save`),
+    /// as the sidecar recorded it; kills without a phase are not counted here.
+    #[serde(default, skip_serializing_if = "OomKillPhases::is_empty")]
+    pub oom_kill_phases: OomKillPhases,
 }
 
 fn is_zero(n: &u32) -> bool {
     *n == 0
+}
+
+/// What the trainer reported of its own config at train start (the injected client reads it
+/// from the objects in memory: `TrainingArguments`, the model, the world size).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TrainerReport {
+    /// The pod whose run reported it.
+    pub pod: String,
+    /// That pod's UID.
+    pub uid: String,
+    /// When that run's trainer finished.
+    pub finished_at: Time,
+    /// Knob → value as reported (`batch-size`, `seq-length`, `grad-checkpointing` as 0 or 1,
+    /// `world-size`, `params`, …; at most 32 knobs).
+    #[serde(default)]
+    #[schemars(extend("maxProperties" = 32))]
+    pub config: std::collections::BTreeMap<String, f64>,
+    /// The knobs where admission believed another value than the trainer ran (at most 32).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32), inner(length(max = 63)))]
+    pub mismatch: Vec<String>,
+}
+
+/// OOM kills per phase of the run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct OomKillPhases {
+    /// Killed while loading the model and data.
+    #[serde(default)]
+    pub load: u64,
+    /// Killed while stepping.
+    #[serde(default)]
+    pub step: u64,
+    /// Killed while saving a checkpoint.
+    #[serde(default)]
+    pub save: u64,
+}
+
+impl OomKillPhases {
+    /// Whether no kill was counted.
+    pub fn is_empty(&self) -> bool {
+        self.load == 0 && self.step == 0 && self.save == 0
+    }
+
+    /// Counts one kill in `phase`.
+    pub fn count(&mut self, phase: crate::phase::TrainerPhase) {
+        use crate::phase::TrainerPhase;
+        let n = match phase {
+            TrainerPhase::Load => &mut self.load,
+            TrainerPhase::Step => &mut self.step,
+            TrainerPhase::Save => &mut self.save,
+        };
+        *n = n.saturating_add(1);
+    }
 }
 
 /// One finished pod.
@@ -264,6 +332,10 @@ pub struct OomEvent {
     /// The training knobs the pod ran with.
     #[serde(default)]
     pub config: TrainingKnobs,
+    /// The phase the trainer was in when killed (`load`, `step`, `save`), when the sidecar
+    /// recorded one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<crate::phase::TrainerPhase>,
 }
 
 /// Values of the knobs a downgrade plan may change. Absent means "not set / unchanged".
@@ -371,6 +443,47 @@ impl MemoryProfileStatus {
             let excess = self.oom_events.len() - MAX_OOM_EVENTS;
             self.oom_events.drain(..excess);
         }
+    }
+
+    /// Keeps `report` as the trainer's latest unless the one held came from a run that finished
+    /// later (a replay of an older pod never overwrites a newer report). Knobs with a name
+    /// longer than [`MAX_KNOB_NAME_LEN`] or a value that is not finite are dropped, and at most
+    /// [`MAX_REPORTED_KNOBS`] of each list are kept, so the status stays bounded whatever a
+    /// client sends. Returns whether it was kept.
+    pub fn record_trainer_report(&mut self, mut report: TrainerReport) -> bool {
+        if self
+            .trainer_report
+            .as_ref()
+            .is_some_and(|held| held.finished_at.0 > report.finished_at.0)
+        {
+            return false;
+        }
+        report.config = report
+            .config
+            .into_iter()
+            .filter(|(k, v)| !k.is_empty() && k.len() <= MAX_KNOB_NAME_LEN && v.is_finite())
+            .take(MAX_REPORTED_KNOBS)
+            .collect();
+        report
+            .mismatch
+            .retain(|k| !k.is_empty() && k.len() <= MAX_KNOB_NAME_LEN);
+        report.mismatch.sort();
+        report.mismatch.dedup();
+        report.mismatch.truncate(MAX_REPORTED_KNOBS);
+        if report.config.is_empty() && report.mismatch.is_empty() {
+            return false;
+        }
+        self.trainer_report = Some(report);
+        true
+    }
+
+    /// The phase of the newest OOM kill, when it has one: what the next admission's host plan
+    /// accounts for.
+    pub fn last_kill_phase(&self) -> Option<crate::phase::TrainerPhase> {
+        self.oom_events
+            .iter()
+            .max_by_key(|e| e.at.0)
+            .and_then(|e| e.phase)
     }
 
     /// The calibration the webhook applies: [`Calibration::from_runs`] over `runs` (see
@@ -525,6 +638,7 @@ mod tests {
                 at: t0.clone(),
                 reason: "OOMKilled".into(),
                 config: TrainingKnobs::default(),
+                phase: None,
             });
         }
         assert_eq!(status.oom_events.len(), MAX_OOM_EVENTS);

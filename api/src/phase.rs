@@ -7,6 +7,7 @@ use std::fmt;
 
 /// Where the trainer is in its run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum TrainerPhase {
     /// From the client's attach until training begins: model and data loading.

@@ -151,6 +151,11 @@ pub struct TrainingPod<'a> {
     /// script's absent flags), each with what to add ([`unknown_knobs`]). Never written;
     /// [`guessed`](Self::guessed) says which of them leave the plan a guess.
     pub unknown: BTreeMap<Knob, String>,
+    /// Knobs admission could not read that it plans on the value the trainer reported in a
+    /// past run of the same profile, each with that provenance (`profile:trainer-report`).
+    /// Empty from [`resolve`](Self::resolve): the decision stage fills it
+    /// (`memguard_decide::reported`). Never written into the trainer's launch.
+    pub reported: BTreeMap<Knob, String>,
 }
 
 /// The trainer of `pod` ([`pick_trainer`] over its containers and `memguard.io/container`),
@@ -503,6 +508,7 @@ impl<'a> TrainingPod<'a> {
             read_from_file: BTreeMap::new(),
             gpu_nodes: gpu_nodes(pod, cluster),
             unknown: BTreeMap::new(),
+            reported: BTreeMap::new(),
         })
     }
 

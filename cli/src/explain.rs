@@ -129,6 +129,77 @@ pub struct Explanation {
     restarts: i32,
     /// What the Job's next pod will get.
     next: NextView,
+    /// What the profile (after this pod) holds of the trainer's own report at train start,
+    /// beside what admission gave this pod, and the phases its OOM kills came in.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    learnt: Option<LearntView>,
+}
+
+/// The profile's truth from inside the trainer, beside admission's belief.
+#[derive(Debug, Serialize)]
+struct LearntView {
+    /// The pod whose run reported it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reported_by: Option<String>,
+    /// Each knob the trainer reported, with admission's value for this pod.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    knobs: BTreeMap<String, ReportedKnob>,
+    /// OOM kills per phase (`load`, `step`, `save`).
+    kill_phases: memguard_api::crd::OomKillPhases,
+    /// The phase of the newest OOM kill, what the next admission's host plan accounts for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    last_kill_phase: Option<memguard_api::phase::TrainerPhase>,
+}
+
+#[derive(Debug, Serialize)]
+struct ReportedKnob {
+    /// The trainer's value.
+    reported: f64,
+    /// What admission gave this pod; absent when it is not one of admission's knobs
+    /// (`params`) or admission did not read it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    admitted: Option<String>,
+    /// What admission read in the trainer's own config, before it planned (absent when the
+    /// knob came from annotations or defaults).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    read: Option<String>,
+    /// The sidecar flagged it: admission believed otherwise than the trainer ran.
+    mismatch: bool,
+}
+
+/// [`LearntView`] of `status`, beside the knobs admission gave the pod (`config`); `None`
+/// when the profile holds neither a report nor a kill phase.
+fn learnt_view(
+    status: &MemoryProfileStatus,
+    config: &BTreeMap<&'static str, String>,
+    read: &BTreeMap<String, String>,
+) -> Option<LearntView> {
+    let report = status.trainer_report.as_ref();
+    if report.is_none() && status.oom_kill_phases.is_empty() {
+        return None;
+    }
+    let knobs = report
+        .map(|r| {
+            r.config
+                .iter()
+                .map(|(knob, value)| {
+                    let reported = ReportedKnob {
+                        reported: *value,
+                        admitted: config.get(knob.as_str()).cloned(),
+                        read: read.get(knob).cloned(),
+                        mismatch: r.mismatch.contains(knob),
+                    };
+                    (knob.clone(), reported)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Some(LearntView {
+        reported_by: report.map(|r| r.pod.clone()),
+        knobs,
+        kill_phases: status.oom_kill_phases,
+        last_kill_phase: status.last_kill_phase(),
+    })
 }
 
 #[derive(Debug, Serialize)]
@@ -491,6 +562,20 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
         .unwrap_or_default();
 
     let next = next_view(pod, ran.as_ref(), ctx);
+    // The knobs the trainer was given, named as the annotations and env-map name them.
+    let config: BTreeMap<&'static str, String> = ran
+        .as_ref()
+        .map(|c| {
+            Knob::of(c)
+                .into_iter()
+                .map(|k| (k.name(), k.value(c)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let learnt = next.profile.as_ref().and_then(|p| {
+        let read = annotation.as_ref().map(|a| &a.read);
+        learnt_view(&p.status, &config, read.unwrap_or(&BTreeMap::new()))
+    });
     Explanation {
         pod: pod.metadata.name.clone().unwrap_or_default(),
         workload: None,
@@ -510,16 +595,7 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
             .map(|a| a.changed.clone())
             .unwrap_or_default(),
         args: annotation.as_ref().and_then(|a| a.args.clone()),
-        // The knobs the trainer was given, named as the annotations and env-map name them.
-        config: ran
-            .as_ref()
-            .map(|c| {
-                Knob::of(c)
-                    .into_iter()
-                    .map(|k| (k.name(), k.value(c)))
-                    .collect()
-            })
-            .unwrap_or_default(),
+        config,
         estimate: estimate_view,
         budget,
         host: annotation.as_ref().and_then(|a| a.host.clone()),
@@ -531,6 +607,7 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
         ooms,
         restarts: status.as_ref().map_or(0, |s| s.restart_count),
         next,
+        learnt,
     }
 }
 
@@ -988,5 +1065,50 @@ fn write_table(out: &mut impl Write, e: &Explanation) -> std::io::Result<()> {
             row(out, "verdict", v)?;
         }
     }
+    if let Some(l) = &e.learnt {
+        write_learnt(out, l)?;
+    }
     Ok(())
+}
+
+/// The trainer's report beside admission's values, and the kill phases.
+fn write_learnt(out: &mut impl Write, l: &LearntView) -> std::io::Result<()> {
+    let row = |out: &mut dyn Write, k: &str, v: &str| writeln!(out, "  {k:<22} {v}");
+    match &l.reported_by {
+        Some(pod) => writeln!(out, "trainer reported (pod {pod}, at train start)")?,
+        None => writeln!(out, "trainer reported")?,
+    }
+    if l.knobs.is_empty() {
+        row(out, "-", "nothing")?;
+    }
+    for (knob, r) in &l.knobs {
+        // A flag is reported as 0 or 1: shown as admission writes it.
+        let value = match (knob.as_str(), r.reported) {
+            ("grad-checkpointing", v) if v == 0.0 || v == 1.0 => (v == 1.0).to_string(),
+            (_, v) if v.fract() == 0.0 && v.abs() < 1e15 => format!("{}", v as i64),
+            (_, v) => v.to_string(),
+        };
+        let mut beside: Vec<String> = Vec::new();
+        if let Some(a) = &r.admitted {
+            beside.push(format!("admission: {a}"));
+        }
+        if let Some(read) = r.read.as_ref().filter(|v| Some(*v) != r.admitted.as_ref()) {
+            beside.push(format!("read {read}"));
+        }
+        if r.mismatch {
+            beside.push("mismatch".into());
+        }
+        let beside = if beside.is_empty() {
+            String::new()
+        } else {
+            format!("  ({})", beside.join("; "))
+        };
+        row(out, knob, &format!("{value}{beside}"))?;
+    }
+    let p = &l.kill_phases;
+    let mut kills = format!("load {}, step {}, save {}", p.load, p.step, p.save);
+    if let Some(last) = l.last_kill_phase {
+        kills.push_str(&format!(" (last in {last})"));
+    }
+    row(out, "oom kills by phase", &kills)
 }

@@ -654,3 +654,54 @@ fn explain_takes_the_workloads_mutate_takes_with_their_config_maps_and_nodes() {
         "{table}"
     );
 }
+
+/// Issue 37 item 4 and issue 39: `explain` shows the config the trainer reported at train start
+/// beside what admission gave it, the knobs that differed, and the phases of the kills; the
+/// next pod is planned on the report.
+#[test]
+fn explain_shows_the_trainers_report_beside_admission_and_the_kill_phases() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let admitted = admit(d, POD, None);
+    let oom = json!({"exitCode": 137, "reason": "OOMKilled", "finishedAt": "2026-11-23T22:10:00Z"});
+    let summary = json!({"version": 1, "downgrades": 0, "oom_events": 1, "max_level": "critical",
+        "batch_size": 8, "grad_accumulation": 2, "exit_reason": "trainer-exited",
+        "oom_kill_phase": "save",
+        "trainer_config": {"batch-size": 8.0, "seq-length": 4096.0, "grad-checkpointing": 1.0,
+                           "params": 8.03e9},
+        "config_mismatch": ["seq-length"]});
+    let dead = finished(admitted, oom, summary, "Failed");
+    let e = explain_json(d, &dead, &[]);
+    let learnt = &e["learnt"];
+    assert_eq!(learnt["reported_by"], "finetune-0", "{e}");
+    assert_eq!(learnt["knobs"]["seq-length"]["reported"], 4096.0);
+    assert_eq!(learnt["knobs"]["seq-length"]["admitted"], "2048");
+    assert_eq!(learnt["knobs"]["seq-length"]["mismatch"], true);
+    assert_eq!(learnt["knobs"]["batch-size"]["mismatch"], false);
+    assert!(learnt["knobs"]["params"]["admitted"].is_null());
+    assert_eq!(learnt["kill_phases"]["save"], 1);
+    assert_eq!(learnt["last_kill_phase"], "save");
+    // The profile after this pod holds it, as the controller writes it.
+    let status = &e["next"]["profile"]["status"];
+    assert_eq!(status["trainerReport"]["mismatch"], json!(["seq-length"]));
+    assert_eq!(status["oomKillPhases"]["save"], 1);
+    // The next pod of the Job is planned on what the trainer ran, not on what it was told.
+    assert_eq!(e["next"]["config"]["seqLength"], 4096, "{}", e["next"]);
+
+    let table = explain(d, &dead, "table");
+    // For a person: `cargo test -p memguard --test explain trainers_report -- --nocapture`.
+    eprintln!("{table}");
+    assert!(
+        table.contains("trainer reported (pod finetune-0, at train start)"),
+        "{table}"
+    );
+    assert!(
+        table.contains("seq-length") && table.contains("4096  (admission: 2048; mismatch)"),
+        "{table}"
+    );
+    assert!(table.contains("true  (admission: true)"), "{table}");
+    assert!(
+        table.contains("load 0, step 0, save 1 (last in save)"),
+        "{table}"
+    );
+}

@@ -1,7 +1,8 @@
 //! What a profile changes at admission. Pure: the webhook calls these with a profile from its
 //! watch cache, and `memguard mutate --profile` with one from a file.
 
-use memguard_api::crd::{MemoryProfileStatus, Recovery};
+use memguard_api::crd::{MemoryProfileStatus, Recovery, TrainerReport};
+use memguard_api::phase::TrainerPhase;
 use memguard_estimator::calibration::{FACTOR_RANGE, MIN_RUNS};
 use memguard_estimator::{Calibration, Floors, GradSync, TrainingConfig};
 
@@ -18,6 +19,13 @@ pub struct Adjustments {
     /// The profile's `cannot fit: …` verdict (OOM recoveries exhausted, or every knob at its
     /// floor): the pod is admitted at the smallest config tried, with this as its error.
     pub verdict: Option<String>,
+    /// What the trainer of the latest run reported of its config at train start: admission
+    /// plans on it where it could not read a knob, or read another value
+    /// ([`crate::reported`]).
+    pub trainer_report: Option<TrainerReport>,
+    /// The phase of the newest OOM kill, when it has one: the host plan accounts for a kill
+    /// at `load` or `save` ([`crate::host::after_kill`]).
+    pub last_kill_phase: Option<TrainerPhase>,
 }
 
 impl Adjustments {
@@ -75,6 +83,8 @@ pub fn adjustments(status: &MemoryProfileStatus) -> Adjustments {
         ),
         recovery: status.recovery.clone(),
         verdict: status.verdict.clone(),
+        trainer_report: status.trainer_report.clone(),
+        last_kill_phase: status.last_kill_phase(),
     }
 }
 
@@ -234,9 +244,8 @@ mod tests {
         for (name, calibration, factor, want) in table {
             let adj = Adjustments {
                 calibration,
-                learned_bound: None,
                 recovery: factor.map(|f| recovery(TrainingKnobs::default(), Some(f))),
-                verdict: None,
+                ..Adjustments::default()
             };
             let eff = adj.effective_calibration();
             assert!((eff.factor - want).abs() < 1e-9, "{name}: {eff:?}");

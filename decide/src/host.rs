@@ -11,6 +11,7 @@
 //! knobs whose value was read and whose flag the parser accepts; none changes the batch.
 
 use memguard_api::TrainingPod;
+use memguard_api::phase::TrainerPhase;
 use memguard_api::pod::{HOST_FLAGS, HostKnob, HostKnobs};
 use memguard_estimator::{
     Bytes, Component, Device, HostConfig, HostEstimate, Method, Offload, Optimizer, Precision,
@@ -119,6 +120,9 @@ pub struct HostPlan {
     pub verdict: Option<String>,
     /// What the admission should say (no limit; the unknowns decide; the rewrites).
     pub warning: Option<String>,
+    /// What the plan did about the profile's last OOM kill, when it came at `load` or `save`
+    /// ([`plan_host_after`]).
+    pub after_kill: Option<String>,
 }
 
 /// Every host config `knobs` allows over `base`: each read knob at its value, each unknown
@@ -204,6 +208,17 @@ pub fn plan_host(
     planned: &TrainingConfig,
     knobs: &HostKnobs,
 ) -> Option<HostPlan> {
+    plan_host_after(training, planned, knobs, None)
+}
+
+/// [`plan_host`], accounting for the profile's last OOM kill when it came in `last_kill`
+/// ([`plan_after_kill`]).
+pub fn plan_host_after(
+    training: &TrainingPod,
+    planned: &TrainingConfig,
+    knobs: &HostKnobs,
+    last_kill: Option<TrainerPhase>,
+) -> Option<HostPlan> {
     if !applies(training.config.device) {
         return None;
     }
@@ -212,7 +227,84 @@ pub fn plan_host(
         n => n,
     };
     let base = training_host_config(planned, ranks);
-    Some(plan_against(base, knobs, training.memory_limit))
+    Some(plan_after_kill(
+        base,
+        knobs,
+        training.memory_limit,
+        last_kill,
+    ))
+}
+
+/// The host plan when the profile's last OOM kill came in `phase` (issue 39): a kill proves
+/// the host figure wrong for that phase, whatever the estimate said.
+///
+/// - `save`: the save is cut even when the estimate said it fit: a launch whose checkpoints
+///   carry the optimizer (`--save_only_model` read as false, and writable) gets model-only
+///   checkpoints, the cheapest cut of the save spike; a launch that cannot be rewritten so is
+///   told to raise its limit.
+/// - `load`: no rewrite of the load is planned (the dtype and low-memory options are not
+///   rewritten), so the plan claims no host verdict (`fits` is `null`) and says what to raise.
+/// - `step`, or no phase: the GPU plan and the recovery answer it; the host plan is unchanged.
+pub fn plan_after_kill(
+    base: HostConfig,
+    knobs: &HostKnobs,
+    limit: Option<Bytes>,
+    phase: Option<TrainerPhase>,
+) -> HostPlan {
+    let limit_said = limit.map_or_else(
+        || "no limits.memory".to_string(),
+        |l| format!("limits.memory {l}"),
+    );
+    match phase {
+        Some(TrainerPhase::Save) => {
+            let plan = plan_against(base.clone(), knobs, limit);
+            if plan.rewrites.iter().any(|r| r.knob == HostKnob::Save) {
+                return HostPlan {
+                    after_kill: Some(format!(
+                        "memguard: last OOM kill was while saving: checkpoints made model-only \
+                         ({limit_said})"
+                    )),
+                    ..plan
+                };
+            }
+            let Some(step) = candidates(knobs)
+                .into_iter()
+                .find(|s| s.rewrite.knob == HostKnob::Save)
+            else {
+                return HostPlan {
+                    after_kill: Some(format!(
+                        "memguard: last OOM kill was while saving, and the save cannot be \
+                         rewritten: raise {limit_said} (save {})",
+                        plan.estimate.save
+                    )),
+                    ..plan
+                };
+            };
+            let mut cut = knobs.clone();
+            step.apply(&mut cut);
+            let mut plan = plan_against(base, &cut, limit);
+            plan.after_kill = Some(format!(
+                "memguard: last OOM kill was while saving: --{} {}→{} (model-only \
+                 checkpoints, save {})",
+                step.rewrite.flag, step.rewrite.from, step.rewrite.to, plan.estimate.save
+            ));
+            plan.rewrites.insert(0, step.rewrite);
+            plan
+        }
+        Some(TrainerPhase::Load) => {
+            let mut plan = plan_against(base, knobs, limit);
+            if plan.fits == Some(true) {
+                plan.fits = None;
+            }
+            plan.after_kill = Some(format!(
+                "memguard: last OOM kill was while loading: it needs more than {limit_said} \
+                 (estimated {}); no host verdict",
+                plan.estimate.load
+            ));
+            plan
+        }
+        Some(TrainerPhase::Step) | None => plan_against(base, knobs, limit),
+    }
 }
 
 /// The host plan of `base` with `knobs` against `limit` ([`plan_host`] once the pod is read).
@@ -244,6 +336,7 @@ pub fn plan_against(base: HostConfig, knobs: &HostKnobs, limit: Option<Bytes>) -
         unknown,
         verdict: None,
         warning: None,
+        after_kill: None,
     };
     let figure = |least: Bytes, most: Option<Bytes>, unknowns: bool| match (most, unknowns) {
         (_, false) => least.to_string(),
@@ -620,6 +713,65 @@ mod tests {
             .into(),
         };
         (base, knobs)
+    }
+
+    /// A kill at save cuts the save even where the estimate said the pod fits; a kill at load
+    /// withdraws the host verdict; a kill at step, or none, changes nothing (issue 39).
+    #[test]
+    fn the_last_kill_phase_moves_the_host_plan() {
+        let (base, knobs) = busy();
+        let roomy = Some(Bytes(2048 * GIB));
+        let fits = plan_against(base.clone(), &knobs, roomy);
+        assert_eq!(fits.fits, Some(true));
+        assert!(fits.rewrites.is_empty());
+
+        let saved = plan_after_kill(base.clone(), &knobs, roomy, Some(TrainerPhase::Save));
+        assert_eq!(saved.rewrites.len(), 1, "{:?}", saved.rewrites);
+        assert_eq!(saved.rewrites[0].knob, HostKnob::Save);
+        assert_eq!(saved.rewrites[0].to, "true");
+        assert!(
+            saved.estimate.save < fits.estimate.save,
+            "the save spike is cut"
+        );
+        let said = saved.after_kill.as_deref().unwrap_or_default();
+        assert!(
+            said.contains("while saving") && said.contains("save_only_model"),
+            "{said}"
+        );
+
+        let loaded = plan_after_kill(base.clone(), &knobs, roomy, Some(TrainerPhase::Load));
+        assert_eq!(
+            loaded.fits, None,
+            "the kill contradicts the estimate's verdict"
+        );
+        assert!(loaded.rewrites.is_empty());
+        assert!(
+            loaded
+                .after_kill
+                .as_deref()
+                .unwrap_or_default()
+                .contains("while loading"),
+            "{:?}",
+            loaded.after_kill
+        );
+
+        for phase in [Some(TrainerPhase::Step), None] {
+            assert_eq!(plan_after_kill(base.clone(), &knobs, roomy, phase), fits);
+        }
+
+        // A save that cannot be rewritten (model-only already): said, nothing written.
+        let mut model_only = knobs.clone();
+        model_only.save = read(SaveMode::ModelOnlyFull, "args");
+        let kept = plan_after_kill(base, &model_only, roomy, Some(TrainerPhase::Save));
+        assert!(kept.rewrites.is_empty());
+        assert!(
+            kept.after_kill
+                .as_deref()
+                .unwrap_or_default()
+                .contains("cannot be rewritten"),
+            "{:?}",
+            kept.after_kill
+        );
     }
 
     /// The peak with every rewrite applied: pinning off, no workers, a model-only save.

@@ -9,6 +9,7 @@
 //! - [`key`]: the profile key of a pod and the object name it maps to; the controller learns
 //!   under it and admission reads it.
 //! - [`adjust`]: a profile → the [`Adjustments`] admission applies.
+//! - [`reported`]: the pod as admission plans it on what its trainer reported in a past run.
 //! - `testutil` (feature `testutil`): pod builders for tests, here and in `memguard-learn`.
 #![deny(missing_docs)]
 
@@ -18,6 +19,7 @@ pub mod decision;
 pub mod host;
 pub mod key;
 pub mod placement;
+pub mod reported;
 pub mod warnings;
 
 #[cfg(any(test, feature = "testutil"))]

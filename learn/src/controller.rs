@@ -15,6 +15,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
+use memguard_api::cluster::{ConfigMaps, NodeLabels};
 use memguard_api::crd::MemoryProfile;
 use memguard_api::dra::DraCatalog;
 use memguard_api::wellknown;
@@ -117,6 +118,30 @@ pub enum Recorded {
     Skipped(NotObserved),
 }
 
+/// The cluster objects a pod's reading looks up, the same admission reads (the webhook's watch
+/// caches): a pod whose model or config comes from a ConfigMap-mounted file, or whose device
+/// comes from its DRA claims, is keyed by the controller as admission keyed it.
+#[derive(Clone, Default)]
+pub struct ClusterObjects {
+    /// DRA claims, templates, classes and slices.
+    pub dra: Option<Arc<dyn DraCatalog>>,
+    /// The ConfigMaps trainers' config files are mounted from.
+    pub config_maps: Option<Arc<dyn ConfigMaps>>,
+    /// The nodes' labels.
+    pub nodes: Option<Arc<dyn NodeLabels>>,
+}
+
+impl ClusterObjects {
+    /// Everything a pod's reading looks up, borrowed.
+    pub fn cluster(&self) -> Cluster<'_> {
+        Cluster {
+            dra: self.dra.as_deref(),
+            config_maps: self.config_maps.as_deref(),
+            nodes: self.nodes.as_deref(),
+        }
+    }
+}
+
 /// Records finished pods into profiles.
 #[derive(Clone)]
 pub struct Recorder {
@@ -126,9 +151,9 @@ pub struct Recorder {
     pub max_attempts: u32,
     /// The policy in force: models, and OOM recoveries in a row before "cannot fit".
     policy: LivePolicy,
-    /// The DRA objects admission read: a pod known as a GPU pod only through its claims is
-    /// keyed as admission keyed it.
-    dra: Option<Arc<dyn DraCatalog>>,
+    /// The cluster objects admission reads (DRA, ConfigMaps, nodes): a pod is keyed as
+    /// admission keyed it.
+    cluster: ClusterObjects,
 }
 
 impl Recorder {
@@ -141,14 +166,20 @@ impl Recorder {
             metrics,
             max_attempts: 5,
             policy: Arc::new(move || default.clone()),
-            dra: None,
+            cluster: ClusterObjects::default(),
         }
     }
 
     /// The recorder reading DRA claims from `catalog` (the webhook's watch caches), as admission
     /// does.
     pub fn with_dra(mut self, catalog: Option<Arc<dyn DraCatalog>>) -> Self {
-        self.dra = catalog;
+        self.cluster.dra = catalog;
+        self
+    }
+
+    /// The recorder reading every cluster object admission reads from `objects`.
+    pub fn with_cluster(mut self, objects: ClusterObjects) -> Self {
+        self.cluster = objects;
         self
     }
 
@@ -162,7 +193,7 @@ impl Recorder {
     /// observation into the status, patch the status (retrying on conflicts).
     pub async fn record(&self, pod: &Pod) -> Result<Recorded, Error> {
         let policy = (self.policy)();
-        let obs = match try_observe(pod, &policy, Cluster::with_dra(self.dra.as_deref())) {
+        let obs = match try_observe(pod, &policy, self.cluster.cluster()) {
             Ok(obs) => obs,
             Err(why) => return Ok(Recorded::Skipped(why)),
         };
@@ -290,18 +321,18 @@ pub fn status_patch(resource_version: Option<&str>, old: &Value, new: &Value) ->
 }
 
 /// Runs the controller while `leader` is true: watches opted-in pods in every namespace and
-/// records the finished ones, under the `policy` in force at each pod (its models and OOM rules).
-/// Returns when `leader`'s sender is dropped.
+/// records the finished ones, under the `policy` in force at each pod (its models and OOM rules)
+/// and with the `cluster` objects admission reads. Returns when `leader`'s sender is dropped.
 pub async fn run(
     client: Client,
     metrics: Metrics,
     mut leader: watch::Receiver<bool>,
     policy: LivePolicy,
-    dra: Option<Arc<dyn DraCatalog>>,
+    cluster: ClusterObjects,
 ) {
     let recorder = Recorder::new(client.clone(), metrics.clone())
         .with_policy(policy.clone())
-        .with_dra(dra.clone());
+        .with_cluster(cluster.clone());
     let pods: Api<Pod> = Api::all(client);
     let selector = format!("{}={}", wellknown::ENABLED_LABEL, wellknown::ENABLED_VALUE);
     let mut seen: HashSet<(String, String)> = HashSet::new();
@@ -330,7 +361,7 @@ pub async fn run(
                 }
                 item = stream.next() => match item {
                     Some(Ok(pod)) => {
-                        let id = finished_id(&pod, &policy(), dra.as_deref());
+                        let id = finished_id(&pod, &policy(), cluster.cluster());
                         if id.as_ref().is_some_and(|id| seen.contains(id)) {
                             continue;
                         }
@@ -355,12 +386,8 @@ pub async fn run(
 
 /// `(uid, finishedAt)` of a pod whose run is fully recorded once handled (trainer and sidecar
 /// terminated, or the pod in a final phase); `None` for pods that may still change.
-fn finished_id(
-    pod: &Pod,
-    policy: &Policy,
-    dra: Option<&dyn DraCatalog>,
-) -> Option<(String, String)> {
-    let obs = try_observe(pod, policy, Cluster::with_dra(dra)).ok()?;
+fn finished_id(pod: &Pod, policy: &Policy, cluster: Cluster<'_>) -> Option<(String, String)> {
+    let obs = try_observe(pod, policy, cluster).ok()?;
     let final_phase = matches!(
         pod.status.as_ref().and_then(|s| s.phase.as_deref()),
         Some("Succeeded" | "Failed")

@@ -116,13 +116,29 @@ pub fn try_observe(
         .or_else(|| terminated.started_at.clone())
         .ok_or(NotObserved::NoFinishTime)?;
     let summary = sidecar_summary(pod, restarted)?;
-    let (annotation, estimate_problem) = estimate_annotation(pod);
+    let (annotation, mut estimate_problem) = estimate_annotation(pod);
     let knobs = knobs_ran(&training, terminated, summary.as_ref());
     let ran = knobs.apply_to(&key.config);
-    let estimate = annotation
+    let mut estimate = annotation
         .as_ref()
         .map(|a| a.uncalibrated)
         .filter(|b| b.0 > 0);
+    // The trainer ran another config than the one estimated (the sidecar's mismatch): its peak
+    // says nothing of the estimate's accuracy, so the run does not calibrate, and an OOM's
+    // recovery is not scaled by a factor against the wrong config.
+    if let Some(mismatch) = summary
+        .as_ref()
+        .map(|s| &s.config_mismatch)
+        .filter(|m| !m.is_empty())
+        && estimate.is_some()
+    {
+        estimate = None;
+        estimate_problem = Some(format!(
+            "the trainer ran another config than the estimate's ({} differed): the run does \
+             not calibrate",
+            mismatch.join(", ")
+        ));
+    }
     let gpu = key.spec.device_class == DeviceClass::Gpu;
     let measured_peak = summary
         .as_ref()
@@ -228,9 +244,31 @@ fn estimate_annotation(pod: &Pod) -> (Option<EstimateAnnotation>, Option<String>
 
 /// What the trainer ran with when it ended: its OOM record says (a run-time downgrade or an
 /// in-process recovery may have taken it below the env the webhook wrote); else, when the
-/// sidecar only grew it back, the summary's final knobs; else the env.
+/// sidecar only grew it back, the summary's final knobs; else what the trainer reported at
+/// train start (the config it really ran, issue 37), else the env.
 fn knobs_ran(
     training: &TrainingPod,
+    terminated: &ContainerStateTerminated,
+    summary: Option<&Summary>,
+) -> TrainingKnobs {
+    let mut knobs = TrainingKnobs::from_env(&training.trainer_env);
+    let reported = summary.map(|s| &s.trainer_config);
+    for (name, value) in reported.into_iter().flatten() {
+        if let Some(knob) =
+            memguard_api::Knob::parse(name).filter(|k| k.applies_to(&training.config))
+            && let Some(value) =
+                memguard_decide::reported::knob_value(knob, *value, &training.config)
+        {
+            knobs.set(knob, &value);
+        }
+    }
+    at_the_end(knobs, terminated, summary)
+}
+
+/// `knobs` with what changed during the run: the OOM record's, else the summary's when it only
+/// grew back.
+fn at_the_end(
+    mut knobs: TrainingKnobs,
     terminated: &ContainerStateTerminated,
     summary: Option<&Summary>,
 ) -> TrainingKnobs {
@@ -240,7 +278,6 @@ fn knobs_ran(
                 .and_then(|s| s.last_oom.clone())
                 .filter(|r| r.outcome == OomOutcome::Fatal)
         });
-    let mut knobs = TrainingKnobs::from_env(&training.trainer_env);
     if let Some(r) = &record {
         knobs.batch_size = Some(r.batch_size).filter(|b| *b > 0).or(knobs.batch_size);
         knobs.grad_accumulation = Some(r.grad_accumulation)

@@ -1,7 +1,9 @@
 //! Folding an [`Observation`] into a `MemoryProfile` status. Pure and idempotent.
 
 use crate::observe::Observation;
-use memguard_api::crd::{MemoryProfileStatus, OomEvent, ProfileRun, Recovery, TrainingKnobs};
+use memguard_api::crd::{
+    MemoryProfileStatus, OomEvent, ProfileRun, Recovery, TrainerReport, TrainingKnobs,
+};
 use memguard_api::policy::DEFAULT_MAX_OOM_RECOVERIES;
 use memguard_estimator::calibration::FACTOR_RANGE;
 use memguard_estimator::{Bytes, Calibration, Floors, Rung, TrainingConfig, best_step, estimate};
@@ -46,8 +48,10 @@ pub fn apply(status: &MemoryProfileStatus, obs: &Observation) -> MemoryProfileSt
 /// `status` unchanged, also once the run has left the bounded history (see
 /// [`MemoryProfileStatus::record_run`]): the controller may replay every pod after a restart.
 ///
-/// Every run is recorded with its (uncalibrated) estimate and measured peak; a run that ran out
-/// of memory also adds an [`OomEvent`], counts one more OOM in a row and, while fewer than
+/// Every run is recorded with its (uncalibrated) estimate and measured peak, and the config its
+/// trainer reported at train start (the latest run's is kept, see
+/// [`MemoryProfileStatus::record_trainer_report`]); a run that ran out of memory also adds an
+/// [`OomEvent`] with the phase it was killed in (counted in `oomKillPhases`), counts one more OOM in a row and, while fewer than
 /// `rules.max_recoveries` recoveries were made, sets the [`Recovery`] from [`recovery`]. Past
 /// that limit, or when every knob is already at its floor, the recovery stays where it is and
 /// the status carries a `cannot fit: …` verdict naming the smallest config tried. A later
@@ -75,12 +79,20 @@ pub fn apply_limited(
     if !recorded {
         return status.clone();
     }
+    if let Some(report) = trainer_report(obs) {
+        next.record_trainer_report(report);
+    }
     if let Some(reason) = &obs.oom {
+        let phase = obs.summary.as_ref().and_then(|s| s.oom_kill_phase);
+        if let Some(phase) = phase {
+            next.oom_kill_phases.count(phase);
+        }
         next.record_oom(OomEvent {
             pod: obs.pod.clone(),
             at: obs.finished_at.clone(),
             reason: reason.clone(),
             config: obs.knobs.clone(),
+            phase,
         });
         next.oom_recoveries = status.oom_recoveries.saturating_add(1);
         // The config that died is the smallest tried so far: every recovery starts below the
@@ -106,6 +118,22 @@ pub fn apply_limited(
         next.verdict = None;
     }
     next
+}
+
+/// What the trainer of `obs` reported of its config at train start, and where admission
+/// believed otherwise (the sidecar's summary); `None` when it reported nothing.
+fn trainer_report(obs: &Observation) -> Option<TrainerReport> {
+    let summary = obs.summary.as_ref()?;
+    if summary.trainer_config.is_empty() && summary.config_mismatch.is_empty() {
+        return None;
+    }
+    Some(TrainerReport {
+        pod: obs.pod.clone(),
+        uid: obs.uid.clone(),
+        finished_at: obs.finished_at.clone(),
+        config: summary.trainer_config.clone(),
+        mismatch: summary.config_mismatch.clone(),
+    })
 }
 
 /// The recovery after an OOM kill: start the next pod one step below the config that died (the

@@ -304,6 +304,20 @@ fn memory_profile_is_namespaced_with_status_subresource_and_useful_columns() {
     let status = &root["status"]["properties"];
     assert_eq!(status["runs"]["maxItems"], crd::MAX_RUNS);
     assert_eq!(status["oomEvents"]["maxItems"], crd::MAX_OOM_EVENTS);
+    // What a trainer reports is bounded whatever its client sends (issue 37).
+    let report = &status["trainerReport"]["properties"];
+    assert_eq!(report["config"]["maxProperties"], crd::MAX_REPORTED_KNOBS);
+    assert_eq!(report["mismatch"]["maxItems"], crd::MAX_REPORTED_KNOBS);
+    assert_eq!(
+        report["mismatch"]["items"]["maxLength"],
+        crd::MAX_KNOB_NAME_LEN
+    );
+    assert_eq!(
+        status["oomKillPhases"]["properties"]
+            .as_object()
+            .map(|p| p.keys().cloned().collect::<Vec<_>>()),
+        Some(vec!["load".into(), "save".into(), "step".into()])
+    );
     assert!(
         root["spec"]["description"]
             .as_str()

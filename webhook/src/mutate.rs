@@ -18,6 +18,7 @@ pub use memguard_decide::decision::{
     ALLOC_CONF, EXPANDABLE_SEGMENTS, expandable_segments, user_alloc_conf,
 };
 use memguard_decide::host::HostRewrite;
+use memguard_decide::{PodKey, reported};
 use memguard_estimator::TrainingConfig;
 
 pub use memguard_decide::warnings::{MAX_WARNING_CHARS, cannot_fit_warning, truncate};
@@ -93,28 +94,39 @@ fn guard(pod: &Pod, policy: &Policy, python: bool, why: String) -> Outcome {
 /// The decision: [`resolve`](TrainingPod::resolve) the pod (its DRA claims read from the
 /// profiles' catalog), run the budget stage every caller shares ([`decision::decide`]: key,
 /// budget, what past runs taught, placement, plan), [`render`] the result.
-fn decide(
-    training: &TrainingPod,
-    policy: &Policy,
-    profiles: &ClusterView,
-) -> Result<Mutation, String> {
-    let pod = training.pod;
+fn decide(read: &TrainingPod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation, String> {
+    let pod = read.pod;
+    // The profile is looked up once: the key depends on the model, method, precision and
+    // device, none of which the trainer's report changes.
+    let found = profiles.adjustments(pod.metadata.namespace.as_deref(), &PodKey::of(read));
+    let adjustments = |_: &PodKey| found.clone();
+    // What the trainer of a past run of this profile reported at train start: the pod is
+    // planned on it where admission could not read a knob or read another value
+    // ([`memguard_decide::reported`]); the launch is rewritten and rendered as read.
+    let on_report = found
+        .as_ref()
+        .and_then(|a| a.trainer_report.clone())
+        .map(|r| reported::on_report(read, &r))
+        .filter(reported::OnReport::changes_anything);
+    let (planning, training) = match &on_report {
+        Some(on) => (&on.planning, &on.admitted),
+        None => (read, read),
+    };
     // The plan moves only the knobs something applies ([`pinned_floors`]).
     let mut policy_in_play = policy.clone();
     let kept;
-    (policy_in_play.floors, kept) = pinned_floors(training, policy);
-    let adjustments = |key: &_| profiles.adjustments(pod.metadata.namespace.as_deref(), key);
-    let mut decided = decision::decide(training, &policy_in_play, adjustments)?;
+    (policy_in_play.floors, kept) = pinned_floors(planning, policy);
+    let mut decided = decision::decide(planning, &policy_in_play, adjustments)?;
     // A coupled setting (a DeepSpeed config) pins batch and accumulation: a plan that would
     // change them is made again with them where they are, and says why.
-    if let Some(why) = &training.coupled.batch_pinned
-        && changes_batch(&training.config, &decided.plan.config)
+    if let Some(why) = &planning.coupled.batch_pinned
+        && changes_batch(&planning.config, &decided.plan.config)
     {
-        policy_in_play.floors.batch_size = training.config.batch_size;
-        decided = decision::decide(training, &policy_in_play, adjustments)?;
+        policy_in_play.floors.batch_size = planning.config.batch_size;
+        decided = decision::decide(planning, &policy_in_play, adjustments)?;
         // A start below the config (a pending OOM recovery) still moves them: then nothing
         // is changed.
-        if changes_batch(&training.config, &decided.plan.config) {
+        if changes_batch(&planning.config, &decided.plan.config) {
             return Err(format!(
                 "batch and accumulation cannot be changed, and the plan needs them changed: {why}"
             ));
@@ -142,7 +154,12 @@ fn decide(
         } else {
             &decided.plan.config
         };
-        memguard_decide::host::plan_host(training, planned, &knobs)
+        memguard_decide::host::plan_host_after(
+            training,
+            planned,
+            &knobs,
+            decided.adjust.last_kill_phase,
+        )
     };
     let host_rewrites = host.as_ref().map_or(&[][..], |h| h.rewrites.as_slice());
     // A plan on a value nobody read is a guess: nothing of it is applied, the launch stays as
@@ -157,18 +174,22 @@ fn decide(
         plan.estimate = plan.initial.clone();
         (None, Vec::new())
     } else {
-        keeps_effective_batch(training, policy, &decided.plan.config)?;
-        rewrite_launch(
-            training,
-            &decided.plan.config,
-            host_rewrites,
-            &mut file_warnings,
-        )?
+        // A knob the trainer ran otherwise than its launch says is rewritten only where the
+        // plan moved it from what runs.
+        let target = match &on_report {
+            Some(on) => on.rewrite_target(&decided.plan.config),
+            None => decided.plan.config.clone(),
+        };
+        keeps_effective_batch(training, policy, &target)?;
+        rewrite_launch(training, &target, host_rewrites, &mut file_warnings)?
     };
     let quality_allowed =
         decision::floors(training.annotations.allow_quality, policy).allow_quality;
     let mut mutation = render(training, policy, decided);
     mutation.warnings.extend(file_warnings);
+    if let Some(on) = &on_report {
+        mutation.warnings.extend(on.warnings.iter().cloned());
+    }
     if quality_allowed && !kept.is_empty() {
         let names: Vec<&str> = kept.iter().map(|k| k.name()).collect();
         mutation.warnings.push(truncate(&format!(
@@ -208,6 +229,9 @@ fn decide(
         mutation
             .warnings
             .insert(0, truncate(&format!("memguard: {}", changed.join(", "))));
+    }
+    if let Some(note) = host.as_ref().and_then(|h| h.after_kill.as_ref()) {
+        mutation.warnings.push(truncate(note));
     }
     if let Some(host) = &host {
         // A pod without a limit is warned when its launch gave host knobs: one planned on

@@ -49,7 +49,7 @@ pub fn start(
     metrics: Metrics,
     options: ControllerOptions,
     policy: LivePolicy,
-    dra: Option<Arc<dyn memguard_api::dra::DraCatalog>>,
+    cluster: memguard_learn::controller::ClusterObjects,
 ) -> (ClusterView, KubeTasks) {
     let (reader, watch) = reflected(Api::<MemoryProfile>::all(client.clone()), |_| {});
     let reflector_task = drive(vec![watch], "MemoryProfile watch error");
@@ -70,7 +70,7 @@ pub fn start(
     // applies at once, and a pod's model resolves as it did at admission.
     let live: memguard_learn::controller::LivePolicy = Arc::new(move || policy.load_full());
     let controller_task = tokio::spawn(memguard_learn::controller::run(
-        client, metrics, leader_rx, live, dra,
+        client, metrics, leader_rx, live, cluster,
     ));
     (
         ClusterView::from_source(Arc::new(StoreSource(reader))),

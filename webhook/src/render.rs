@@ -261,6 +261,7 @@ pub(crate) fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap
     if training.sources.is_empty()
         && training.read_from_args.is_empty()
         && training.read_from_file.is_empty()
+        && training.reported.is_empty()
     {
         return setup.collect();
     }
@@ -271,6 +272,7 @@ pub(crate) fn knob_sources(training: &TrainingPod) -> std::collections::BTreeMap
             let source = match training.sources.get(&k) {
                 Some(read) => read.clone(),
                 None if training.annotations.knobs_given.contains(&k) => "annotation".into(),
+                None if let Some(reported) = training.reported.get(&k) => reported.clone(),
                 None if training.unknown.contains_key(&k) => "unknown".into(),
                 None => cited.map_or("default", |c| *c).into(),
             };

@@ -380,10 +380,34 @@ async fn connect(
         .unwrap_or_else(|| format!("memguard-webhook-{}", std::process::id()));
     tracing::info!(identity, lease_namespace, "profile controller enabled");
     let dra = (!args.no_dra).then(|| crate::watch::dra::start(client.clone()));
-    // The controller keys pods on the same DRA objects admission reads.
-    let catalog = dra
-        .as_ref()
-        .map(|(c, _)| c.clone() as Arc<dyn crate::dra::DraCatalog>);
+    let config_maps = if args.no_config_maps {
+        tracing::info!("--no-config-maps: trainers' config files in ConfigMaps are not read");
+        None
+    } else {
+        Some(crate::watch::cluster::start_config_maps(
+            client.clone(),
+            &args.config_map_namespaces,
+        ))
+    };
+    let nodes = if args.no_nodes {
+        tracing::info!("--no-nodes: unpinned GPU pods are planned against defaultGpuMemory");
+        None
+    } else {
+        Some(crate::watch::cluster::start_nodes(client.clone()))
+    };
+    // The controller keys pods on the same cluster objects admission reads (DRA, ConfigMaps,
+    // nodes): a pod whose config comes from a ConfigMap gets one key on both sides.
+    let objects = memguard_learn::controller::ClusterObjects {
+        dra: dra
+            .as_ref()
+            .map(|(c, _)| c.clone() as Arc<dyn crate::dra::DraCatalog>),
+        config_maps: config_maps
+            .as_ref()
+            .map(|(c, _)| c.clone() as Arc<dyn memguard_api::cluster::ConfigMaps>),
+        nodes: nodes
+            .as_ref()
+            .map(|(c, _)| c.clone() as Arc<dyn memguard_api::cluster::NodeLabels>),
+    };
     let (profiles, tasks) = crate::profiles::start(
         client.clone(),
         metrics,
@@ -393,7 +417,7 @@ async fn connect(
             lease_duration: Duration::from_secs(args.lease_seconds.max(3)),
         },
         policy,
-        catalog,
+        objects,
     );
     let (mut profiles, mut tasks) = match dra {
         Some((catalog, task)) => (
@@ -405,18 +429,11 @@ async fn connect(
             (profiles, tasks.with(policy_task))
         }
     };
-    if args.no_config_maps {
-        tracing::info!("--no-config-maps: trainers' config files in ConfigMaps are not read");
-    } else {
-        let (maps, task) =
-            crate::watch::cluster::start_config_maps(client.clone(), &args.config_map_namespaces);
+    if let Some((maps, task)) = config_maps {
         profiles = profiles.with_config_maps(maps);
         tasks = tasks.with(task);
     }
-    if args.no_nodes {
-        tracing::info!("--no-nodes: unpinned GPU pods are planned against defaultGpuMemory");
-    } else {
-        let (nodes, task) = crate::watch::cluster::start_nodes(client.clone());
+    if let Some((nodes, task)) = nodes {
         profiles = profiles.with_nodes(nodes);
         tasks = tasks.with(task);
     }

@@ -311,3 +311,117 @@ fn the_status_patch_nulls_fields_that_went_away() {
                "status": {"runs": [1], "runCount": 4, "medianCorrectionFactor": null}})
     );
 }
+
+/// An axolotl trainer with only the opt-in label: its model, method and knobs are in a file
+/// mounted from ConfigMap `axolotl` (the key comes from the ConfigMap, issue 37 item 4).
+fn config_map_pod(summary: &memguard_api::Summary) -> Pod {
+    let message = serde_json::to_string(summary).expect("summary");
+    serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "train", "namespace": "ml", "uid": "uid-train",
+                     "labels": {"memguard.io/enabled": "true"}},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [{
+                "name": "trainer",
+                "image": "ghcr.io/example/trainer:1",
+                "command": ["axolotl", "train", "/config/lora-8b.yml"],
+                "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                "volumeMounts": [{"name": "config", "mountPath": "/config"}]
+            }],
+            "volumes": [{"name": "config", "configMap": {"name": "axolotl"}}]
+        },
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [{"name": "trainer", "image": "", "imageID": "", "ready": false,
+                "restartCount": 0, "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled",
+                "finishedAt": "2026-01-01T00:01:40Z"}}}],
+            "initContainerStatuses": [{"name": memguard_api::wellknown::SIDECAR_CONTAINER,
+                "image": "", "imageID": "", "ready": false, "restartCount": 0,
+                "state": {"terminated": {"exitCode": 0, "reason": "Completed",
+                "finishedAt": "2026-01-01T00:01:41Z", "message": message}}}]
+        }
+    }))
+    .expect("a Pod")
+}
+
+fn axolotl_config_maps() -> Arc<dyn memguard_api::cluster::ConfigMaps> {
+    let text = "base_model: NousResearch/Meta-Llama-3-8B\nadapter: lora\nlora_r: 32\n\
+                sequence_len: 4096\nmicro_batch_size: 2\ngradient_accumulation_steps: 4\n";
+    Arc::new(memguard_api::cluster::ConfigMapList(
+        [(
+            ("ml".to_string(), "axolotl".to_string()),
+            [("lora-8b.yml".to_string(), text.to_string())].into(),
+        )]
+        .into(),
+    ))
+}
+
+/// The controller resolves a pod with the cluster view admission has, ConfigMaps included:
+/// a pod whose model is in a ConfigMap-mounted file gets the key admission gave it, and its
+/// run (the trainer's report, its mismatch, the phase of its kill) lands in that profile.
+#[tokio::test]
+async fn a_pod_configured_from_a_config_map_is_recorded_under_admissions_key() {
+    use memguard_api::phase::TrainerPhase;
+    let mut s = summary(None, Some(15 * GIB), Some(16 * GIB));
+    s.trainer_config = [("batch-size".into(), 2.0), ("seq-length".into(), 2048.0)].into();
+    s.config_mismatch = vec!["seq-length".into()];
+    s.oom_events = 1;
+    s.oom_kill_phase = Some(TrainerPhase::Save);
+    let pod = config_map_pod(&s);
+    let objects = ClusterObjects {
+        config_maps: Some(axolotl_config_maps()),
+        ..ClusterObjects::default()
+    };
+    // Admission's key: the same reading with the same objects.
+    let admitted =
+        memguard_decide::pod_key(&pod, &Policy::default(), objects.cluster()).expect("key");
+    assert_eq!(admitted.spec.model, "llama-3-8b");
+    assert_eq!(admitted.spec.method, "lora");
+    // Without the ConfigMaps the controller would have no key for it at all.
+    assert!(matches!(
+        crate::observe::try_observe(&pod, &Policy::default(), Cluster::default()),
+        Err(NotObserved::NoKey(_))
+    ));
+
+    let name = admitted.name.clone();
+    let item = format!("{PROFILES}/{name}");
+    let mut existing = MemoryProfile::new(&name, admitted.spec.clone());
+    existing.metadata.namespace = Some("ml".into());
+    existing.metadata.resource_version = Some("3".into());
+    let steps = vec![
+        step(
+            Method::GET,
+            &item,
+            StatusCode::OK,
+            serde_json::to_value(&existing).expect("json"),
+        ),
+        step(
+            Method::PATCH,
+            &format!("{item}/status"),
+            StatusCode::OK,
+            serde_json::to_value(&existing).expect("json"),
+        )
+        .body(|body| {
+            let status = &body["status"];
+            assert_eq!(status["trainerReport"]["pod"], "train");
+            assert_eq!(status["trainerReport"]["config"]["seq-length"], 2048.0);
+            assert_eq!(status["trainerReport"]["mismatch"], json!(["seq-length"]));
+            assert_eq!(status["oomKillPhases"]["save"], 1);
+            assert_eq!(status["oomEvents"][0]["phase"], "save");
+        }),
+    ];
+    let (client, handle) = client();
+    let verifier = tokio::spawn(verify(handle, steps));
+    let recorder = Recorder::new(client, Metrics::default()).with_cluster(objects);
+    let out = recorder.record(&pod).await.expect("recorded");
+    verifier.await.expect("scenario verified");
+    assert_eq!(
+        out,
+        Recorded::Updated {
+            profile: name,
+            oom: true
+        }
+    );
+}

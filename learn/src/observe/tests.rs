@@ -577,3 +577,48 @@ fn the_next_step_down_starts_from_the_config_the_oom_record_says_was_in_force() 
     assert_eq!(obs.knobs.batch_size, Some(16));
     assert_eq!(recovery.config.batch_size, Some(8));
 }
+
+/// The trainer reported at train start a config other than the one admission estimated: the
+/// run is learned as the config that ran (what an OOM recovery steps down from), and it does
+/// not calibrate the estimate of another config (issue 37, item 4).
+#[test]
+fn what_the_trainer_reported_is_the_config_that_ran() {
+    let mut s = summary(None, Some(15 * GIB), Some(16 * GIB));
+    s.trainer_config = [
+        ("seq-length".to_string(), 4096.0),
+        ("grad-checkpointing".to_string(), 0.0),
+        ("params".to_string(), 8.03e9),
+        // Not a count: ignored, the env's value stays.
+        ("batch-size".to_string(), 0.5),
+    ]
+    .into();
+    s.config_mismatch = vec!["seq-length".into(), "grad-checkpointing".into()];
+    let obs = try_observe(
+        &gpu_pod()
+            .trainer_terminated("Completed", 0, 100)
+            .native_sidecar_done(&s)
+            .build(),
+    )
+    .expect("observed");
+    assert_eq!(obs.ran.seq_length, 4096);
+    assert!(!obs.ran.grad_checkpointing);
+    assert_eq!(obs.ran.batch_size, 16);
+    assert_eq!(obs.knobs.seq_length, Some(4096));
+    assert_eq!(obs.estimate, None, "an estimate of another config");
+    let why = obs.estimate_problem.unwrap_or_default();
+    assert!(
+        why.contains("seq-length, grad-checkpointing differed"),
+        "{why}"
+    );
+
+    // Reported as admission believed: the run calibrates.
+    s.config_mismatch.clear();
+    let obs = try_observe(
+        &gpu_pod()
+            .trainer_terminated("Completed", 0, 100)
+            .native_sidecar_done(&s)
+            .build(),
+    )
+    .expect("observed");
+    assert_eq!(obs.estimate.map(|b| b.0), Some(12_000_000_000));
+}

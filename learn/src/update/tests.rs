@@ -19,6 +19,11 @@ const GIB: u64 = 1 << 30;
 
 /// A LoRA pod on one GPU that ran at batch 16 with checkpointing, estimated at 12 GiB.
 fn pod(name: &str, finished: i64) -> PodBuilder {
+    running_pod(name).trainer_terminated("Completed", 0, finished)
+}
+
+/// [`pod`] before its trainer terminated.
+fn running_pod(name: &str) -> PodBuilder {
     PodBuilder::trainer()
         .named(name, &format!("uid-{name}"))
         .annotate("model", "llama-3-8b")
@@ -29,7 +34,6 @@ fn pod(name: &str, finished: i64) -> PodBuilder {
         .env(env::BATCH_SIZE, "16")
         .env(env::GRAD_ACCUMULATION, "1")
         .env(env::GRAD_CHECKPOINTING, "true")
-        .trainer_terminated("Completed", 0, finished)
 }
 
 fn ok_run(name: &str, finished: i64, peak: u64) -> Observation {
@@ -445,4 +449,119 @@ fn an_fsdp_oom_kill_recovers_by_syncing_each_batch_and_the_next_pod_starts_so() 
         (Some(4), Some(2))
     );
     assert!(r.reason.contains("then batch 8 → 4"), "{}", r.reason);
+}
+
+/// A pod whose sidecar's summary carries the trainer's report at train start, and, when
+/// `killed_in` is set, an OOM kill in that phase.
+fn reported_run(
+    name: &str,
+    finished: i64,
+    config: &[(&str, f64)],
+    mismatch: &[&str],
+    killed_in: Option<memguard_api::phase::TrainerPhase>,
+) -> Observation {
+    let mut s = summary(None, Some(13 * GIB), Some(16 * GIB));
+    s.trainer_config = config.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+    s.config_mismatch = mismatch.iter().map(|k| k.to_string()).collect();
+    s.oom_kill_phase = killed_in;
+    let builder = if killed_in.is_some() {
+        s.oom_events = 1;
+        running_pod(name).trainer_terminated("Error", 137, finished)
+    } else {
+        pod(name, finished)
+    };
+    try_observe(&builder.native_sidecar_done(&s).build()).expect("observed")
+}
+
+#[test]
+fn the_profile_keeps_the_latest_trainer_report_and_its_mismatches() {
+    use memguard_api::phase::TrainerPhase;
+    let first = reported_run(
+        "a",
+        10,
+        &[
+            ("batch-size", 16.0),
+            ("seq-length", 1024.0),
+            ("grad-checkpointing", 1.0),
+            // A knob the sidecar's report may carry besides the first eight: kept too.
+            ("hidden-size", 4096.0),
+        ],
+        &["seq-length"],
+        None,
+    );
+    let status = apply(&MemoryProfileStatus::default(), &first);
+    let report = status.trainer_report.as_ref().expect("report kept");
+    assert_eq!((report.pod.as_str(), report.uid.as_str()), ("a", "uid-a"));
+    assert_eq!(report.finished_at, at(10));
+    assert_eq!(report.config["seq-length"], 1024.0);
+    assert_eq!(report.config["hidden-size"], 4096.0);
+    assert_eq!(report.mismatch, ["seq-length"]);
+
+    // A newer run replaces it; an older one replayed later does not.
+    let newer = reported_run("b", 20, &[("seq-length", 2048.0)], &[], None);
+    let status = apply(&status, &newer);
+    assert_eq!(status.trainer_report.as_ref().expect("kept").pod, "b");
+    let older = reported_run("c", 5, &[("seq-length", 512.0)], &[], None);
+    let status = apply(&status, &older);
+    let report = status.trainer_report.as_ref().expect("kept");
+    assert_eq!(report.pod, "b");
+    assert!(report.mismatch.is_empty());
+    assert_eq!(report.config["seq-length"], 2048.0);
+
+    // A run that reported nothing leaves the report where it is.
+    let status = apply(&status, &ok_run("d", 30, 13 * GIB));
+    assert_eq!(status.trainer_report.as_ref().expect("kept").pod, "b");
+    // Replays change nothing.
+    assert_eq!(apply(&status, &newer), status);
+    assert_eq!(status.last_kill_phase(), None::<TrainerPhase>);
+}
+
+#[test]
+fn oom_kills_are_counted_by_the_phase_they_came_in() {
+    use memguard_api::phase::TrainerPhase;
+    let save = reported_run("a", 10, &[], &[], Some(TrainerPhase::Save));
+    assert!(save.oom.is_some(), "an OOM kill: {:?}", save.oom);
+    let status = apply(&MemoryProfileStatus::default(), &save);
+    assert_eq!(status.oom_kill_phases.save, 1);
+    assert_eq!(status.oom_events[0].phase, Some(TrainerPhase::Save));
+    assert_eq!(status.last_kill_phase(), Some(TrainerPhase::Save));
+    let status = apply(
+        &status,
+        &reported_run("b", 20, &[], &[], Some(TrainerPhase::Load)),
+    );
+    let status = apply(
+        &status,
+        &reported_run("c", 30, &[], &[], Some(TrainerPhase::Save)),
+    );
+    let p = status.oom_kill_phases;
+    assert_eq!((p.load, p.step, p.save), (1, 0, 2));
+    assert_eq!(status.last_kill_phase(), Some(TrainerPhase::Save));
+    // An OOM kill with no phase recorded counts in no phase, and is the newest kill.
+    let status = apply(&status, &oom_run("d", 40));
+    assert_eq!(status.oom_kill_phases, p);
+    assert_eq!(status.last_kill_phase(), None);
+    // The status carries it through JSON, as the API stores it.
+    let json = serde_json::to_value(&status).expect("json");
+    assert_eq!(json["oomKillPhases"]["save"], 2);
+    assert_eq!(json["oomEvents"][0]["phase"], "save");
+}
+
+#[test]
+fn a_report_too_large_is_bounded() {
+    use memguard_api::crd::{MAX_KNOB_NAME_LEN, MAX_REPORTED_KNOBS};
+    let names: Vec<String> = (0..MAX_REPORTED_KNOBS + 10)
+        .map(|i| format!("knob-{i:03}"))
+        .collect();
+    let long = "k".repeat(MAX_KNOB_NAME_LEN + 1);
+    let mut config: Vec<(&str, f64)> = names.iter().map(|n| (n.as_str(), 1.0)).collect();
+    config.push((&long, 1.0));
+    let mismatch: Vec<&str> = names.iter().map(String::as_str).collect();
+    let status = apply(
+        &MemoryProfileStatus::default(),
+        &reported_run("a", 10, &config, &mismatch, None),
+    );
+    let report = status.trainer_report.expect("kept");
+    assert_eq!(report.config.len(), MAX_REPORTED_KNOBS);
+    assert!(!report.config.contains_key(&long));
+    assert_eq!(report.mismatch.len(), MAX_REPORTED_KNOBS);
 }
