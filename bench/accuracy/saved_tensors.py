@@ -28,6 +28,8 @@ Quantized setups replace every `nn.Linear` of the blocks with bitsandbytes' `Lin
 summed after every op): LitGPT's `lora.GPT` with the LM head's linear in bf16 or NF4, as
 Fabric's `BitsandbytesPrecision` makes it (`--only head` runs just that). `softcap_tanh_bytes`
 measures what Gemma 2's soft-capped eager attention keeps for its tanh (`--only softcap`).
+`loss_step_peak` measures the cross-entropy's peak over the logits, upcast or not, with the
+model's output held through backward or let go before it (`--only loss`).
 
 Rerun: `python3 bench/accuracy/saved_tensors.py` (needs torch, transformers, peft,
 bitsandbytes, litgpt; CPU only, about a minute). `--json` prints the raw figures.
@@ -477,6 +479,29 @@ def head_step_peak(quantize_head: bool, layers: int = 2, vocab: int = 32768, seq
             "largest_at_peak": tracker.at_peak, "head_bf16_bytes": vocab * H * 2}
 
 
+def loss_step_peak(upcast: bool, held: bool, dtype: torch.dtype, vocab: int = 8192, seq: int = 256) -> float:
+    """Peak live bytes of the LM head's output and the cross-entropy over it, one forward and
+    backward, in units of `B·S·V·p`: the logits in `dtype`, upcast with `.float()` or not
+    (`narrow`), shifted and flattened as universal-llm-trainer and transformers do, and the
+    model's output either held through backward (a loop that keeps `outputs`) or let go
+    before it (`Trainer.training_step` keeps only the loss; `del output`: `narrow-released`)."""
+    torch.manual_seed(0)
+    head = nn.Linear(H, vocab, bias=False).to(dtype)
+    hidden = torch.randn(B, seq, H, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, vocab, (B, seq))
+    static = _static_ptrs(head) | {hidden.untyped_storage().data_ptr(), labels.untyped_storage().data_ptr()}
+    tracker = _PeakTracker(static)
+    with tracker:
+        output = {"logits": head(hidden)}
+        logits = output["logits"].float() if upcast else output["logits"]
+        loss = nn.CrossEntropyLoss()(logits[:, :-1, :].reshape(-1, vocab), labels[:, 1:].reshape(-1))
+        del logits
+        if not held:
+            del output
+        loss.backward()
+    return tracker.peak / (B * seq * vocab * dtype.itemsize)
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -542,6 +567,17 @@ def main() -> int:
             print(f"soft-capped scores (heads {HEADS}, S {S}): saved {sc['capped']:.0f} B against "
                   f"{sc['identity']:.0f} B without the tanh: {sc['tanh']:.0f} B per token-layer "
                   f"(p·heads·S = {sc['expected']})", flush=True)
+    results["loss_step"] = []
+    if not args.only or "loss" in args.only:
+        for dtype in (torch.bfloat16, torch.float32):
+            for upcast in (False, True):
+                for held in (True, False):
+                    peak = loss_step_peak(upcast, held, dtype)
+                    results["loss_step"].append({"dtype": str(dtype), "upcast": upcast, "held": held, "peak": peak})
+                    if not args.json:
+                        print(f"loss step peak, {str(dtype).replace('torch.', ''):8} "
+                              f"{'upcast' if upcast else 'narrow':6} output {'held' if held else 'let go':6}: "
+                              f"{peak:.2f}·B·S·V·p", flush=True)
     results["head_step"] = []
     if not args.only or "head" in args.only:
         for vocab in (32768, 65536):

@@ -92,6 +92,12 @@ named_enum! {
         /// 16-bit logits straight to `CrossEntropyLoss`. Under autocast `log_softmax` runs
         /// in fp32 all the same, so it differs from `standard` in pure 16 bits only.
         Narrow => "narrow" | "no-upcast",
+        /// As `narrow`, and the trainer lets go of the model's output before backward
+        /// (transformers' `Trainer.training_step` keeps only what `compute_loss` returns, the
+        /// loss; universal-llm-trainer deletes the output, `del_logits_after_forward`): the
+        /// logits are freed once the loss holds its log-softmax, so the step holds three
+        /// logit-sized tensors instead of four. Differs from `standard` without autocast only.
+        NarrowReleased => "narrow-released",
         /// The cross-entropy over chunks of the sequence (torchtune's
         /// `CEWithChunkedOutputLoss`, LitGPT's `chunked_cross_entropy`): the 16-bit logits and
         /// one saved fp32-or-narrower log-softmax per element, one chunk's gradients at a time.

@@ -73,6 +73,14 @@ pub mod constants {
     /// the chunk is upcast, as torchtune does; narrower in LitGPT's bf16), kept for every
     /// chunk until backward; the gradients exist for one chunk at a time.
     pub const CHUNKED_LOSS_BYTES_PER_LOGIT: f64 = 4.0;
+    /// Logit-sized tensors in the compute dtype at the peak of a loss without upcast
+    /// (`narrow`), the model's output held through backward: the logits, the log-softmax
+    /// output and, at its backward, its gradient and the gradient w.r.t. the logits
+    /// (`bench/accuracy/saved_tensors.py --only loss`: 3.99·`B·S·V·p`, bf16 and fp32).
+    pub const NARROW_LOSS_TENSORS: f64 = 4.0;
+    /// The same with the output let go before backward (`narrow-released`): the logits are
+    /// gone by then (2.99·`B·S·V·p` measured, bf16 and fp32).
+    pub const NARROW_RELEASED_LOSS_TENSORS: f64 = 3.0;
     /// The CUDA caching allocator's extra reserve when batch shapes vary, per unit of
     /// `seq_length_spread`, as a fraction of the per-step tensors: freed blocks cut for short
     /// batches cannot serve the long one. Fitted (with the other constants held) on the one
@@ -630,6 +638,11 @@ pub fn layer_activation_bytes_per_token(cfg: &TrainingConfig, compute_bytes: f64
     norms + attention + ffn + adapters
 }
 
+/// Whether the step runs under autocast (mixed precision), which runs `log_softmax` in fp32.
+fn under_autocast(cfg: &TrainingConfig) -> bool {
+    matches!(cfg.precision, Precision::Bf16Mixed | Precision::Fp16Mixed)
+}
+
 /// Parameters and compute in one 16-bit dtype with no autocast: what `torch.autocast`
 /// would run in fp32 (`layer_norm`, `log_softmax`) runs in 16 bits.
 fn pure_16bit(cfg: &TrainingConfig) -> bool {
@@ -745,8 +758,12 @@ fn logits(x: &Ctx) -> Bytes {
     let p = x.regime.compute;
     let per_token = match x.cfg.loss {
         Loss::Standard => x.m.vocab_size as f64 * (p + LOSS_BYTES_PER_LOGIT),
-        Loss::Narrow if pure_16bit(x.cfg) => x.m.vocab_size as f64 * 4.0 * p,
-        Loss::Narrow => x.m.vocab_size as f64 * (p + LOSS_BYTES_PER_LOGIT),
+        Loss::Narrow if !under_autocast(x.cfg) => x.m.vocab_size as f64 * NARROW_LOSS_TENSORS * p,
+        Loss::NarrowReleased if !under_autocast(x.cfg) => {
+            x.m.vocab_size as f64 * NARROW_RELEASED_LOSS_TENSORS * p
+        }
+        // Autocast runs `log_softmax` in fp32 whatever the head returns: the standard loss.
+        Loss::Narrow | Loss::NarrowReleased => x.m.vocab_size as f64 * (p + LOSS_BYTES_PER_LOGIT),
         Loss::Chunked if x.cfg.compile => x.m.vocab_size as f64 * p,
         Loss::Chunked => x.m.vocab_size as f64 * (p + CHUNKED_LOSS_BYTES_PER_LOGIT),
         Loss::Fused => x.m.hidden_size as f64 * (p + 8.0),
@@ -896,7 +913,9 @@ fn quantized_head_dequant_excess(x: &Ctx, block: f64) -> f64 {
     let p = x.regime.compute;
     let kept_logits = match x.cfg.loss {
         Loss::Fused => 0.0,
-        Loss::Standard | Loss::Narrow | Loss::Chunked => 2.0 * p * x.tokens * x.m.vocab_size as f64,
+        Loss::Standard | Loss::Narrow | Loss::NarrowReleased | Loss::Chunked => {
+            2.0 * p * x.tokens * x.m.vocab_size as f64
+        }
     };
     (head * dequantized_bytes(x) + kept_logits - logits(x).as_f64()).max(block)
 }

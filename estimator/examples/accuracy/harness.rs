@@ -131,7 +131,7 @@ impl Choices {
     /// Choices tagged in a collected row's notes: `[loss=chunked]`, `[compile]`, …
     fn from_notes(id: &str, notes: &str) -> Choices {
         let tag = |t: &str| notes.contains(&format!("[{t}]"));
-        let loss = ["standard", "narrow", "chunked", "fused"]
+        let loss = ["standard", "narrow", "narrow-released", "chunked", "fused"]
             .into_iter()
             .find(|l| notes.contains(&format!("[loss={l}]")))
             .unwrap_or("")

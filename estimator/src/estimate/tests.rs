@@ -1009,3 +1009,32 @@ fn a_loss_without_upcast_keeps_its_tensors_in_the_compute_dtype_in_pure_16_bits(
     assert_eq!(logits(&cfg, Loss::Narrow), logits(&cfg, Loss::Standard));
     assert_eq!("no-upcast".parse::<Loss>(), Ok(Loss::Narrow));
 }
+
+#[test]
+fn a_trainer_that_lets_go_of_the_logits_before_backward_holds_three_logit_sized_tensors() {
+    // universal-llm-trainer and transformers' Trainer drop the model output after the loss:
+    // log-softmax output, its gradient and the logits' gradient remain, not the logits.
+    let mut cfg = model("llama-3-8b");
+    cfg.batch_size = 2;
+    cfg.seq_length = 1024;
+    let logits = |cfg: &TrainingConfig, loss: Loss| {
+        let mut c = cfg.clone();
+        c.loss = loss;
+        est(&c).component(Component::Logits).as_f64()
+    };
+    let elements = 2.0 * 1024.0 * cfg.model.vocab_size as f64;
+    for (precision, p) in [(Precision::Bf16, 2.0), (Precision::Fp32, 4.0)] {
+        cfg.precision = precision;
+        assert_eq!(logits(&cfg, Loss::NarrowReleased), elements * 3.0 * p);
+        assert_eq!(logits(&cfg, Loss::Narrow), elements * 4.0 * p);
+    }
+    // In fp32 a loss held through backward is the standard one: nothing to upcast.
+    assert_eq!(logits(&cfg, Loss::Narrow), logits(&cfg, Loss::Standard));
+    // Under autocast log_softmax runs in fp32 whoever holds the output: the standard loss.
+    cfg.precision = Precision::Bf16Mixed;
+    assert_eq!(
+        logits(&cfg, Loss::NarrowReleased),
+        logits(&cfg, Loss::Standard)
+    );
+    assert_eq!("narrow-released".parse::<Loss>(), Ok(Loss::NarrowReleased));
+}
