@@ -64,9 +64,11 @@ pub const OPTIMIZER: &str = "memguard.io/optimizer";
 pub const GRAD_CHECKPOINTING: &str = "memguard.io/grad-checkpointing";
 /// `true|false`.
 pub const FLASH_ATTENTION: &str = "memguard.io/flash-attention";
-/// `standard|narrow|chunked|fused`: how the loss over the vocabulary is computed (default
-/// `standard`: the whole logits upcast to fp32; `narrow`: not upcast, transformers before 4.46
-/// for GPT-2 and GPT-BigCode).
+/// `standard|narrow|narrow-released|chunked|fused`: how the loss over the vocabulary is
+/// computed (default `standard`: the whole logits upcast to fp32; `narrow`: not upcast,
+/// transformers before 4.46 for GPT-2 and GPT-BigCode, or a trainer's own cross-entropy on
+/// 16-bit logits without autocast; `narrow-released`: the same, with the model's output let
+/// go before backward, as transformers' `Trainer` does).
 pub const LOSS: &str = "memguard.io/loss";
 /// `true|false`: the model trains with attention dropout (default: the catalog's or
 /// config.json's value; GPT-2 and BERT do, current LLMs do not).

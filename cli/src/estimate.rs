@@ -175,9 +175,11 @@ annotation_flags! {
     grad_checkpointing => "grad-checkpointing",
     /// true|false.
     flash_attention => "flash-attention",
-    /// standard|narrow|chunked|fused: how the loss over the vocabulary is computed (default
-    /// standard: the whole logits upcast to fp32; narrow: not upcast, transformers before 4.46
-    /// for GPT-2 and GPT-BigCode; chunked: torchtune's CEWithChunkedOutputLoss, LitGPT;
+    /// standard|narrow|narrow-released|chunked|fused: how the loss over the vocabulary is
+    /// computed (default standard: the whole logits upcast to fp32; narrow: not upcast,
+    /// transformers before 4.46 for GPT-2 and GPT-BigCode; narrow-released: not upcast, and
+    /// the model's output let go before backward, as transformers' Trainer does; chunked:
+    /// torchtune's CEWithChunkedOutputLoss, LitGPT;
     /// fused: Liger's fused linear cross-entropy, Cut Cross-Entropy).
     loss => "loss",
     /// true|false: the model trains with attention dropout (default: the model's config).
