@@ -18,10 +18,21 @@ more than 1 MiB remains; merged with free neighbours on free; no release, as on 
 that never runs out). It prints, after the load, what is allocated, what is reserved and what is
 reserved but free. A GPU run (`torch.cuda.memory_reserved()` after `from_pretrained`) settles it.
 
-Rerun: `python3 bench/accuracy/bnb_load_replay.py` (standard library only, a second).
+`--step` replays, through the same model, one checkpointed training step at 2,048 tokens (the
+forward under `no_grad` keeping only each block's input, the fp32 logits and their gradient,
+then per block, last first, the recompute keeping its saved tensors and the backward), with 0,
+1 or 2 weight-sized 16-bit copies per quantized matmul in forward and backward: 2 is bitsandbytes
+0.41.3 computing in bf16 from an fp16 quantization state (`dequantize_4bit(B).to(A.dtype)`), 1 a
+kernel that dequantizes once in the compute dtype. The block's tensor list is an approximation
+of Qwen-1's (fused qkv, SwiGLU MLP); it prints the reserve of each variant, for the difference
+between them.
+
+Rerun: `python3 bench/accuracy/bnb_load_replay.py [--step]` (standard library only, seconds).
 """
 
 from __future__ import annotations
+
+import sys
 
 MIB = 1 << 20
 
@@ -121,7 +132,66 @@ def replay(hidden: int, layers: int, ff: int, vocab: int) -> CachingAllocator:
     return alloc
 
 
+def replay_step(hidden: int, layers: int, ff: int, vocab: int, tokens: int, copies: int) -> int:
+    """Reserve after load and one checkpointed step, `copies` weight-sized copies per matmul."""
+    alloc = replay(hidden, layers, ff, vocab)
+    h, s = hidden, tokens
+    matmuls = [(3 * h * h, s * 3 * h), (h * h, s * h), (h * ff, s * ff), (h * ff, s * ff), (ff * h, s * h)]
+
+    def quantized_matmul(weight_numel: int, out_numel: int) -> tuple[Segment, int]:
+        weights = [alloc.malloc(2 * weight_numel) for _ in range(copies)]
+        out = alloc.malloc(2 * out_numel)
+        for weight in weights:
+            alloc.free(weight)
+        return out
+
+    def block(keep: bool) -> tuple[tuple[Segment, int], list]:
+        kept = []
+        norm = alloc.malloc(2 * s * h)
+        for index, (weight_numel, out_numel) in enumerate(matmuls):
+            out = quantized_matmul(weight_numel, out_numel)
+            (kept.append if keep else alloc.free)(norm)
+            norm = out if index != 1 else alloc.malloc(2 * s * h)  # residual + second norm
+            if index == 1:
+                (kept.append if keep else alloc.free)(out)
+        output = alloc.malloc(2 * s * h)
+        (kept.append if keep else alloc.free)(norm)
+        return output, kept
+
+    inputs = [alloc.malloc(2 * s * h)]
+    for _ in range(layers):
+        output, _ = block(keep=False)
+        inputs.append(output)
+    logits = alloc.malloc(4 * s * vocab)
+    logits_grad = alloc.malloc(4 * s * vocab)
+    alloc.free(logits)
+    grad = alloc.malloc(2 * s * h)
+    alloc.free(logits_grad)
+    alloc.free(inputs.pop())
+    for _ in range(layers):
+        output, kept = block(keep=True)
+        alloc.free(output)
+        for weight_numel, out_numel in reversed(matmuls):
+            alloc.free(quantized_matmul(weight_numel, max(out_numel, s * h)))
+        for tensor in kept:
+            alloc.free(tensor)
+        new_grad = alloc.malloc(2 * s * h)
+        alloc.free(grad)
+        grad = new_grad
+        alloc.free(inputs.pop())
+    return alloc.reserved
+
+
 def main() -> None:
+    if "--step" in sys.argv[1:]:
+        for name, (hidden, layers, ff, vocab) in MODELS.items():
+            reserves = [replay_step(hidden, layers, ff, vocab, 2048, copies) / 1e9 for copies in (0, 1, 2)]
+            print(
+                f"{name}: reserved after one step, 0/1/2 weight copies per matmul:"
+                f" {reserves[0]:.2f} / {reserves[1]:.2f} / {reserves[2]:.2f} GB"
+                f" (2 - 1: {reserves[2] - reserves[1]:+.2f} GB)"
+            )
+        return
     for name, (hidden, layers, ff, vocab) in MODELS.items():
         alloc = replay(hidden, layers, ff, vocab)
         unused = alloc.reserved - alloc.allocated
