@@ -97,6 +97,7 @@ from .recovery import (
     grads_fresh,
     is_fsdp,
     sync_each_batch_on,
+    unwrap,
     zero_grads,
 )
 
@@ -219,8 +220,12 @@ class MemguardCallback(RunnerCounters, _callback_base()):  # type: ignore[misc]
             return
         self._train_start_asked = True
         try:
+            # The model itself, not its DDP/FSDP wrapper: its config says its shape.
+            inner = getattr(trainer, "model", None)
             config = trainer_config(
-                getattr(trainer, "args", None), model, getattr(trainer, "accelerator", None)
+                getattr(trainer, "args", None),
+                inner if inner is not None else unwrap(model),
+                getattr(trainer, "accelerator", None),
             )
             config.update(first_batch(inputs))
         except Exception as exc:  # reading the objects must never stop training
