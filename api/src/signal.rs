@@ -195,7 +195,7 @@ pub struct Report {
 /// (issue 37, item 2): the model's shape from its config, the parameters' dtype and
 /// quantization, the optimizer ([`OPTIMIZER_CODES`]), the loss, mixed precision, attention,
 /// sharding and the device. A bool is 0 or 1; a knob not reported is unknown.
-pub const TRAINER_CONFIG_KNOBS: [&str; 28] = [
+pub const TRAINER_CONFIG_KNOBS: [&str; 29] = [
     "batch-size",
     "grad-accumulation",
     "seq-length",
@@ -226,6 +226,8 @@ pub const TRAINER_CONFIG_KNOBS: [&str; 28] = [
     "gpu",
     "fsdp",
     "deepspeed-stage",
+    // Ranks in this container (torchrun's `LOCAL_WORLD_SIZE`): they share its memory limit.
+    "local-ranks",
 ];
 
 /// The optimizers a trainer reports as `optimizer` (the value is the index here), by the

@@ -12,7 +12,7 @@ use memguard_api::signal::OPTIMIZER_CODES;
 use memguard_api::train_start::{TrainStartPlan, TrainStartPolicy};
 use memguard_estimator::{
     Bound, Bytes, Calibration, Device, Floors, Loss, Method, ModelShape, Optimizer, Parallelism,
-    Precision, TrainingConfig,
+    Precision, Rung, TrainingConfig,
 };
 use std::collections::BTreeMap;
 use std::str::FromStr;
@@ -163,10 +163,12 @@ pub fn training_config(knobs: &BTreeMap<String, f64>) -> Result<TrainingConfig, 
     Ok(cfg)
 }
 
-/// The budget the plan aims at: admission's per-device budget for a GPU trainer, the cgroup's
-/// limit times the safety ratio for a CPU one; or why there is none.
+/// The budget the plan aims at: admission's per-device budget for a GPU trainer; for a CPU one
+/// the cgroup's limit times the safety ratio, shared by the ranks in the container
+/// (`local-ranks`); or why there is none.
 pub fn budget(
     cfg: &TrainingConfig,
+    knobs: &BTreeMap<String, f64>,
     policy: &TrainStartPolicy,
     cgroup_limit: Option<u64>,
 ) -> Result<Bytes, String> {
@@ -176,7 +178,12 @@ pub fn budget(
             let ratio = policy
                 .safety_ratio
                 .ok_or("admission passed no safety ratio")?;
-            Ok(Bytes::from_f64(limit as f64 * ratio))
+            let ranks = match knobs.get("local-ranks") {
+                Some(r) if r.fract() == 0.0 && (1.0..=1024.0).contains(r) => *r,
+                Some(r) => return Err(format!("local-ranks is {r}, not a count of ranks")),
+                None => return Err("not reported: local-ranks (they share the limit)".into()),
+            };
+            Ok(Bytes::from_f64(limit as f64 * ratio / ranks))
         }
         Device::Cuda | Device::Rocm => policy
             .budget_bytes
@@ -209,7 +216,7 @@ fn plan(
 ) -> Result<TrainStartPlan, String> {
     let policy = policy.ok_or("admission passed no train-start settings (--train-start)")?;
     let start = training_config(knobs)?;
-    let budget = budget(&start, policy, cgroup_limit)?;
+    let budget = budget(&start, knobs, policy, cgroup_limit)?;
     let level = policy
         .estimate_level
         .ok_or("admission passed no estimate level")?;
@@ -231,6 +238,14 @@ fn plan(
         &bound,
     )
     .map_err(|errs| errs.join("; "))?;
+    // The signal carries the micro-batch and checkpointing, not FSDP's gradient sync.
+    if plan.steps.iter().any(|s| s.rung == Rung::SyncEachBatch) {
+        return Err(
+            "the plan needs FSDP's gradients synced at every micro-batch, which a signal \
+             cannot carry"
+                .into(),
+        );
+    }
     let cfg = &plan.config;
     let steps: Vec<&str> = plan.steps.iter().map(|s| s.explanation.as_str()).collect();
     let reason = match (plan.fits, steps.is_empty()) {
@@ -301,6 +316,7 @@ mod tests {
             ("fp16", 0.0),
             ("flash-attention", 1.0),
             ("gpu", 0.0),
+            ("local-ranks", 1.0),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -427,6 +443,13 @@ mod tests {
             "{}",
             no_device_budget.reason
         );
+        let mut ranks = knobs.clone();
+        ranks.remove("local-ranks");
+        assert!(
+            decide(&ranks, Some(&policy()), Some(1 << 30))
+                .reason
+                .contains("not reported: local-ranks"),
+        );
         let no_ratio = TrainStartPolicy {
             safety_ratio: None,
             ..policy()
@@ -469,6 +492,15 @@ mod tests {
         assert!(batch < 16, "{}", tight.reason);
         assert_eq!(batch * accumulation, 16, "{}", tight.reason);
         assert!(tight.upper_bytes <= tight.budget_bytes);
+        // Two ranks in the container share its limit: each is planned against half.
+        let mut two = knobs.clone();
+        two.insert("local-ranks".into(), 2.0);
+        let halved = decide(&two, Some(&policy()), Some(limit));
+        assert_eq!(
+            halved.budget_bytes.map(|b| b as f64),
+            tight.budget_bytes.map(|b| (b as f64 / 2.0).ceil())
+        );
+        assert!(halved.batch_size < tight.batch_size, "{}", halved.reason);
         // Nothing fits a few bytes: the smallest config, said so.
         let hopeless = decide(&knobs, Some(&policy()), Some(1 << 20));
         assert_eq!((hopeless.fits, hopeless.batch_size), (Some(false), Some(1)));
@@ -476,6 +508,46 @@ mod tests {
             hopeless.reason.contains("cannot fit"),
             "{}",
             hopeless.reason
+        );
+    }
+
+    #[test]
+    fn a_plan_that_needs_fsdp_to_sync_every_micro_batch_is_refused() {
+        // A 7B-like shape under FSDP on 8 GPUs, accumulating: unsharded gradients under
+        // `no_sync` are what the sync rung saves first.
+        let mut knobs = tiny_llama();
+        for (k, v) in [
+            ("gpu", 1.0),
+            ("bf16", 1.0),
+            ("fsdp", 1.0),
+            ("world-size", 8.0),
+            ("grad-accumulation", 4.0),
+            ("batch-size", 4.0),
+            ("seq-length", 2048.0),
+            ("hidden-size", 4096.0),
+            ("num-layers", 32.0),
+            ("num-heads", 32.0),
+            ("num-kv-heads", 32.0),
+            ("head-dim", 128.0),
+            ("intermediate-size", 11008.0),
+            ("params", 6_738_415_616.0),
+            ("trainable-params", 6_738_415_616.0),
+        ] {
+            knobs.insert(k.into(), v);
+        }
+        let refused: Vec<String> = (10..=80)
+            .map(|gib: u64| {
+                let p = TrainStartPolicy {
+                    budget_bytes: Some(gib << 30),
+                    ..policy()
+                };
+                decide(&knobs, Some(&p), None).reason
+            })
+            .filter(|r| r.contains("synced at every micro-batch"))
+            .collect();
+        assert!(
+            !refused.is_empty(),
+            "no budget made the plan sync every micro-batch"
         );
     }
 }

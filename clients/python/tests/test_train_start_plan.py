@@ -229,7 +229,8 @@ def test_a_value_the_estimate_needs_and_the_trainer_did_not_report_means_no_plan
 
 def test_two_ranks_apply_the_same_plan_from_their_first_step(tmp_path: Path, limit_4g: Path) -> None:
     """Two gloo ranks in one cgroup, one sidecar: each reports its config, both get the one
-    plan (8 rows under a 4 GiB limit, budget 3686 MiB) and run it from step 1."""
+    plan and run it from step 1. The two share the 4 GiB limit: each is planned against half
+    the budget (1843 MiB: 4 rows fit, 8 do not)."""
     sidecar = Sidecar(tmp_path, limit_4g)
     try:
         client = install(tmp_path / "client")
@@ -245,9 +246,11 @@ def test_two_ranks_apply_the_same_plan_from_their_first_step(tmp_path: Path, lim
         summary = sidecar.stop()
     by_rank = {r: [e["micro"] for e in steps(log) if e["rank"] == r] for r in (0, 1)}
     per_rank_steps = SAMPLES // (2 * BATCH)
-    assert by_rank[0] == by_rank[1] == [[8, 8]] * per_rank_steps, by_rank
+    assert by_rank[0] == by_rank[1] == [[4, 4, 4, 4]] * per_rank_steps, by_rank
     assert 'memguard_sidecar_trainer_config{knob="world-size"} 2' in text, text
-    assert summary["train_start"]["batch_size"] == 8, summary
+    assert 'memguard_sidecar_trainer_config{knob="local-ranks"} 2' in text
+    assert summary["train_start"]["batch_size"] == 4, summary
+    assert abs(summary["train_start"]["budget_bytes"] - 4096 * MIB * 0.9 / 2) < 1
     assert summary["oom_events"] == 0, summary
     # gloo sums the two ranks' gradients in its own order: Adam turns the last-bit differences
     # of near-zero gradients into ~1e-6 (seen: 1 element of 2M at 2e-6).

@@ -10,7 +10,8 @@ value was missing.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import os
+from typing import Any, Dict, Mapping, Optional
 
 #: The optimizers the sidecar knows, by ``memguard_api::signal::OPTIMIZER_CODES`` index.
 OPTIMIZER_CODES = (
@@ -83,6 +84,19 @@ def trainer_config(args: Any, model: Any = None, accelerator: Any = None) -> Dic
     if model is not None:
         out.update(model_config(model))
     out.update(sharding(accelerator))
+    out.update(local_ranks(getattr(args, "world_size", None)))
+    return dict(out)
+
+
+def local_ranks(world_size: Any, environ: Optional[Mapping[str, str]] = None) -> Dict[str, float]:
+    """The ranks in this container, which share its memory limit: torchrun's
+    ``LOCAL_WORLD_SIZE``; one for a run of one rank; unknown otherwise."""
+    out = _Knobs()
+    raw = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE")
+    if raw is not None and raw.strip().isdigit() and int(raw) >= 1:
+        out.put("local-ranks", int(raw))
+    elif world_size == 1:
+        out.put("local-ranks", 1)
     return dict(out)
 
 
