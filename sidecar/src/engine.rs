@@ -770,6 +770,57 @@ mod tests {
         (e, shared)
     }
 
+    /// A guarded trainer (the sidecar at its floor, 1 × 1) reports 16 × 1 at train start under
+    /// a roomy limit: the plan is published as the next signal, the reply carries it, and a
+    /// second report does not decide again.
+    #[test]
+    fn the_first_reported_config_is_planned_once_and_published_as_a_signal() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let roomy = Ok(Some(MemorySample {
+            usage_bytes: Some(1 << 30),
+            working_set_bytes: Some(1 << 30),
+            max: Some(Limit::Bytes(64 << 30)),
+            populated: Some(true),
+            ..Default::default()
+        }));
+        let shared = Arc::new(Shared::new(Signal::initial(1, 1, false)));
+        let mut e = Engine::new(
+            Box::new(Script(vec![roomy])),
+            Box::new(FakeGpu(Ok(vec![]))),
+            PsiPaths::default(),
+            PressureConfig::new(Thresholds::default()),
+            SignalWriter::new(dir.path().join("signal.json")),
+            shared.clone(),
+        )
+        .with_train_start(Some(crate::train_start::tests::policy()));
+        e.tick(0);
+        assert!(
+            shared.train_start.borrow().is_none(),
+            "no config reported: no decision"
+        );
+        assert_eq!(shared.signal.borrow().seq, 0);
+        shared.status().trainer_config = crate::train_start::tests::tiny_llama();
+        e.tick(100);
+        let s = on_disk(dir.path());
+        assert_eq!((s.seq, s.batch_size, s.grad_accumulation), (1, 16, 1));
+        assert!(
+            s.reason.starts_with("train-start plan: fits as configured"),
+            "{}",
+            s.reason
+        );
+        let reply = shared.train_start.borrow().clone().expect("a reply");
+        assert!(reply.train_start.planned && reply.train_start.fits == Some(true));
+        assert_eq!(reply.signal, *shared.signal.borrow());
+        assert_eq!(shared.status().train_start, Some(reply.train_start.clone()));
+        // Another rank's report, or the same trainer again: decided already.
+        let mut other = crate::train_start::tests::tiny_llama();
+        other.insert("batch-size".into(), 2.0);
+        shared.status().trainer_config = other;
+        e.tick(200);
+        assert_eq!(shared.signal.borrow().seq, 1);
+        assert_eq!(shared.status().train_start, Some(reply.train_start));
+    }
+
     fn on_disk(dir: &std::path::Path) -> Signal {
         serde_json::from_str(&std::fs::read_to_string(dir.join("signal.json")).expect("file"))
             .expect("json")

@@ -176,7 +176,12 @@ async fn train_start_reply(shared: &Shared) -> Response {
         }
     };
     match tokio::time::timeout(TRAIN_START_WAIT, decided).await {
-        Ok(Some(reply)) => axum::Json(reply).into_response(),
+        Ok(Some(mut reply)) => {
+            // The signal in force now: a trainer restarted after the decision (an OOM kill, a
+            // sticky downgrade since) gets the current one, never an older one.
+            reply.signal = shared.signal.borrow().clone();
+            axum::Json(reply).into_response()
+        }
         _ => StatusCode::NO_CONTENT.into_response(),
     }
 }
@@ -300,6 +305,41 @@ mod tests {
         let (status, body) = call(trainer_router(sh.clone()), req).await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
         assert!(body.contains("unknown knob"), "{body}");
+    }
+
+    /// The report that carries the config is answered with the decision once the sampling
+    /// loop made it, and with the signal in force now (never an older one).
+    #[tokio::test]
+    async fn a_config_report_is_answered_with_the_decision_and_the_current_signal() {
+        let sh = shared();
+        let decided = sh.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let old = decided.signal.borrow().clone();
+            let mut now = old.clone();
+            now.seq = 3;
+            decided.signal.send_replace(now);
+            decided
+                .train_start
+                .send_replace(Some(memguard_api::train_start::TrainStartReply {
+                    train_start: memguard_api::train_start::TrainStartPlan {
+                        planned: true,
+                        reason: "train-start plan: test".into(),
+                        batch_size: Some(4),
+                        ..Default::default()
+                    },
+                    signal: old,
+                }));
+        });
+        let req = Request::post("/v1/report")
+            .body(Body::from(r#"{"config":{"batch-size":16}}"#))
+            .expect("req");
+        let (status, body) = call(trainer_router(sh.clone()), req).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let reply: memguard_api::train_start::TrainStartReply =
+            serde_json::from_str(&body).expect("a reply");
+        assert_eq!(reply.train_start.batch_size, Some(4));
+        assert_eq!(reply.signal.seq, 3);
     }
 
     #[tokio::test]

@@ -285,11 +285,11 @@ fn plan(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A tiny Llama as the client reports it at train start (full fine-tuning on the CPU).
-    fn tiny_llama() -> BTreeMap<String, f64> {
+    pub(crate) fn tiny_llama() -> BTreeMap<String, f64> {
         [
             ("batch-size", 16.0),
             ("grad-accumulation", 1.0),
@@ -323,7 +323,7 @@ mod tests {
         .collect()
     }
 
-    fn policy() -> TrainStartPolicy {
+    pub(crate) fn policy() -> TrainStartPolicy {
         TrainStartPolicy {
             budget_bytes: None,
             safety_ratio: Some(0.9),
