@@ -44,6 +44,10 @@ from harness import (
 #: unguarded, OOM-killed under 2 GiB; the estimate's upper bound fits 4 rows in the budget.
 LIMIT = "2Gi"
 STOCK_DIR = ROOT / "bench" / "survival"
+#: The interpreter with torch and transformers: this one's installation, mounted at its own path
+#: (as the host's /usr is for python3 in the other pod tests).
+PREFIX = Path(sys.base_prefix).resolve()
+PYTHON = str(PREFIX / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}")
 SETTINGS: Dict[str, Any] = {
     "output_dir": "/tmp/out", "per_device_train_batch_size": 16, "num_train_epochs": 1,
     "learning_rate": 1e-3, "train_sampling_strategy": "sequential", "use_cpu": True,
@@ -77,12 +81,13 @@ def job_pod(name: str, job: Path, logdir: Path, opted_in: bool) -> Dict[str, Any
             "containers": [{
                 "name": "train",
                 "image": TRAINER_BASE,
-                "command": ["/usr/bin/python3", "/opt/stock/stock_hf_trainer.py", "/opt/job/train.json"],
+                "command": [PYTHON, "/opt/stock/stock_hf_trainer.py", "/opt/job/train.json"],
                 "env": [{"name": "PYTHONUNBUFFERED", "value": "1"},
                         {"name": "OMP_NUM_THREADS", "value": "1"}],
                 "resources": {"limits": {"memory": LIMIT}},
                 "volumeMounts": [
                     {"name": "host-usr", "mountPath": "/usr", "readOnly": True},
+                    {"name": "python", "mountPath": str(PREFIX), "readOnly": True},
                     {"name": "stock", "mountPath": "/opt/stock", "readOnly": True},
                     {"name": "job", "mountPath": "/opt/job", "readOnly": True},
                     {"name": "log", "mountPath": "/var/log/mgtest"},
@@ -90,6 +95,7 @@ def job_pod(name: str, job: Path, logdir: Path, opted_in: bool) -> Dict[str, Any
             }],
             "volumes": [
                 {"name": "host-usr", "hostPath": {"path": "/usr", "type": "Directory"}},
+                {"name": "python", "hostPath": {"path": str(PREFIX), "type": "Directory"}},
                 {"name": "stock", "hostPath": {"path": str(STOCK_DIR), "type": "Directory"}},
                 {"name": "job", "hostPath": {"path": str(job), "type": "Directory"}},
                 {"name": "log", "hostPath": {"path": str(logdir), "type": "Directory"}},
@@ -142,12 +148,14 @@ def test_a_stock_trainer_configured_from_a_json_file_is_planned_at_train_start(r
         # Unguarded, the limit kills it.
         alone_log = tmp / "alone"
         alone_log.mkdir(mode=0o777)
+        (tmp / "alone-pod").mkdir()
         with Pod(job_pod("mgtest-trainstart-alone", job, alone_log, False), tmp / "alone-pod") as pod:
             wait_for("the unguarded trainer to end",
                      lambda: pod.state("train").get("Status") in ("exited", "stopped"), timeout=600)
             alone_state = pod.state("train")
             alone_kills = kernel_oom_kills(pod.container_id("train"))
-        assert alone_kills >= 1 and alone_state.get("ExitCode") == 137, (alone_kills, alone_state)
+            alone_logs = podman("logs", pod.container("train"), check=False).stderr[-2000:]
+        assert alone_kills >= 1 and alone_state.get("ExitCode") == 137, (alone_kills, alone_state, alone_logs)
 
         # Guarded with only the label: admission cannot read the JSON file.
         logdir = tmp / "guarded"
@@ -173,6 +181,10 @@ def test_a_stock_trainer_configured_from_a_json_file_is_planned_at_train_start(r
             wait_for("the sidecar's summary",
                      lambda: pod.state("memguard-sidecar").get("Status") in ("exited", "stopped"), timeout=60)
             summary = sidecar_summary(pod)
+        # What `-s` shows: the facts this run rests on.
+        print(json.dumps({"unguarded": {"exit": alone_state.get("ExitCode"), "oom_kills": alone_kills},
+                          "guarded": {"exit": state.get("ExitCode"), "oom_kills": kills},
+                          "train_start": summary.get("train_start")}))
         assert state.get("ExitCode") == 0 and kills == 0, (state, kills)
         assert metric(scraped, "memguard_sidecar_trainer_config", 'knob="batch-size"') == 16, scraped
         assert metric(scraped, "memguard_sidecar_trainer_config", 'knob="seq-length"') == 256
