@@ -29,6 +29,13 @@ once per batch. Peak activation memory is that of the micro-batch size; the effe
 (``B × gradient_accumulation_steps × world size``) and the samples seen are exactly those of the
 original run.
 
+The plan at train start
+-----------------------
+At the first ``training_step``, before the first forward, the adapter reports the config the
+trainer really runs at (:mod:`memguard_client.train_config`, the first batch's padded length
+included) and waits, bounded, for the sidecar's train-start plan, which it applies like any
+signal: every rank runs the planned micro-batch from step 1 (docs/python-client.md).
+
 Every rank, every batch
 -----------------------
 Each ``training_step`` call is a step boundary: the guard is refreshed and, when
@@ -63,7 +70,8 @@ Refused: DeepSpeed and SageMaker model parallel. DeepSpeed's engine counts micro
 decides gradient-accumulation boundaries itself (``engine.backward`` / ``engine.step``, driven
 by accelerate from ``sync_gradients``); re-chunking inside ``training_step`` would need those
 boundaries overridden per micro-batch and cannot be verified here (DeepSpeed does not run on this
-CPU-only CI), so :func:`attach` raises instead of risking a silent desync.
+CPU-only CI), so :func:`attach` raises instead of risking a silent desync. Before it raises it still reports
+the trainer's config to the sidecar (issue 37), which exports it and decides on it.
 
 Usage::
 
