@@ -196,7 +196,10 @@ def test_a_stock_trainer_configured_from_a_json_file_is_planned_at_train_start(r
         assert summary["oom_events"] == 0, summary
         ran = steps(logdir / "log.jsonl")
         assert len(ran) == 2 and all(sum(s["micro"]) == 16 for s in ran), ran
-        assert all(set(s["micro"]) == {plan["batch_size"]} for s in ran), (ran, plan)
+        # The plan from the first step; later steps never above it (the sidecar may still
+        # shrink under pressure: on a loaded machine the host's PSI does).
+        assert set(ran[0]["micro"]) == {plan["batch_size"]}, (ran, plan)
+        assert all(max(s["micro"]) <= plan["batch_size"] for s in ran), (ran, plan)
         done = [e for e in read_jsonl(logdir / "log.jsonl") if e["event"] == "done"]
         assert done and done[0]["samples"] == SETTINGS["samples"] and done[0]["attached"], done
         x, y = np.load(logdir / "weights.npz"), np.load(unlimited_weights(tmp, job))

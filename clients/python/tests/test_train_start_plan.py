@@ -182,10 +182,12 @@ def test_a_trainer_configured_above_its_budget_is_planned_down_before_its_first_
         text = sidecar.metrics()
     finally:
         summary = sidecar.stop()
-    # Planned before the first forward: every step ran 4 micro-batches of 4 rows (16 × 1 as
-    # configured, 4 × 4 as planned), the first one included.
+    # Planned before the first forward: the first step ran 4 micro-batches of 4 rows (16 × 1 as
+    # configured, 4 × 4 as planned). Later steps never above it: the sidecar may still shrink
+    # under pressure (on a loaded machine the host's PSI does), never grow (--grow-back false).
     ran = [e["micro"] for e in steps(log)]
-    assert ran == [[4, 4, 4, 4]] * (SAMPLES // BATCH), ran
+    assert len(ran) == SAMPLES // BATCH and ran[0] == [4, 4, 4, 4], ran
+    assert all(sum(m) == BATCH and max(m) <= 4 for m in ran), ran
     assert [d["attached"] for d in done(log)] == [True]
     assert 'memguard_sidecar_trainer_config{knob="batch-size"} 16' in text, text
     assert f'memguard_sidecar_trainer_config{{knob="seq-length"}} {SEQ}' in text
@@ -246,7 +248,9 @@ def test_two_ranks_apply_the_same_plan_from_their_first_step(tmp_path: Path, lim
         summary = sidecar.stop()
     by_rank = {r: [e["micro"] for e in steps(log) if e["rank"] == r] for r in (0, 1)}
     per_rank_steps = SAMPLES // (2 * BATCH)
-    assert by_rank[0] == by_rank[1] == [[4, 4, 4, 4]] * per_rank_steps, by_rank
+    assert by_rank[0] == by_rank[1], "every rank runs the same micro-batch at every step"
+    assert len(by_rank[0]) == per_rank_steps and by_rank[0][0] == [4, 4, 4, 4], by_rank
+    assert all(sum(m) == BATCH and max(m) <= 4 for m in by_rank[0]), by_rank
     assert 'memguard_sidecar_trainer_config{knob="world-size"} 2' in text, text
     assert 'memguard_sidecar_trainer_config{knob="local-ranks"} 2' in text
     assert summary["train_start"]["batch_size"] == 4, summary
