@@ -31,6 +31,9 @@ pub const PYTHONPATH: &str = "PYTHONPATH";
 /// `pipelined` (default): the Python client's per-step rank agreement overlaps the step (applied
 /// one step later, still the same step on every rank); `blocking`: applied at its own step.
 pub const AGREEMENT: &str = "MEMGUARD_AGREEMENT";
+/// Seconds the Python client's first training step waits for the sidecar's train-start plan
+/// (default 2; on timeout it goes on unplanned).
+pub const TRAIN_START_WAIT: &str = "MEMGUARD_TRAIN_START_WAIT";
 /// Where the trainer writes its OOM record (default [`crate::wellknown::TERMINATION_LOG`]).
 pub const TERMINATION_LOG: &str = "MEMGUARD_TERMINATION_LOG";
 /// `true` when the webhook admitted the pod with "cannot fit" (retries exhausted or no plan
@@ -108,6 +111,12 @@ pub const SIDECAR_GROW_WINDOW: &str = "MEMGUARD_SIDECAR_GROW_WINDOW";
 /// config the trainer reports at train start with it (`memguard_sidecar_config_mismatch`).
 pub const SIDECAR_ADMITTED_CONFIG: &str = "MEMGUARD_SIDECAR_ADMITTED_CONFIG";
 
+/// Sidecar: what it plans the trainer's reported config against at train start
+/// (`--train-start`), written by the webhook as `key=value,…`
+/// ([`crate::train_start::TrainStartPolicy`]): a GPU trainer's per-device budget, the safety
+/// ratio, the estimate level and the floors. Absent: no train-start plan.
+pub const SIDECAR_TRAIN_START: &str = "MEMGUARD_SIDECAR_TRAIN_START";
+
 /// Every `MEMGUARD_SIDECAR_*` variable: one per sidecar flag (a test in the sidecar checks
 /// that its flags read exactly these).
 pub const SIDECAR_VARS: &[&str] = &[
@@ -136,6 +145,7 @@ pub const SIDECAR_VARS: &[&str] = &[
     SIDECAR_POD_RESTART_POLICY,
     SIDECAR_RESET_V1_PEAK,
     SIDECAR_ADMITTED_CONFIG,
+    SIDECAR_TRAIN_START,
     SIDECAR_GROW_BACK,
     SIDECAR_GROW_STEADY_STEPS,
     SIDECAR_GROW_WINDOW,
@@ -159,7 +169,7 @@ pub const TRAINER_VARS: &[&str] = &[
 ];
 
 /// Variables the Python client reads that a person sets, not the webhook.
-pub const CLIENT_VARS: &[&str] = &[TERMINATION_LOG, AUTO_ATTACH, AGREEMENT];
+pub const CLIENT_VARS: &[&str] = &[TERMINATION_LOG, AUTO_ATTACH, AGREEMENT, TRAIN_START_WAIT];
 
 #[cfg(test)]
 mod tests {

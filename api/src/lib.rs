@@ -20,6 +20,7 @@ pub mod policy;
 pub mod quantity;
 pub mod signal;
 pub mod summary;
+pub mod train_start;
 pub mod wellknown;
 
 #[cfg(feature = "crd")]

@@ -188,10 +188,14 @@ pub struct Report {
     pub saves_deferred: Option<u64>,
 }
 
-/// The knobs a trainer reports at train start ([`Report::config`]), by annotation name:
-/// the micro-batch, the accumulation, the sequence it will run, checkpointing, the ranks, the
-/// LoRA rank, and the model's parameter counts (total and trainable).
-pub const TRAINER_CONFIG_KNOBS: [&str; 8] = [
+/// The knobs a trainer reports at train start ([`Report::config`]), by annotation name where
+/// one exists: the micro-batch, the accumulation, the sequence it will run (the first
+/// micro-batch's padded length), checkpointing, the ranks, the LoRA rank, the model's parameter
+/// counts (total and trainable), and what the estimator needs to estimate the step
+/// (issue 37, item 2): the model's shape from its config, the parameters' dtype and
+/// quantization, the optimizer ([`OPTIMIZER_CODES`]), the loss, mixed precision, attention,
+/// sharding and the device. A bool is 0 or 1; a knob not reported is unknown.
+pub const TRAINER_CONFIG_KNOBS: [&str; 29] = [
     "batch-size",
     "grad-accumulation",
     "seq-length",
@@ -200,6 +204,42 @@ pub const TRAINER_CONFIG_KNOBS: [&str; 8] = [
     "lora-rank",
     "params",
     "trainable-params",
+    // The model's shape (`model.config`).
+    "hidden-size",
+    "num-layers",
+    "num-heads",
+    "num-kv-heads",
+    "head-dim",
+    "intermediate-size",
+    "vocab-size",
+    "num-experts",
+    "tie-embeddings",
+    "gated-ffn",
+    // How it trains.
+    "param-bits",
+    "quant-bits",
+    "optimizer",
+    "fused-loss",
+    "bf16",
+    "fp16",
+    "flash-attention",
+    "gpu",
+    "fsdp",
+    "deepspeed-stage",
+    // Ranks in this container (torchrun's `LOCAL_WORLD_SIZE`): they share its memory limit.
+    "local-ranks",
+];
+
+/// The optimizers a trainer reports as `optimizer` (the value is the index here), by the
+/// estimator's names (`memguard_estimator::Optimizer`): a number, like every knob.
+pub const OPTIMIZER_CODES: [&str; 7] = [
+    "adamw",
+    "adam",
+    "sgd",
+    "sgd-momentum",
+    "adafactor",
+    "adamw-8bit",
+    "adamw-8bit-torchao",
 ];
 
 /// `knob=value,…` ([`crate::env::SIDECAR_ADMITTED_CONFIG`]): the known knobs, the rest named

@@ -56,6 +56,9 @@ pub struct Summary {
     /// The knobs where admission believed otherwise than the trainer reported.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub config_mismatch: Vec<String>,
+    /// The plan made at train start on the trainer's reported config, or why none was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_start: Option<crate::train_start::TrainStartPlan>,
     /// Where the memory figures came from at the end: `<kind> via <view>` of
     /// `memguard_sidecar_source_info` (`cgroup-v1 via client-report`: the trainer's client read
     /// its own cgroup for a sidecar that could not).

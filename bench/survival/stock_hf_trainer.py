@@ -2,7 +2,8 @@
 """A stock Hugging Face Trainer script: nothing of memguard in it.
 
 Settings come from the command line through ``HfArgumentParser`` (``TrainingArguments`` and the
-data arguments below), as in the transformers examples. The model is a small Llama-style causal
+data arguments below), or from one JSON file given as the only argument, as in the transformers
+examples. The model is a small Llama-style causal
 LM built from a config (random weights, nothing from a hub); sample ``i`` is a sequence of
 random tokens whose length grows with ``i``, and ``--train_sampling_strategy sequential`` keeps
 them in order, so the memory of a step grows through the run. The loss is the model's own
@@ -98,7 +99,11 @@ class StepLog(TrainerCallback):
 
 def main() -> int:
     parser = HfArgumentParser((DataArguments, TrainingArguments))
-    data_args, args = parser.parse_args_into_dataclasses()
+    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        # The transformers examples' convention: every setting from one JSON file.
+        data_args, args = parser.parse_json_file(json_file=os.path.abspath(sys.argv[1]))
+    else:
+        data_args, args = parser.parse_args_into_dataclasses()
     torch.manual_seed(args.seed)
     config = LlamaConfig(
         vocab_size=data_args.vocab_size, hidden_size=64, intermediate_size=128,

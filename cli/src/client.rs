@@ -51,6 +51,7 @@ pub const FILES: &[(&str, &str)] = client_files![
     "src/memguard_client/recovery.py",
     "src/memguard_client/signal.py",
     "src/memguard_client/torch.py",
+    "src/memguard_client/train_config.py",
 ];
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {

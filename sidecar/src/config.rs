@@ -82,6 +82,11 @@ pub struct Args {
     /// with the config the trainer reports at train start.
     #[arg(long, env = env::SIDECAR_ADMITTED_CONFIG, default_value = "")]
     pub admitted_config: String,
+    /// What the trainer's reported config is planned against at train start, `key=value,…`
+    /// (the webhook writes it: a GPU trainer's per-device budget, the safety ratio, the
+    /// estimate level, the floors). Absent: no train-start plan, and the summary says why.
+    #[arg(long, env = env::SIDECAR_TRAIN_START, value_parser = parse_train_start)]
+    pub train_start: Option<memguard_api::train_start::TrainStartPolicy>,
     /// Grow the micro-batch back toward the trainer's configured one when the peaks measured at
     /// the current one show room (never above the configured one; see docs/sidecar.md).
     #[arg(long, env = env::SIDECAR_GROW_BACK, default_value = "true", value_parser = parse_bool, action = clap::ArgAction::Set)]
@@ -310,6 +315,11 @@ impl Config {
             nvidia_visible_devices: lookup(crate::sample::gpu::NVIDIA_VISIBLE_DEVICES),
         })
     }
+}
+
+/// `--train-start`: [`memguard_api::train_start::TrainStartPolicy::parse`].
+fn parse_train_start(s: &str) -> Result<memguard_api::train_start::TrainStartPolicy, String> {
+    memguard_api::train_start::TrainStartPolicy::parse(s)
 }
 
 /// `true|false|1|0|yes|no|on|off`, any case.

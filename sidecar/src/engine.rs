@@ -50,6 +50,12 @@ pub struct Engine {
     /// survived it (a worker process was killed, not the trainer).
     reports_at_oom: u64,
     waiting_for_trainer: bool,
+    /// What admission passed for the train-start plan (`--train-start`; `None`: nothing).
+    train_start_policy: Option<memguard_api::train_start::TrainStartPolicy>,
+    /// The train-start decision was made (once, on the first reported config).
+    train_start_decided: bool,
+    /// A decision made this tick, to answer the report that carried the config with.
+    train_start_reply: Option<memguard_api::train_start::TrainStartPlan>,
 }
 
 /// Everything one step read, and the state machine's inputs made from it.
@@ -119,7 +125,20 @@ impl Engine {
             trainer_oom: false,
             reports_at_oom: 0,
             waiting_for_trainer: false,
+            train_start_policy: None,
+            train_start_decided: false,
+            train_start_reply: None,
         }
+    }
+
+    /// Plans the trainer's reported config at train start under `policy` (what admission
+    /// passed; `None`: nothing, and the decision says so).
+    pub fn with_train_start(
+        mut self,
+        policy: Option<memguard_api::train_start::TrainStartPolicy>,
+    ) -> Self {
+        self.train_start_policy = policy;
+        self
     }
 
     /// The growth back toward the configured micro-batch with these settings (default:
@@ -327,6 +346,15 @@ impl Engine {
         if changed {
             self.publish(&readings, reason, now_ms);
         }
+        if let Some(plan) = self.train_start_reply.take() {
+            let signal = self.shared.signal.borrow().clone();
+            self.shared.train_start.send_replace(Some(
+                memguard_api::train_start::TrainStartReply {
+                    train_start: plan,
+                    signal,
+                },
+            ));
+        }
         self.flush();
         self.shared.trace().push(Point {
             ts_us: now_ms * 1000,
@@ -428,6 +456,25 @@ impl Engine {
             decision.state = state;
             decision.reason = why;
         }
+        if let Some(plan) = self.train_start(r) {
+            if plan.planned
+                && let (Some(batch), Some(accumulation), Some(ckpt)) = (
+                    plan.batch_size,
+                    plan.grad_accumulation,
+                    plan.grad_checkpointing,
+                )
+            {
+                // Never above a sticky downgrade: the rung above it ran out of memory.
+                let sticky = decision.state.sticky.map_or(u64::MAX, |k| k.batch_size);
+                if batch <= sticky {
+                    decision.state.batch_size = batch;
+                    decision.state.grad_accumulation = accumulation;
+                    decision.state.grad_checkpointing = ckpt || decision.state.grad_checkpointing;
+                    decision.reason = plan.reason.clone();
+                }
+            }
+            self.train_start_reply = Some(plan);
+        }
         if let Some(grow) = self.grow(&decision.state, r, now_ms) {
             tracing::info!(reason = %grow.reason, "micro-batch grown back");
             decision.state.batch_size = grow.batch_size;
@@ -438,6 +485,23 @@ impl Engine {
             || decision.state.sticky != self.state.sticky;
         self.state = decision.state;
         (decision.reason, changed)
+    }
+
+    /// The train-start decision, once, on the first config the trainer reported
+    /// ([`crate::train_start`]), recorded in the status.
+    fn train_start(&mut self, r: &Readings) -> Option<memguard_api::train_start::TrainStartPlan> {
+        if self.train_start_decided {
+            return None;
+        }
+        let config = self.shared.status().trainer_config.clone();
+        if config.is_empty() {
+            return None;
+        }
+        self.train_start_decided = true;
+        let plan = crate::train_start::decide(&config, self.train_start_policy.as_ref(), r.limit);
+        tracing::info!(planned = plan.planned, reason = %plan.reason, "train-start decision");
+        self.shared.status().train_start = Some(plan.clone());
+        Some(plan)
     }
 
     /// The growth rule's step on the state just assessed (downgrades included, so that a shrink
@@ -704,6 +768,57 @@ mod tests {
             shared.clone(),
         );
         (e, shared)
+    }
+
+    /// A guarded trainer (the sidecar at its floor, 1 × 1) reports 16 × 1 at train start under
+    /// a roomy limit: the plan is published as the next signal, the reply carries it, and a
+    /// second report does not decide again.
+    #[test]
+    fn the_first_reported_config_is_planned_once_and_published_as_a_signal() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let roomy = Ok(Some(MemorySample {
+            usage_bytes: Some(1 << 30),
+            working_set_bytes: Some(1 << 30),
+            max: Some(Limit::Bytes(64 << 30)),
+            populated: Some(true),
+            ..Default::default()
+        }));
+        let shared = Arc::new(Shared::new(Signal::initial(1, 1, false)));
+        let mut e = Engine::new(
+            Box::new(Script(vec![roomy])),
+            Box::new(FakeGpu(Ok(vec![]))),
+            PsiPaths::default(),
+            PressureConfig::new(Thresholds::default()),
+            SignalWriter::new(dir.path().join("signal.json")),
+            shared.clone(),
+        )
+        .with_train_start(Some(crate::train_start::tests::policy()));
+        e.tick(0);
+        assert!(
+            shared.train_start.borrow().is_none(),
+            "no config reported: no decision"
+        );
+        assert_eq!(shared.signal.borrow().seq, 0);
+        shared.status().trainer_config = crate::train_start::tests::tiny_llama();
+        e.tick(100);
+        let s = on_disk(dir.path());
+        assert_eq!((s.seq, s.batch_size, s.grad_accumulation), (1, 16, 1));
+        assert!(
+            s.reason.starts_with("train-start plan: fits as configured"),
+            "{}",
+            s.reason
+        );
+        let reply = shared.train_start.borrow().clone().expect("a reply");
+        assert!(reply.train_start.planned && reply.train_start.fits == Some(true));
+        assert_eq!(reply.signal, *shared.signal.borrow());
+        assert_eq!(shared.status().train_start, Some(reply.train_start.clone()));
+        // Another rank's report, or the same trainer again: decided already.
+        let mut other = crate::train_start::tests::tiny_llama();
+        other.insert("batch-size".into(), 2.0);
+        shared.status().trainer_config = other;
+        e.tick(200);
+        assert_eq!(shared.signal.borrow().seq, 1);
+        assert_eq!(shared.status().train_start, Some(reply.train_start));
     }
 
     fn on_disk(dir: &std::path::Path) -> Signal {

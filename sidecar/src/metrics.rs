@@ -84,6 +84,39 @@ pub fn render(st: &Status, sig: &Signal) -> String {
         "1 where admission planned a knob at another value than the trainer reports, else 0.",
         &mismatch,
     );
+    let planned: Vec<(String, f64)> = st
+        .train_start
+        .iter()
+        .flat_map(|p| {
+            [
+                ("batch-size", p.batch_size.map(|v| v as f64)),
+                ("grad-accumulation", p.grad_accumulation.map(|v| v as f64)),
+                (
+                    "grad-checkpointing",
+                    p.grad_checkpointing.map(|v| f64::from(u8::from(v))),
+                ),
+                ("upper-bytes", p.upper_bytes.map(|v| v as f64)),
+                ("budget-bytes", p.budget_bytes.map(|v| v as f64)),
+            ]
+        })
+        .filter_map(|(k, v)| Some((label("knob", k), v?)))
+        .collect();
+    o.family(
+        "train_start_plan",
+        "gauge",
+        "The plan made at train start on the trainer's reported config: the micro-batch, \
+         accumulation and checkpointing it runs from the first step, the plan's upper bound and \
+         the budget (bytes); absent before the decision or when none was made.",
+        &planned,
+    );
+    o.gauge(
+        "train_start_planned",
+        "1 when a plan was made at train start, 0 when none could be (the summary says why); \
+         absent before the trainer reported its config.",
+        st.train_start
+            .as_ref()
+            .map(|p| f64::from(u8::from(p.planned))),
+    );
     let phases: Vec<(String, f64)> = st
         .phase
         .map(|now| {

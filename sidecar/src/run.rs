@@ -250,7 +250,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         steady_steps: a.grow_steady_steps,
         min_window_ms: a.grow_window.as_millis() as u64,
         watermark: config.thresholds.warn,
-    });
+    })
+    .with_train_start(a.train_start.clone());
     engine.flush();
     let (source, info) = {
         let st = shared.status();
@@ -303,6 +304,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         tokio::select! {
             _ = interval.tick() => {}
             _ = notify.notified() => shared.status().wakeups_total += 1,
+            // A config reported: plan at once, not at the next tick.
+            _ = shared.wake.notified() => {}
             reason = &mut shutdown => break reason,
         }
         let now_ms = started.elapsed().as_millis() as u64;

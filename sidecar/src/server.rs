@@ -22,6 +22,8 @@ pub const MAX_REPORT_BYTES: usize = 16 * 1024;
 pub const MAX_WAIT: Duration = Duration::from_secs(60);
 /// Long-poll wait when `after` is given without `wait`.
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(30);
+/// How long the report carrying the trainer's config waits for the train-start decision.
+pub const TRAIN_START_WAIT: Duration = Duration::from_secs(2);
 /// Longest accepted `framework` name in a report.
 const MAX_FRAMEWORK_LEN: usize = 64;
 
@@ -119,36 +121,69 @@ async fn post_report(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
     if let Err(e) = report.check() {
         return refuse_report(&shared, e);
     }
-    let mut st = shared.status();
-    let gpu = report.reserved_bytes.or(report.allocated_bytes);
-    if let Some(g) = gpu.max(report.peak_bytes).max(report.reserved_peak_bytes) {
-        st.gpu_peak = Some(st.gpu_peak.map_or(g, |p| p.max(g)));
+    let carries_config = report.config.is_some();
+    {
+        let mut st = shared.status();
+        let gpu = report.reserved_bytes.or(report.allocated_bytes);
+        if let Some(g) = gpu.max(report.peak_bytes).max(report.reserved_peak_bytes) {
+            st.gpu_peak = Some(st.gpu_peak.map_or(g, |p| p.max(g)));
+        }
+        if let Some(oom) = &report.oom {
+            *st.oom_records.entry((oom.kind, oom.outcome)).or_default() += 1;
+            let mut kept = oom.clone();
+            kept.message = kept.message.chars().take(MAX_MESSAGE_CHARS).collect();
+            st.pending_oom = Some(kept.clone());
+            st.last_oom = Some(kept);
+        }
+        if let Some(phase) = report.phase {
+            st.phase = Some(phase);
+        }
+        if let Some(n) = report.saves_deferred {
+            st.saves_deferred = Some(n);
+        }
+        if let Some(config) = &report.config {
+            st.trainer_config = config.clone();
+        }
+        if let Some(memory) = &report.container_memory {
+            st.container_memory = Some(Reported {
+                memory: memory.clone(),
+                received: std::time::Instant::now(),
+            });
+        }
+        st.report = Some(report);
+        st.reports_total += 1;
     }
-    if let Some(oom) = &report.oom {
-        *st.oom_records.entry((oom.kind, oom.outcome)).or_default() += 1;
-        let mut kept = oom.clone();
-        kept.message = kept.message.chars().take(MAX_MESSAGE_CHARS).collect();
-        st.pending_oom = Some(kept.clone());
-        st.last_oom = Some(kept);
+    if carries_config {
+        return train_start_reply(&shared).await;
     }
-    if let Some(phase) = report.phase {
-        st.phase = Some(phase);
-    }
-    if let Some(n) = report.saves_deferred {
-        st.saves_deferred = Some(n);
-    }
-    if let Some(config) = &report.config {
-        st.trainer_config = config.clone();
-    }
-    if let Some(memory) = &report.container_memory {
-        st.container_memory = Some(Reported {
-            memory: memory.clone(),
-            received: std::time::Instant::now(),
-        });
-    }
-    st.report = Some(report);
-    st.reports_total += 1;
     StatusCode::NO_CONTENT.into_response()
+}
+
+/// The answer to the report that carried the trainer's config: the train-start decision and
+/// the signal after it, once the sampling loop (woken now) made it; 204 when it takes longer
+/// than [`TRAIN_START_WAIT`] (the trainer then goes on and follows the signal as usual).
+async fn train_start_reply(shared: &Shared) -> Response {
+    let mut rx = shared.train_start.subscribe();
+    shared.wake.notify_one();
+    let decided = async {
+        loop {
+            if let Some(reply) = rx.borrow_and_update().clone() {
+                return Some(reply);
+            }
+            if rx.changed().await.is_err() {
+                return None;
+            }
+        }
+    };
+    match tokio::time::timeout(TRAIN_START_WAIT, decided).await {
+        Ok(Some(mut reply)) => {
+            // The signal in force now: a trainer restarted after the decision (an OOM kill, a
+            // sticky downgrade since) gets the current one, never an older one.
+            reply.signal = shared.signal.borrow().clone();
+            axum::Json(reply).into_response()
+        }
+        _ => StatusCode::NO_CONTENT.into_response(),
+    }
 }
 
 async fn get_trace(State(shared): State<Arc<Shared>>) -> Response {
@@ -270,6 +305,41 @@ mod tests {
         let (status, body) = call(trainer_router(sh.clone()), req).await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
         assert!(body.contains("unknown knob"), "{body}");
+    }
+
+    /// The report that carries the config is answered with the decision once the sampling
+    /// loop made it, and with the signal in force now (never an older one).
+    #[tokio::test]
+    async fn a_config_report_is_answered_with_the_decision_and_the_current_signal() {
+        let sh = shared();
+        let decided = sh.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let old = decided.signal.borrow().clone();
+            let mut now = old.clone();
+            now.seq = 3;
+            decided.signal.send_replace(now);
+            decided
+                .train_start
+                .send_replace(Some(memguard_api::train_start::TrainStartReply {
+                    train_start: memguard_api::train_start::TrainStartPlan {
+                        planned: true,
+                        reason: "train-start plan: test".into(),
+                        batch_size: Some(4),
+                        ..Default::default()
+                    },
+                    signal: old,
+                }));
+        });
+        let req = Request::post("/v1/report")
+            .body(Body::from(r#"{"config":{"batch-size":16}}"#))
+            .expect("req");
+        let (status, body) = call(trainer_router(sh.clone()), req).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let reply: memguard_api::train_start::TrainStartReply =
+            serde_json::from_str(&body).expect("a reply");
+        assert_eq!(reply.train_start.batch_size, Some(4));
+        assert_eq!(reply.signal.seq, 3);
     }
 
     #[tokio::test]

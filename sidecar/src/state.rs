@@ -84,6 +84,8 @@ pub struct Status {
     pub admitted_config: BTreeMap<String, f64>,
     /// The config the trainer reported at train start (the last report that had one).
     pub trainer_config: BTreeMap<String, f64>,
+    /// The plan made at train start on the first reported config, or why none was.
+    pub train_start: Option<memguard_api::train_start::TrainStartPlan>,
 }
 
 impl Status {
@@ -125,6 +127,11 @@ pub struct Shared {
     pub status: Mutex<Status>,
     /// The memory timeline.
     pub trace: Mutex<Trace>,
+    /// The train-start decision and the signal after it, once made: the report that carried
+    /// the config waits on it for its reply.
+    pub train_start: watch::Sender<Option<memguard_api::train_start::TrainStartReply>>,
+    /// Wakes the sampling loop before its next tick (a config reported: plan now).
+    pub wake: tokio::sync::Notify,
 }
 
 impl Shared {
@@ -134,6 +141,8 @@ impl Shared {
             signal: watch::Sender::new(signal),
             status: Mutex::new(Status::default()),
             trace: Mutex::new(Trace::default()),
+            train_start: watch::Sender::new(None),
+            wake: tokio::sync::Notify::new(),
         }
     }
 

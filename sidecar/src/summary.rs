@@ -36,6 +36,7 @@ pub fn build(st: &Status, sig: &Signal, estimate: Option<u64>, exit_reason: &str
             .filter(|(_, differs)| *differs)
             .map(|(k, _)| k.to_string())
             .collect(),
+        train_start: st.train_start.clone(),
         memory_source: st
             .source_info
             .filter(|i| i.kind != "none")

@@ -26,7 +26,7 @@ pub use memguard_decide::warnings::{MAX_WARNING_CHARS, cannot_fit_warning, trunc
 pub use crate::outcome::{
     ClientPlan, CommandLine, Guarded, Mutation, Outcome, SidecarPlan, skipped,
 };
-use crate::render::{client_plan, render, sidecar_base_env};
+use crate::render::{client_plan, render, sidecar_base_env, train_start_env};
 pub use crate::watch::view::{ClusterView, ProfileSource};
 
 pub use memguard_decide::budget::{Budget, BudgetSource};
@@ -83,7 +83,12 @@ fn guard(pod: &Pod, policy: &Policy, python: bool, why: String) -> Outcome {
             mode: policy.sidecar_mode,
             image: policy.sidecar_image.clone(),
             resources: policy.sidecar_resources.clone(),
-            env: sidecar_base_env(policy, &trainer.name),
+            // No per-device budget: admission could not resolve the trainer's device. A CPU
+            // trainer is planned against its cgroup limit; a GPU one says it has no budget.
+            env: sidecar_base_env(policy, &trainer.name)
+                .into_iter()
+                .chain([train_start_env(policy, policy.safety_ratio, None, None)])
+                .collect(),
         },
         client: Some(client),
         reason,

@@ -195,12 +195,40 @@ pub(crate) fn sidecar_plan(
             admitted_config(training, cfg),
         ));
     }
+    // A GPU trainer's per-device budget; a CPU trainer's is its cgroup limit, which the
+    // sidecar reads itself.
+    let gpu_budget = budget.filter(|_| matches!(cfg.device, Device::Cuda | Device::Rocm));
+    env.push(train_start_env(
+        policy,
+        memguard_decide::decision::safety_ratio(training, policy),
+        training.annotations.allow_quality,
+        gpu_budget,
+    ));
     SidecarPlan {
         mode: policy.sidecar_mode,
         image: policy.sidecar_image.clone(),
         resources: policy.sidecar_resources.clone(),
         env,
     }
+}
+
+/// What the sidecar plans the trainer's reported config against at train start
+/// ([`memguard_api::train_start::TrainStartPolicy`]): the policy's estimate level and floors
+/// (quality allowed where the pod allows it), the safety ratio, and a GPU trainer's per-device
+/// budget where admission computed one.
+pub(crate) fn train_start_env(
+    policy: &Policy,
+    safety_ratio: f64,
+    allow_quality: Option<bool>,
+    gpu_budget: Option<&Budget>,
+) -> (String, String) {
+    let settings = memguard_api::train_start::TrainStartPolicy {
+        budget_bytes: gpu_budget.map(|b| b.bytes.0).filter(|&b| b > 0),
+        safety_ratio: Some(safety_ratio),
+        estimate_level: Some(policy.estimate_level),
+        floors: Some(memguard_decide::decision::floors(allow_quality, policy)),
+    };
+    (env::SIDECAR_TRAIN_START.into(), settings.render())
 }
 
 /// What admission planned the trainer at, for the sidecar to compare with what the trainer

@@ -939,6 +939,21 @@ fn an_unknown_model_in_the_launch_is_said_and_the_trainer_guarded() {
             assert!(error.contains("unknown model"), "{error}");
             assert!(error.contains("nearest known"), "{error}");
             assert!(error.contains("guarded at run time"), "{error}");
+            // The sidecar plans at train start on the config the trainer reports: against the
+            // policy's ratio and floors, with no per-device budget (admission computed none).
+            let train_start = g
+                .sidecar
+                .env
+                .iter()
+                .find(|(k, _)| k == memguard_api::env::SIDECAR_TRAIN_START)
+                .map(|(_, v)| v.as_str());
+            let parsed = memguard_api::train_start::TrainStartPolicy::parse(
+                train_start.expect("train-start settings"),
+            )
+            .expect("parses");
+            assert_eq!(parsed.budget_bytes, None);
+            assert_eq!(parsed.safety_ratio, Some(Policy::default().safety_ratio));
+            assert_eq!(parsed.floors, Some(Policy::default().floors));
         }
         other => panic!("{other:?}"),
     }

@@ -40,6 +40,8 @@ AUTO_ATTACH = "MEMGUARD_AUTO_ATTACH"
 #: (applied one step later); ``blocking``: applied at the step it is made
 #: (memguard_client.distributed).
 AGREEMENT = "MEMGUARD_AGREEMENT"
+#: Seconds the first training step waits for the sidecar's train-start plan (default 2).
+TRAIN_START_WAIT = "MEMGUARD_TRAIN_START_WAIT"
 #: :data:`AGREEMENT`'s values.
 PIPELINED = "pipelined"
 BLOCKING = "blocking"
@@ -75,6 +77,18 @@ def env_int(environ: Mapping[str, str], name: str, default: int) -> int:
     except ValueError:
         return default
     return value if value >= 1 else default
+
+
+def env_seconds(environ: Mapping[str, str], name: str, default: float) -> float:
+    """Seconds ≥ 0 from ``environ[name]`` (at most an hour); ``default`` when unset or not one."""
+    raw = environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        return default
+    return value if 0.0 <= value <= 3600.0 else default
 
 
 def env_grad_sync(environ: Mapping[str, str], default: str) -> str:

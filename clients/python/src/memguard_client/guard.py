@@ -40,6 +40,10 @@ MAX_SIGNAL_BYTES = 64 * 1024
 #: "racy" read is repeated on the next refresh (the racy-git rule).
 RACY_WINDOW_NS = 50_000_000
 
+#: Default seconds the first step waits for the sidecar's train-start plan
+#: (``MEMGUARD_TRAIN_START_WAIT`` overrides it).
+TRAIN_START_WAIT = 2.0
+
 _FileKey = Tuple[int, int, int, int]
 
 
@@ -92,6 +96,7 @@ class Guard:
         self._url: Optional[str] = sidecar_url.rstrip("/") if sidecar_url else None
         self._poll_wait = max(0.0, float(poll_wait))
         self._report_timeout = float(report_timeout)
+        self._train_start_wait = _env.env_seconds(environ, _env.TRAIN_START_WAIT, TRAIN_START_WAIT)
         # The container's own cgroup, for a sidecar that cannot read it (own_cgroup.py).
         self._own_cgroup = OwnCgroup()
 
@@ -471,6 +476,60 @@ class Guard:
         Never raises; True when accepted."""
         body = {"config": {str(k): float(v) for k, v in config.items()}}
         return self._post_report(body)
+
+    def plan_at_train_start(
+        self, config: Mapping[str, float], timeout: Optional[float] = None
+    ) -> Optional[Dict[str, Any]]:
+        """POST the config the trainer runs at and wait, at most ``timeout`` seconds
+        (default ``MEMGUARD_TRAIN_START_WAIT``, else :data:`TRAIN_START_WAIT`), for the
+        sidecar's train-start decision; the signal that comes with it is applied at once, so
+        the first step runs the plan. Returns the decision (``planned``, ``reason``,
+        ``batch_size``, …), or ``None`` when none came in time (logged; the trainer goes on
+        unplanned and follows the signal as usual). Never raises."""
+        if self._url is None:
+            return None
+        wait = self._train_start_wait if timeout is None else max(0.0, float(timeout))
+        body: Dict[str, Any] = {"config": {str(k): float(v) for k, v in config.items()}}
+        req = urllib.request.Request(
+            f"{self._url}/v1/report",
+            data=json.dumps(body).encode("utf-8"),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        started = time.monotonic()
+        try:
+            with urllib.request.urlopen(req, timeout=wait) as resp:
+                status = int(resp.status)
+                data = resp.read(MAX_SIGNAL_BYTES + 1)
+        except urllib.error.HTTPError as err:
+            log.warning("memguard: the sidecar refused the train-start config: %s", err)
+            return None
+        except Exception as err:
+            log.warning(
+                "memguard: no train-start plan within %.1fs (%s); going on unplanned", wait, err
+            )
+            return None
+        if status != 200 or len(data) > MAX_SIGNAL_BYTES:
+            log.warning(
+                "memguard: no train-start plan within %.1fs (HTTP %d); going on unplanned",
+                time.monotonic() - started,
+                status,
+            )
+            return None
+        try:
+            reply = json.loads(data.decode("utf-8"))
+            decision = reply["train_start"]
+            sig = parse_signal(json.dumps(reply["signal"]))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            log.warning("memguard: the sidecar's train-start reply is not one; going on unplanned")
+            return None
+        if not isinstance(decision, dict):
+            return None
+        if sig is not None:
+            self._offer(sig)
+            self.refresh()
+        log.info("memguard: %s", decision.get("reason", ""))
+        return decision
 
     def report_phase(self, phase: str, **counters: int) -> bool:
         """Enter ``phase`` (one of :data:`memguard_client.phase.PHASES`) and POST it at once,

@@ -29,6 +29,13 @@ once per batch. Peak activation memory is that of the micro-batch size; the effe
 (``B × gradient_accumulation_steps × world size``) and the samples seen are exactly those of the
 original run.
 
+The plan at train start
+-----------------------
+At the first ``training_step``, before the first forward, the adapter reports the config the
+trainer really runs at (:mod:`memguard_client.train_config`, the first batch's padded length
+included) and waits, bounded, for the sidecar's train-start plan, which it applies like any
+signal: every rank runs the planned micro-batch from step 1 (docs/python-client.md).
+
 Every rank, every batch
 -----------------------
 Each ``training_step`` call is a step boundary: the guard is refreshed and, when
@@ -63,7 +70,8 @@ Refused: DeepSpeed and SageMaker model parallel. DeepSpeed's engine counts micro
 decides gradient-accumulation boundaries itself (``engine.backward`` / ``engine.step``, driven
 by accelerate from ``sync_gradients``); re-chunking inside ``training_step`` would need those
 boundaries overridden per micro-batch and cannot be verified here (DeepSpeed does not run on this
-CPU-only CI), so :func:`attach` raises instead of risking a silent desync.
+CPU-only CI), so :func:`attach` raises instead of risking a silent desync. Before it raises it still reports
+the trainer's config to the sidecar (issue 37), which exports it and decides on it.
 
 Usage::
 
@@ -87,6 +95,7 @@ from typing import Any, Callable, Dict, Optional
 
 from .guard import Guard
 from .phase import PRESSURE_LEVELS, SaveDeferral
+from .train_config import first_batch, trainer_config
 from .recovery import (
     DEFAULT_MAX_OOM_RETRIES,
     RunnerCounters,
@@ -96,6 +105,7 @@ from .recovery import (
     grads_fresh,
     is_fsdp,
     sync_each_batch_on,
+    unwrap,
     zero_grads,
 )
 
@@ -156,6 +166,10 @@ class MemguardCallback(RunnerCounters, _callback_base()):  # type: ignore[misc]
         self._wrapped_optimizer: Any = None
         #: Checkpoint saves put off under host-memory pressure (phase.py).
         self.save_deferral = SaveDeferral()
+        #: The sidecar's train-start decision (``None`` before the first step, or when none
+        #: came in time).
+        self.train_start: Optional[Dict[str, Any]] = None
+        self._train_start_asked = False
 
     @property
     def saves_deferred(self) -> int:
@@ -172,11 +186,8 @@ class MemguardCallback(RunnerCounters, _callback_base()):  # type: ignore[misc]
             )
             return
         self._wrap_optimizer(kwargs.get("optimizer"))
-        # The truth from inside the trainer (issue 37): the config it really runs at, read
-        # from its own objects, for the sidecar to export beside what admission believed.
-        config = trainer_config(args, kwargs.get("model"))
-        if config and getattr(state, "is_world_process_zero", True):
-            self.guard.report_config(config)
+        # The config is reported at the first training step, with the first batch's sequence
+        # (plan_at_train_start).
         self.guard.report_phase("step")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -208,6 +219,28 @@ class MemguardCallback(RunnerCounters, _callback_base()):  # type: ignore[misc]
         if self.attached:
             self.runner.agreement.close()
             self.runner.step_reports.close()
+
+    def plan_at_train_start(self, trainer: Any, model: Any, inputs: Any) -> None:
+        """Before the first forward (issue 37): report the config the trainer really runs at,
+        this rank's first batch included, and apply the sidecar's train-start plan (the step's
+        agreement then makes every rank run the same micro-batch from step 1). Once."""
+        if self._train_start_asked:
+            return
+        self._train_start_asked = True
+        try:
+            # The model itself, not its DDP/FSDP wrapper: its config says its shape.
+            inner = getattr(trainer, "model", None)
+            config = trainer_config(
+                getattr(trainer, "args", None),
+                inner if inner is not None else unwrap(model),
+                getattr(trainer, "accelerator", None),
+            )
+            config.update(first_batch(inputs))
+        except Exception as exc:  # reading the objects must never stop training
+            log.warning("memguard: the trainer's config could not be read: %s", exc)
+            return
+        if config:
+            self.train_start = self.guard.plan_at_train_start(config)
 
     def _wrap_optimizer(self, optimizer: Any) -> None:
         """Make ``optimizer.step`` skip the step an OOM in backward spoiled."""
@@ -256,6 +289,7 @@ class MemguardCallback(RunnerCounters, _callback_base()):  # type: ignore[misc]
             return out
 
         def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None, **kw: Any) -> Any:
+            self.plan_at_train_start(trainer, model, inputs)
             fsdp = fsdp_seen.get(id(model))
             if fsdp is None:
                 fsdp = fsdp_seen[id(model)] = _is_fsdp_trainer(trainer, model)
@@ -320,6 +354,18 @@ def attach(
     """
     kind = _unsupported(trainer)
     if kind is not None:
+        # Not re-chunked, but the sidecar still learns the config it runs at (issue 37).
+        reporter = guard if guard is not None else Guard(background=False, oom_hook=False)
+        try:
+            config = trainer_config(
+                getattr(trainer, "args", None),
+                getattr(trainer, "model", None),
+                getattr(trainer, "accelerator", None),
+            )
+            if config:
+                reporter.plan_at_train_start(config)
+        except Exception as exc:  # noqa: BLE001 - the refusal below is what matters
+            log.debug("memguard: config not reported: %s", exc)
         raise UnsupportedTrainerError(
             f"memguard: attach() does not support {kind} training: its engine counts micro-steps "
             "and gradient-accumulation boundaries itself, so re-chunking batches inside "
@@ -343,44 +389,6 @@ def attach(
     if callable(add):
         add(cb)
     return cb
-
-
-def trainer_config(args: Any, model: Any = None) -> Dict[str, float]:
-    """The config a Trainer runs at, read from its ``TrainingArguments`` (and TRL's configs,
-    their subclasses) and its model, as the sidecar's ``config`` report takes it
-    (``memguard_api::signal::TRAINER_CONFIG_KNOBS``). Only what the objects say: a value that
-    is missing or not a number is left out, never guessed."""
-    out: Dict[str, float] = {}
-
-    def put(knob: str, value: Any) -> None:
-        if isinstance(value, bool):
-            out[knob] = 1.0 if value else 0.0
-        elif isinstance(value, (int, float)) and value >= 0:
-            out[knob] = float(value)
-
-    put("batch-size", getattr(args, "per_device_train_batch_size", None))
-    put("grad-accumulation", getattr(args, "gradient_accumulation_steps", None))
-    put("grad-checkpointing", getattr(args, "gradient_checkpointing", None))
-    put("world-size", getattr(args, "world_size", None))
-    # TRL's configs cut at `max_length` (`max_seq_length` before TRL 0.20).
-    for name in ("max_length", "max_seq_length"):
-        value = getattr(args, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            put("seq-length", value)
-            break
-    if model is not None:
-        try:
-            put("params", int(sum(p.numel() for p in model.parameters())))
-            put(
-                "trainable-params",
-                int(sum(p.numel() for p in model.parameters() if p.requires_grad)),
-            )
-        except Exception:  # a model-like object without parameters: nothing to say
-            pass
-        peft = getattr(model, "peft_config", None)
-        if isinstance(peft, dict) and peft:
-            put("lora-rank", getattr(next(iter(peft.values())), "r", None))
-    return out
 
 
 def _loss_is_scaled_for_ga(trainer: Any, num_items_in_batch: Any) -> bool:

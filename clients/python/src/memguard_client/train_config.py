@@ -1,0 +1,223 @@
+"""The config a trainer really runs at, read from its own objects at train start (issue 37).
+
+The one reader of a trainer's config for the sidecar's ``config`` report
+(``memguard_api::signal::TRAINER_CONFIG_KNOBS``): the ``TrainingArguments`` (TRL's configs are
+subclasses), the model and its ``config``, the accelerator's sharding, and the first
+micro-batch. Only what the objects say: a value that is missing, or that this module cannot
+read for sure, is left out, never guessed; the sidecar then makes no plan and says which
+value was missing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Mapping, Optional
+
+#: The optimizers the sidecar knows, by ``memguard_api::signal::OPTIMIZER_CODES`` index.
+OPTIMIZER_CODES = (
+    "adamw",
+    "adam",
+    "sgd",
+    "sgd-momentum",
+    "adafactor",
+    "adamw-8bit",
+    "adamw-8bit-torchao",
+)
+
+#: ``TrainingArguments.optim`` values → the estimator's optimizer (others are not reported).
+_HF_OPTIMIZERS = {
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw",
+    "adamw_hf": "adamw",
+    "adamw_apex_fused": "adamw",
+    "adamw_torch_xla": "adamw",
+    "adamw_torch_npu_fused": "adamw",
+    "adafactor": "adafactor",
+    "adamw_bnb_8bit": "adamw-8bit",
+    "adamw_8bit": "adamw-8bit",
+    "paged_adamw_8bit": "adamw-8bit",
+    "adamw_torch_8bit": "adamw-8bit-torchao",
+    "sgd": "sgd",
+}
+
+#: Attention implementations that keep no ``S²`` score matrix.
+_MEMORY_EFFICIENT_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+_EAGER_ATTENTION = ("eager",)
+
+#: Module names of a gated FFN's gate projection (Llama, Mistral, Qwen, Gemma; Phi-3).
+_GATE_NAMES = ("gate_proj", "gate_up_proj")
+
+
+class _Knobs(dict):  # type: ignore[type-arg]
+    """knob → number; a bool as 0/1; anything else (None, a negative, a string) left out."""
+
+    def put(self, knob: str, value: Any) -> None:
+        if isinstance(value, bool):
+            self[knob] = 1.0 if value else 0.0
+        elif isinstance(value, (int, float)) and value >= 0:
+            self[knob] = float(value)
+
+
+def trainer_config(args: Any, model: Any = None, accelerator: Any = None) -> Dict[str, float]:
+    """The config a Trainer runs at: its arguments, its model's shape and parameters, its
+    sharding (see the module doc)."""
+    out = _Knobs()
+    out.put("batch-size", getattr(args, "per_device_train_batch_size", None))
+    out.put("grad-accumulation", getattr(args, "gradient_accumulation_steps", None))
+    out.put("grad-checkpointing", getattr(args, "gradient_checkpointing", None))
+    out.put("world-size", getattr(args, "world_size", None))
+    # TRL's configs cut at `max_length` (`max_seq_length` before TRL 0.20); the first batch's
+    # padded length replaces it once seen (`first_batch`).
+    for name in ("max_length", "max_seq_length"):
+        value = getattr(args, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            out.put("seq-length", value)
+            break
+    out.put("bf16", getattr(args, "bf16", None))
+    out.put("fp16", getattr(args, "fp16", None))
+    out.put("fused-loss", getattr(args, "use_liger_kernel", None))
+    optim = getattr(args, "optim", None)
+    optim = getattr(optim, "value", optim)
+    name = _HF_OPTIMIZERS.get(str(optim)) if optim is not None else None
+    if name is not None:
+        out.put("optimizer", OPTIMIZER_CODES.index(name))
+    if model is not None:
+        out.update(model_config(model))
+    out.update(sharding(accelerator))
+    out.update(local_ranks(getattr(args, "world_size", None)))
+    return dict(out)
+
+
+def local_ranks(world_size: Any, environ: Optional[Mapping[str, str]] = None) -> Dict[str, float]:
+    """The ranks in this container, which share its memory limit: torchrun's
+    ``LOCAL_WORLD_SIZE``; one for a run of one rank; unknown otherwise."""
+    out = _Knobs()
+    raw = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE")
+    if raw is not None and raw.strip().isdigit() and int(raw) >= 1:
+        out.put("local-ranks", int(raw))
+    elif world_size == 1:
+        out.put("local-ranks", 1)
+    return dict(out)
+
+
+def model_config(model: Any) -> Dict[str, float]:
+    """The model's shape (its ``config``), parameter counts, dtype, quantization, attention and
+    device."""
+    out = _Knobs()
+    try:
+        params = list(model.parameters())
+    except Exception:  # a model-like object without parameters: nothing to say of them
+        params = []
+    if params:
+        out.put("params", int(sum(p.numel() for p in params)))
+        out.put("trainable-params", int(sum(p.numel() for p in params if p.requires_grad)))
+        first = next((p for p in params if p.is_floating_point()), None)
+        if first is not None:
+            out.put("param-bits", {4: 32, 2: 16}.get(first.element_size()))
+            kind = first.device.type
+            if kind in ("cuda", "cpu"):
+                out.put("gpu", kind == "cuda")
+    peft = getattr(model, "peft_config", None)
+    if isinstance(peft, dict) and peft:
+        out.put("lora-rank", getattr(next(iter(peft.values())), "r", None))
+    config = getattr(model, "config", None)
+    text = config
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        try:
+            text = get_text()
+        except Exception:
+            text = config
+    if text is not None:
+        hidden = _int(text, "hidden_size")
+        heads = _int(text, "num_attention_heads")
+        out.put("hidden-size", hidden)
+        out.put("num-layers", _int(text, "num_hidden_layers"))
+        out.put("num-heads", heads)
+        # transformers' convention: no `num_key_value_heads` is classic multi-head attention.
+        kv = _int(text, "num_key_value_heads")
+        out.put("num-kv-heads", kv if kv is not None else heads)
+        head_dim = _int(text, "head_dim")
+        if head_dim is None and hidden is not None and heads:
+            head_dim = hidden // heads
+        out.put("head-dim", head_dim)
+        out.put("intermediate-size", _int(text, "intermediate_size"))
+        out.put("vocab-size", _int(text, "vocab_size"))
+        experts = [_int(text, n) for n in ("num_local_experts", "num_experts", "n_routed_experts")]
+        named = [e for e in experts if e is not None]
+        out.put("num-experts", max(named) if named else 1)
+        attention = getattr(config, "_attn_implementation", None)
+        if attention in _MEMORY_EFFICIENT_ATTENTION:
+            out.put("flash-attention", True)
+        elif attention in _EAGER_ATTENTION:
+            out.put("flash-attention", False)
+        quant = getattr(config, "quantization_config", None)
+        if getattr(model, "is_loaded_in_4bit", False) or _flag(quant, "load_in_4bit"):
+            out.put("quant-bits", 4)
+        elif getattr(model, "is_loaded_in_8bit", False) or _flag(quant, "load_in_8bit"):
+            out.put("quant-bits", 8)
+        elif quant is None:
+            out.put("quant-bits", 0)
+    tied = _tied(model)
+    if tied is not None:
+        out.put("tie-embeddings", tied)
+    try:
+        names = [n for n, _ in model.named_modules()]
+    except Exception:
+        names = []
+    if names:
+        out.put("gated-ffn", any(n.rsplit(".", 1)[-1] in _GATE_NAMES for n in names))
+    return dict(out)
+
+
+def sharding(accelerator: Any) -> Dict[str, float]:
+    """FSDP, or DeepSpeed's ZeRO stage, from the accelerator's state."""
+    out = _Knobs()
+    if accelerator is None:
+        return dict(out)
+    kind = str(getattr(accelerator, "distributed_type", ""))
+    out.put("fsdp", kind.endswith("FSDP"))
+    if kind.endswith("DEEPSPEED"):
+        plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+        out.put("deepspeed-stage", _int(plugin, "zero_stage"))
+    else:
+        out.put("deepspeed-stage", 0)
+    return dict(out)
+
+
+def first_batch(inputs: Any) -> Dict[str, float]:
+    """The sequence the trainer really runs: the padded length of its first micro-batch's
+    ``input_ids`` (whatever the collator, padding or packing made of the data)."""
+    out = _Knobs()
+    ids = inputs.get("input_ids") if isinstance(inputs, dict) or hasattr(inputs, "get") else None
+    shape = getattr(ids, "shape", None)
+    if shape is not None and len(shape) >= 2:
+        out.put("seq-length", int(shape[-1]))
+    return dict(out)
+
+
+def _int(obj: Any, name: str) -> Optional[int]:
+    value = getattr(obj, name, None) if obj is not None else None
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value
+
+
+def _flag(obj: Any, name: str) -> bool:
+    if obj is None:
+        return False
+    if isinstance(obj, dict):
+        return bool(obj.get(name, False))
+    return bool(getattr(obj, name, False))
+
+
+def _tied(model: Any) -> Optional[bool]:
+    """Whether the input and output embeddings are one matrix, read from the model."""
+    try:
+        inp = model.get_input_embeddings()
+        outp = model.get_output_embeddings()
+    except Exception:
+        return None
+    if inp is None or outp is None:
+        return None
+    return getattr(inp, "weight", None) is getattr(outp, "weight", None)
