@@ -30,6 +30,15 @@ SHAPES: Dict[str, dict] = {
 }
 
 
+def build_config(name: str, vocab: int, **shape) -> Path:
+    """A Llama config alone (`config.json`): a model trained from scratch builds its weights."""
+    from transformers import LlamaConfig
+
+    path = MODELS_DIR / name
+    LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, **shape).save_pretrained(path)
+    return path
+
+
 def build_checkpoint(shape: str, dtype: str) -> Path:
     """A random-init Llama saved by `save_pretrained` as safetensors; built once and reused."""
     path = MODELS_DIR / f"{shape}-{dtype}"
@@ -67,21 +76,24 @@ class Run:
 
 class PhaseSampler(threading.Thread):
     """The group's highest anonymous memory (`rss` + `shmem` of memory.stat: what reclaim
-    cannot drop, page cache can be) before every rank has loaded (`load`) and after (`train`)."""
+    cannot drop, page cache can be) before every rank has loaded (`load`), after (`train`), and
+    once a rank is about to save (`save`)."""
 
     def __init__(self, group: Path, markers: Path, ranks: int):
         super().__init__(daemon=True)
         self.group, self.markers, self.ranks = group, markers, ranks
         self.stop = threading.Event()
-        self.anon_by_phase: Dict[str, int] = {"load": 0, "train": 0}
+        self.anon_by_phase: Dict[str, int] = {"load": 0, "train": 0, "save": 0}
 
     def run(self) -> None:
         while not self.stop.is_set():
             try:
                 stat = dict(line.split() for line in (self.group / "memory.stat").read_text().splitlines())
                 anon = int(stat["rss"]) + int(stat["shmem"])
-                loaded = sum(1 for p in self.markers.iterdir() if p.name.startswith("loaded-"))
-                phase = "train" if loaded >= self.ranks else "load"
+                names = [p.name for p in self.markers.iterdir()]
+                loaded = sum(1 for n in names if n.startswith("loaded-"))
+                saving = any(n.startswith("saving-") for n in names)
+                phase = "save" if saving else "train" if loaded >= self.ranks else "load"
                 self.anon_by_phase[phase] = max(self.anon_by_phase[phase], anon)
             except (OSError, KeyError, ValueError):
                 pass  # the group is being torn down
@@ -124,7 +136,7 @@ def run_in_cgroup(name: str, limit_bytes: int, argv: List[str], cwd: Path, ranks
         wall_s=round(wall, 1),
         markers=sorted(p.name for p in markers.iterdir()),
         anon_by_phase=sampler.anon_by_phase,
-        output=proc.stdout[-20000:] + proc.stderr[-6000:],
+        output=proc.stdout[-20000:] + proc.stderr[-20000:],
     )
     shutil.rmtree(markers, ignore_errors=True)
     for _ in range(50):

@@ -5,7 +5,9 @@
 LoRA adapters (peft) or the full model. Launched by torchrun, with gloo on the CPU.
 
 It leaves evidence of how far it got, one file per rank under $MEMGUARD_PROOF_MARKERS:
-`loading-<rank>` as `from_pretrained` is called, `loaded-<rank>` once it has returned, `trained-<rank>` once `train()` has.
+`loading-<rank>` as `from_pretrained` is called, `loaded-<rank>` once it has returned,
+`stepped-`, `saving-`, `saved-<rank>` from the Trainer's callbacks (`PhaseMarkers`), and
+`trained-<rank>` once `train()` has returned.
 
     torchrun --nproc_per_node 2 bench/host/proof_train.py --model_name_or_path CKPT \
         --dtype float32 --lora true --output_dir OUT --max_steps 3
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 
 
 @dataclass
@@ -50,6 +52,19 @@ def mark(name: str) -> None:
         Path(markers, f"{name}-{os.environ.get('RANK', '0')}").write_text("")
 
 
+class PhaseMarkers(TrainerCallback):
+    """`stepped-<rank>` at the first step's end, `saving-<rank>` at the step end at which the
+    Trainer decided to save (the save comes next), `saved-<rank>` once it is written."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        mark("stepped")
+        if control.should_save:
+            mark("saving")
+
+    def on_save(self, args, state, control, **kwargs):
+        mark("saved")
+
+
 def main() -> None:
     model_args, training_args = HfArgumentParser((ModelArguments, TrainingArguments)).parse_args_into_dataclasses()
     dtype = model_args.dtype if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
@@ -68,7 +83,7 @@ def main() -> None:
     steps = max(training_args.max_steps, 1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     data = SyntheticTokens(steps * training_args.per_device_train_batch_size * world, model_args.max_seq_length, model.config.vocab_size)
-    Trainer(model=model, args=training_args, train_dataset=data).train()
+    Trainer(model=model, args=training_args, train_dataset=data, callbacks=[PhaseMarkers()]).train()
     mark("trained")
 
 
