@@ -116,7 +116,7 @@ def test_a_job_killed_at_its_full_fsdp_save_survives_it_as_admitted(tmp_path):
             "--fsdp", "full_shard", "--fsdp_config", json.dumps({"state_dict_type": "FULL_STATE_DICT"}),
             "--save_only_model", "false", "--dataloader_num_workers", "0", "--dataloader_pin_memory", "false",
             "--report_to", "none", "--use_cpu", "true"]
-    limit = "6400Mi"
+    limit = "6600Mi"
 
     killed = proof.run_in_cgroup("save-killed", proof.quantity_bytes(limit), command + args, cwd=tmp_path)
     why = proof.describe(killed)
