@@ -298,6 +298,7 @@ fn accelerate_config(
                     if let Some(p) = zero_stage(&config) {
                         coupled.parallelism = Some(p);
                     }
+                    coupled.host.read_deepspeed(&config);
                     deepspeed_pins(&config)
                 }
                 Err(why) => Some(format!(

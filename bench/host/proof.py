@@ -100,6 +100,13 @@ class PhaseSampler(threading.Thread):
             self.stop.wait(0.05)
 
 
+def require_root() -> None:
+    """The proofs need fresh memory cgroups and drop_caches: without root they fail, saying so."""
+    assert os.geteuid() == 0, "the host-memory proofs need root (cgroup v1 memory groups, drop_caches)"
+    assert Path("/sys/fs/cgroup/memory/cgroup.procs").exists(), "no cgroup v1 memory controller at /sys/fs/cgroup/memory"
+    assert Path(BIN).is_file(), f"no memguard binary at {BIN}: cargo build -p memguard, or set MEMGUARD_BIN"
+
+
 def drop_caches() -> None:
     subprocess.run(["sync"], check=True)
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
@@ -166,6 +173,11 @@ spec:
       args: {json.dumps(args)}
       resources: {{limits: {{nvidia.com/gpu: "{gpus}", memory: {limit}}}}}
 """
+
+
+def yaml_of(pod: dict) -> str:
+    """A pod as a manifest `memguard mutate` reads (JSON is YAML)."""
+    return json.dumps(pod)
 
 
 def mutate(manifest: str) -> dict:

@@ -48,6 +48,7 @@ def admitted_limit(pod: dict) -> str:
 
 
 def test_a_job_killed_at_load_is_admitted_with_a_memory_figure_at_which_it_loads_and_trains(tmp_path):
+    proof.require_root()
     # A bf16 checkpoint loaded in fp32 on 2 ranks: each rank converts it into its own fp32
     # copy (anonymous memory), which is what kills the pod at load. LoRA on the frozen base:
     # the training step itself adds little. A limit far under the load's need: the kernel
@@ -105,6 +106,7 @@ FSDP_SAVE_SCRIPT = Path(__file__).resolve().parent / "proof_fsdp_save.py"
 
 
 def test_a_job_killed_at_its_full_fsdp_save_survives_it_as_admitted(tmp_path):
+    proof.require_root()
     # 2 ranks, FSDP2 over gloo, AdamW; at its last step it saves a full state dict, gathered on
     # rank 0's host with the optimizer's state (FULL_STATE_DICT, --save_only_model false).
     config = proof.build_config("s220", 8000, **S220_SHAPE)
@@ -136,6 +138,10 @@ def test_a_job_killed_at_its_full_fsdp_save_survives_it_as_admitted(tmp_path):
     container = pod["spec"]["containers"][0]
     admitted_words = proof.words(container)
     assert admitted_words[admitted_words.index("--save_only_model") + 1] == "true"
+    # Admitted again (a controller re-creating the pod), it keeps the same plan.
+    again = proof.mutate(proof.yaml_of(pod))
+    assert proof.words(again["spec"]["containers"][0]) == admitted_words
+    assert proof.host_of(again)["rewritten"] == host["rewritten"]
 
     shutil.rmtree(out, ignore_errors=True)
     admitted = proof.run_in_cgroup("save-admitted", proof.quantity_bytes(limit), admitted_words, cwd=tmp_path)
