@@ -17,6 +17,10 @@
 //!   argument can't both be set to True"). Checkpointing then counts as on, and memguard never
 //!   writes `--gradient_checkpointing`.
 
+mod host_settings;
+
+pub use host_settings::{HostSettings, Setting, StateDict};
+
 use crate::cluster::ConfigMaps;
 use crate::launch::{Flags, Launch, Launcher};
 use crate::mounted;
@@ -46,6 +50,8 @@ pub struct Coupled {
     /// memguard cannot read (a shell expansion, a file outside the pod's ConfigMaps). A plan
     /// then claims no verdict.
     pub sharding_unknown: Option<String>,
+    /// What the FSDP and DeepSpeed configs say of the pod's host memory (issue 39).
+    pub host: HostSettings,
 }
 
 /// Where FSDP's own activation checkpointing is turned on.
@@ -92,10 +98,14 @@ pub fn read(
         {
             Ok(config) => {
                 coupled.parallelism = zero_stage(&config);
+                coupled.host.read_deepspeed(&config);
                 deepspeed_pins(&config)
             }
             Err(why) => {
                 coupled.sharding_unknown = Some(format!(
+                    "{named}: the DeepSpeed config cannot be read ({why})"
+                ));
+                coupled.host.unreadable = Some(format!(
                     "{named}: the DeepSpeed config cannot be read ({why})"
                 ));
                 Some(format!(
@@ -124,26 +134,41 @@ pub fn read(
     {
         coupled.parallelism = fsdp_strategy(&value).map(|p| (p, "args".to_string()));
     }
-    if let Some((value, named, expands)) = flag_value(launch, flags, "fsdp_config") {
+    let fsdp_words = flag_value(launch, flags, "fsdp").map(|(value, _, _)| value);
+    let fsdp_config = flag_value(launch, flags, "fsdp_config").map(|(value, named, expands)| {
         let named = naming(&named, &value);
-        if let Ok(config) = json_config(pod, trainer, &value, named, expands, maps) {
-            let on = ["activation_checkpointing", "fsdp_activation_checkpointing"]
-                .iter()
-                .any(|k| is_true(config.value.get(*k)));
-            if on {
-                let source = if config.source.starts_with("configmap:") {
-                    config.source.clone()
-                } else {
-                    "args".into()
-                };
-                coupled.fsdp_checkpointing = Some(FsdpCheckpointing {
-                    what: format!(
-                        "activation_checkpointing in the FSDP config ({}, {})",
-                        config.named, config.source
-                    ),
-                    source,
-                });
-            }
+        json_config(pod, trainer, &value, named.clone(), expands, maps)
+            .map_err(|why| format!("{named}: the FSDP config cannot be read ({why})"))
+    });
+    // transformers' own FSDP (`--fsdp`): its config's host settings, or its defaults.
+    if matches!(
+        coupled.parallelism,
+        Some((Parallelism::Fsdp | Parallelism::Zero2, _))
+    ) && fsdp_words.is_some()
+    {
+        match &fsdp_config {
+            None => coupled.host.read_fsdp(fsdp_words.as_deref(), None),
+            Some(Ok(config)) => coupled.host.read_fsdp(fsdp_words.as_deref(), Some(config)),
+            Some(Err(why)) => coupled.host.unreadable = Some(why.clone()),
+        }
+    }
+    if let Some(config) = fsdp_config.as_ref().and_then(|c| c.as_ref().ok()) {
+        let on = ["activation_checkpointing", "fsdp_activation_checkpointing"]
+            .iter()
+            .any(|k| is_true(config.value.get(*k)));
+        if on {
+            let source = if config.source.starts_with("configmap:") {
+                config.source.clone()
+            } else {
+                "args".into()
+            };
+            coupled.fsdp_checkpointing = Some(FsdpCheckpointing {
+                what: format!(
+                    "activation_checkpointing in the FSDP config ({}, {})",
+                    config.named, config.source
+                ),
+                source,
+            });
         }
     }
     if coupled.fsdp_checkpointing.is_none()
@@ -273,6 +298,7 @@ fn accelerate_config(
                     if let Some(p) = zero_stage(&config) {
                         coupled.parallelism = Some(p);
                     }
+                    coupled.host.read_deepspeed(&config);
                     deepspeed_pins(&config)
                 }
                 Err(why) => Some(format!(
@@ -521,6 +547,7 @@ mod tests {
     use super::*;
     use crate::cluster::ConfigMapList;
     use crate::launch::HfRules;
+    use memguard_estimator::Offload;
 
     fn pod_with(script: &[&str]) -> Pod {
         serde_json::from_value(serde_json::json!({
@@ -749,5 +776,161 @@ mod tests {
             launcher.fsdp_checkpointing.map(|f| f.source),
             Some("args".to_string())
         );
+    }
+
+    #[test]
+    fn an_fsdp_config_gives_its_host_settings_with_their_sources() {
+        let inline = coupled(
+            &[
+                "python",
+                "t.py",
+                "--fsdp",
+                "full_shard",
+                "--fsdp_config",
+                r#"{"fsdp_state_dict_type": "SHARDED_STATE_DICT", "cpu_ram_efficient_loading": "true"}"#,
+            ],
+            None,
+        );
+        let host = &inline.host;
+        assert_eq!(
+            host.state_dict,
+            Some(Setting {
+                value: StateDict::Sharded,
+                source: "args".into()
+            })
+        );
+        assert_eq!(
+            host.ram_efficient_loading.as_ref().map(|s| s.value),
+            Some(true)
+        );
+        assert_eq!(
+            host.offload,
+            Some(Setting {
+                value: Offload::None,
+                source: "default:transformers".into()
+            })
+        );
+        let file = coupled(
+            &[
+                "python",
+                "t.py",
+                "--fsdp",
+                "full_shard",
+                "--fsdp_config",
+                "cfg/c.json",
+            ],
+            Some(r#"{"state_dict_type": "FULL_STATE_DICT", "cpu_offload": true}"#),
+        );
+        assert_eq!(
+            file.host.state_dict,
+            Some(Setting {
+                value: StateDict::Full,
+                source: "configmap:ds/c.json".into()
+            })
+        );
+        assert_eq!(
+            file.host.offload,
+            Some(Setting {
+                value: Offload::ParamsAndOptimizer,
+                source: "configmap:ds/c.json".into()
+            })
+        );
+        // `--fsdp` alone: transformers' defaults, said as such; its `offload` word offloads.
+        let words = coupled(&["python", "t.py", "--fsdp", "full_shard offload"], None);
+        assert_eq!(
+            words.host.state_dict.as_ref().map(|s| s.source.as_str()),
+            Some("default:transformers")
+        );
+        assert_eq!(
+            words
+                .host
+                .offload
+                .as_ref()
+                .map(|s| (s.value, s.source.as_str())),
+            Some((Offload::ParamsAndOptimizer, "args"))
+        );
+        // A state dict type memguard does not size is not guessed.
+        let local = coupled(
+            &[
+                "python",
+                "t.py",
+                "--fsdp",
+                "full_shard",
+                "--fsdp_config",
+                r#"{"state_dict_type": "LOCAL_STATE_DICT"}"#,
+            ],
+            None,
+        );
+        assert_eq!(local.host.state_dict, None);
+    }
+
+    #[test]
+    fn an_fsdp_config_in_the_image_leaves_its_host_settings_unknown() {
+        let image = coupled(
+            &[
+                "python",
+                "t.py",
+                "--fsdp",
+                "full_shard",
+                "--fsdp_config",
+                "/app/fsdp.json",
+            ],
+            None,
+        );
+        assert_eq!(image.host.state_dict, None);
+        assert_eq!(image.host.offload, None);
+        let why = image.host.unreadable.expect("said");
+        assert!(
+            why.contains("--fsdp_config /app/fsdp.json") && why.contains("cannot be read"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn a_deepspeed_config_gives_its_offload_and_its_gathered_save() {
+        let ds = |text| coupled(&["python", "t.py", "--deepspeed", "cfg/c.json"], Some(text));
+        let offloaded = ds(r#"{"zero_optimization": {"stage": 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": true},
+            "offload_param": {"device": "nvme"},
+            "stage3_gather_16bit_weights_on_model_save": true}}"#);
+        assert_eq!(
+            offloaded.host.offload,
+            Some(Setting {
+                value: Offload::ParamsAndOptimizer,
+                source: "configmap:ds/c.json".into()
+            })
+        );
+        assert_eq!(
+            offloaded.host.gathered_16bit_save,
+            Some(Setting {
+                value: true,
+                source: "configmap:ds/c.json".into()
+            })
+        );
+        let optimizer =
+            ds(r#"{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}"#);
+        assert_eq!(
+            optimizer.host.offload.as_ref().map(|s| s.value),
+            Some(Offload::Optimizer)
+        );
+        let plain =
+            ds(r#"{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}}}"#);
+        assert_eq!(
+            plain.host.offload.as_ref().map(|s| s.value),
+            Some(Offload::None)
+        );
+        assert_eq!(
+            plain.host.gathered_16bit_save,
+            Some(Setting {
+                value: false,
+                source: "default:deepspeed".into()
+            })
+        );
+        // A device memguard does not know is not guessed.
+        let odd = ds(r#"{"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}}"#);
+        assert_eq!(odd.host.offload, None);
+        let unread = coupled(&["python", "t.py", "--deepspeed", "/app/ds.json"], None);
+        assert_eq!(unread.host.offload, None);
+        assert!(unread.host.unreadable.is_some());
     }
 }

@@ -146,19 +146,40 @@ fn configs(base: &HostConfig, knobs: &HostKnobs) -> Vec<HostConfig> {
         Some(r) => vec![r.value],
         None => SaveMode::ALL.to_vec(),
     };
+    let ram_efficient: Vec<bool> = match &knobs.ram_efficient_loading {
+        Some(r) => vec![r.value],
+        None => vec![true, false],
+    };
+    // A sharding config's offload adds to what the training config offloads (activations).
+    let offloads: Vec<Offload> = match &knobs.offload {
+        Some(r) if r.value == Offload::None => vec![base.offload],
+        Some(r) => vec![r.value],
+        None => vec![
+            base.offload,
+            Offload::Optimizer,
+            Offload::ParamsAndOptimizer,
+        ],
+    };
     let mut out = Vec::new();
     for &checkpoint in &checkpoints {
         for &load in &loads {
             for &pin in &pins {
                 for &save in &saves {
-                    let mut host = base.clone();
-                    host.checkpoint_bytes_per_param = checkpoint;
-                    host.load_bytes_per_param = load;
-                    host.pin_memory = pin;
-                    host.save = save;
-                    host.dataloader_workers = knobs.workers.as_ref().map_or(0, |r| r.value);
-                    host.prefetch_factor = knobs.prefetch_factor.as_ref().map_or(1, |r| r.value);
-                    out.push(host);
+                    for &ram in &ram_efficient {
+                        for &offload in &offloads {
+                            let mut host = base.clone();
+                            host.checkpoint_bytes_per_param = checkpoint;
+                            host.load_bytes_per_param = load;
+                            host.pin_memory = pin;
+                            host.save = save;
+                            host.ram_efficient_loading = ram;
+                            host.offload = offload;
+                            host.dataloader_workers = knobs.workers.as_ref().map_or(0, |r| r.value);
+                            host.prefetch_factor =
+                                knobs.prefetch_factor.as_ref().map_or(1, |r| r.value);
+                            out.push(host);
+                        }
+                    }
                 }
             }
         }
@@ -704,6 +725,8 @@ mod tests {
             save: read(SaveMode::FullWithOptimizer, "default:trl"),
             load_bytes_per_param: read(None, "args"),
             checkpoint_bytes_per_param: read(2.0, "test"),
+            ram_efficient_loading: read(false, "args"),
+            offload: read(Offload::None, "args"),
             unknown: BTreeMap::new(),
             writable: [
                 HostKnob::DataloaderWorkers,
@@ -1014,5 +1037,70 @@ mod tests {
         assert!(knobs.workers.is_none() && knobs.pin_memory.is_none());
         assert!(knobs.writable.is_empty(), "{:?}", knobs.writable);
         assert!(knobs.unknown.contains_key(&HostKnob::DataloaderWorkers));
+    }
+
+    #[test]
+    fn an_fsdp_launch_gives_its_save_loading_and_offload_from_its_config() {
+        let full = trl_pod(
+            r#"--fsdp full_shard --fsdp_config '{"state_dict_type": "FULL_STATE_DICT", "cpu_ram_efficient_loading": true}'"#,
+            "64Gi",
+        );
+        let training =
+            TrainingPod::resolve(&full, &Policy::default(), Cluster::default()).expect("resolves");
+        let knobs = HostKnobs::read(&training);
+        assert_eq!(
+            knobs.save.as_ref().map(|r| (r.value, r.source.as_str())),
+            Some((SaveMode::FullWithOptimizer, "args"))
+        );
+        assert_eq!(
+            knobs.ram_efficient_loading.as_ref().map(|r| r.value),
+            Some(true)
+        );
+        assert_eq!(
+            knobs.offload.as_ref().map(|r| (r.value, r.source.as_str())),
+            Some((Offload::None, "default:transformers"))
+        );
+        assert!(knobs.writable.contains(&HostKnob::Save));
+        let plan = plan_host(&training, &training.config, &knobs).expect("a GPU pod");
+        assert!(plan.config.ram_efficient_loading);
+        assert_eq!(plan.sources["ram-efficient-loading"], "args");
+
+        let sharded = trl_pod(
+            r#"--fsdp "full_shard offload" --fsdp_config '{"state_dict_type": "SHARDED_STATE_DICT"}'"#,
+            "64Gi",
+        );
+        let training = TrainingPod::resolve(&sharded, &Policy::default(), Cluster::default())
+            .expect("resolves");
+        let knobs = HostKnobs::read(&training);
+        assert_eq!(
+            knobs.save.as_ref().map(|r| r.value),
+            Some(SaveMode::Sharded)
+        );
+        assert_eq!(
+            knobs.offload.as_ref().map(|r| r.value),
+            Some(Offload::ParamsAndOptimizer)
+        );
+        let plan = plan_host(&training, &training.config, &knobs).expect("a GPU pod");
+        assert!(plan.estimate.offload > Bytes::ZERO, "{:?}", plan.estimate);
+    }
+
+    #[test]
+    fn a_sharding_config_in_the_image_leaves_save_loading_and_offload_unknown() {
+        let pod = trl_pod("--fsdp full_shard --fsdp_config /app/fsdp.json", "64Gi");
+        let training =
+            TrainingPod::resolve(&pod, &Policy::default(), Cluster::default()).expect("resolves");
+        let knobs = HostKnobs::read(&training);
+        for knob in [
+            HostKnob::Save,
+            HostKnob::RamEfficientLoading,
+            HostKnob::Offload,
+        ] {
+            let why = knobs.unknown.get(&knob).expect("unknown");
+            assert!(why.contains("/app/fsdp.json"), "{knob:?}: {why}");
+        }
+        assert!(!knobs.writable.contains(&HostKnob::Save));
+        // Unknown, the figure spans them: RAM-efficient or not, offloaded or not.
+        let plan = plan_host(&training, &training.config, &knobs).expect("a GPU pod");
+        assert!(plan.most.expect("bounded") > plan.estimate.peak);
     }
 }

@@ -1,13 +1,17 @@
 //! The host knobs of a trainer's launch: what decides its pod's host memory (DataLoader
-//! workers, pinning, prefetch, how checkpoints are saved, the dtype the weights are loaded in),
-//! each read with where from, or a cited default of a parser memguard knows, or unknown.
+//! workers, pinning, prefetch, how checkpoints are saved, the dtype the weights are loaded in,
+//! FSDP's RAM-efficient loading, offload), each read with where from, or a cited default of a
+//! parser memguard knows, or unknown.
 //!
 //! Read where memguard reads the dialect's flags: Hugging Face argument rules
-//! ([`Dialect::Hf`]). Every other dialect leaves them unknown, and says so.
+//! ([`Dialect::Hf`]); the FSDP and DeepSpeed configs' settings come from the one reading of
+//! those configs ([`crate::coupled::HostSettings`]). Every other dialect leaves them unknown,
+//! and says so.
 
 use super::*;
+use crate::coupled::{HostSettings, StateDict};
 use crate::launch::HfRules;
-use memguard_estimator::SaveMode;
+use memguard_estimator::{Offload, Parallelism, SaveMode};
 
 /// A knob of the pod's host memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -24,17 +28,23 @@ pub enum HostKnob {
     LoadDtype,
     /// The storage dtype of the checkpoint's files.
     CheckpointDtype,
+    /// Only rank 0 materialises the weights (FSDP `cpu_ram_efficient_loading`).
+    RamEfficientLoading,
+    /// What the sharding keeps on the host (FSDP `cpu_offload`, DeepSpeed `offload_*`).
+    Offload,
 }
 
 impl HostKnob {
     /// Every host knob.
-    pub const ALL: [HostKnob; 6] = [
+    pub const ALL: [HostKnob; 8] = [
         HostKnob::DataloaderWorkers,
         HostKnob::PinMemory,
         HostKnob::PrefetchFactor,
         HostKnob::Save,
         HostKnob::LoadDtype,
         HostKnob::CheckpointDtype,
+        HostKnob::RamEfficientLoading,
+        HostKnob::Offload,
     ];
 
     /// The name in the estimate annotation's `host` sources and in messages.
@@ -46,6 +56,8 @@ impl HostKnob {
             HostKnob::Save => "save",
             HostKnob::LoadDtype => "load-dtype",
             HostKnob::CheckpointDtype => "checkpoint-dtype",
+            HostKnob::RamEfficientLoading => "ram-efficient-loading",
+            HostKnob::Offload => "offload",
         }
     }
 }
@@ -75,6 +87,10 @@ pub struct HostKnobs {
     pub load_bytes_per_param: Option<HostRead<Option<f64>>>,
     /// Bytes per parameter of the checkpoint's files.
     pub checkpoint_bytes_per_param: Option<HostRead<f64>>,
+    /// Only rank 0 materialises the weights (FSDP `cpu_ram_efficient_loading`).
+    pub ram_efficient_loading: Option<HostRead<bool>>,
+    /// What the sharding keeps on the host by design.
+    pub offload: Option<HostRead<Offload>>,
     /// Each knob not read, with what would say it.
     pub unknown: BTreeMap<HostKnob, String>,
     /// The host knobs whose flag the launch's parser accepts: present in the launch, or
@@ -191,6 +207,7 @@ impl HostKnobs {
             }),
         };
         knobs.save = read_save(training, flags, citation, &mut knobs.unknown);
+        read_sharding(training, &mut knobs);
         knobs.load_bytes_per_param = match DTYPE_FLAGS.iter().find_map(|f| flags.value(f)) {
             Some(v) => dtype_bytes(v).map(|b| HostRead {
                 value: b,
@@ -323,13 +340,20 @@ impl HostKnobs {
             HostKnob::CheckpointDtype,
             self.checkpoint_bytes_per_param.as_ref().map(|r| &r.source),
         );
+        put(
+            HostKnob::RamEfficientLoading,
+            self.ram_efficient_loading.as_ref().map(|r| &r.source),
+        );
+        put(HostKnob::Offload, self.offload.as_ref().map(|r| &r.source));
         out
     }
 }
 
 /// How the HF Trainer saves: nothing under `--save_strategy no`; an adapter's checkpoint is
-/// small; under FSDP or ZeRO the state dict type is in a config memguard does not read here;
-/// else the model alone (`--save_only_model`) or with the optimizer's state.
+/// small; under FSDP as its config's `state_dict_type` says (a full one gathers the optimizer's
+/// state too unless `--save_only_model`); under ZeRO-3 sharded, or the 16-bit weights gathered
+/// (`stage3_gather_16bit_weights_on_model_save`); under ZeRO-1/2 unknown; else the model alone
+/// (`--save_only_model`) or with the optimizer's state.
 fn read_save(
     training: &TrainingPod,
     flags: &crate::launch::Flags,
@@ -359,29 +383,123 @@ fn read_save(
             source: "adapter".into(),
         });
     }
-    if !matches!(
-        training.config.parallelism,
-        memguard_estimator::Parallelism::None | memguard_estimator::Parallelism::Ddp
-    ) {
-        unknown.insert(
-            HostKnob::Save,
-            "sharded training: its state dict type (--fsdp_config, the DeepSpeed config) is \
-             not read"
-                .into(),
-        );
-        return None;
-    }
-    let model_only = match flags.bool("save_only_model", &HfRules) {
+    let model_only = || match flags.bool("save_only_model", &HfRules) {
         Some(b) => Some((b, "args")),
         None if flags.get("save_only_model").is_some() => None,
         None => citation.map(|c| (false, c)),
-    }?;
+    };
+    let host = &training.coupled.host;
+    match training.config.parallelism {
+        Parallelism::None | Parallelism::Ddp => {}
+        Parallelism::Fsdp | Parallelism::Zero2 if host.state_dict.is_some() => {
+            let state_dict = host.state_dict.as_ref()?;
+            return match state_dict.value {
+                StateDict::Sharded => Some(HostRead {
+                    value: SaveMode::Sharded,
+                    source: state_dict.source.clone(),
+                }),
+                // The Trainer gathers the optimizer's state whole too, unless model only.
+                StateDict::Full => {
+                    let Some((only, _)) = model_only() else {
+                        unknown.insert(HostKnob::Save, "--save_only_model is not a bool".into());
+                        return None;
+                    };
+                    Some(HostRead {
+                        value: if only {
+                            SaveMode::ModelOnlyFull
+                        } else {
+                            SaveMode::FullWithOptimizer
+                        },
+                        source: state_dict.source.clone(),
+                    })
+                }
+            };
+        }
+        // ZeRO-3 writes each rank's partition, and gathers the 16-bit weights on one rank
+        // only when its config says so.
+        Parallelism::Zero3 if host.gathered_16bit_save.is_some() => {
+            let gathered = host.gathered_16bit_save.as_ref()?;
+            return Some(HostRead {
+                value: if gathered.value {
+                    SaveMode::ModelOnlyFull
+                } else {
+                    SaveMode::Sharded
+                },
+                source: gathered.source.clone(),
+            });
+        }
+        _ => {
+            unknown.insert(
+                HostKnob::Save,
+                host.unreadable.clone().unwrap_or_else(|| {
+                    "sharded training: how it saves is not in a config memguard reads (--fsdp \
+                     with --fsdp_config, a ZeRO-3 DeepSpeed config)"
+                        .into()
+                }),
+            );
+            return None;
+        }
+    }
+    let (only, source) = model_only()?;
     Some(HostRead {
-        value: if model_only.0 {
+        value: if only {
             SaveMode::ModelOnlyFull
         } else {
             SaveMode::FullWithOptimizer
         },
-        source: model_only.1.into(),
+        source: source.into(),
     })
+}
+
+/// FSDP's RAM-efficient loading and the offload of FSDP or DeepSpeed, from their configs. A
+/// launch without sharding offloads nothing by config and loads on every rank (`unsharded`); a
+/// config named but not read leaves both unknown.
+fn read_sharding(training: &TrainingPod, knobs: &mut HostKnobs) {
+    const UNSHARDED: &str = "unsharded";
+    let host: &HostSettings = &training.coupled.host;
+    let sharded = !matches!(
+        training.config.parallelism,
+        Parallelism::None | Parallelism::Ddp
+    );
+    let why = || {
+        host.unreadable.clone().unwrap_or_else(|| {
+            "sharded training: not in a config memguard reads (--fsdp with --fsdp_config, a \
+             DeepSpeed config)"
+                .into()
+        })
+    };
+    knobs.ram_efficient_loading = match &host.ram_efficient_loading {
+        Some(s) => Some(HostRead {
+            value: s.value,
+            source: s.source.clone(),
+        }),
+        // Only FSDP has it; DeepSpeed and unsharded launches load on every rank.
+        None if !sharded => Some(HostRead {
+            value: false,
+            source: UNSHARDED.into(),
+        }),
+        // DeepSpeed's config, read: it has no such option.
+        None if host.offload.is_some() && host.unreadable.is_none() => Some(HostRead {
+            value: false,
+            source: "default:deepspeed".into(),
+        }),
+        None => {
+            knobs.unknown.insert(HostKnob::RamEfficientLoading, why());
+            None
+        }
+    };
+    knobs.offload = match &host.offload {
+        Some(s) => Some(HostRead {
+            value: s.value,
+            source: s.source.clone(),
+        }),
+        None if !sharded => Some(HostRead {
+            value: Offload::None,
+            source: UNSHARDED.into(),
+        }),
+        None => {
+            knobs.unknown.insert(HostKnob::Offload, why());
+            None
+        }
+    };
 }
