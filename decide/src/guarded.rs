@@ -96,7 +96,12 @@ pub enum Planned<'a> {
     /// No report under the launch key yet.
     NoReport,
     /// The report lacks a value the estimate needs (or has an impossible one): stays Guarded.
-    Incomplete(String),
+    Incomplete {
+        /// The pod whose run reported it.
+        pod: String,
+        /// Which values, and why.
+        why: String,
+    },
 }
 
 /// `pod`'s launch key and what its profile's `report` allows.
@@ -112,10 +117,10 @@ pub fn on_profile_report<'a>(
     };
     match resolve_on_report(pod, policy, cluster, key, &report.config) {
         Ok(on) => Planned::OnReport(Box::new(on), report.clone()),
-        Err(why) => Planned::Incomplete(format!(
-            "the trainer's report of {} (profile {}) cannot be planned on: {why}",
-            report.pod, key.name
-        )),
+        Err(why) => Planned::Incomplete {
+            pod: report.pod.clone(),
+            why,
+        },
     }
 }
 

@@ -157,11 +157,11 @@ fn a_report_missing_a_shape_value_is_not_planned_and_says_which() {
         &key,
         Some(&report(knobs)),
     );
-    let Planned::Incomplete(why) = planned else {
+    let Planned::Incomplete { pod: by, why } = planned else {
         panic!("planned on an incomplete report: {planned:?}");
     };
     assert!(why.contains("not reported: num-kv-heads"), "{why}");
-    assert!(why.contains("job-a-1") && why.contains(&key.name), "{why}");
+    assert_eq!(by, "job-a-1");
     assert_eq!(
         on_profile_report(&pod, &policy, Cluster::default(), &key, None),
         Planned::NoReport
