@@ -107,8 +107,8 @@ fn on_launch_report(
                     mutation.warnings.insert(
                         0,
                         truncate(&format!(
-                            "memguard: planned on the trainer's report of {} (profile {}); its \
-                             launch was not read",
+                            "memguard: planned on the trainer's report of {}, launch not read \
+                             (profile {})",
                             report.pod, key.name
                         )),
                     );
