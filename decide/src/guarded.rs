@@ -14,6 +14,7 @@ use k8s_openapi::api::core::v1::Pod;
 use memguard_api::annotations as keys;
 use memguard_api::annotations::TrainingAnnotations;
 use memguard_api::crd::TrainerReport;
+use memguard_api::pod::TrainerLaunch;
 use memguard_api::{Cluster, Knob, Policy, TrainingPod};
 use std::collections::BTreeMap;
 
@@ -27,14 +28,16 @@ pub struct OnLaunchReport<'a> {
 }
 
 /// `pod`, keyed by `key` ([`crate::key::launch_key`]), resolved on `reported` (a report's knobs: the
-/// profile's [`TrainerReport::config`], or a summary's `trainer_config`). An error says why
-/// not: each value the estimate needs that the report lacks, or an impossible one.
+/// profile's [`TrainerReport::config`], or a summary's `trainer_config`); `launched`: its
+/// launch already found ([`TrainerLaunch::of_pod`]), else found here. An error says why not:
+/// each value the estimate needs that the report lacks, or an impossible one.
 pub fn resolve_on_report<'a>(
     pod: &'a Pod,
     policy: &Policy,
     cluster: Cluster<'_>,
     key: &LaunchKey,
     reported: &BTreeMap<String, f64>,
+    launched: Option<(usize, TrainerLaunch)>,
 ) -> Result<OnLaunchReport<'a>, String> {
     let config = training_config(reported)?;
     // The pod's own options (safety ratio, env-map, container, quality) are parsed as for any
@@ -60,8 +63,9 @@ pub fn resolve_on_report<'a>(
     parsed.config = config.clone();
     parsed.device_given = true;
     parsed.knobs_given.clear();
-    let mut training = TrainingPod::with_annotations(pod, parsed, true, policy, cluster)
-        .map_err(|e| e.to_string())?;
+    let mut training =
+        TrainingPod::with_annotations_launched(pod, parsed, true, policy, cluster, launched)
+            .map_err(|e| e.to_string())?;
     // Nothing of the launch is read: the report says what runs.
     training.config = config;
     training.sources.clear();
@@ -104,18 +108,19 @@ pub enum Planned<'a> {
     },
 }
 
-/// `pod`'s launch key and what its profile's `report` allows.
+/// What `pod`'s profile's `report` allows ([`resolve_on_report`]).
 pub fn on_profile_report<'a>(
     pod: &'a Pod,
     policy: &Policy,
     cluster: Cluster<'_>,
     key: &LaunchKey,
     report: Option<&TrainerReport>,
+    launched: Option<(usize, TrainerLaunch)>,
 ) -> Planned<'a> {
     let Some(report) = report else {
         return Planned::NoReport;
     };
-    match resolve_on_report(pod, policy, cluster, key, &report.config) {
+    match resolve_on_report(pod, policy, cluster, key, &report.config, launched) {
         Ok(on) => Planned::OnReport(Box::new(on), report.clone()),
         Err(why) => Planned::Incomplete {
             pod: report.pod.clone(),

@@ -204,7 +204,7 @@ fn guarded<'a>(
                     .into(),
             )
         })?;
-    let on = resolve_on_report(pod, policy, cluster, &launch, reported).map_err(|why| {
+    let on = resolve_on_report(pod, policy, cluster, &launch, reported, None).map_err(|why| {
         NotObserved::NoKey(format!(
             "not planned at admission, and its trainer's report cannot be planned on: {why}"
         ))

@@ -43,10 +43,17 @@ pub fn mutate(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Outcome {
         crate::serving::Launched::Trainer(launched) => *launched,
     };
     let python = launched.as_ref().is_some_and(|(_, l)| l.runs_python());
+    // Kept for a pod planned on its trainer's report: its launch is searched once.
+    let found_launch = launched.clone();
     let training = match TrainingPod::resolve_launched(pod, launched, policy, profiles.cluster()) {
         Ok(training) => training,
         Err(e @ (ResolveError::NoTrainingInput(_) | ResolveError::LaunchModel(_))) => {
-            return on_launch_report(pod, policy, profiles, python, e.to_string());
+            let guarded = GuardedPod {
+                python,
+                why: e.to_string(),
+                launched: found_launch,
+            };
+            return on_launch_report(pod, policy, profiles, guarded);
         }
         Err(e) => return skipped(e.to_string()),
     };
@@ -54,6 +61,16 @@ pub fn mutate(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Outcome {
         Ok(mutation) => Outcome::Mutated(Box::new(mutation)),
         Err(error) => skipped(error),
     }
+}
+
+/// What admission knows of a pod whose config it cannot read.
+struct GuardedPod {
+    /// Its trainer runs Python (the client can be injected).
+    python: bool,
+    /// Why its config cannot be read.
+    why: String,
+    /// Its launch, as found once.
+    launched: Option<(usize, memguard_api::pod::TrainerLaunch)>,
 }
 
 /// A pod opted in whose config admission cannot read, planned on what its trainer reported in
@@ -66,15 +83,18 @@ fn on_launch_report(
     pod: &Pod,
     policy: &Policy,
     profiles: &ClusterView,
-    python: bool,
-    why: String,
+    GuardedPod {
+        python,
+        why,
+        launched,
+    }: GuardedPod,
 ) -> Outcome {
     let Ok(key) = memguard_decide::key::launch_key(pod, policy) else {
         return guard(pod, policy, python, why);
     };
     let found = profiles.adjustments_of(pod.metadata.namespace.as_deref(), &key.spec, &key.name);
     let report = found.as_ref().and_then(|a| a.trainer_report.as_ref());
-    match guarded::on_profile_report(pod, policy, profiles.cluster(), &key, report) {
+    match guarded::on_profile_report(pod, policy, profiles.cluster(), &key, report, launched) {
         Planned::NoReport => guard(pod, policy, python, why),
         Planned::Incomplete {
             pod: by,

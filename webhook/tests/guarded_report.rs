@@ -180,7 +180,14 @@ fn a_guarded_jobs_report_is_learnt_and_the_next_admission_plans_on_it() {
         .expect("the sidecar planned at train start");
     assert!(train_start_batch < 16, "the limit is tight");
 
-    // The next pod of the job: planned on the report.
+    // The next pod of the job: planned on the report, its launch searched once.
+    let typed_next: Pod = serde_json::from_value(json_script_pod("tiny-2", limit)).expect("a Pod");
+    memguard_api::launch::launcher::SEARCHES.with(|n| n.set(0));
+    let _ = mutate(&typed_next, &policy, &learnt);
+    assert_eq!(
+        memguard_api::launch::launcher::SEARCHES.with(|n| n.get()),
+        1
+    );
     let (next, applied) = admit(&json_script_pod("tiny-2", limit), &learnt);
     let Outcome::Mutated(m) = &next else {
         panic!("planned: {next:?}")

@@ -163,7 +163,7 @@ fn a_report_missing_a_shape_value_is_not_planned_and_says_which() {
     assert!(why.contains("not reported: num-kv-heads"), "{why}");
     assert_eq!(by, "job-a-1");
     assert_eq!(
-        on_profile_report(&pod, &policy, Cluster::default(), &key, None),
+        on_profile_report(&pod, &policy, Cluster::default(), &key, None, None),
         Planned::NoReport
     );
     let full = on_profile_report(
@@ -172,6 +172,7 @@ fn a_report_missing_a_shape_value_is_not_planned_and_says_which() {
         Cluster::default(),
         &key,
         Some(&report(tiny_llama_report())),
+        None,
     );
     assert!(matches!(full, Planned::OnReport(..)), "{full:?}");
 }
