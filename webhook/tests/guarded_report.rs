@@ -227,7 +227,7 @@ fn a_guarded_jobs_report_is_learnt_and_the_next_admission_plans_on_it() {
     );
     // The sidecar starts where admission planned, and still plans at train start.
     assert_eq!(
-        sidecar_env(&m.sidecar.env, &env::BATCH_SIZE.to_string()),
+        sidecar_env(&m.sidecar.env, env::BATCH_SIZE),
         batch.to_string()
     );
     let ts = sidecar_env(&m.sidecar.env, env::SIDECAR_TRAIN_START);

@@ -115,6 +115,7 @@ fn a_guarded_pod_resolves_on_its_report_every_knob_from_the_report() {
         Cluster::default(),
         &key,
         &tiny_llama_report(),
+        None,
     )
     .expect("planned on the report");
     // The one mapping the sidecar plans with at train start.
@@ -156,6 +157,7 @@ fn a_report_missing_a_shape_value_is_not_planned_and_says_which() {
         Cluster::default(),
         &key,
         Some(&report(knobs)),
+        None,
     );
     let Planned::Incomplete { pod: by, why } = planned else {
         panic!("planned on an incomplete report: {planned:?}");
