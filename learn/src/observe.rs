@@ -292,7 +292,8 @@ fn estimate_annotation(pod: &Pod) -> (Option<EstimateAnnotation>, Option<String>
 
 /// What the trainer ran with when it ended: its OOM record says (a run-time downgrade or an
 /// in-process recovery may have taken it below the env the webhook wrote); else, when the
-/// sidecar only grew it back, the summary's final knobs; else what the trainer reported at
+/// sidecar only grew it back, the summary's final knobs; else the sidecar's plan at train start
+/// (the micro-batch the client ran the reported config at), else what the trainer reported at
 /// train start (the config it really ran, issue 37), else the env.
 fn knobs_ran(
     training: &TrainingPod,
@@ -309,6 +310,19 @@ fn knobs_ran(
         {
             knobs.set(knob, &value);
         }
+    }
+    // The trainer reports what it is configured at; a train-start plan re-chunks that in
+    // process, so the micro-batch in force from step 1 is the plan's.
+    if let Some(plan) = summary
+        .and_then(|s| s.train_start.as_ref())
+        .filter(|p| p.planned)
+    {
+        knobs.batch_size = plan.batch_size.filter(|b| *b > 0).or(knobs.batch_size);
+        knobs.grad_accumulation = plan
+            .grad_accumulation
+            .filter(|a| *a > 0)
+            .or(knobs.grad_accumulation);
+        knobs.grad_checkpointing = plan.grad_checkpointing.or(knobs.grad_checkpointing);
     }
     at_the_end(knobs, terminated, summary)
 }

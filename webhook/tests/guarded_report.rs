@@ -108,9 +108,18 @@ fn sidecar_env(sidecar: &[(String, String)], name: &str) -> String {
 
 /// `pod` (as admitted) finished, its sidecar's summary the one the sidecar writes for a trainer
 /// that reported `knobs` at train start and got `plan`.
-fn finished(applied: &Value, knobs: &BTreeMap<String, f64>, limit: u64, ts: &str) -> Pod {
+fn finished(
+    applied: &Value,
+    knobs: &BTreeMap<String, f64>,
+    limit: u64,
+    ts: &str,
+    admitted: Option<&str>,
+) -> Pod {
     let mut status = memguard_sidecar::state::Status {
         trainer_config: knobs.clone(),
+        admitted_config: admitted
+            .map(|a| memguard_api::signal::parse_admitted_config(a).0)
+            .unwrap_or_default(),
         ..Default::default()
     };
     let policy = TrainStartPolicy::parse(ts).expect("the webhook's train-start settings");
@@ -165,13 +174,21 @@ fn a_guarded_jobs_report_is_learnt_and_the_next_admission_plans_on_it() {
     let ts = sidecar_env(&guarded.sidecar.env, env::SIDECAR_TRAIN_START);
 
     // Its run: the trainer reports its config at train start; the sidecar plans on it.
-    let done = finished(&applied, &tiny_llama(), limit, &ts);
+    let done = finished(&applied, &tiny_llama(), limit, &ts, None);
     let (learnt, obs) = learn(&done, &view);
     let typed: Pod = serde_json::from_value(pod.clone()).expect("a Pod");
     let launch = memguard_decide::key::launch_key(&typed, &policy).expect("a launch key");
     assert_eq!(obs.key.name, launch.name, "learnt under the launch key");
     assert_eq!(obs.key.spec, launch.spec);
-    assert_eq!(obs.ran.batch_size, 16);
+    // Configured at 16 × 1, run at the train-start plan's micro-batch.
+    assert_eq!(
+        obs.knobs.batch_size,
+        obs.summary
+            .as_ref()
+            .and_then(|s| s.train_start.as_ref())
+            .and_then(|p| p.batch_size)
+    );
+    assert_eq!(obs.ran.batch_size * obs.ran.grad_accumulation, 16);
     let train_start_batch = obs
         .summary
         .as_ref()
@@ -246,8 +263,23 @@ fn a_guarded_jobs_report_is_learnt_and_the_next_admission_plans_on_it() {
             .name,
         launch.name
     );
-    let (_, second_obs) = learn(&finished(&applied, &tiny_llama(), limit, &ts), &learnt);
+    // The sidecar compares the report with the launch as configured (the env plan is applied
+    // by re-chunking): the same report is no mismatch, and the run calibrates.
+    let admitted = sidecar_env(&m.sidecar.env, env::SIDECAR_ADMITTED_CONFIG);
+    assert!(
+        admitted.contains("batch-size=16") && admitted.contains("grad-accumulation=1"),
+        "{admitted}"
+    );
+    let done = finished(&applied, &tiny_llama(), limit, &ts, Some(&admitted));
+    let (_, second_obs) = learn(&done, &learnt);
     assert_eq!(second_obs.key.name, launch.name);
+    let summary = second_obs.summary.as_ref().expect("a summary");
+    assert!(summary.config_mismatch.is_empty(), "{summary:?}");
+    assert_eq!(
+        second_obs.estimate,
+        Some(m.plan.estimate.total),
+        "it calibrates"
+    );
 }
 
 #[test]
@@ -267,7 +299,7 @@ fn a_report_missing_a_shape_value_leaves_the_pod_guarded_and_says_which() {
     };
     let ts = sidecar_env(&g.sidecar.env, env::SIDECAR_TRAIN_START);
     let not = memguard_learn::observe::try_observe(
-        &finished(&applied, &knobs, limit, &ts),
+        &finished(&applied, &knobs, limit, &ts, None),
         &policy,
         ClusterView::default().cluster(),
     )

@@ -656,6 +656,17 @@ fn a_guarded_pods_report_is_learnt_under_its_launch_key() {
         memguard_decide::trainer_config::training_config(&s.trainer_config).expect("a config")
     );
     assert_eq!(obs.measured_peak.map(|b| b.0), Some(2 * GIB));
+    // Planned at train start: the client ran the reported 16 × 1 as 4 × 4 from step 1.
+    let mut planned = s.clone();
+    planned.train_start = Some(memguard_api::train_start::TrainStartPlan {
+        planned: true,
+        batch_size: Some(4),
+        grad_accumulation: Some(4),
+        grad_checkpointing: Some(false),
+        ..Default::default()
+    });
+    let ran = try_observe(&guarded(&planned)).expect("observed").ran;
+    assert_eq!((ran.batch_size, ran.grad_accumulation), (4, 4));
     let status = crate::update::apply(&Default::default(), &obs);
     let report = status.trainer_report.expect("the report kept");
     assert_eq!(report.config, s.trainer_config);
