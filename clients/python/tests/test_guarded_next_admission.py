@@ -155,7 +155,11 @@ def test_the_next_admission_of_a_guarded_job_plans_on_its_real_report(
     knobs = {k: v for k, v in planned.items()
              if k in ("MEMGUARD_BATCH_SIZE", "MEMGUARD_GRAD_ACCUMULATION", "MEMGUARD_GRAD_CHECKPOINTING")}
     started = {k: v for k, v in sidecar_env.items()
-               if k in ("MEMGUARD_BATCH_SIZE", "MEMGUARD_GRAD_ACCUMULATION", "MEMGUARD_GRAD_CHECKPOINTING")}
+               if k in ("MEMGUARD_BATCH_SIZE", "MEMGUARD_GRAD_ACCUMULATION", "MEMGUARD_GRAD_CHECKPOINTING",
+                        "MEMGUARD_SIDECAR_ADMITTED_CONFIG")}
+    # The sidecar compares the report with the launch as configured (16 × 1): the env plan is
+    # applied by re-chunking, so nothing differs.
+    assert "batch-size=16" in started["MEMGUARD_SIDECAR_ADMITTED_CONFIG"], started
     sidecar = Sidecar(run2, limit_2g, train_start=None, env=started)
     try:
         ran = run_stock(run2, limit_2g, sidecar, knobs)
@@ -165,4 +169,5 @@ def test_the_next_admission_of_a_guarded_job_plans_on_its_real_report(
     assert all(sum(m) == BATCH and max(m) <= 4 for m in ran), ran
     assert len(ran) == SAMPLES // BATCH
     assert summary2["oom_events"] == 0, summary2
+    assert summary2.get("config_mismatch", []) == [], summary2
     assert_same_parameters(run2 / "weights.npz", unguarded(tmp_path))
