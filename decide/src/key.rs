@@ -2,7 +2,8 @@
 //!
 //! The key is computed from the pod's *spec* alone (annotations, resources, node selector and
 //! affinity), never from where it ran: the webhook must find the same profile at admission,
-//! before the pod has a node, that the controller wrote after it finished.
+//! before the pod has a node, that the controller wrote after it finished. A pod whose model
+//! admission cannot read (Guarded) is keyed by its launch instead ([`launch_key`]).
 
 use k8s_openapi::api::core::v1::Pod;
 use memguard_api::Cluster;

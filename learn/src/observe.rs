@@ -173,6 +173,15 @@ pub fn try_observe(
     })
 }
 
+/// A finished pod resolved and keyed: the pod, its key, the trainer's terminated state and the
+/// sidecar's summary.
+type Keyed<'a> = (
+    TrainingPod<'a>,
+    PodKey,
+    &'a ContainerStateTerminated,
+    Option<Summary>,
+);
+
 /// A pod whose model admission cannot read (Guarded: the sidecar and the client injected, not
 /// planned at admission, issue 37): learnt under its launch key
 /// ([`memguard_decide::key::launch_key`]) on what its trainer reported at train start, the
@@ -182,15 +191,7 @@ fn guarded<'a>(
     pod: &'a Pod,
     policy: &Policy,
     cluster: Cluster<'_>,
-) -> Result<
-    (
-        TrainingPod<'a>,
-        PodKey,
-        &'a ContainerStateTerminated,
-        Option<Summary>,
-    ),
-    NotObserved,
-> {
+) -> Result<Keyed<'a>, NotObserved> {
     let launch = launch_key(pod, policy).map_err(|e| NotObserved::NoKey(e.to_string()))?;
     let (terminated, restarted) = terminated_trainer(pod, &launch.trainer)?;
     let summary = sidecar_summary(pod, restarted)?;
