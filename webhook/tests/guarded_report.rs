@@ -338,3 +338,95 @@ fn a_report_missing_a_shape_value_leaves_the_pod_guarded_and_says_which() {
         g.warnings
     );
 }
+
+/// A GPU job admission cannot read, pinned to one GPU product: keyed by its launch on that
+/// product, and planned on its report against the per-device budget admission computes, which
+/// the sidecar's train-start plan then aims at too.
+#[test]
+fn a_guarded_gpu_job_is_planned_on_its_report_against_the_per_device_budget() {
+    let policy = Policy::default();
+    let pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "gpu-1", "namespace": "ml", "uid": "uid-gpu-1",
+                     "labels": {"memguard.io/enabled": "true"}},
+        "spec": {"restartPolicy": "Never",
+            "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"},
+            "containers": [{
+                "name": "trainer", "image": "memguard-trainer:1",
+                "command": ["python", "/job/train_json.py", "/config/train.json"],
+                "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                "volumeMounts": [{"name": "config", "mountPath": "/config"}]
+            }],
+            "volumes": [{"name": "config", "configMap": {"name": "llama-7b-json"}}]}
+    });
+    let typed: Pod = serde_json::from_value(pod.clone()).expect("a Pod");
+    let launch = memguard_decide::key::launch_key(&typed, &policy).expect("a launch key");
+    assert_eq!(launch.spec.device, "NVIDIA-A100-SXM4-80GB");
+    // A 1B Llama (Llama-3.2-1B's shape) in bf16 mixed precision, 8 rows of 4096 tokens: its
+    // activations and logits are far over 80 GB.
+    let mut knobs = tiny_llama();
+    for (k, v) in [
+        ("gpu", 1.0),
+        ("bf16", 1.0),
+        ("batch-size", 8.0),
+        ("seq-length", 4096.0),
+        ("hidden-size", 2048.0),
+        ("num-layers", 16.0),
+        ("num-heads", 32.0),
+        ("num-kv-heads", 8.0),
+        ("head-dim", 64.0),
+        ("intermediate-size", 8192.0),
+        ("vocab-size", 128_256.0),
+        ("tie-embeddings", 1.0),
+        ("params", 1_235_814_400.0),
+        ("trainable-params", 1_235_814_400.0),
+    ] {
+        knobs.insert(k.into(), v);
+    }
+    let mut status = MemoryProfileStatus::default();
+    status.record_trainer_report(memguard_api::crd::TrainerReport {
+        pod: "gpu-0".into(),
+        uid: "uid-gpu-0".into(),
+        finished_at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::from_second(100).expect("in range"),
+        ),
+        config: knobs.clone(),
+        mismatch: Vec::new(),
+    });
+    let mut profile = MemoryProfile::new(&launch.name, launch.spec.clone());
+    profile.status = Some(status);
+    let mut view = ClusterView::default();
+    view.insert(profile);
+    let (outcome, _) = admit(&pod, &view);
+    let Outcome::Mutated(m) = &outcome else {
+        panic!("planned: {outcome:?}")
+    };
+    let budget = m.budget.as_ref().expect("a per-device budget");
+    assert_eq!(m.plan.config.device, memguard_estimator::Device::Cuda);
+    assert!(m.plan.fits, "{:?}", m.warnings);
+    assert!(
+        m.plan.config.batch_size < 8 || m.plan.config.grad_checkpointing,
+        "8 rows of 4096 do not fit 80 GB unchanged: {:?}",
+        m.plan.steps
+    );
+    assert_eq!(
+        m.plan.config.batch_size * m.plan.config.grad_accumulation,
+        8,
+        "effective batch kept"
+    );
+    // The sidecar plans the same report against the same per-device budget at train start.
+    let ts = sidecar_env(&m.sidecar.env, env::SIDECAR_TRAIN_START);
+    let settings = TrainStartPolicy::parse(&ts).expect("settings");
+    assert_eq!(settings.budget_bytes, Some(budget.bytes.0));
+    let at_start = memguard_sidecar::train_start::decide(&knobs, Some(&settings), None);
+    assert!(at_start.planned, "{}", at_start.reason);
+    assert_eq!(
+        (at_start.batch_size, at_start.grad_checkpointing),
+        (
+            Some(m.plan.config.batch_size),
+            Some(m.plan.config.grad_checkpointing)
+        ),
+        "{}",
+        at_start.reason
+    );
+}
