@@ -90,6 +90,41 @@ pub struct HostRewrite {
     pub from: String,
     /// Its value after.
     pub to: String,
+    /// What the flag is set to: `to`, or for a key of an inline config the whole config.
+    pub written: String,
+}
+
+impl HostRewrite {
+    /// A plain flag's rewrite.
+    fn of_flag(knob: HostKnob, from: &str, to: &str) -> HostRewrite {
+        HostRewrite {
+            knob,
+            flag: flag(knob),
+            from: from.into(),
+            to: to.into(),
+            written: to.into(),
+        }
+    }
+
+    /// The rewrite in words: `--dataloader_num_workers 8→2`, `--fsdp_config
+    /// cpu_ram_efficient_loading false→true`.
+    pub fn said(&self) -> String {
+        match self.knob {
+            HostKnob::RamEfficientLoading => format!(
+                "--{} cpu_ram_efficient_loading {}→{}",
+                self.flag, self.from, self.to
+            ),
+            _ => format!("--{} {}→{}", self.flag, self.from, self.to),
+        }
+    }
+
+    /// The rewrite as a flag to give: `--save_only_model true`, `--fsdp_config '{…}'`.
+    fn as_flag(&self) -> String {
+        match self.knob {
+            HostKnob::RamEfficientLoading => format!("--{} '{}'", self.flag, self.written),
+            _ => format!("--{} {}", self.flag, self.to),
+        }
+    }
 }
 
 /// The host plan of one pod.
@@ -263,8 +298,10 @@ pub fn plan_host_after(
 ///   carry the optimizer (`--save_only_model` read as false, and writable) gets model-only
 ///   checkpoints, the cheapest cut of the save spike; a launch that cannot be rewritten so is
 ///   told to raise its limit.
-/// - `load`: no rewrite of the load is planned (the dtype and low-memory options are not
-///   rewritten), so the plan claims no host verdict (`fits` is `null`) and says what to raise.
+/// - `load`: FSDP's RAM-efficient loading is turned on where it can be ([`load_rewrite`]);
+///   either way the plan claims no host verdict (`fits` is `null`: the load figure proved
+///   low), and says what to raise, and that a load in the checkpoint's dtype would need less
+///   ([`dtype_suggestion`], never rewritten).
 /// - `step`, or no phase: the GPU plan and the recovery answer it; the host plan is unchanged.
 pub fn plan_after_kill(
     base: HostConfig,
@@ -305,23 +342,42 @@ pub fn plan_after_kill(
             step.apply(&mut cut);
             let mut plan = plan_against(base, &cut, limit);
             plan.after_kill = Some(format!(
-                "memguard: last OOM kill was while saving: --{} {}→{} (model-only \
-                 checkpoints, save {})",
-                step.rewrite.flag, step.rewrite.from, step.rewrite.to, plan.estimate.save
+                "memguard: last OOM kill was while saving: {} (model-only checkpoints, save {})",
+                step.rewrite.said(),
+                plan.estimate.save
             ));
             plan.rewrites.insert(0, step.rewrite);
             plan
         }
         Some(TrainerPhase::Load) => {
-            let mut plan = plan_against(base, knobs, limit);
+            // Admission warnings are cut at 120 characters: the dtype said in a few words.
+            let suggestion = dtype_suggestion(knobs)
+                .map(|_| "; bf16 --dtype: less, changes numerics")
+                .unwrap_or_default();
+            // The kill proves the load figure low: the verdict is not claimed either way.
+            let Some(step) = load_rewrite(knobs) else {
+                let mut plan = plan_against(base, knobs, limit);
+                if plan.fits == Some(true) {
+                    plan.fits = None;
+                }
+                plan.after_kill = Some(format!(
+                    "memguard: last OOM kill while loading (load {}): raise limits.memory{}",
+                    plan.estimate.load, suggestion
+                ));
+                return plan;
+            };
+            let mut cut = knobs.clone();
+            step.apply(&mut cut);
+            let mut plan = plan_against(base, &cut, limit);
             if plan.fits == Some(true) {
                 plan.fits = None;
             }
             plan.after_kill = Some(format!(
-                "memguard: last OOM kill was while loading: it needs more than {limit_said} \
-                 (estimated {}); no host verdict",
+                "memguard: last OOM kill while loading: {} (load {})",
+                step.rewrite.said(),
                 plan.estimate.load
             ));
+            plan.rewrites.insert(0, step.rewrite);
             plan
         }
         Some(TrainerPhase::Step) | None => plan_against(base, knobs, limit),
@@ -414,11 +470,7 @@ pub fn plan_against(base: HostConfig, knobs: &HostKnobs, limit: Option<Bytes>) -
         plan.sources = rewritten.sources();
         plan.fits = fits_largest(most).then_some(true);
         plan.rewrites = rewrites;
-        let said: Vec<String> = plan
-            .rewrites
-            .iter()
-            .map(|r| format!("--{} {}→{}", r.flag, r.from, r.to))
-            .collect();
+        let said: Vec<String> = plan.rewrites.iter().map(HostRewrite::said).collect();
         plan.warning = Some(format!(
             "memguard: host memory rewritten to fit limits.memory {limit} ({}): {}",
             said.join(", "),
@@ -433,10 +485,7 @@ pub fn plan_against(base: HostConfig, knobs: &HostKnobs, limit: Option<Bytes>) -
     let cheaper_need = cheaper_most.unwrap_or(cheaper.peak);
     let with_rewrites = if !rewrites.is_empty() && gib_quantity(cheaper_need) != gib_quantity(need)
     {
-        let said: Vec<String> = merged(&rewrites)
-            .iter()
-            .map(|r| format!("--{} {}", r.flag, r.to))
-            .collect();
+        let said: Vec<String> = merged(&rewrites).iter().map(HostRewrite::as_flag).collect();
         format!(
             ", or ≥ {} with {}",
             gib_quantity(cheaper_need),
@@ -445,9 +494,13 @@ pub fn plan_against(base: HostConfig, knobs: &HostKnobs, limit: Option<Bytes>) -
     } else {
         String::new()
     };
+    let suggestion = dtype_suggestion(knobs)
+        .filter(|_| plan.estimate.peak_phase == memguard_estimator::Phase::Load)
+        .map(|s| format!("; {s}"))
+        .unwrap_or_default();
     plan.verdict = Some(format!(
         "host memory cannot fit: needs {} per pod at {} ({ranks} rank(s)) of limits.memory \
-         {limit}; set limits.memory ≥ {}{with_rewrites}{}",
+         {limit}; set limits.memory ≥ {}{with_rewrites}{}{suggestion}",
         figure(plan.estimate.peak, most, unknowns),
         plan.estimate.peak_phase.name(),
         gib_quantity(need),
@@ -573,6 +626,16 @@ fn undo_unneeded(
                     ..change
                 });
             }
+            HostKnob::RamEfficientLoading => {
+                trial
+                    .ram_efficient_loading
+                    .clone_from(&before.ram_efficient_loading);
+                if fits(&trial) {
+                    knobs = trial;
+                } else {
+                    kept.push(change);
+                }
+            }
             HostKnob::PinMemory => {
                 trial.pin_memory.clone_from(&before.pin_memory);
                 if fits(&trial) {
@@ -621,14 +684,10 @@ fn flag(knob: HostKnob) -> &'static str {
 fn candidates(knobs: &HostKnobs) -> Vec<Step> {
     let mut out = Vec::new();
     let writable = |k: HostKnob| knobs.writable.contains(&k);
+    out.extend(load_rewrite(knobs));
     if writable(HostKnob::PinMemory) && knobs.pin_memory.as_ref().is_some_and(|r| r.value) {
         out.push(Step {
-            rewrite: HostRewrite {
-                knob: HostKnob::PinMemory,
-                flag: flag(HostKnob::PinMemory),
-                from: "true".into(),
-                to: "false".into(),
-            },
+            rewrite: HostRewrite::of_flag(HostKnob::PinMemory, "true", "false"),
             apply: |k, _| {
                 if let Some(r) = &mut k.pin_memory {
                     r.value = false;
@@ -644,12 +703,11 @@ fn candidates(knobs: &HostKnobs) -> Vec<Step> {
         while from > 0 {
             let to = from / 2;
             out.push(Step {
-                rewrite: HostRewrite {
-                    knob: HostKnob::DataloaderWorkers,
-                    flag: flag(HostKnob::DataloaderWorkers),
-                    from: from.to_string(),
-                    to: to.to_string(),
-                },
+                rewrite: HostRewrite::of_flag(
+                    HostKnob::DataloaderWorkers,
+                    &from.to_string(),
+                    &to.to_string(),
+                ),
                 apply: |k, to| {
                     if let (Some(r), Ok(n)) = (&mut k.workers, to.parse()) {
                         r.value = n;
@@ -667,12 +725,7 @@ fn candidates(knobs: &HostKnobs) -> Vec<Step> {
             .is_some_and(|r| r.value == SaveMode::FullWithOptimizer)
     {
         out.push(Step {
-            rewrite: HostRewrite {
-                knob: HostKnob::Save,
-                flag: flag(HostKnob::Save),
-                from: "false".into(),
-                to: "true".into(),
-            },
+            rewrite: HostRewrite::of_flag(HostKnob::Save, "false", "true"),
             apply: |k, _| {
                 if let Some(r) = &mut k.save {
                     r.value = SaveMode::ModelOnlyFull;
@@ -682,6 +735,50 @@ fn candidates(knobs: &HostKnobs) -> Vec<Step> {
         });
     }
     out
+}
+
+/// The rewrite of the load, where one is safe: FSDP's `cpu_ram_efficient_loading` on, in an
+/// inline `--fsdp_config` whose key the load honours (only rank 0 materialises the weights;
+/// the others receive them from it, the same values). The load dtype is never rewritten:
+/// loading in another dtype changes what trains (see [`dtype_suggestion`]).
+fn load_rewrite(knobs: &HostKnobs) -> Option<Step> {
+    let config = knobs.ram_efficient_config.as_ref()?;
+    let off = knobs
+        .ram_efficient_loading
+        .as_ref()
+        .is_some_and(|r| !r.value);
+    (knobs.writable.contains(&HostKnob::RamEfficientLoading) && off).then(|| Step {
+        rewrite: HostRewrite {
+            knob: HostKnob::RamEfficientLoading,
+            flag: "fsdp_config",
+            from: "false".into(),
+            to: "true".into(),
+            written: config.clone(),
+        },
+        apply: |k, _| {
+            if let Some(r) = &mut k.ram_efficient_loading {
+                r.value = true;
+                r.source = "memguard".into();
+            }
+        },
+    })
+}
+
+/// What would lower a load memguard does not rewrite: loading in the checkpoint's own dtype
+/// when the launch loads in fp32 (a bf16 checkpoint then costs one fp32 copy per rank). It is
+/// said, never written: the load dtype is the dtype the weights train in (the Trainer's
+/// `--bf16` autocasts but keeps the parameters, and the optimizer's state, in the loaded dtype),
+/// so changing it changes the training's numerics, which the user did not ask for.
+fn dtype_suggestion(knobs: &HostKnobs) -> Option<&'static str> {
+    knobs
+        .load_bytes_per_param
+        .as_ref()
+        .is_some_and(|r| r.value == Some(4.0))
+        .then_some(
+            "if the checkpoint's files are bf16, --dtype bfloat16 (or auto) loads one copy \
+             instead of one per rank, but trains in bf16: it changes numerics, so memguard does \
+             not make it for you",
+        )
 }
 
 /// Collapses a run of worker halvings into one rewrite (`8→0`, not `8→4, 4→2, 2→1, 1→0`).
@@ -728,6 +825,7 @@ mod tests {
             ram_efficient_loading: read(false, "args"),
             offload: read(Offload::None, "args"),
             unknown: BTreeMap::new(),
+            ram_efficient_config: None,
             writable: [
                 HostKnob::DataloaderWorkers,
                 HostKnob::PinMemory,
@@ -736,6 +834,105 @@ mod tests {
             .into(),
         };
         (base, knobs)
+    }
+
+    /// `busy`'s pod loading a bf16 checkpoint in fp32 (a copy per rank: the load is its
+    /// peak), under FSDP with an inline `--fsdp_config` the load honours.
+    fn fp32_load() -> (HostConfig, HostKnobs) {
+        let (base, mut knobs) = busy();
+        knobs.load_bytes_per_param = read(Some(4.0), "args");
+        knobs.ram_efficient_config = Some(
+            r#"{"cpu_ram_efficient_loading":true,"state_dict_type":"FULL_STATE_DICT"}"#.into(),
+        );
+        knobs.writable.insert(HostKnob::RamEfficientLoading);
+        (base, knobs)
+    }
+
+    /// Over its limit at load, the pod is made RAM-efficient before anything dearer is
+    /// touched, and its load dtype is never rewritten: the verdict only suggests it.
+    #[test]
+    fn a_load_over_its_limit_turns_ram_efficient_loading_on_and_keeps_its_dtype() {
+        let (base, knobs) = fp32_load();
+        let as_is = plan_against(base.clone(), &knobs, None);
+        assert_eq!(as_is.estimate.peak_phase, memguard_estimator::Phase::Load);
+        let mut efficient = knobs.clone();
+        efficient.ram_efficient_loading = read(true, "x");
+        let limit = peaks(&base, &efficient).1.peak;
+        assert!(limit < as_is.estimate.peak);
+
+        let plan = plan_against(base.clone(), &knobs, Some(limit));
+        assert_eq!(plan.fits, Some(true), "{:?}", plan.warning);
+        assert_eq!(plan.rewrites.len(), 1, "{:?}", plan.rewrites);
+        let rewrite = &plan.rewrites[0];
+        assert_eq!(rewrite.knob, HostKnob::RamEfficientLoading);
+        assert_eq!(rewrite.flag, "fsdp_config");
+        assert_eq!(
+            rewrite.written,
+            knobs.ram_efficient_config.clone().expect("set")
+        );
+        assert_eq!(
+            plan.config.load_bytes_per_param,
+            Some(4.0),
+            "the load dtype is what trains: never rewritten"
+        );
+        let warning = plan.warning.as_deref().unwrap_or_default();
+        assert!(
+            warning.contains("--fsdp_config cpu_ram_efficient_loading false→true"),
+            "{warning}"
+        );
+
+        // Where the load does not honour the key (torchrun), nothing lowers the load: the
+        // verdict names the memory, and the dtype only as a suggestion.
+        let mut inert = knobs.clone();
+        inert.ram_efficient_config = None;
+        inert.writable.remove(&HostKnob::RamEfficientLoading);
+        let plan = plan_against(base, &inert, Some(limit));
+        assert_eq!(plan.fits, Some(false));
+        assert!(
+            plan.rewrites
+                .iter()
+                .all(|r| r.knob != HostKnob::RamEfficientLoading)
+        );
+        let verdict = plan.verdict.as_deref().unwrap_or_default();
+        assert!(
+            verdict.contains("set limits.memory ≥")
+                && verdict.contains("--dtype bfloat16")
+                && verdict.contains("changes numerics"),
+            "{verdict}"
+        );
+    }
+
+    /// A kill at load turns RAM-efficient loading on where it can, even when the estimate
+    /// said the load fit, and still claims no verdict; where it cannot, it says what to raise.
+    #[test]
+    fn a_kill_at_load_makes_the_load_ram_efficient_where_it_can() {
+        let (base, knobs) = fp32_load();
+        let roomy = Some(Bytes(2048 * GIB));
+        let plan = plan_after_kill(base.clone(), &knobs, roomy, Some(TrainerPhase::Load));
+        assert_eq!(plan.fits, None, "the kill proved the load figure low");
+        assert_eq!(plan.rewrites.len(), 1, "{:?}", plan.rewrites);
+        assert_eq!(plan.rewrites[0].knob, HostKnob::RamEfficientLoading);
+        assert!(plan.config.ram_efficient_loading);
+        let before = plan_against(base.clone(), &knobs, roomy);
+        assert!(plan.estimate.load < before.estimate.load);
+        let said = plan.after_kill.as_deref().unwrap_or_default();
+        assert!(
+            said.contains("while loading") && said.contains("cpu_ram_efficient_loading false→true"),
+            "{said}"
+        );
+
+        let mut inert = knobs.clone();
+        inert.ram_efficient_config = None;
+        let plan = plan_after_kill(base, &inert, roomy, Some(TrainerPhase::Load));
+        assert!(plan.rewrites.is_empty());
+        assert!(
+            plan.after_kill
+                .as_deref()
+                .unwrap_or_default()
+                .contains("raise limits.memory; bf16 --dtype: less, changes numerics"),
+            "{:?}",
+            plan.after_kill
+        );
     }
 
     /// A kill at save cuts the save even where the estimate said the pod fits; a kill at load
@@ -1052,18 +1249,53 @@ mod tests {
             knobs.save.as_ref().map(|r| (r.value, r.source.as_str())),
             Some((SaveMode::FullWithOptimizer, "args"))
         );
+        // Under torchrun nothing sets ACCELERATE_USE_FSDP before the load: the key is inert.
         assert_eq!(
-            knobs.ram_efficient_loading.as_ref().map(|r| r.value),
-            Some(true)
+            knobs
+                .ram_efficient_loading
+                .as_ref()
+                .map(|r| (r.value, r.source.as_str())),
+            Some((false, memguard_api::coupled::INERT_AT_LOAD))
         );
+        assert!(!knobs.writable.contains(&HostKnob::RamEfficientLoading));
         assert_eq!(
             knobs.offload.as_ref().map(|r| (r.value, r.source.as_str())),
             Some((Offload::None, "default:transformers"))
         );
         assert!(knobs.writable.contains(&HostKnob::Save));
         let plan = plan_host(&training, &training.config, &knobs).expect("a GPU pod");
-        assert!(plan.config.ram_efficient_loading);
-        assert_eq!(plan.sources["ram-efficient-loading"], "args");
+        assert!(!plan.config.ram_efficient_loading);
+
+        // Under `accelerate launch --use_fsdp` (or ACCELERATE_USE_FSDP in the env) it holds.
+        for (launcher, env) in [
+            ("accelerate launch --use_fsdp --num_processes 4", None),
+            ("torchrun --nproc_per_node 4", Some("true")),
+        ] {
+            let mut pod = full.clone();
+            let container = &mut pod.spec.as_mut().expect("spec").containers[0];
+            let args = container.args.as_mut().expect("args");
+            args[0] = args[0].replace("torchrun --nproc_per_node 4", launcher);
+            if let Some(v) = env {
+                container.env = Some(vec![k8s_openapi::api::core::v1::EnvVar {
+                    name: "ACCELERATE_USE_FSDP".into(),
+                    value: Some(v.into()),
+                    ..Default::default()
+                }]);
+            }
+            let training = TrainingPod::resolve(&pod, &Policy::default(), Cluster::default())
+                .expect("resolves");
+            let knobs = HostKnobs::read(&training);
+            assert_eq!(
+                knobs
+                    .ram_efficient_loading
+                    .as_ref()
+                    .map(|r| (r.value, r.source.as_str())),
+                Some((true, "args")),
+                "{launcher}"
+            );
+            let plan = plan_host(&training, &training.config, &knobs).expect("a GPU pod");
+            assert!(plan.config.ram_efficient_loading, "{launcher}");
+        }
 
         let sharded = trl_pod(
             r#"--fsdp "full_shard offload" --fsdp_config '{"state_dict_type": "SHARDED_STATE_DICT"}'"#,
