@@ -19,7 +19,7 @@
 
 mod host_settings;
 
-pub use host_settings::{HONOURED_AT_LOAD, HostSettings, INERT_AT_LOAD, Setting, StateDict};
+pub use host_settings::{HostSettings, INERT_AT_LOAD, Setting, StateDict};
 
 use crate::cluster::ConfigMaps;
 use crate::launch::{Flags, Launch, Launcher};
@@ -151,14 +151,6 @@ pub fn read(
             Some(Ok(config)) => coupled.host.read_fsdp(fsdp_words.as_deref(), Some(config)),
             Some(Err(why)) => coupled.host.unreadable = Some(why.clone()),
         }
-        let inline = fsdp_config
-            .as_ref()
-            .and_then(|c| c.as_ref().ok())
-            .filter(|c| c.source == "inline")
-            .map(|c| &c.value);
-        coupled
-            .host
-            .at_load(fsdp_honoured_at_load(trainer, launch), inline);
     }
     if let Some(config) = fsdp_config.as_ref().and_then(|c| c.as_ref().ok()) {
         let on = ["activation_checkpointing", "fsdp_activation_checkpointing"]
@@ -194,27 +186,6 @@ pub fn read(
     }
     accelerate_config(pod, trainer, launch, maps, &mut coupled);
     coupled
-}
-
-/// Whether `ACCELERATE_USE_FSDP` is set before the trainer loads its weights
-/// ([`host_settings::HONOURED_AT_LOAD`]): by `accelerate launch --use_fsdp`, or in the
-/// trainer's env (accelerate's `str_to_bool` spellings).
-fn fsdp_honoured_at_load(trainer: &Container, launch: &Launch) -> bool {
-    let by_launcher = launch.launcher == Launcher::Accelerate
-        && launch.launcher_options.iter().any(|(k, v)| {
-            k.trim_start_matches('-').replace('-', "_") == "use_fsdp"
-                && v.as_deref().is_none_or(|v| v.eq_ignore_ascii_case("true"))
-        });
-    let by_env = trainer.env.iter().flatten().any(|e| {
-        e.name == "ACCELERATE_USE_FSDP"
-            && e.value.as_deref().is_some_and(|v| {
-                matches!(
-                    v.trim().to_ascii_lowercase().as_str(),
-                    "1" | "true" | "yes" | "y" | "on" | "t"
-                )
-            })
-    });
-    by_launcher || by_env
 }
 
 /// `accelerate launch`'s own DeepSpeed and FSDP settings: its `--gradient_accumulation_steps`
@@ -828,8 +799,7 @@ mod tests {
                 source: "args".into()
             })
         );
-        // `python t.py` sets no ACCELERATE_USE_FSDP before the load: the key does nothing
-        // there, and is not offered for a rewrite.
+        // Read, and known to lower nothing at load (transformers 5.23, measured).
         assert_eq!(
             host.ram_efficient_loading,
             Some(Setting {
@@ -837,60 +807,12 @@ mod tests {
                 source: INERT_AT_LOAD.into()
             })
         );
-        assert_eq!(host.ram_efficient_config, None);
         assert_eq!(
             host.offload,
             Some(Setting {
                 value: Offload::None,
                 source: "default:transformers".into()
             })
-        );
-        // Under `accelerate launch --use_fsdp` the key holds; off, it may be turned on in the
-        // inline config, its other keys and spelling kept.
-        let honoured = coupled(
-            &[
-                "accelerate",
-                "launch",
-                "--use_fsdp",
-                "t.py",
-                "--fsdp",
-                "full_shard",
-                "--fsdp_config",
-                r#"{"fsdp_state_dict_type": "SHARDED_STATE_DICT", "cpu_ram_efficient_loading": "true"}"#,
-            ],
-            None,
-        );
-        assert_eq!(
-            honoured.host.ram_efficient_loading,
-            Some(Setting {
-                value: true,
-                source: "args".into()
-            })
-        );
-        let off = coupled(
-            &[
-                "accelerate",
-                "launch",
-                "--use_fsdp",
-                "t.py",
-                "--fsdp",
-                "full_shard",
-                "--fsdp_config",
-                r#"{"fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_cpu_ram_efficient_loading": false}"#,
-            ],
-            None,
-        );
-        let written: serde_json::Value = serde_json::from_str(
-            off.host
-                .ram_efficient_config
-                .as_deref()
-                .expect("rewritable"),
-        )
-        .expect("JSON");
-        assert_eq!(
-            written,
-            serde_json::json!({"fsdp_state_dict_type": "SHARDED_STATE_DICT",
-                               "fsdp_cpu_ram_efficient_loading": true})
         );
         let file = coupled(
             &[

@@ -485,20 +485,14 @@ fn rewrite_hf(
     for rewrite in host {
         let edit = reading
             .flags
-            .set(rewrite.flag, &rewrite.written, &HfRules)
+            .set(rewrite.flag, &rewrite.to, &HfRules)
             .map_err(|e| format!("the host plan cannot be written in the trainer's flags: {e}"))?;
         let spelled = reading
             .flags
             .get(rewrite.flag)
             .map(|f| f.spelled.clone())
             .unwrap_or_else(|| format!("--{}", rewrite.flag));
-        changed.push(match rewrite.knob {
-            memguard_api::pod::HostKnob::RamEfficientLoading => format!(
-                "{spelled} cpu_ram_efficient_loading {}→{}",
-                rewrite.from, rewrite.to
-            ),
-            _ => format!("{spelled} {}→{}", rewrite.from, rewrite.to),
-        });
+        changed.push(format!("{spelled} {}→{}", rewrite.from, rewrite.to));
         edits.push(edit);
     }
     if edits.is_empty() {

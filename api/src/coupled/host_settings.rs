@@ -4,7 +4,8 @@
 //!
 //! - FSDP (`--fsdp`, `--fsdp_config`, transformers 5.23 `TrainingArguments._process_fsdp_args`,
 //!   which drops a key's `fsdp_` prefix): `state_dict_type` (default `FULL_STATE_DICT`),
-//!   `cpu_ram_efficient_loading` (default false), `cpu_offload` (default false; also the
+//!   `cpu_ram_efficient_loading` (default false; true lowers nothing at load, [`INERT_AT_LOAD`]),
+//!   `cpu_offload` (default false; also the
 //!   `offload` word of `--fsdp`; accelerate spells it `offload_params`).
 //! - DeepSpeed: `zero_optimization.offload_optimizer.device` and `offload_param.device` (`cpu`,
 //!   `nvme`: offloaded through host buffers; `none`; the parameters offloaded count as the
@@ -50,28 +51,19 @@ pub struct HostSettings {
     /// Why a named config was not read (in the image, a shell expansion): its settings are
     /// unknown.
     pub unreadable: Option<String>,
-    /// `--fsdp_config` as given inline, with `cpu_ram_efficient_loading` set true: the value
-    /// memguard may write, only where the load honours the key ([`HONOURED_AT_LOAD`]) and the
-    /// config is the launch's own text (a file or base64 string is not rewritten).
-    pub ram_efficient_config: Option<String>,
 }
-
-/// Where `cpu_ram_efficient_loading` takes effect at load: transformers 5.23 skips the load on
-/// ranks other than 0 only when `ACCELERATE_USE_FSDP` is set before `from_pretrained`
-/// (`transformers.distributed.fsdp.is_fsdp_enabled`). `accelerate launch --use_fsdp` sets it;
-/// `torchrun` does not, and parsing `TrainingArguments` sets only
-/// `FSDP_CPU_RAM_EFFICIENT_LOADING` (measured: `is_fsdp_enabled()` is false after parsing under
-/// torchrun, true under `accelerate launch --use_fsdp`), so there every rank loads whatever
-/// the key says.
-pub const HONOURED_AT_LOAD: &str =
-    "accelerate launch --use_fsdp, or ACCELERATE_USE_FSDP in the trainer's env";
-
-/// The source of a `cpu_ram_efficient_loading: true` the load does not honour.
-pub const INERT_AT_LOAD: &str = "inert:no-ACCELERATE_USE_FSDP";
 
 /// transformers' defaults for an FSDP config's keys (5.23, `TrainingArguments`' docstring and
 /// `_process_fsdp_args`).
 const FSDP_DEFAULTS: &str = "default:transformers";
+/// The source of a `cpu_ram_efficient_loading: true`, which lowers no host memory at load
+/// under transformers 5.23: `from_pretrained` reads the files on every rank whatever the key
+/// says (it only skips initialising missing keys on ranks other than 0), and under `torchrun`
+/// the key does not even switch that on (`is_fsdp_enabled()` needs `ACCELERATE_USE_FSDP`,
+/// which only `accelerate launch --use_fsdp` sets). Measured (`bench/host/ram_efficient_load.py`):
+/// 2 ranks loading a bf16 checkpoint as fp32 peak the same with the key on or off, under
+/// `accelerate launch --use_fsdp` and under `torchrun`. So every rank is counted as loading.
+pub const INERT_AT_LOAD: &str = "inert:transformers-5";
 /// DeepSpeed's default for a key its config leaves out.
 const DEEPSPEED_DEFAULTS: &str = "default:deepspeed";
 
@@ -132,8 +124,12 @@ impl HostSettings {
                 source: FSDP_DEFAULTS.into(),
             }),
             Some(v) => boolean(v).map(|b| Setting {
-                value: b,
-                source: source.clone(),
+                value: false,
+                source: if b {
+                    INERT_AT_LOAD.into()
+                } else {
+                    source.clone()
+                },
             }),
         };
         let word = fsdp_words.is_some_and(|w| {
@@ -163,38 +159,6 @@ impl HostSettings {
                 }),
             }
         };
-    }
-
-    /// `cpu_ram_efficient_loading` as the load sees it: where the launch does not set
-    /// `ACCELERATE_USE_FSDP` (`honoured` false), a `true` read does nothing at load, so it is
-    /// false with [`INERT_AT_LOAD`] as its source. Where honoured and `--fsdp_config` is inline
-    /// (`inline`, its text), the config with the key on is kept for a rewrite.
-    pub(super) fn at_load(&mut self, honoured: bool, inline: Option<&Value>) {
-        if !honoured {
-            if let Some(s) = &mut self.ram_efficient_loading
-                && s.value
-            {
-                s.value = false;
-                s.source = INERT_AT_LOAD.into();
-            }
-            return;
-        }
-        if self
-            .ram_efficient_loading
-            .as_ref()
-            .is_some_and(|s| !s.value)
-            && let Some(Value::Object(map)) = inline
-        {
-            let mut map = map.clone();
-            // The key as the launch spells it, else transformers' own spelling.
-            let key = if map.contains_key("fsdp_cpu_ram_efficient_loading") {
-                "fsdp_cpu_ram_efficient_loading"
-            } else {
-                "cpu_ram_efficient_loading"
-            };
-            map.insert(key.into(), Value::Bool(true));
-            self.ram_efficient_config = serde_json::to_string(&Value::Object(map)).ok();
-        }
     }
 
     /// The DeepSpeed settings of a config read.

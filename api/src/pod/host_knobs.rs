@@ -93,9 +93,6 @@ pub struct HostKnobs {
     pub offload: Option<HostRead<Offload>>,
     /// Each knob not read, with what would say it.
     pub unknown: BTreeMap<HostKnob, String>,
-    /// The inline `--fsdp_config` with `cpu_ram_efficient_loading` on, where the load honours
-    /// it: what a rewrite of [`HostKnob::RamEfficientLoading`] writes.
-    pub ram_efficient_config: Option<String>,
     /// The host knobs whose flag the launch's parser accepts: present in the launch, or
     /// defined by `TrainingArguments` when the parser is known to be over it. Only these may
     /// be rewritten.
@@ -260,10 +257,6 @@ impl HostKnobs {
                 knobs.writable.insert(*knob);
             }
         }
-        // The inline --fsdp_config is the launch's own text: its key may be turned on.
-        if knobs.ram_efficient_loading.is_some() && knobs.ram_efficient_config.is_some() {
-            knobs.writable.insert(HostKnob::RamEfficientLoading);
-        }
         knobs
     }
 
@@ -279,21 +272,6 @@ impl HostKnobs {
         else {
             return;
         };
-        // The FSDP config memguard turned RAM-efficient: the trainer's own value was false.
-        if let Some(change) = host.rewritten.get(HostKnob::RamEfficientLoading.name())
-            && let Some(read) = &mut self.ram_efficient_loading
-            && read.value
-            && change.to == "true"
-        {
-            read.value = false;
-            read.source = change.source.clone();
-            self.ram_efficient_config = training
-                .coupled
-                .host
-                .ram_efficient_config
-                .clone()
-                .or(flags.value("fsdp_config").map(str::to_string));
-        }
         for (knob, flag) in HOST_FLAGS {
             let Some(change) = host.rewritten.get(knob.name()) else {
                 continue;
@@ -490,7 +468,6 @@ fn read_sharding(training: &TrainingPod, knobs: &mut HostKnobs) {
                 .into()
         })
     };
-    knobs.ram_efficient_config = host.ram_efficient_config.clone();
     knobs.ram_efficient_loading = match &host.ram_efficient_loading {
         Some(s) => Some(HostRead {
             value: s.value,
