@@ -147,7 +147,7 @@ fn configs(base: &HostConfig, knobs: &HostKnobs) -> Vec<HostConfig> {
         None => SaveMode::ALL.to_vec(),
     };
     // RAM-efficient loading lowers nothing at load under transformers 5 (every rank reads the
-    // files; `memguard_api::coupled::INERT_AT_LOAD`): not read, every rank still loads.
+    // files; `memguard_api::coupled::INERT_AT_LOAD`): whatever it is, every rank loads.
     let ram_efficient: Vec<bool> = match &knobs.ram_efficient_loading {
         Some(r) => vec![r.value],
         None => vec![false],
@@ -1164,14 +1164,19 @@ mod tests {
         let training =
             TrainingPod::resolve(&pod, &Policy::default(), Cluster::default()).expect("resolves");
         let knobs = HostKnobs::read(&training);
-        for knob in [
-            HostKnob::Save,
-            HostKnob::RamEfficientLoading,
-            HostKnob::Offload,
-        ] {
+        for knob in [HostKnob::Save, HostKnob::Offload] {
             let why = knobs.unknown.get(&knob).expect("unknown");
             assert!(why.contains("/app/fsdp.json"), "{knob:?}: {why}");
         }
+        // Whatever the config says, every rank loads under transformers 5: not unknown.
+        assert_eq!(
+            knobs
+                .ram_efficient_loading
+                .as_ref()
+                .map(|r| (r.value, r.source.as_str())),
+            Some((false, memguard_api::coupled::INERT_AT_LOAD))
+        );
+        assert!(!knobs.unknown.contains_key(&HostKnob::RamEfficientLoading));
         assert!(!knobs.writable.contains(&HostKnob::Save));
         // Unknown, the figure spans them: RAM-efficient or not, offloaded or not.
         let plan = plan_host(&training, &training.config, &knobs).expect("a GPU pod");
