@@ -19,7 +19,7 @@
 
 mod host_settings;
 
-pub use host_settings::{HostSettings, Setting, StateDict};
+pub use host_settings::{HostSettings, INERT_AT_LOAD, Setting, StateDict};
 
 use crate::cluster::ConfigMaps;
 use crate::launch::{Flags, Launch, Launcher};
@@ -799,9 +799,13 @@ mod tests {
                 source: "args".into()
             })
         );
+        // Read, and known to lower nothing at load (transformers 5.23, measured).
         assert_eq!(
-            host.ram_efficient_loading.as_ref().map(|s| s.value),
-            Some(true)
+            host.ram_efficient_loading,
+            Some(Setting {
+                value: false,
+                source: INERT_AT_LOAD.into()
+            })
         );
         assert_eq!(
             host.offload,

@@ -157,6 +157,11 @@ pub struct OomRecord {
     /// When it happened, RFC 3339 UTC.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub timestamp: String,
+    /// The phase the trainer was in (`load`, `step`, `save`), as it last reported it; absent
+    /// when it reported none (never guessed). A fatal host OOM while saving tells the next
+    /// admission what a kill in the same phase (`oom_kill_phase`) tells it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<crate::phase::TrainerPhase>,
 }
 
 impl OomRecord {

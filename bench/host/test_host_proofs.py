@@ -77,8 +77,11 @@ def test_a_job_killed_at_load_is_admitted_with_a_memory_figure_at_which_it_loads
     figure = admitted_limit(pod)
     assert proof.quantity_bytes(figure) > proof.quantity_bytes(limit)
     container = pod["spec"]["containers"][0]
-    # Nothing the plan could rewrite brings it in: the launch is left as it is.
+    # Nothing the plan could rewrite brings it in: the launch is left as it is. The fp32 load
+    # dtype is named as the user's choice, never rewritten (it is what trains).
     assert proof.words(container) == command + args
+    error = pod["metadata"]["annotations"]["memguard.io/error"]
+    assert "--dtype bfloat16" in error and "changes numerics" in error, error
 
     shutil.rmtree(tmp_path / "out", ignore_errors=True)
     admitted = proof.run_in_cgroup("load-admitted", proof.quantity_bytes(figure), proof.words(container), cwd=tmp_path)

@@ -146,9 +146,11 @@ fn configs(base: &HostConfig, knobs: &HostKnobs) -> Vec<HostConfig> {
         Some(r) => vec![r.value],
         None => SaveMode::ALL.to_vec(),
     };
+    // RAM-efficient loading lowers nothing at load under transformers 5 (every rank reads the
+    // files; `memguard_api::coupled::INERT_AT_LOAD`): whatever it is, every rank loads.
     let ram_efficient: Vec<bool> = match &knobs.ram_efficient_loading {
         Some(r) => vec![r.value],
-        None => vec![true, false],
+        None => vec![false],
     };
     // A sharding config's offload adds to what the training config offloads (activations).
     let offloads: Vec<Offload> = match &knobs.offload {
@@ -263,8 +265,10 @@ pub fn plan_host_after(
 ///   carry the optimizer (`--save_only_model` read as false, and writable) gets model-only
 ///   checkpoints, the cheapest cut of the save spike; a launch that cannot be rewritten so is
 ///   told to raise its limit.
-/// - `load`: no rewrite of the load is planned (the dtype and low-memory options are not
-///   rewritten), so the plan claims no host verdict (`fits` is `null`) and says what to raise.
+/// - `load`: nothing that lowers the load is safe to rewrite (the load dtype changes what
+///   trains, [`dtype_suggestion`]; FSDP's `cpu_ram_efficient_loading` lowers nothing under
+///   transformers 5), so the plan claims no host verdict (`fits` is `null`), says to raise the
+///   limit, and names the dtype as the user's choice where the launch loads in fp32.
 /// - `step`, or no phase: the GPU plan and the recovery answer it; the host plan is unchanged.
 pub fn plan_after_kill(
     base: HostConfig,
@@ -317,9 +321,12 @@ pub fn plan_after_kill(
             if plan.fits == Some(true) {
                 plan.fits = None;
             }
+            // Admission warnings are cut at 120 characters: the dtype in a few words.
+            let suggestion = dtype_suggestion(knobs)
+                .map(|_| "; bf16 --dtype: less, changes numerics")
+                .unwrap_or_default();
             plan.after_kill = Some(format!(
-                "memguard: last OOM kill was while loading: it needs more than {limit_said} \
-                 (estimated {}); no host verdict",
+                "memguard: last OOM kill while loading (load {}): raise limits.memory{suggestion}",
                 plan.estimate.load
             ));
             plan
@@ -445,9 +452,13 @@ pub fn plan_against(base: HostConfig, knobs: &HostKnobs, limit: Option<Bytes>) -
     } else {
         String::new()
     };
+    let suggestion = dtype_suggestion(knobs)
+        .filter(|_| plan.estimate.peak_phase == memguard_estimator::Phase::Load)
+        .map(|s| format!("; {s}"))
+        .unwrap_or_default();
     plan.verdict = Some(format!(
         "host memory cannot fit: needs {} per pod at {} ({ranks} rank(s)) of limits.memory \
-         {limit}; set limits.memory ≥ {}{with_rewrites}{}",
+         {limit}; set limits.memory ≥ {}{with_rewrites}{}{suggestion}",
         figure(plan.estimate.peak, most, unknowns),
         plan.estimate.peak_phase.name(),
         gib_quantity(need),
@@ -684,6 +695,24 @@ fn candidates(knobs: &HostKnobs) -> Vec<Step> {
     out
 }
 
+/// What would lower a load that memguard does not rewrite: loading in the checkpoint's own
+/// dtype where the launch loads in fp32 (a bf16 checkpoint loaded as fp32 costs one fp32 copy
+/// per rank; in its own dtype the files' pages are shared by every rank). Said, never written:
+/// the load dtype is the dtype the weights and the optimizer's state train in (the Trainer's
+/// `--bf16` autocasts the compute but keeps the parameters as loaded), so changing it changes
+/// the training's numerics, which the user did not ask for.
+fn dtype_suggestion(knobs: &HostKnobs) -> Option<&'static str> {
+    knobs
+        .load_bytes_per_param
+        .as_ref()
+        .is_some_and(|r| r.value == Some(4.0))
+        .then_some(
+            "if the checkpoint's files are bf16, --dtype bfloat16 (or auto) loads them once \
+             instead of once per rank, but trains in bf16: it changes numerics, so memguard \
+             does not make that change for you",
+        )
+}
+
 /// Collapses a run of worker halvings into one rewrite (`8→0`, not `8→4, 4→2, 2→1, 1→0`).
 fn merged(rewrites: &[HostRewrite]) -> Vec<HostRewrite> {
     let mut out: Vec<HostRewrite> = Vec::new();
@@ -768,14 +797,28 @@ mod tests {
             "the kill contradicts the estimate's verdict"
         );
         assert!(loaded.rewrites.is_empty());
+        let said = loaded.after_kill.as_deref().unwrap_or_default();
         assert!(
-            loaded
-                .after_kill
-                .as_deref()
-                .unwrap_or_default()
-                .contains("while loading"),
-            "{:?}",
-            loaded.after_kill
+            said.contains("while loading") && said.contains("raise limits.memory"),
+            "{said}"
+        );
+        assert!(
+            !said.contains("--dtype"),
+            "loads in the files' dtype: {said}"
+        );
+        // Loading in fp32: the dtype is named as the user's choice, and still not written.
+        let mut fp32 = knobs.clone();
+        fp32.load_bytes_per_param = read(Some(4.0), "args");
+        let loaded = plan_after_kill(base.clone(), &fp32, roomy, Some(TrainerPhase::Load));
+        assert!(loaded.rewrites.is_empty());
+        let said = loaded.after_kill.as_deref().unwrap_or_default();
+        assert!(
+            said.contains("bf16 --dtype: less, changes numerics"),
+            "{said}"
+        );
+        assert!(
+            said.chars().count() <= crate::warnings::MAX_WARNING_CHARS,
+            "{said}"
         );
 
         for phase in [Some(TrainerPhase::Step), None] {
@@ -949,6 +992,30 @@ mod tests {
         assert!(verdict.starts_with("host memory cannot fit"), "{verdict}");
     }
 
+    /// A load in fp32 over the limit: the dtype is suggested beside the memory to request,
+    /// and never rewritten (it is what trains).
+    #[test]
+    fn an_fp32_load_over_its_limit_is_told_the_dtype_and_the_memory_not_rewritten() {
+        let (base, mut knobs) = busy();
+        knobs.load_bytes_per_param = read(Some(4.0), "args");
+        let plan = plan_against(base.clone(), &knobs, Some(Bytes(16 * GIB)));
+        assert_eq!(plan.fits, Some(false));
+        assert_eq!(plan.estimate.peak_phase, memguard_estimator::Phase::Load);
+        assert_eq!(plan.config.load_bytes_per_param, Some(4.0));
+        assert!(plan.rewrites.is_empty(), "{:?}", plan.rewrites);
+        let verdict = plan.verdict.expect("a verdict");
+        assert!(
+            verdict.contains("set limits.memory ≥")
+                && verdict.contains("--dtype bfloat16")
+                && verdict.contains("changes numerics"),
+            "{verdict}"
+        );
+        // A load in the files' own dtype has nothing to suggest.
+        let (base, knobs) = busy();
+        let plan = plan_against(base, &knobs, Some(Bytes(16 * GIB)));
+        assert!(!plan.verdict.expect("a verdict").contains("--dtype"));
+    }
+
     /// Over the limit even with every rewrite, the error names both figures: the launch as it
     /// is, and with the rewrites that would help.
     #[test]
@@ -1052,9 +1119,13 @@ mod tests {
             knobs.save.as_ref().map(|r| (r.value, r.source.as_str())),
             Some((SaveMode::FullWithOptimizer, "args"))
         );
+        // Read, and counted as loading on every rank: it lowers nothing under transformers 5.
         assert_eq!(
-            knobs.ram_efficient_loading.as_ref().map(|r| r.value),
-            Some(true)
+            knobs
+                .ram_efficient_loading
+                .as_ref()
+                .map(|r| (r.value, r.source.as_str())),
+            Some((false, memguard_api::coupled::INERT_AT_LOAD))
         );
         assert_eq!(
             knobs.offload.as_ref().map(|r| (r.value, r.source.as_str())),
@@ -1062,8 +1133,11 @@ mod tests {
         );
         assert!(knobs.writable.contains(&HostKnob::Save));
         let plan = plan_host(&training, &training.config, &knobs).expect("a GPU pod");
-        assert!(plan.config.ram_efficient_loading);
-        assert_eq!(plan.sources["ram-efficient-loading"], "args");
+        assert!(!plan.config.ram_efficient_loading);
+        assert_eq!(
+            plan.sources["ram-efficient-loading"],
+            memguard_api::coupled::INERT_AT_LOAD
+        );
 
         let sharded = trl_pod(
             r#"--fsdp "full_shard offload" --fsdp_config '{"state_dict_type": "SHARDED_STATE_DICT"}'"#,
@@ -1090,14 +1164,19 @@ mod tests {
         let training =
             TrainingPod::resolve(&pod, &Policy::default(), Cluster::default()).expect("resolves");
         let knobs = HostKnobs::read(&training);
-        for knob in [
-            HostKnob::Save,
-            HostKnob::RamEfficientLoading,
-            HostKnob::Offload,
-        ] {
+        for knob in [HostKnob::Save, HostKnob::Offload] {
             let why = knobs.unknown.get(&knob).expect("unknown");
             assert!(why.contains("/app/fsdp.json"), "{knob:?}: {why}");
         }
+        // Whatever the config says, every rank loads under transformers 5: not unknown.
+        assert_eq!(
+            knobs
+                .ram_efficient_loading
+                .as_ref()
+                .map(|r| (r.value, r.source.as_str())),
+            Some((false, memguard_api::coupled::INERT_AT_LOAD))
+        );
+        assert!(!knobs.unknown.contains_key(&HostKnob::RamEfficientLoading));
         assert!(!knobs.writable.contains(&HostKnob::Save));
         // Unknown, the figure spans them: RAM-efficient or not, offloaded or not.
         let plan = plan_host(&training, &training.config, &knobs).expect("a GPU pod");

@@ -299,6 +299,24 @@ pub fn render(st: &Status, sig: &Signal) -> String {
         "Out-of-memory errors the trainer reported, by kind (cuda_oom, cpu_oom) and outcome (recovered, fatal).",
         &ooms,
     );
+    // Every phase once any fatal record came in one, so a rate over the family is defined.
+    let fatal_phases: Vec<(String, f64)> = if st.fatal_oom_phases.is_empty() {
+        Vec::new()
+    } else {
+        TrainerPhase::ALL
+            .iter()
+            .map(|p| {
+                let n = st.fatal_oom_phases.get(p).copied().unwrap_or(0);
+                (label("phase", p.name()), n as f64)
+            })
+            .collect()
+    };
+    o.family(
+        "oom_records_fatal_by_phase_total",
+        "counter",
+        "Fatal out-of-memory errors the trainer reported, by the phase they came in (load, step, save: the record's own, else the phase last reported); absent until one came in a known phase.",
+        &fatal_phases,
+    );
     o.counter("samples_total", "Samples taken.", st.samples_total as f64);
     o.gauge(
         "waiting_for_trainer",

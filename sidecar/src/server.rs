@@ -132,6 +132,12 @@ async fn post_report(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
             *st.oom_records.entry((oom.kind, oom.outcome)).or_default() += 1;
             let mut kept = oom.clone();
             kept.message = kept.message.chars().take(MAX_MESSAGE_CHARS).collect();
+            // The phase as `oom_kill_phase` takes it: the trainer's last report (this one's
+            // first), never guessed.
+            kept.phase = kept.phase.or(report.phase).or(st.phase);
+            if let (memguard_api::OomOutcome::Fatal, Some(phase)) = (kept.outcome, kept.phase) {
+                *st.fatal_oom_phases.entry(phase).or_default() += 1;
+            }
             st.pending_oom = Some(kept.clone());
             st.last_oom = Some(kept);
         }
@@ -411,9 +417,11 @@ mod tests {
     #[tokio::test]
     async fn an_oom_record_is_counted_by_kind_and_outcome_and_carried_in_the_summary() {
         let sh = shared();
-        let fixture: serde_json::Value =
+        let mut fixture: serde_json::Value =
             serde_json::from_str(include_str!("../../api/fixtures/oom-record-v1.json"))
                 .expect("fixture");
+        // Records of a client that reported no phase.
+        fixture.as_object_mut().expect("an object").remove("phase");
         let mut recovered = fixture.clone();
         recovered["outcome"] = "recovered".into();
         recovered["new_batch_size"] = 4.into();
@@ -446,6 +454,52 @@ mod tests {
             )
         );
         assert_eq!(last.requested_bytes, Some(2 << 30));
+        assert_eq!(last.phase, None, "no phase reported: none guessed");
+        assert!(
+            !metrics.contains("oom_records_fatal_by_phase_total{"),
+            "{metrics}"
+        );
+        // A fatal record after the trainer said it saves: named `save`, as a kill would be;
+        // one that names its own phase keeps it.
+        let save = serde_json::json!({"phase": "save"});
+        let req = Request::post("/v1/report")
+            .body(Body::from(save.to_string()))
+            .expect("req");
+        call(trainer_router(sh.clone()), req).await;
+        let mut at_load = fixture.clone();
+        at_load["phase"] = "load".into();
+        for oom in [&fixture, &at_load] {
+            let body = serde_json::json!({"oom": oom});
+            let req = Request::post("/v1/report")
+                .body(Body::from(body.to_string()))
+                .expect("req");
+            assert_eq!(
+                call(trainer_router(sh.clone()), req).await.0,
+                StatusCode::NO_CONTENT
+            );
+        }
+        let (_, metrics) = call(trainer_router(sh.clone()), get_req("/metrics")).await;
+        for line in [
+            "memguard_sidecar_oom_records_fatal_by_phase_total{phase=\"save\"} 1\n",
+            "memguard_sidecar_oom_records_fatal_by_phase_total{phase=\"load\"} 1\n",
+            "memguard_sidecar_oom_records_fatal_by_phase_total{phase=\"step\"} 0\n",
+        ] {
+            assert!(metrics.contains(line), "{line} in {metrics}");
+        }
+        let summary = crate::summary::build(&sh.status(), &sh.signal.borrow(), None, "sigterm");
+        assert_eq!(
+            summary.last_oom.and_then(|o| o.phase),
+            Some(memguard_api::TrainerPhase::Load)
+        );
+        assert!(
+            crate::summary::to_line(&crate::summary::build(
+                &sh.status(),
+                &sh.signal.borrow(),
+                None,
+                "x"
+            ))
+            .contains(r#""phase":"load""#)
+        );
         let req = Request::post("/v1/report")
             .body(Body::from(r#"{"oom":{"version":1,"kind":"disk_oom"}}"#))
             .expect("req");
@@ -453,7 +507,7 @@ mod tests {
             call(trainer_router(sh.clone()), req).await.0,
             StatusCode::BAD_REQUEST
         );
-        assert_eq!(sh.status().oom_reports(), 3);
+        assert_eq!(sh.status().oom_reports(), 5);
     }
 
     #[tokio::test]

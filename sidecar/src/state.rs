@@ -72,6 +72,9 @@ pub struct Status {
     pub oom_records_refused: u64,
     /// The last OOM record the trainer reported.
     pub last_oom: Option<OomRecord>,
+    /// Fatal OOM records the trainer reported, by the phase each came in (the record's own,
+    /// else the phase last reported); records in no known phase are not counted here.
+    pub fatal_oom_phases: BTreeMap<TrainerPhase, u64>,
     /// A reported OOM record the sampling loop has not turned into a sticky downgrade yet.
     pub pending_oom: Option<OomRecord>,
     /// The batch of the sticky downgrade in force (after an OOM kill or record).

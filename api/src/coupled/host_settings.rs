@@ -4,7 +4,8 @@
 //!
 //! - FSDP (`--fsdp`, `--fsdp_config`, transformers 5.23 `TrainingArguments._process_fsdp_args`,
 //!   which drops a key's `fsdp_` prefix): `state_dict_type` (default `FULL_STATE_DICT`),
-//!   `cpu_ram_efficient_loading` (default false), `cpu_offload` (default false; also the
+//!   `cpu_ram_efficient_loading` (default false; true lowers nothing at load, [`INERT_AT_LOAD`]),
+//!   `cpu_offload` (default false; also the
 //!   `offload` word of `--fsdp`; accelerate spells it `offload_params`).
 //! - DeepSpeed: `zero_optimization.offload_optimizer.device` and `offload_param.device` (`cpu`,
 //!   `nvme`: offloaded through host buffers; `none`; the parameters offloaded count as the
@@ -55,6 +56,14 @@ pub struct HostSettings {
 /// transformers' defaults for an FSDP config's keys (5.23, `TrainingArguments`' docstring and
 /// `_process_fsdp_args`).
 const FSDP_DEFAULTS: &str = "default:transformers";
+/// The source of a `cpu_ram_efficient_loading: true`, which lowers no host memory at load
+/// under transformers 5.23: `from_pretrained` reads the files on every rank whatever the key
+/// says (it only skips initialising missing keys on ranks other than 0), and under `torchrun`
+/// the key does not even switch that on (`is_fsdp_enabled()` needs `ACCELERATE_USE_FSDP`,
+/// which only `accelerate launch --use_fsdp` sets). Measured (`bench/host/ram_efficient_load.py`):
+/// 2 ranks loading a bf16 checkpoint as fp32 peak the same with the key on or off, under
+/// `accelerate launch --use_fsdp` and under `torchrun`. So every rank is counted as loading.
+pub const INERT_AT_LOAD: &str = "inert:transformers-5";
 /// DeepSpeed's default for a key its config leaves out.
 const DEEPSPEED_DEFAULTS: &str = "default:deepspeed";
 
@@ -115,8 +124,12 @@ impl HostSettings {
                 source: FSDP_DEFAULTS.into(),
             }),
             Some(v) => boolean(v).map(|b| Setting {
-                value: b,
-                source: source.clone(),
+                value: false,
+                source: if b {
+                    INERT_AT_LOAD.into()
+                } else {
+                    source.clone()
+                },
             }),
         };
         let word = fsdp_words.is_some_and(|w| {

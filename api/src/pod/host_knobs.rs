@@ -483,10 +483,12 @@ fn read_sharding(training: &TrainingPod, knobs: &mut HostKnobs) {
             value: false,
             source: "default:deepspeed".into(),
         }),
-        None => {
-            knobs.unknown.insert(HostKnob::RamEfficientLoading, why());
-            None
-        }
+        // A config not read: whatever its key says, every rank loads under transformers 5
+        // (`crate::coupled::INERT_AT_LOAD`), so nothing is unknown here.
+        None => Some(HostRead {
+            value: false,
+            source: crate::coupled::INERT_AT_LOAD.into(),
+        }),
     };
     knobs.offload = match &host.offload {
         Some(s) => Some(HostRead {

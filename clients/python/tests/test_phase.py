@@ -4,6 +4,7 @@ with a real `transformers.Trainer` on CPU and the real `memguard-sidecar` binary
 The sidecar watches a cgroup v2 tree written by the test (as test_train_start_config.py does):
 raising `memory.current` past the warn threshold puts the signal at `warn`, lowering it brings
 it back to `ok` (after the sidecar's hold)."""
+import json
 import os
 import re
 import subprocess
@@ -215,3 +216,38 @@ def test_a_sidecar_older_than_the_phase_still_gets_the_reports_and_never_the_pha
             g.report_phase("eval")
     finally:
         sidecar.close()
+
+
+def test_a_fatal_oom_record_names_the_phase_and_the_sidecar_counts_it_there(
+    sidecar: Tuple[Path, int, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's record of a fatal OOM names the phase it last reported, as the sidecar's
+    `oom_kill_phase` would for a kill: the termination message carries it, and the real
+    sidecar counts the record under that phase."""
+    torch = pytest.importorskip("torch")
+    from memguard_client import oom
+
+    _, api, prom = sidecar
+    log = tmp_path / "termination-log"
+    monkeypatch.setenv("MEMGUARD_TERMINATION_LOG", str(log))
+    g = Guard(sidecar_url=f"http://127.0.0.1:{api}", env={}, oom_hook=False, background=False)
+    g._own_cgroup.stop()  # this test is about the record alone
+    assert g.report_phase("save") is True
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8)  # the CPU allocator refuses: a real host OOM
+    except RuntimeError as err:
+        with pytest.raises(SystemExit) as exited:
+            oom.record(err, g, step=7, outcome="fatal")
+    assert exited.value.code == oom.EXIT_OOM
+    written = json.loads(log.read_text())
+    assert (written["kind"], written["outcome"], written["phase"]) == ("cpu_oom", "fatal", "save")
+    text = metrics(prom)
+    assert 'memguard_sidecar_oom_records_fatal_by_phase_total{phase="save"} 1\n' in text, text
+    assert 'memguard_sidecar_oom_records_fatal_by_phase_total{phase="load"} 0\n' in text, text
+    # Without a phase reported, none is named (never guessed); a phase not in the list is a
+    # clear error.
+    fresh = Guard(sidecar_url="", env={}, oom_hook=False, background=False)
+    rec = oom.build_record(MemoryError(), fresh, step=1, outcome="fatal")
+    assert "phase" not in rec
+    with pytest.raises(ValueError, match="phase must be one of"):
+        oom.build_record(MemoryError(), fresh, step=1, outcome="fatal", phase="eval")

@@ -6,7 +6,11 @@ The record is ``memguard_api::oom::OomRecord`` (version 1), one JSON line::
      "grad_accumulation": 4, "grad_checkpointing": true, "allocated_bytes": ...,
      "reserved_bytes": ..., "peak_bytes": ..., "requested_bytes": 2147483648,
      "total_bytes": ..., "message": "CUDA out of memory. Tried to allocate 2.00 GiB. ...",
-     "timestamp": "2026-11-22T22:00:00.000Z"}
+     "timestamp": "2026-11-22T22:00:00.000Z", "phase": "step"}
+
+``phase`` is the phase the guard last reported (``load``, ``step``, ``save``:
+:mod:`memguard_client.phase`), absent when it reported none: a fatal host OOM while saving
+tells the next admission what an OOM kill in that phase tells it (``oom_kill_phase``).
 
 :func:`record` is called on every OOM: with ``outcome="recovered"`` by an adapter that shrank
 the micro-batch in-process, with ``outcome="fatal"`` when the trainer gives up. It reports the
@@ -192,12 +196,20 @@ def build_record(
     batch_size: Optional[int] = None,
     grad_accumulation: Optional[int] = None,
     grad_checkpointing: Optional[bool] = None,
+    phase: Optional[str] = None,
 ) -> Dict[str, Any]:
     """The record of ``exc`` as a dict (the JSON object), without reporting or writing it.
 
     The config in force is the guard's unless given; ``step`` defaults to the guard's last
-    reported step. Raises ``ValueError`` when ``exc`` is not an OOM or ``outcome`` is unknown.
+    reported step, ``phase`` to the phase it last reported (none when it reported none).
+    Raises ``ValueError`` when ``exc`` is not an OOM, or ``outcome`` or ``phase`` is unknown.
     """
+    from .phase import PHASES
+
+    if phase is None and guard is not None:
+        phase = guard.phase
+    if phase is not None and phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, not {phase!r}")
     kind = classify(exc)
     if kind is None:
         raise ValueError(f"not an out-of-memory error: {type(exc).__name__}")
@@ -233,6 +245,8 @@ def build_record(
     first_line = message.strip().splitlines()[0] if message.strip() else type(exc).__name__
     rec["message"] = first_line[:MAX_MESSAGE_CHARS]
     rec["timestamp"] = _now_rfc3339()
+    if phase is not None:
+        rec["phase"] = phase
     return rec
 
 
@@ -246,6 +260,7 @@ def record(
     batch_size: Optional[int] = None,
     grad_accumulation: Optional[int] = None,
     grad_checkpointing: Optional[bool] = None,
+    phase: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Record an OOM: report it to the sidecar; when fatal, also write the termination message
     and exit.
@@ -263,6 +278,7 @@ def record(
         batch_size=batch_size,
         grad_accumulation=grad_accumulation,
         grad_checkpointing=grad_checkpointing,
+        phase=phase,
     )
     if guard is not None:
         guard.report_oom(rec)
@@ -278,7 +294,12 @@ def record(
     traceback.print_exception(type(exc), exc, exc.__traceback__)
     write_termination_message(rec)
     code = exit_code()
-    log.error("memguard: fatal %s recorded; exiting with %d", rec["kind"], code)
+    log.error(
+        "memguard: fatal %s recorded (phase %s); exiting with %d",
+        rec["kind"],
+        rec.get("phase", "not reported"),
+        code,
+    )
     raise SystemExit(code) from exc
 
 
