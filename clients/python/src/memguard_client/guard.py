@@ -45,6 +45,14 @@ RACY_WINDOW_NS = 50_000_000
 TRAIN_START_WAIT = 2.0
 
 _FileKey = Tuple[int, int, int, int]
+#: A config was reported from this process (the sidecar keeps the last one whole): a reporter
+#: that knows less (:mod:`memguard_client.auto`'s) then reports none.
+_config_reported = False
+
+
+def config_reported() -> bool:
+    """Whether any :class:`Guard` of this process reported a config."""
+    return _config_reported
 
 
 class Guard:
@@ -474,6 +482,8 @@ class Guard:
         """POST the config the trainer runs at (knob → number, a bool as 0 or 1) to
         ``/v1/report`` as ``config``: the sidecar exports it beside what admission planned.
         Never raises; True when accepted."""
+        global _config_reported
+        _config_reported = True
         body = {"config": {str(k): float(v) for k, v in config.items()}}
         return self._post_report(body)
 
@@ -488,6 +498,8 @@ class Guard:
         unplanned and follows the signal as usual). Never raises."""
         if self._url is None:
             return None
+        global _config_reported
+        _config_reported = True
         wait = self._train_start_wait if timeout is None else max(0.0, float(timeout))
         body: Dict[str, Any] = {"config": {str(k): float(v) for k, v in config.items()}}
         req = urllib.request.Request(
