@@ -32,9 +32,8 @@ release is a no-op and :meth:`MicroBatcher.backward` works with any loss object 
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
-
 import logging
+from typing import Any, Callable, List, Optional
 
 from .batching import MicroBatch, split_batch
 from .guard import Guard
