@@ -54,7 +54,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--step-seconds", type=float, default=0.5)
     p.add_argument("--leak-from", type=int, default=2)
-    p.add_argument("--leak-mib", type=int, default=6)
+    p.add_argument("--leak-mib", type=int, default=8)
     a = p.parse_args()
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
