@@ -264,6 +264,12 @@ impl Engine {
         self.trainer_oom = false;
         self.seen_sample = false;
         self.seen_populated = false;
+        // The next trainer imports and loads anew: not known to step until it reports so.
+        let mut st = self.shared.status();
+        st.phase = None;
+        st.step_reported = false;
+        drop(st);
+        self.history = History::default();
     }
 
     /// The trainer that just left (or the one watched) died of an OOM (a kill counted in its cgroup,
@@ -1195,6 +1201,13 @@ mod tests {
             s.reason
         );
         assert!(s.reason.contains("steady growth"), "{}", s.reason);
+        // A trainer restarted in place loads anew: what the last one reported no longer says.
+        shared.status().step_reported = true;
+        e.trainer_left();
+        let st = shared.status();
+        assert_eq!((st.phase, st.step_reported), (None, false));
+        drop(st);
+        assert!(e.history.points().is_empty());
     }
 
     #[test]
