@@ -82,3 +82,27 @@ def test_an_optimizer_says_its_parameters_once_and_its_kind_only_when_known() ->
     assert optimizer_config(object()) == {}, "not an optimizer: nothing"
     # No process group in this process: no world size, and no guess at the ranks here.
     assert loop_config() == {}
+
+
+def test_a_process_that_imported_the_hf_trainer_leaves_the_config_to_it(tmp_path: Path) -> None:
+    """The sidecar plans once, on the first config: an optimizer step before a Trainer trains
+    must not spend that on a config with no micro-batch."""
+    pytest.importorskip("transformers")
+    from conftest import FakeSidecar
+    from test_auto import python
+
+    sidecar = FakeSidecar()
+    try:
+        client = install(tmp_path / "client")
+        script = (
+            "import time, torch, transformers.trainer\n"
+            "m = torch.nn.Linear(4, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+            "m(torch.randn(2, 4)).sum().backward(); opt.step(); time.sleep(2)\n"
+            "print('done')\n"
+        )
+        env = clean_env(PYTHONPATH=str(client), MEMGUARD_SIDECAR_URL=sidecar.url)
+        out = python(script, env, tmp_path)
+        assert out.returncode == 0 and out.stdout == "done\n", out.stderr
+        assert [r.get("step") for r in sidecar.reports] == [0], "the step, and no config"
+    finally:
+        sidecar.close()

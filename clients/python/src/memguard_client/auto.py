@@ -19,7 +19,8 @@ interpreter start-up. :func:`install` imports nothing but ``sys`` and ``os`` and
   re-chunk one; they are reported, not steered. At the first step it also reports what the
   loop's objects say for sure (:func:`memguard_client.train_config.loop_config`: the process
   group's world size, the ranks in this container, the optimizer's parameters and kind),
-  unless an adapter of the process reported a config already.
+  unless an adapter of the process reported a config already or the process imported
+  ``transformers.trainer`` (its Trainer reports more when it trains).
 * it installs a ``sys.excepthook`` that, for an uncaught out-of-memory error in any script,
   writes the OOM record and exits 86 (87 when the pod "cannot fit"), as
   :func:`memguard_client.oom.install_excepthook` does for an explicit ``Guard``. Everything it
@@ -212,11 +213,15 @@ class _StepReporter:
     def _config(optimizer: Any) -> "dict[str, float]":
         """What this loop's objects say at its first step (the world size, the ranks here, the
         optimizer's parameters and kind), unless an adapter of this process (``attach``,
-        ``MicroBatcher``) reported more."""
+        ``MicroBatcher``) reported more, or a ``transformers.Trainer`` may still: the sidecar
+        decides the train-start plan once, on the first config, and this one has no
+        micro-batch to plan."""
         from .guard import config_reported
         from .train_config import loop_config
 
-        return {} if config_reported() else loop_config(optimizer=optimizer)
+        if config_reported() or TRAINER_MODULE in sys.modules:
+            return {}
+        return loop_config(optimizer=optimizer)
 
     def _start(self) -> None:
         import queue
