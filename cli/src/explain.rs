@@ -129,10 +129,23 @@ pub struct Explanation {
     restarts: i32,
     /// What the Job's next pod will get.
     next: NextView,
+    /// A pod whose model admission cannot read (Guarded): the profile key of its launch, and
+    /// what it is taken over.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    launch_key: Option<LaunchKeyView>,
     /// What the profile (after this pod) holds of the trainer's own report at train start,
     /// beside what admission gave this pod, and the phases its OOM kills came in.
     #[serde(skip_serializing_if = "Option::is_none")]
     learnt: Option<LearntView>,
+}
+
+/// The key of a Guarded pod ([`memguard_decide::key::launch_key`]).
+#[derive(Debug, Serialize)]
+struct LaunchKeyView {
+    /// Object name of its `MemoryProfile`.
+    name: String,
+    /// What the key's hash is taken over (`image=…`, `command=…`, `configmap=…`, `env=…`).
+    identity: Vec<String>,
 }
 
 /// The profile's truth from inside the trainer, beside admission's belief.
@@ -266,6 +279,13 @@ struct NextView {
     /// `memguard.io/error` the next pod will carry (`cannot fit: …`).
     #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<String>,
+    /// For a pod admission cannot read: the next admission's plan on the trainer's report
+    /// (what it says, and each knob's source), or why it stays guarded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    planned_on: Option<String>,
+    /// Where each knob of the next pod's plan came from, when it was planned on a report.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    sources: BTreeMap<String, String>,
     /// The profile's status once the controller has recorded this pod.
     #[serde(skip_serializing_if = "Option::is_none")]
     profile: Option<ProfileView>,
@@ -489,6 +509,12 @@ fn explain_one(
     Ok(Ok(()))
 }
 
+/// A profile key and its object name.
+struct KeyOf {
+    spec: MemoryProfileSpec,
+    name: String,
+}
+
 /// The one `MemoryProfile` in `path`, which must hold the pod's key.
 fn read_profile(
     path: &std::path::Path,
@@ -501,8 +527,17 @@ fn read_profile(
         serde_saphyr::from_str(&text).map_err(|e| format!("{shown}: not valid YAML: {e}"))?;
     let profile: MemoryProfile =
         serde_json::from_value(value).map_err(|e| format!("{shown}: not a MemoryProfile: {e}"))?;
-    let key = memguard_decide::key::pod_key(pod, &ctx.policy, ctx.cluster())
-        .map_err(|e| format!("{shown}: the pod has no profile key to match it with: {e}"))?;
+    // A pod admission cannot read (Guarded) is keyed by its launch.
+    let key = match memguard_decide::key::pod_key(pod, &ctx.policy, ctx.cluster()) {
+        Ok(key) => (key.spec, key.name),
+        Err(e) => memguard_decide::key::launch_key(pod, &ctx.policy)
+            .map(|k| (k.spec, k.name))
+            .map_err(|_| format!("{shown}: the pod has no profile key to match it with: {e}"))?,
+    };
+    let key = KeyOf {
+        spec: key.0,
+        name: key.1,
+    };
     if profile.spec != key.spec {
         let json = |v: &MemoryProfileSpec| serde_json::to_string(v).unwrap_or_default();
         return Err(format!(
@@ -521,7 +556,14 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
     let empty = BTreeMap::new();
     let annotations = pod.metadata.annotations.as_ref().unwrap_or(&empty);
     let training = TrainingPod::resolve(pod, &ctx.policy, ctx.cluster()).ok();
-    let trainer = training.as_ref().map(|t| t.trainer.name.clone());
+    let launch_key = training
+        .is_none()
+        .then(|| memguard_decide::key::launch_key(pod, &ctx.policy).ok())
+        .flatten();
+    let trainer = training
+        .as_ref()
+        .map(|t| t.trainer.name.clone())
+        .or_else(|| launch_key.as_ref().map(|k| k.trainer.clone()));
     let ran = training
         .as_ref()
         .map(|t| TrainingKnobs::from_env(&t.trainer_env).apply_to(&t.config));
@@ -607,6 +649,10 @@ pub fn explain_with(pod: &Pod, ctx: &NextContext) -> Explanation {
         ooms,
         restarts: status.as_ref().map_or(0, |s| s.restart_count),
         next,
+        launch_key: launch_key.map(|k| LaunchKeyView {
+            name: k.name,
+            identity: k.identity,
+        }),
         learnt,
     }
 }
@@ -731,6 +777,8 @@ fn next_view(
                 ),
                 config: ran.map(TrainingKnobs::of),
                 error: None,
+                planned_on: None,
+                sources: BTreeMap::new(),
                 profile: None,
             };
         }
@@ -747,13 +795,33 @@ fn next_view(
     profiles.insert(profile.clone());
     // The next pod of the Job: the same manifest (its annotations are memguard's input and are
     // never edited), admitted again under the profile that now knows this pod.
-    let (config, error) = match memguard_webhook::mutate(&pod, &ctx.policy, &profiles) {
-        memguard_webhook::Outcome::Mutated(m) => (Some(TrainingKnobs::of(&m.plan.config)), m.error),
-        memguard_webhook::Outcome::Skipped { error, .. } => (None, Some(error)),
-        memguard_webhook::Outcome::Guarded(g) => (None, Some(g.reason)),
-        memguard_webhook::Outcome::Served(s) => (None, s.error.clone()),
-        memguard_webhook::Outcome::Unchanged => (None, None),
-    };
+    let on_report = |w: &String| w.contains("trainer's report of");
+    let (config, error, planned_on, sources) =
+        match memguard_webhook::mutate(&pod, &ctx.policy, &profiles) {
+            memguard_webhook::Outcome::Mutated(m) => {
+                let planned_on = m.warnings.iter().find(|w| on_report(w)).cloned();
+                let sources = if planned_on.is_some() {
+                    m.estimate.sources.clone()
+                } else {
+                    BTreeMap::new()
+                };
+                (
+                    Some(TrainingKnobs::of(&m.plan.config)),
+                    m.error,
+                    planned_on,
+                    sources,
+                )
+            }
+            memguard_webhook::Outcome::Skipped { error, .. } => {
+                (None, Some(error), None, BTreeMap::new())
+            }
+            memguard_webhook::Outcome::Guarded(g) => {
+                let planned_on = g.warnings.iter().find(|w| on_report(w)).cloned();
+                (None, Some(g.reason), planned_on, BTreeMap::new())
+            }
+            memguard_webhook::Outcome::Served(s) => (None, s.error.clone(), None, BTreeMap::new()),
+            memguard_webhook::Outcome::Unchanged => (None, None, None, BTreeMap::new()),
+        };
     let (verdict, reason) = if let Some(v) = error.as_ref().filter(|e| e.starts_with("cannot fit"))
     {
         ("cannot fit", v.clone())
@@ -763,6 +831,13 @@ fn next_view(
             Some(r) => ("floor", r.reason.clone()),
             None => ("same", "no recovery recorded".into()),
         }
+    } else if planned_on.is_some() && after.recovery.is_none() {
+        (
+            "same",
+            "the trainer did not run out of memory: the next pod is planned on what it \
+             reported at train start"
+                .into(),
+        )
     } else {
         (
             "same",
@@ -782,6 +857,8 @@ fn next_view(
         reason,
         config,
         error,
+        planned_on,
+        sources,
         profile: Some(ProfileView {
             name: profile.metadata.name.clone().unwrap_or_default(),
             spec: profile.spec.clone(),
@@ -1034,6 +1111,28 @@ fn write_table(out: &mut impl Write, e: &Explanation) -> std::io::Result<()> {
     }
     if let Some(err) = &e.next.error {
         row(out, "error", err)?;
+    }
+    if let Some(on) = &e.next.planned_on {
+        row(out, "planned on", on)?;
+    }
+    if !e.next.sources.is_empty() {
+        let sources: std::collections::BTreeSet<&str> =
+            e.next.sources.values().map(String::as_str).collect();
+        row(
+            out,
+            "sources",
+            &sources.into_iter().collect::<Vec<_>>().join(", "),
+        )?;
+    }
+    if let Some(k) = &e.launch_key {
+        writeln!(
+            out,
+            "launch key {} (admission cannot read the model)",
+            k.name
+        )?;
+        for line in &k.identity {
+            row(out, "-", line)?;
+        }
     }
     if let Some(p) = &e.next.profile {
         let s = &p.status;

@@ -705,3 +705,89 @@ fn explain_shows_the_trainers_report_beside_admission_and_the_kill_phases() {
         "{table}"
     );
 }
+
+/// A stock HF script whose only argument is a JSON file in a ConfigMap: admission cannot read
+/// its model, so it is Guarded; its trainer's report at train start is learnt under its launch
+/// key, and `explain` shows the key, the report and the next admission's plan on it.
+#[test]
+fn explain_shows_a_guarded_pods_launch_key_report_and_the_plan_on_it() {
+    const GUARDED: &str = r#"
+apiVersion: v1
+kind: Pod
+metadata:
+  name: tiny-1
+  namespace: ml
+  labels: {memguard.io/enabled: "true"}
+spec:
+  restartPolicy: Never
+  containers:
+  - name: trainer
+    image: memguard-trainer:1
+    command: [python, /job/train_json.py, /config/train.json]
+    resources: {limits: {memory: 2Gi}}
+    volumeMounts: [{name: config, mountPath: /config}]
+  volumes: [{name: config, configMap: {name: tiny-llama-json}}]
+"#;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let admitted = admit(d, GUARDED, None);
+    let error = &admitted["metadata"]["annotations"]["memguard.io/error"];
+    assert!(
+        error
+            .as_str()
+            .unwrap_or_default()
+            .contains("guarded at run time"),
+        "{error}"
+    );
+    assert_eq!(env_of(&admitted, "MEMGUARD_BATCH_SIZE"), "", "not planned");
+    let report = json!({"batch-size": 16.0, "grad-accumulation": 1.0, "seq-length": 512.0,
+        "grad-checkpointing": 0.0, "world-size": 1.0, "params": 4300000.0,
+        "trainable-params": 4300000.0, "hidden-size": 64.0, "num-layers": 2.0,
+        "num-heads": 4.0, "num-kv-heads": 4.0, "head-dim": 16.0, "intermediate-size": 256.0,
+        "vocab-size": 32000.0, "num-experts": 1.0, "tie-embeddings": 0.0, "gated-ffn": 1.0,
+        "param-bits": 32.0, "quant-bits": 0.0, "optimizer": 0.0, "fused-loss": 0.0,
+        "bf16": 0.0, "fp16": 0.0, "flash-attention": 1.0, "gpu": 0.0, "local-ranks": 1.0});
+    let summary = json!({"version": 1, "downgrades": 0, "oom_events": 0, "max_level": "ok",
+        "batch_size": 16, "grad_accumulation": 1, "exit_reason": "trainer-exited",
+        "peak_bytes": 400_000_000u64, "trainer_config": report});
+    let done = json!({"exitCode": 0, "reason": "Completed", "finishedAt": "2026-11-23T22:10:00Z"});
+    let ran = finished(admitted, done, summary, "Succeeded");
+    let e = explain_json(d, &ran, &[]);
+    let key = e["launch_key"]["name"].as_str().expect("a launch key");
+    assert!(key.starts_with("launch-"), "{e}");
+    assert_eq!(e["next"]["profile"]["name"], key, "learnt under it");
+    assert!(
+        e["launch_key"]["identity"]
+            .as_array()
+            .expect("identity")
+            .contains(&json!("configmap=tiny-llama-json")),
+        "{e}"
+    );
+    assert_eq!(e["trainer"], "trainer");
+    assert_eq!(e["learnt"]["reported_by"], "tiny-1");
+    assert_eq!(e["learnt"]["knobs"]["hidden-size"]["reported"], 64.0);
+    let next = &e["next"];
+    assert!(
+        next["planned_on"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("planned on the trainer's report of tiny-1"),
+        "{next}"
+    );
+    let batch = next["config"]["batchSize"].as_u64().expect("a batch");
+    let accumulation = next["config"]["gradAccumulation"]
+        .as_u64()
+        .expect("an accumulation");
+    assert!(batch < 16, "2Gi does not hold 16 rows: {next}");
+    assert_eq!(next["verdict"], "same", "{next}");
+    assert_eq!(batch * accumulation, 16, "{next}");
+    for (knob, source) in next["sources"].as_object().expect("sources") {
+        assert_eq!(source, "profile:trainer-report", "{knob}");
+    }
+
+    let table = explain(d, &ran, "table");
+    eprintln!("{table}");
+    assert!(table.contains(&format!("launch key {key}")), "{table}");
+    assert!(table.contains("profile:trainer-report"), "{table}");
+    assert!(table.contains("trainer reported (pod tiny-1"), "{table}");
+}

@@ -2,7 +2,8 @@
 //!
 //! The key is computed from the pod's *spec* alone (annotations, resources, node selector and
 //! affinity), never from where it ran: the webhook must find the same profile at admission,
-//! before the pod has a node, that the controller wrote after it finished.
+//! before the pod has a node, that the controller wrote after it finished. A pod whose model
+//! admission cannot read (Guarded) is keyed by its launch instead ([`launch_key`]).
 
 use k8s_openapi::api::core::v1::Pod;
 use memguard_api::Cluster;
@@ -106,6 +107,152 @@ pub fn model_key(cfg: &TrainingConfig) -> String {
         m.num_layers,
         m.hidden_size
     )
+}
+
+/// The model part of the key of a pod whose model admission cannot read
+/// ([`launch_key`]): `launch-` and 16 hex digits.
+pub const LAUNCH_PREFIX: &str = "launch-";
+/// The method and precision of a [`launch_key`]: admission did not read them (the trainer's
+/// report says them, and is kept in the profile).
+pub const NOT_READ: &str = "unread";
+
+/// The profile key of a pod whose model admission cannot read (a Guarded pod): computed from
+/// the pod's spec alone, so the webhook and the controller find the same profile.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LaunchKey {
+    /// The profile key: model `launch-<hash>`, method and precision [`NOT_READ`], the device
+    /// as [`PodKey::of`] keys it from the pod's resources.
+    pub spec: MemoryProfileSpec,
+    /// The `MemoryProfile` object name ([`object_name`] of `spec`).
+    pub name: String,
+    /// Name of the trainer container.
+    pub trainer: String,
+    /// What the hash is taken over, one line each (`image=…`, `command=…`, `args=…`,
+    /// `configmap=…`, `env=NAME=value`), for `memguard explain`.
+    pub identity: Vec<String>,
+}
+
+/// The [`LaunchKey`] of `pod`: a stable hash (FNV-1a, 64 bits) of what identifies its
+/// trainer's launch, the same for every pod of one job and different for another job:
+///
+/// - the trainer's image, `command` and `args` (a job's script, its flags, its config file's
+///   path);
+/// - the names of the ConfigMaps the trainer reads (mounted volumes, projected sources,
+///   `envFrom`, `valueFrom`): the JSON or YAML a job ships its settings in;
+/// - its literal env, except what memguard itself writes into a trainer (`MEMGUARD_*`,
+///   `PYTHONPATH`, `PYTORCH_CUDA_ALLOC_CONF`, the knob variables of the policy's `envNames`
+///   and of `memguard.io/env-map`): a planned pod keeps the key of the pod it was.
+///
+/// Not in it: the pod's name, labels and node (they differ from pod to pod of one job), and
+/// the ConfigMaps' contents (not part of the spec: an edited config keeps its key, and the
+/// next report replaces the profile's).
+pub fn launch_key(pod: &Pod, policy: &Policy) -> Result<LaunchKey, KeyError> {
+    let (_, trainer) = memguard_api::pod::pod_trainer(pod).map_err(KeyError::Trainer)?;
+    let identity = launch_identity(pod, trainer, policy);
+    let hash = fnv1a(identity.join("\n").as_bytes());
+    let (device_class, device) =
+        match memguard_api::pod::Accelerators::of(pod, trainer).default_device(pod) {
+            Device::Cuda => match memguard_api::pod::gpu_products(pod).as_slice() {
+                [one] => (DeviceClass::Gpu, one.clone()),
+                _ => (DeviceClass::Gpu, ANY_GPU.to_string()),
+            },
+            Device::Rocm => (DeviceClass::Gpu, ANY_GPU.to_string()),
+            Device::Cpu | Device::Metal => (DeviceClass::Cpu, CPU.to_string()),
+        };
+    let spec = MemoryProfileSpec {
+        model: format!("{LAUNCH_PREFIX}{hash:016x}"),
+        method: NOT_READ.to_string(),
+        precision: NOT_READ.to_string(),
+        device_class,
+        device,
+    };
+    Ok(LaunchKey {
+        name: object_name(&spec),
+        spec,
+        trainer: trainer.name.clone(),
+        identity,
+    })
+}
+
+/// The lines [`launch_key`] hashes, in a fixed order.
+fn launch_identity(
+    pod: &Pod,
+    trainer: &k8s_openapi::api::core::v1::Container,
+    policy: &Policy,
+) -> Vec<String> {
+    // Each word with its length first: `["a b"]` and `["a", "b"]` stay apart.
+    let json = |v: &Option<Vec<String>>| match v {
+        None => "none".to_string(),
+        Some(words) => words
+            .iter()
+            .map(|w| format!("{}:{w}", w.len()))
+            .collect::<Vec<_>>()
+            .join(" "),
+    };
+    let mut lines = vec![
+        format!("image={}", trainer.image.as_deref().unwrap_or_default()),
+        format!("command={}", json(&trainer.command)),
+        format!("args={}", json(&trainer.args)),
+    ];
+    let mut maps = std::collections::BTreeSet::new();
+    let volumes = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.volumes.as_ref())
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    for mount in trainer.volume_mounts.iter().flatten() {
+        let Some(volume) = volumes.iter().find(|v| v.name == mount.name) else {
+            continue;
+        };
+        if let Some(cm) = &volume.config_map {
+            maps.insert(cm.name.clone());
+        }
+        let projected = volume.projected.as_ref().and_then(|p| p.sources.as_ref());
+        for source in projected.into_iter().flatten() {
+            if let Some(cm) = &source.config_map {
+                maps.insert(cm.name.clone());
+            }
+        }
+    }
+    for from in trainer.env_from.iter().flatten() {
+        if let Some(cm) = &from.config_map_ref {
+            maps.insert(cm.name.clone());
+        }
+    }
+    for var in trainer.env.iter().flatten() {
+        if let Some(cm) = var
+            .value_from
+            .as_ref()
+            .and_then(|f| f.config_map_key_ref.as_ref())
+        {
+            maps.insert(cm.name.clone());
+        }
+    }
+    lines.extend(maps.into_iter().map(|m| format!("configmap={m}")));
+    let env_map = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(memguard_api::annotations::ENV_MAP))
+        .cloned()
+        .unwrap_or_default();
+    let written_by_memguard = |name: &str| {
+        name.starts_with("MEMGUARD_")
+            || name == "PYTHONPATH"
+            || name == crate::decision::ALLOC_CONF
+            || policy.env_names.values().any(|v| v == name)
+            || env_map
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .any(|word| word == name)
+    };
+    lines.extend(
+        memguard_api::pod::literal_env(trainer)
+            .into_iter()
+            .filter(|(name, _)| !written_by_memguard(name))
+            .map(|(name, value)| format!("env={name}={value}")),
+    );
+    lines
 }
 
 /// `7000000000` → `7e9`; a count without three trailing zeros stays as it is.

@@ -10,16 +10,22 @@
 //!   under it and admission reads it.
 //! - [`adjust`]: a profile → the [`Adjustments`] admission applies.
 //! - [`reported`]: the pod as admission plans it on what its trainer reported in a past run.
+//! - [`trainer_config`]: the trainer's reported knobs as the estimator's config (admission's
+//!   plan on a report and the sidecar's at train start share it).
+//! - [`guarded`]: a pod whose model admission cannot read, keyed by its launch and planned on
+//!   its trainer's report.
 //! - `testutil` (feature `testutil`): pod builders for tests, here and in `memguard-learn`.
 #![deny(missing_docs)]
 
 pub mod adjust;
 pub mod budget;
 pub mod decision;
+pub mod guarded;
 pub mod host;
 pub mod key;
 pub mod placement;
 pub mod reported;
+pub mod trainer_config;
 pub mod warnings;
 
 #[cfg(any(test, feature = "testutil"))]

@@ -6,11 +6,13 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use memguard_api::Cluster;
 use memguard_api::annotations as keys;
 use memguard_api::crd::{DeviceClass, TrainingKnobs};
+use memguard_api::pod::ResolveError;
 use memguard_api::{
     EstimateAnnotation, Level, OomKind, OomOutcome, OomRecord, Policy, Summary, TrainingPod,
     wellknown,
 };
-use memguard_decide::key::{KeyError, PodKey};
+use memguard_decide::guarded::resolve_on_report;
+use memguard_decide::key::{KeyError, PodKey, launch_key};
 use memguard_estimator::{Bytes, TrainingConfig};
 
 /// `reason` of a container the kernel OOM-killed.
@@ -106,16 +108,23 @@ pub fn try_observe(
     let (Some(name), Some(uid)) = (&pod.metadata.name, &pod.metadata.uid) else {
         return Err(NotObserved::NoIdentity);
     };
-    let training = TrainingPod::resolve(pod, policy, cluster)
-        .map_err(|e| NotObserved::NoKey(KeyError::from(e).to_string()))?;
-    let key = PodKey::of(&training);
-    let (terminated, restarted) = terminated_trainer(pod, &key.trainer)?;
+    let (training, key, terminated, summary) = match TrainingPod::resolve(pod, policy, cluster) {
+        Ok(training) => {
+            let key = PodKey::of(&training);
+            let (terminated, restarted) = terminated_trainer(pod, &key.trainer)?;
+            let summary = sidecar_summary(pod, restarted)?;
+            (training, key, terminated, summary)
+        }
+        Err(ResolveError::NoTrainingInput(_) | ResolveError::LaunchModel(_)) => {
+            guarded(pod, policy, cluster)?
+        }
+        Err(e) => return Err(NotObserved::NoKey(KeyError::from(e).to_string())),
+    };
     let finished_at = terminated
         .finished_at
         .clone()
         .or_else(|| terminated.started_at.clone())
         .ok_or(NotObserved::NoFinishTime)?;
-    let summary = sidecar_summary(pod, restarted)?;
     let (annotation, mut estimate_problem) = estimate_annotation(pod);
     let knobs = knobs_ran(&training, terminated, summary.as_ref());
     let ran = knobs.apply_to(&key.config);
@@ -162,6 +171,46 @@ pub fn try_observe(
         summary,
         key,
     })
+}
+
+/// A finished pod resolved and keyed: the pod, its key, the trainer's terminated state and the
+/// sidecar's summary.
+type Keyed<'a> = (
+    TrainingPod<'a>,
+    PodKey,
+    &'a ContainerStateTerminated,
+    Option<Summary>,
+);
+
+/// A pod whose model admission cannot read (Guarded: the sidecar and the client injected, not
+/// planned at admission, issue 37): learnt under its launch key
+/// ([`memguard_decide::key::launch_key`]) on what its trainer reported at train start, the
+/// config that ran. Without a report that gives every value the estimate needs, no run to
+/// learn, and the reason says which.
+fn guarded<'a>(
+    pod: &'a Pod,
+    policy: &Policy,
+    cluster: Cluster<'_>,
+) -> Result<Keyed<'a>, NotObserved> {
+    let launch = launch_key(pod, policy).map_err(|e| NotObserved::NoKey(e.to_string()))?;
+    let (terminated, restarted) = terminated_trainer(pod, &launch.trainer)?;
+    let summary = sidecar_summary(pod, restarted)?;
+    let reported = summary
+        .as_ref()
+        .map(|s| &s.trainer_config)
+        .filter(|c| !c.is_empty())
+        .ok_or_else(|| {
+            NotObserved::NoKey(
+                "not planned at admission, and its trainer reported no config at train start"
+                    .into(),
+            )
+        })?;
+    let on = resolve_on_report(pod, policy, cluster, &launch, reported, None).map_err(|why| {
+        NotObserved::NoKey(format!(
+            "not planned at admission, and its trainer's report cannot be planned on: {why}"
+        ))
+    })?;
+    Ok((on.training, on.key, terminated, summary))
 }
 
 /// The container statuses of `pod`: its init containers' or its containers'.
@@ -244,7 +293,8 @@ fn estimate_annotation(pod: &Pod) -> (Option<EstimateAnnotation>, Option<String>
 
 /// What the trainer ran with when it ended: its OOM record says (a run-time downgrade or an
 /// in-process recovery may have taken it below the env the webhook wrote); else, when the
-/// sidecar only grew it back, the summary's final knobs; else what the trainer reported at
+/// sidecar only grew it back, the summary's final knobs; else the sidecar's plan at train start
+/// (the micro-batch the client ran the reported config at), else what the trainer reported at
 /// train start (the config it really ran, issue 37), else the env.
 fn knobs_ran(
     training: &TrainingPod,
@@ -261,6 +311,19 @@ fn knobs_ran(
         {
             knobs.set(knob, &value);
         }
+    }
+    // The trainer reports what it is configured at; a train-start plan re-chunks that in
+    // process, so the micro-batch in force from step 1 is the plan's.
+    if let Some(plan) = summary
+        .and_then(|s| s.train_start.as_ref())
+        .filter(|p| p.planned)
+    {
+        knobs.batch_size = plan.batch_size.filter(|b| *b > 0).or(knobs.batch_size);
+        knobs.grad_accumulation = plan
+            .grad_accumulation
+            .filter(|a| *a > 0)
+            .or(knobs.grad_accumulation);
+        knobs.grad_checkpointing = plan.grad_checkpointing.or(knobs.grad_checkpointing);
     }
     at_the_end(knobs, terminated, summary)
 }

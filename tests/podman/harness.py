@@ -121,13 +121,27 @@ def memguard_bin() -> str:
     return os.environ.get("MEMGUARD_BIN", str(ROOT / "target" / "debug" / "memguard"))
 
 
-def mutate(pod: Dict[str, Any]) -> Dict[str, Any]:
-    """`memguard mutate` with the image as the policy's sidecar image, classic mode."""
-    out = run(
-        memguard_bin(), "mutate", "-f", "-", "-o", "json",
-        "--sidecar-image", IMAGE, "--sidecar-mode", "classic",
-        input=json.dumps(pod),
-    )
+def mutate(pod: Dict[str, Any], profile: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """`memguard mutate` with the image as the policy's sidecar image, classic mode; with
+    `profile` (a `MemoryProfile`), as admission reads it from the cluster."""
+    with tempfile.TemporaryDirectory(prefix="mg-profile-") as t:
+        extra: List[str] = []
+        if profile is not None:
+            path = Path(t) / "profile.json"
+            path.write_text(json.dumps(profile))
+            extra = ["--profile", str(path)]
+        out = run(
+            memguard_bin(), "mutate", "-f", "-", "-o", "json",
+            "--sidecar-image", IMAGE, "--sidecar-mode", "classic", *extra,
+            input=json.dumps(pod),
+        )
+    return json.loads(out.stdout)
+
+
+def explain(pod: Dict[str, Any]) -> Dict[str, Any]:
+    """`memguard explain -o json` of `pod` with its status: what the profile controller learns
+    from it, and the next admission of its job."""
+    out = run(memguard_bin(), "explain", "-f", "-", "-o", "json", input=json.dumps(pod))
     return json.loads(out.stdout)
 
 

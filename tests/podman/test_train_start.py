@@ -3,7 +3,10 @@ JSON file shipped with the job, as its only argument (the transformers examples'
 with only the opt-in label. Admission cannot read its config, so it is guarded at run time; at
 train start the sidecar plans it on the config it reports, and it finishes every step and
 every sample, with no OOM kill, at a limit that kills it alone, with the parameters of an
-unlimited run.
+unlimited run. The next admission of the same job plans on that run's report: its summary, fed
+through `memguard explain` (the profile controller's observe/update, offline) and `memguard
+mutate --profile`, admits the next pod at the plan as `MEMGUARD_*` env, and that pod runs it
+from its first step.
 
 Run: `MEMGUARD_IMAGE=<an image of this checkout> python3 -m pytest -q tests/podman/test_train_start.py`
 as root (the image embeds the client and the sidecar under test). Skips without podman, root
@@ -30,6 +33,7 @@ from harness import (
     Pod,
     ensure_image,
     ensure_trainer_base,
+    explain,
     for_podman,
     kernel_oom_kills,
     metric,
@@ -202,6 +206,60 @@ def test_a_stock_trainer_configured_from_a_json_file_is_planned_at_train_start(r
         assert all(max(s["micro"]) <= plan["batch_size"] for s in ran), (ran, plan)
         done = [e for e in read_jsonl(logdir / "log.jsonl") if e["event"] == "done"]
         assert done and done[0]["samples"] == SETTINGS["samples"] and done[0]["attached"], done
-        x, y = np.load(logdir / "weights.npz"), np.load(unlimited_weights(tmp, job))
+        unlimited = unlimited_weights(tmp, job)
+        x, y = np.load(logdir / "weights.npz"), np.load(unlimited)
         for k in x.files:
             np.testing.assert_allclose(x[k], y[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+        # The next admission of the same job plans on what this run reported: the profile the
+        # controller learns from the finished pod, under its launch key.
+        explained = explain(finished(mutated, summary))
+        key = explained["launch_key"]["name"]
+        assert explained["next"]["profile"]["name"] == key, explained["next"]
+        assert "planned on the trainer's report of mgtest-trainstart" in explained["next"]["planned_on"]
+        profile = {"apiVersion": "training.memguard.io/v1alpha1", "kind": "MemoryProfile",
+                   "metadata": {"name": key},
+                   "spec": explained["next"]["profile"]["spec"],
+                   "status": explained["next"]["profile"]["status"]}
+        next_log = tmp / "next"
+        next_log.mkdir(mode=0o777)
+        (tmp / "next-pod").mkdir()
+        planned = mutate(job_pod("mgtest-trainstart", job, next_log, True), profile)
+        trainer = planned["spec"]["containers"][0]
+        assert trainer["command"] == mutated["spec"]["containers"][0]["command"], trainer
+        env = {e["name"]: e.get("value") for e in trainer.get("env", [])}
+        assert int(env["MEMGUARD_BATCH_SIZE"]) == plan["batch_size"], (env, plan)
+        assert int(env["MEMGUARD_GRAD_ACCUMULATION"]) == plan["grad_accumulation"], (env, plan)
+        estimate = json.loads(planned["metadata"]["annotations"]["memguard.io/estimate"])
+        assert set(estimate["sources"].values()) == {"profile:trainer-report"}, estimate
+        planned["metadata"]["name"] = "mgtest-trainstart-next"
+        with Pod(for_podman(planned, tmp / "next-pod"), tmp / "next-pod") as pod:
+            wait_for("the planned trainer to end",
+                     lambda: pod.state("train").get("Status") in ("exited", "stopped"), timeout=900)
+            next_state = pod.state("train")
+            next_kills = kernel_oom_kills(pod.container_id("train"))
+        print(json.dumps({"next": {"exit": next_state.get("ExitCode"), "oom_kills": next_kills,
+                                   "env_plan": [env["MEMGUARD_BATCH_SIZE"], env["MEMGUARD_GRAD_ACCUMULATION"]],
+                                   "profile": key}}))
+        assert next_state.get("ExitCode") == 0 and next_kills == 0, (next_state, next_kills)
+        ran = steps(next_log / "log.jsonl")
+        assert len(ran) == 2 and set(ran[0]["micro"]) == {plan["batch_size"]}, (ran, plan)
+        assert all(sum(s["micro"]) == 16 for s in ran), ran
+        x = np.load(next_log / "weights.npz")
+        for k in x.files:
+            np.testing.assert_allclose(x[k], y[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def finished(pod: Dict[str, Any], summary: Dict[str, Any]) -> Dict[str, Any]:
+    """`pod` as the API server reports it once its run ended: the trainer completed, the
+    sidecar's summary (from its log here) as its termination message."""
+    pod = json.loads(json.dumps(pod))
+    pod["metadata"]["uid"] = "uid-" + pod["metadata"]["name"]
+    terminated = {"exitCode": 0, "reason": "Completed", "finishedAt": "2026-11-29T06:00:00Z"}
+    pod["status"] = {"phase": "Succeeded", "containerStatuses": [
+        {"name": "train", "image": "x", "imageID": "", "ready": False, "restartCount": 0,
+         "state": {"terminated": terminated}},
+        {"name": "memguard-sidecar", "image": "x", "imageID": "", "ready": False, "restartCount": 0,
+         "state": {"terminated": dict(terminated, message=json.dumps(summary))}},
+    ]}
+    return pod

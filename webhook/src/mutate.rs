@@ -17,6 +17,7 @@ use memguard_decide::decision;
 pub use memguard_decide::decision::{
     ALLOC_CONF, EXPANDABLE_SEGMENTS, expandable_segments, user_alloc_conf,
 };
+use memguard_decide::guarded::{self, Planned};
 use memguard_decide::host::HostRewrite;
 use memguard_decide::{PodKey, reported};
 use memguard_estimator::TrainingConfig;
@@ -26,7 +27,7 @@ pub use memguard_decide::warnings::{MAX_WARNING_CHARS, cannot_fit_warning, trunc
 pub use crate::outcome::{
     ClientPlan, CommandLine, Guarded, Mutation, Outcome, SidecarPlan, skipped,
 };
-use crate::render::{client_plan, render, sidecar_base_env, train_start_env};
+use crate::render::{admitted_config, client_plan, render, sidecar_base_env, train_start_env};
 pub use crate::watch::view::{ClusterView, ProfileSource};
 
 pub use memguard_decide::budget::{Budget, BudgetSource};
@@ -42,16 +43,118 @@ pub fn mutate(pod: &Pod, policy: &Policy, profiles: &ClusterView) -> Outcome {
         crate::serving::Launched::Trainer(launched) => *launched,
     };
     let python = launched.as_ref().is_some_and(|(_, l)| l.runs_python());
+    // Kept for a pod planned on its trainer's report: its launch is searched once.
+    let found_launch = launched.clone();
     let training = match TrainingPod::resolve_launched(pod, launched, policy, profiles.cluster()) {
         Ok(training) => training,
         Err(e @ (ResolveError::NoTrainingInput(_) | ResolveError::LaunchModel(_))) => {
-            return guard(pod, policy, python, e.to_string());
+            let guarded = GuardedPod {
+                python,
+                why: e.to_string(),
+                launched: found_launch,
+            };
+            return on_launch_report(pod, policy, profiles, guarded);
         }
         Err(e) => return skipped(e.to_string()),
     };
     match decide(&training, policy, profiles) {
         Ok(mutation) => Outcome::Mutated(Box::new(mutation)),
         Err(error) => skipped(error),
+    }
+}
+
+/// What admission knows of a pod whose config it cannot read.
+struct GuardedPod {
+    /// Its trainer runs Python (the client can be injected).
+    python: bool,
+    /// Why its config cannot be read.
+    why: String,
+    /// Its launch, as found once.
+    launched: Option<(usize, memguard_api::pod::TrainerLaunch)>,
+}
+
+/// A pod opted in whose config admission cannot read, planned on what its trainer reported in
+/// a past run of the same job (the profile under its launch key,
+/// [`memguard_decide::key::launch_key`]) when that report gives everything the estimate needs;
+/// else [`guard`]ed, and when a report lacks a value, the reason says which. Its launch is not
+/// rewritten (it could not be read): the plan reaches the trainer as `MEMGUARD_*` env, which
+/// the injected client applies (re-chunking each batch, the effective batch kept).
+fn on_launch_report(
+    pod: &Pod,
+    policy: &Policy,
+    profiles: &ClusterView,
+    GuardedPod {
+        python,
+        why,
+        launched,
+    }: GuardedPod,
+) -> Outcome {
+    let Ok(key) = memguard_decide::key::launch_key(pod, policy) else {
+        return guard(pod, policy, python, why);
+    };
+    let found = profiles.adjustments_of(pod.metadata.namespace.as_deref(), &key.spec, &key.name);
+    let report = found.as_ref().and_then(|a| a.trainer_report.as_ref());
+    match guarded::on_profile_report(pod, policy, profiles.cluster(), &key, report, launched) {
+        Planned::NoReport => guard(pod, policy, python, why),
+        Planned::Incomplete {
+            pod: by,
+            why: lacks,
+        } => {
+            let mut outcome = guard(
+                pod,
+                policy,
+                python,
+                format!(
+                    "{why}; the trainer's report of {by} (profile {}) cannot be planned on: \
+                     {lacks}",
+                    key.name
+                ),
+            );
+            if let Outcome::Guarded(g) = &mut outcome {
+                g.warnings.push(truncate(&format!(
+                    "memguard: not planned on the trainer's report of {by}: {lacks}"
+                )));
+            }
+            outcome
+        }
+        Planned::OnReport(on, report) => {
+            // Nothing but the client applies `MEMGUARD_*` env in a launch memguard cannot read.
+            if !python {
+                return guard(pod, policy, python, why);
+            }
+            match decide_on(&on.training, policy, found.clone()) {
+                Ok(mut mutation) if mutation.client.is_some() => {
+                    // The trainer stays configured as it reported (the client re-chunks each
+                    // batch to the planned micro-batch): that is what it will report again,
+                    // so the sidecar compares its report with that, not with the env plan.
+                    let launch = admitted_config(&on.training, &on.training.config);
+                    for (name, value) in &mut mutation.sidecar.env {
+                        if name == env::SIDECAR_ADMITTED_CONFIG {
+                            value.clone_from(&launch);
+                        }
+                    }
+                    mutation.warnings.insert(
+                        0,
+                        truncate(&format!(
+                            "memguard: planned on the trainer's report of {}, launch not read \
+                             (profile {})",
+                            report.pod, key.name
+                        )),
+                    );
+                    Outcome::Mutated(Box::new(mutation))
+                }
+                Ok(_) => guard(pod, policy, python, why),
+                Err(e) => guard(
+                    pod,
+                    policy,
+                    python,
+                    format!(
+                        "{why}; the trainer's report of {} could not be planned on: {e}",
+                        report.pod
+                    ),
+                ),
+            }
+        }
     }
 }
 
@@ -100,10 +203,18 @@ fn guard(pod: &Pod, policy: &Policy, python: bool, why: String) -> Outcome {
 /// profiles' catalog), run the budget stage every caller shares ([`decision::decide`]: key,
 /// budget, what past runs taught, placement, plan), [`render`] the result.
 fn decide(read: &TrainingPod, policy: &Policy, profiles: &ClusterView) -> Result<Mutation, String> {
-    let pod = read.pod;
     // The profile is looked up once: the key depends on the model, method, precision and
     // device, none of which the trainer's report changes.
-    let found = profiles.adjustments(pod.metadata.namespace.as_deref(), &PodKey::of(read));
+    let found = profiles.adjustments(read.pod.metadata.namespace.as_deref(), &PodKey::of(read));
+    decide_on(read, policy, found)
+}
+
+/// [`decide`] with the pod's profile already found (`None`: no profile).
+fn decide_on(
+    read: &TrainingPod,
+    policy: &Policy,
+    found: Option<memguard_decide::Adjustments>,
+) -> Result<Mutation, String> {
     let adjustments = |_: &PodKey| found.clone();
     // What the trainer of a past run of this profile reported at train start: the pod is
     // planned on it where admission could not read a knob or read another value

@@ -93,7 +93,8 @@ def free_port() -> int:
 class Sidecar:
     """The real sidecar binary watching `cgroup`, its API and metrics on loopback."""
 
-    def __init__(self, tmp: Path, cgroup: Path, train_start: Optional[str] = TRAIN_START) -> None:
+    def __init__(self, tmp: Path, cgroup: Path, train_start: Optional[str] = TRAIN_START,
+                 env: Optional[Dict[str, str]] = None) -> None:
         self.api, self.prom = free_port(), free_port()
         self.termination = tmp / "sidecar-termination"
         cmd = [SIDECAR, "--cgroup", str(cgroup), "--signal-file", str(tmp / "signal.json"),
@@ -104,7 +105,9 @@ class Sidecar:
                "--grow-back", "false"]
         if train_start is not None:
             cmd += ["--train-start", train_start]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # `env`: what the webhook writes into the sidecar's container (its starting knobs).
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 30
         while True:
             try:

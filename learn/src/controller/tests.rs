@@ -425,3 +425,66 @@ async fn a_pod_configured_from_a_config_map_is_recorded_under_admissions_key() {
         }
     );
 }
+
+/// A Guarded pod (its model not read at admission: a script whose only argument is a JSON
+/// file), its trainer's report in the sidecar's summary: the controller creates the profile
+/// under its launch key and patches the report in, over the API.
+#[tokio::test]
+async fn a_guarded_pods_report_is_recorded_under_its_launch_key() {
+    let mut s = summary(Some(2 * GIB), None, Some(4 * GIB));
+    s.trainer_config = memguard_decide::testutil::tiny_llama_report();
+    let mut pod = PodBuilder::trainer()
+        .memory_limit("4Gi")
+        .trainer_terminated("Completed", 0, 100)
+        .native_sidecar_done(&s)
+        .build();
+    let trainer = &mut pod.spec.as_mut().expect("spec").containers[0];
+    trainer.image = Some("trainer:1".into());
+    trainer.command = Some(vec![
+        "python".into(),
+        "train.py".into(),
+        "/config/train.json".into(),
+    ]);
+    let launch = memguard_decide::key::launch_key(&pod, &memguard_api::Policy::default())
+        .expect("a launch key");
+    let name = launch.name.clone();
+    let item = format!("{PROFILES}/{name}");
+    let mut created = MemoryProfile::new(&name, launch.spec.clone());
+    created.metadata.namespace = Some("ml".into());
+    created.metadata.resource_version = Some("1".into());
+    let created = serde_json::to_value(&created).expect("json");
+    let want_key = serde_json::to_value(&launch.spec).expect("json");
+    let steps = vec![
+        step(
+            Method::GET,
+            &item,
+            StatusCode::NOT_FOUND,
+            status_error(404, "NotFound"),
+        ),
+        step(Method::POST, PROFILES, StatusCode::CREATED, created.clone()).body(move |body| {
+            assert_eq!(body["spec"], want_key);
+            assert_eq!(body["spec"]["method"], "unread");
+        }),
+        step(
+            Method::PATCH,
+            &format!("{item}/status"),
+            StatusCode::OK,
+            created,
+        )
+        .body(|body| {
+            let status = &body["status"];
+            assert_eq!(status["trainerReport"]["pod"], "trainer-0");
+            assert_eq!(status["trainerReport"]["config"]["hidden-size"], 64.0);
+            assert_eq!(status["trainerReport"]["config"]["vocab-size"], 32000.0);
+            assert_eq!(status["runs"][0]["measuredPeakBytes"], 2 * GIB);
+        }),
+    ];
+    let out = record(pod, steps).await.expect("recorded");
+    assert_eq!(
+        out,
+        Recorded::Updated {
+            profile: name,
+            oom: false
+        }
+    );
+}

@@ -622,3 +622,59 @@ fn what_the_trainer_reported_is_the_config_that_ran() {
     .expect("observed");
     assert_eq!(obs.estimate.map(|b| b.0), Some(12_000_000_000));
 }
+
+/// A pod admission could not read (Guarded: a script whose only argument is a JSON file): its
+/// trainer's report at train start is the config that ran, learnt under its launch key; a
+/// report that lacks a value the estimate needs is not a run to learn, and says which.
+#[test]
+fn a_guarded_pods_report_is_learnt_under_its_launch_key() {
+    let guarded = |s: &memguard_api::Summary| {
+        let mut pod = PodBuilder::trainer()
+            .memory_limit("4Gi")
+            .trainer_terminated("Completed", 0, 100)
+            .native_sidecar_done(s)
+            .build();
+        let trainer = &mut pod.spec.as_mut().expect("spec").containers[0];
+        trainer.image = Some("trainer:1".into());
+        trainer.command = Some(vec![
+            "python".into(),
+            "train.py".into(),
+            "/config/train.json".into(),
+        ]);
+        pod
+    };
+    let mut s = summary(Some(2 * GIB), None, Some(4 * GIB));
+    s.trainer_config = memguard_decide::testutil::tiny_llama_report();
+    let pod = guarded(&s);
+    let launch = memguard_decide::key::launch_key(&pod, &memguard_api::Policy::default())
+        .expect("a launch key");
+    let obs = try_observe(&pod).expect("observed");
+    assert_eq!((&obs.key.name, &obs.key.spec), (&launch.name, &launch.spec));
+    assert!(obs.key.spec.model.starts_with("launch-"));
+    assert_eq!(
+        obs.ran,
+        memguard_decide::trainer_config::training_config(&s.trainer_config).expect("a config")
+    );
+    assert_eq!(obs.measured_peak.map(|b| b.0), Some(2 * GIB));
+    // Planned at train start: the client ran the reported 16 × 1 as 4 × 4 from step 1.
+    let mut planned = s.clone();
+    planned.train_start = Some(memguard_api::train_start::TrainStartPlan {
+        planned: true,
+        batch_size: Some(4),
+        grad_accumulation: Some(4),
+        grad_checkpointing: Some(false),
+        ..Default::default()
+    });
+    let ran = try_observe(&guarded(&planned)).expect("observed").ran;
+    assert_eq!((ran.batch_size, ran.grad_accumulation), (4, 4));
+    let status = crate::update::apply(&Default::default(), &obs);
+    let report = status.trainer_report.expect("the report kept");
+    assert_eq!(report.config, s.trainer_config);
+    assert_eq!(status.runs.len(), 1);
+
+    s.trainer_config.remove("head-dim");
+    let Err(NotObserved::NoKey(why)) = try_observe(&guarded(&s)) else {
+        panic!("observed without its head-dim")
+    };
+    assert!(why.contains("not reported: head-dim"), "{why}");
+}

@@ -97,11 +97,22 @@ impl ClusterView {
     /// that key, else from the source's profile named after the key (when its spec matches:
     /// a profile edited into another key adjusts nothing).
     pub fn adjustments(&self, namespace: Option<&str>, key: &PodKey) -> Option<Adjustments> {
+        self.adjustments_of(namespace, &key.spec, &key.name)
+    }
+
+    /// [`adjustments`](Self::adjustments) of the profile with key `spec`, named `name` (a
+    /// Guarded pod's launch key has no config: [`memguard_decide::key::LaunchKey`]).
+    pub fn adjustments_of(
+        &self,
+        namespace: Option<&str>,
+        spec: &memguard_api::crd::MemoryProfileSpec,
+        name: &str,
+    ) -> Option<Adjustments> {
         let status = |p: &MemoryProfile| adjustments(&p.status.clone().unwrap_or_default());
-        if let Some(p) = self.listed.iter().find(|p| p.spec == key.spec) {
+        if let Some(p) = self.listed.iter().find(|p| &p.spec == spec) {
             return Some(status(p));
         }
-        let found = self.source.as_ref()?.get(namespace?, &key.name)?;
-        (found.spec == key.spec).then(|| status(&found))
+        let found = self.source.as_ref()?.get(namespace?, name)?;
+        (&found.spec == spec).then(|| status(&found))
     }
 }
