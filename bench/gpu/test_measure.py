@@ -121,3 +121,64 @@ def test_cpu_rehearsal_runs_the_gpu_code_path_on_tiny_configs(memguard: str, tmp
         assert row["source_group"] == measure.SOURCE_GROUP and row["device"] == "cpu"
         assert int(row["measured_bytes"]) > 0 and row["compare_to"] == "total"
         assert "memguard estimate: total" in row["notes"]
+
+
+# bench/gpu/trainstart.py: its CPU side (the GPU path needs a CUDA device; docs/sidecar.md).
+import trainstart  # noqa: E402
+
+
+def test_trainstart_reads_its_arguments_and_refuses_bad_ones(capsys: pytest.CaptureFixture) -> None:
+    a = trainstart.parse_args(["--out", "o", "--batch", "8", "--budget-gib", "12.5"])
+    assert (a.out, a.batch, a.seq, a.budget_gib, a.shape) == (
+        Path("o"), 8, 1024, 12.5, "llama-3.2-1b-shape")
+    for bad, says in ((["--batch", "0"], "0 is not at least 1"),
+                      (["--steps", "two"], "`two` is not a whole number"),
+                      (["--budget-gib", "-1"], "-1 is not a positive number"),
+                      (["--budget-gib", "nan"], "nan is not a positive number"),
+                      (["--shape", "gpt-9"], "invalid choice")):
+        with pytest.raises(SystemExit) as exit:
+            trainstart.parse_args(bad)
+        assert exit.value.code == 2
+        assert says in capsys.readouterr().err, bad
+
+
+def test_trainstart_without_a_gpu_says_so_and_writes_nothing(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, str(HERE / "trainstart.py"), "--out", str(tmp_path / "o")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == trainstart.NO_GPU, out.stderr
+    assert "no CUDA device" in out.stderr and "GPU machine only" in out.stderr, out.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_trainstart_sees_the_shrink_and_the_growth_and_writes_them_whole(tmp_path: Path) -> None:
+    steps = [{"step": 1, "micro_batch": 4, "max_reserved_bytes": 30},
+             {"step": 2, "micro_batch": 4, "max_reserved_bytes": 31},
+             {"step": 3, "micro_batch": 8, "max_reserved_bytes": 52},
+             {"step": 4, "micro_batch": 16, "max_reserved_bytes": 90}]
+    summary = {"train_start": {"planned": True, "batch_size": 4}, "growths": 2, "downgrades": 0}
+    out = trainstart.summarize(16, steps, summary)
+    assert out["shrunk"] and out["grew"], out
+    assert (out["planned_batch"], out["first_micro_batch"], out["last_micro_batch"]) == (4, 4, 16)
+    assert out["max_reserved_bytes_at"] == {"4": 31, "8": 52, "16": 90}
+    assert out["growths"] == 2
+    unplanned = trainstart.summarize(16, steps[:1], {"train_start": {"planned": False}})
+    assert (unplanned["planned_batch"], unplanned["shrunk"], unplanned["grew"]) == (None, False, False)
+    assert unplanned["growths"] == 0, "the summary leaves out a zero"
+    path = trainstart.write_result(tmp_path / "o", {"outcome": out})
+    assert json.loads(path.read_text()) == {"outcome": out}
+    assert [p.name for p in path.parent.iterdir()] == [trainstart.RESULT]
+
+
+def test_trainstart_default_budget_fits_four_rows_and_not_eight(tmp_path: Path, memguard: str) -> None:
+    """The default run must shrink: `memguard estimate`'s upper bound for its model at 4 rows
+    fits the default budget, at 8 does not (as the sidecar's train-start plan checks)."""
+    a = trainstart.parse_args([])
+    config = write_config(tmp_path, measure.SHAPES[a.shape])
+    upper = {}
+    for rows in (4, 8):
+        case = measure.Case("budget", a.shape, "full", rows, a.seq)
+        upper[rows] = measure.memguard_estimate(memguard, case, config, "cuda")["total_upper_bytes"]
+    budget = a.budget_gib * (1 << 30)
+    assert upper[4] <= budget < upper[8], (upper, budget)

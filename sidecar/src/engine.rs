@@ -264,6 +264,12 @@ impl Engine {
         self.trainer_oom = false;
         self.seen_sample = false;
         self.seen_populated = false;
+        // The next trainer imports and loads anew: not known to step until it reports so.
+        let mut st = self.shared.status();
+        st.phase = None;
+        st.step_reported = false;
+        drop(st);
+        self.history = History::default();
     }
 
     /// The trainer that just left (or the one watched) died of an OOM (a kill counted in its cgroup,
@@ -396,10 +402,14 @@ impl Engine {
         };
         let limit = sample.as_ref().and_then(MemorySample::effective_limit);
         let working_set = sample.as_ref().and_then(|s| s.working_set_bytes);
+        let (report, window) = {
+            let st = self.shared.status();
+            let window = pressure::leak_window(st.phase, st.step_reported);
+            (st.report.clone(), window)
+        };
         if let Some(ws) = working_set {
-            self.history.push(now_ms, ws);
+            self.history.push_in(window, now_ms, ws);
         }
-        let report = self.shared.status().report.clone();
         let own_eta = limit.and_then(|l| pressure::leak_eta(&self.history.points(), l));
         let reported_eta = report.as_ref().and_then(|r| {
             let rate = r.leak_bytes_per_second?;
@@ -1141,6 +1151,63 @@ mod tests {
         assert_eq!(s.level, Level::Critical);
         assert!(s.reason.contains("GPU memory 0.96"), "{}", s.reason);
         assert_eq!(shared.status().gpus[0].uuid, "drm/0000:03:00.0/vram0");
+    }
+
+    /// Two ranks importing and loading their model climb steadily before the first step: the
+    /// climb reaches the limit within the leak horizon, and is no leak. Only what the working
+    /// set does once the trainer reports it steps is extrapolated.
+    #[test]
+    fn the_climb_before_the_first_step_is_not_taken_for_a_leak() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // 1000 + 125 a second of 10 000: 52 s to the limit at 20 s, the 60 s horizon's reach;
+        // a ratio under the downgrade threshold all along.
+        let climb: Vec<_> = (0..60u64)
+            .map(|i| {
+                Ok(Some(MemorySample {
+                    usage_bytes: Some(1000 + 125 * i),
+                    working_set_bytes: Some(1000 + 125 * i),
+                    max: Some(Limit::Bytes(10_000)),
+                    populated: Some(true),
+                    ..Default::default()
+                }))
+            })
+            .collect();
+        let (mut e, shared) = engine(climb, FakeGpu(Ok(vec![])), dir.path());
+        for i in 0..30 {
+            if i == 10 {
+                // The client attached (an HF Trainer): still loading.
+                shared.status().phase = Some(memguard_api::TrainerPhase::Load);
+            }
+            e.tick(i * 1000);
+            assert_eq!(shared.signal.borrow().batch_size, 8, "tick {i}: loading");
+        }
+        assert_eq!(shared.status().seconds_to_limit, None);
+        shared.status().phase = Some(memguard_api::TrainerPhase::Step);
+        // Stepping from tick 30: the rule needs 20 s of steps before it sees a trend.
+        for i in 30..50 {
+            e.tick(i * 1000);
+            assert_eq!(
+                shared.signal.borrow().batch_size,
+                8,
+                "tick {i}: too few steps"
+            );
+        }
+        e.tick(50_000);
+        let s = shared.signal.borrow().clone();
+        assert_eq!(
+            (s.level, s.batch_size),
+            (Level::Downgrade, 4),
+            "{}",
+            s.reason
+        );
+        assert!(s.reason.contains("steady growth"), "{}", s.reason);
+        // A trainer restarted in place loads anew: what the last one reported no longer says.
+        shared.status().step_reported = true;
+        e.trainer_left();
+        let st = shared.status();
+        assert_eq!((st.phase, st.step_reported), (None, false));
+        drop(st);
+        assert!(e.history.points().is_empty());
     }
 
     #[test]

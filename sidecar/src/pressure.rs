@@ -18,8 +18,8 @@
 //! ([`PressureConfig::apply_wait_ms`]), for a trainer that reports but never applies, and
 //! entering `critical` does not wait.
 
-use memguard_api::Level;
 use memguard_api::policy::Thresholds;
+use memguard_api::{Level, TrainerPhase};
 use std::collections::VecDeque;
 
 /// Policy settings.
@@ -406,6 +406,36 @@ pub fn sticky_downgrade(
     next
 }
 
+/// Which working-set samples the leak rule ([`leak_eta`]) may count, from what the trainer
+/// reported. Imports and model loading climb steadily for tens of seconds, which is no leak:
+/// only samples taken while the trainer is known to step count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeakWindow {
+    /// Not known to step (nothing reported yet, or loading): the sample is not counted and
+    /// the history is forgotten, so no trend spans a load and the steps after it.
+    NotStepping,
+    /// Writing a checkpoint: the sample is not counted, the history is kept (memory returns
+    /// to the step level once it is written).
+    Saving,
+    /// Stepping: the sample counts.
+    Stepping,
+}
+
+/// The window for a trainer whose last reported phase is `phase` and which has (or has not)
+/// reported a step number. A trainer that reports no phase (an old client, a loop outside
+/// Python) steps from its first report that carries a step; one that reports nothing is never
+/// known to step, and its working set is not extrapolated (the ratio, PSI and OOM rules still
+/// apply).
+pub fn leak_window(phase: Option<TrainerPhase>, step_reported: bool) -> LeakWindow {
+    match phase {
+        Some(TrainerPhase::Step) => LeakWindow::Stepping,
+        Some(TrainerPhase::Save) => LeakWindow::Saving,
+        Some(TrainerPhase::Load) => LeakWindow::NotStepping,
+        None if step_reported => LeakWindow::Stepping,
+        None => LeakWindow::NotStepping,
+    }
+}
+
 /// A short history of (ms, working-set bytes), about one point a second, for leak detection.
 #[derive(Debug, Clone, Default)]
 pub struct History {
@@ -429,6 +459,16 @@ impl History {
             self.points.pop_front();
         }
         self.points.push_back((now_ms, bytes));
+    }
+
+    /// Adds a point when `window` counts it ([`LeakWindow`]), forgets them all when the trainer
+    /// is not known to step.
+    pub fn push_in(&mut self, window: LeakWindow, now_ms: u64, bytes: u64) {
+        match window {
+            LeakWindow::Stepping => self.push(now_ms, bytes),
+            LeakWindow::Saving => {}
+            LeakWindow::NotStepping => self.points.clear(),
+        }
     }
 
     /// The points, oldest first.
@@ -840,6 +880,51 @@ mod tests {
             assess(&state, &mem(0.1), 200_000, &cfg()).state.knobs(),
             k(4, 4, false)
         );
+    }
+
+    #[test]
+    fn only_samples_taken_while_stepping_count_toward_a_leak() {
+        use TrainerPhase::{Load, Save, Step};
+        // A reported phase decides; without one, a report that carried a step number does.
+        assert_eq!(leak_window(None, false), LeakWindow::NotStepping);
+        assert_eq!(leak_window(None, true), LeakWindow::Stepping);
+        assert_eq!(leak_window(Some(Load), true), LeakWindow::NotStepping);
+        assert_eq!(leak_window(Some(Step), false), LeakWindow::Stepping);
+        assert_eq!(leak_window(Some(Save), false), LeakWindow::Saving);
+
+        let gib = 1u64 << 30;
+        let climb = |i: u64| (i * 1000, gib + i * (10 << 20));
+        let mut h = History::default();
+        // 30 s of load climbing 10 MiB/s: a leak's shape, not counted.
+        for i in 0..30 {
+            h.push_in(LeakWindow::NotStepping, climb(i).0, climb(i).1);
+        }
+        assert!(h.points().is_empty());
+        // Steps: counted, from the first one only.
+        for i in 30..45 {
+            h.push_in(LeakWindow::Stepping, climb(i).0, climb(i).1);
+        }
+        assert_eq!(h.points().len(), 15);
+        assert_eq!(
+            leak_eta(&h.points(), 2 * gib),
+            None,
+            "15 s of steps: too short to tell"
+        );
+        // A checkpoint written: its samples are skipped and the steps' history is kept.
+        for i in 45..50 {
+            h.push_in(LeakWindow::Saving, climb(i).0, climb(i).1 + gib / 2);
+        }
+        for i in 50..60 {
+            h.push_in(LeakWindow::Stepping, climb(i).0, climb(i).1);
+        }
+        assert_eq!(h.points().len(), 25);
+        assert!(
+            leak_eta(&h.points(), 2 * gib).is_some(),
+            "the steps' leak is seen"
+        );
+        // A new load (the trainer restarted and reports it): the history is forgotten.
+        h.push_in(LeakWindow::NotStepping, 60_000, gib);
+        assert!(h.points().is_empty());
     }
 
     #[test]

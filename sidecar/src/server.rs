@@ -144,6 +144,9 @@ async fn post_report(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
         if let Some(phase) = report.phase {
             st.phase = Some(phase);
         }
+        if report.step.is_some() {
+            st.step_reported = true;
+        }
         if let Some(n) = report.saves_deferred {
             st.saves_deferred = Some(n);
         }

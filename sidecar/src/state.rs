@@ -54,6 +54,9 @@ pub struct Status {
     pub oom_kills: u64,
     /// The phase the trainer last reported (`None` until it reports one).
     pub phase: Option<TrainerPhase>,
+    /// Whether any report carried a step number: the trainer steps (the leak rule's window
+    /// for a trainer that reports no phase).
+    pub step_reported: bool,
     /// The phase the trainer had last reported when the last OOM kill was counted: `None` when
     /// it had reported none (never guessed).
     pub oom_kill_phase: Option<TrainerPhase>,

@@ -244,4 +244,7 @@ def test_a_plain_torch_loop_reports_its_optimizer_steps(tmp_path: Path, hf: None
     out = python(script, clean_env(PYTHONPATH=str(client), MEMGUARD_SIDECAR_URL=sidecar.url), tmp_path)
     assert out.returncode == 0 and out.stdout == "done\n", out.stderr
     assert out.stderr == ""
-    assert [r["step"] for r in sidecar.reports] == [0, 1, 2]
+    assert [r["step"] for r in sidecar.reports if "step" in r] == [0, 1, 2]
+    # Before the first step report, what the loop's objects say for sure (issue 37): no process
+    # group (so no world size), the optimizer's 4 + 1 parameters, SGD without momentum.
+    assert sidecar.reports[0] == {"config": {"trainable-params": 5.0, "optimizer": 2.0}}

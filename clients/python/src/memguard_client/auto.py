@@ -16,7 +16,11 @@ interpreter start-up. :func:`install` imports nothing but ``sys`` and ``os`` and
   the allocator figures (``torch.cuda``, read in the training thread, on its device) are handed
   to a daemon thread that posts them to the sidecar, at most once every
   :data:`REPORT_EVERY_SECONDS`. These loops own their batches, so nothing outside them can
-  re-chunk one; they are reported, not steered.
+  re-chunk one; they are reported, not steered. At the first step it also reports what the
+  loop's objects say for sure (:func:`memguard_client.train_config.loop_config`: the process
+  group's world size, the ranks in this container, the optimizer's parameters and kind),
+  unless an adapter of the process reported a config already or the process imported
+  ``transformers.trainer`` (its Trainer reports more when it trains).
 * it installs a ``sys.excepthook`` that, for an uncaught out-of-memory error in any script,
   writes the OOM record and exits 86 (87 when the pod "cannot fit"), as
   :func:`memguard_client.oom.install_excepthook` does for an explicit ``Guard``. Everything it
@@ -181,6 +185,7 @@ class _StepReporter:
         self._steps = 0
         self._last = float("-inf")
         self._queue: Any = None
+        self._config_sent = False
 
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._steps += 1
@@ -195,9 +200,28 @@ class _StepReporter:
 
             body = dict(framework_memory(import_missing=False) or {})
             body["step"] = self._steps - 1
-            self._queue.put(body)
+            if not self._config_sent:
+                self._config_sent = True
+                config = self._config(optimizer)
+                if config:
+                    self._queue.put(("config", config))
+            self._queue.put(("step", body))
         except Exception as exc:  # noqa: BLE001
             warn_once("could not report the optimizer step", exc)
+
+    @staticmethod
+    def _config(optimizer: Any) -> "dict[str, float]":
+        """What this loop's objects say at its first step (the world size, the ranks here, the
+        optimizer's parameters and kind), unless an adapter of this process (``attach``,
+        ``MicroBatcher``) reported more, or a ``transformers.Trainer`` may still: the sidecar
+        decides the train-start plan once, on the first config, and this one has no
+        micro-batch to plan."""
+        from .guard import config_reported
+        from .train_config import loop_config
+
+        if config_reported() or TRAINER_MODULE in sys.modules:
+            return {}
+        return loop_config(optimizer=optimizer)
 
     def _start(self) -> None:
         import queue
@@ -210,8 +234,12 @@ class _StepReporter:
 
         def post() -> None:
             while True:
-                body = self._queue.get()
-                guard.report(**body)  # never raises; a dead sidecar costs this thread only
+                kind, body = self._queue.get()
+                # Neither raises; a dead sidecar costs this thread only.
+                if kind == "config":
+                    guard.report_config(body)
+                else:
+                    guard.report(**body)
 
         threading.Thread(target=post, name="memguard-report", daemon=True).start()
 

@@ -45,6 +45,14 @@ RACY_WINDOW_NS = 50_000_000
 TRAIN_START_WAIT = 2.0
 
 _FileKey = Tuple[int, int, int, int]
+#: A config from this process was accepted (the sidecar keeps the last one whole): a reporter
+#: that knows less (:mod:`memguard_client.auto`'s) then reports none.
+_config_reported = False
+
+
+def config_reported() -> bool:
+    """Whether the sidecar accepted a config from any :class:`Guard` of this process."""
+    return _config_reported
 
 
 class Guard:
@@ -474,8 +482,11 @@ class Guard:
         """POST the config the trainer runs at (knob → number, a bool as 0 or 1) to
         ``/v1/report`` as ``config``: the sidecar exports it beside what admission planned.
         Never raises; True when accepted."""
+        global _config_reported
         body = {"config": {str(k): float(v) for k, v in config.items()}}
-        return self._post_report(body)
+        accepted = self._post_report(body)
+        _config_reported = _config_reported or accepted
+        return accepted
 
     def plan_at_train_start(
         self, config: Mapping[str, float], timeout: Optional[float] = None
@@ -488,6 +499,7 @@ class Guard:
         unplanned and follows the signal as usual). Never raises."""
         if self._url is None:
             return None
+        global _config_reported
         wait = self._train_start_wait if timeout is None else max(0.0, float(timeout))
         body: Dict[str, Any] = {"config": {str(k): float(v) for k, v in config.items()}}
         req = urllib.request.Request(
@@ -500,6 +512,7 @@ class Guard:
         try:
             with urllib.request.urlopen(req, timeout=wait) as resp:
                 status = int(resp.status)
+                _config_reported = True  # accepted, whatever the decision
                 data = resp.read(MAX_SIGNAL_BYTES + 1)
         except urllib.error.HTTPError as err:
             log.warning("memguard: the sidecar refused the train-start config: %s", err)

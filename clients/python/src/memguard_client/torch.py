@@ -32,6 +32,7 @@ release is a no-op and :meth:`MicroBatcher.backward` works with any loss object 
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, List, Optional
 
 from .batching import MicroBatch, split_batch
@@ -47,8 +48,12 @@ from .recovery import (
     force_sync_of,
     no_sync_of,
     sync_each_batch_on,
+    unwrap,
     zero_grads,
 )
+from .train_config import loop_config
+
+log = logging.getLogger("memguard_client")
 
 __all__ = ["MicroBatcher", "empty_cache"]
 
@@ -94,6 +99,7 @@ class MicroBatcher(RunnerCounters):
         self.skip_step = False
         self._fresh_step = False
         self._fsdp: Optional[bool] = None
+        self._config_reported = False
 
     @property
     def micro_batch_size(self) -> int:
@@ -141,6 +147,9 @@ class MicroBatcher(RunnerCounters):
         so gradients are synchronised once per batch. Pass ``model`` so that an OOM in backward
         can reset the gradients, and so FSDP is recognised.
         """
+        if not self._config_reported:
+            self._config_reported = True
+            self._report_config(batch, model)
         if not self._fresh_step:
             self.refresh(model)
         self._fresh_step = False
@@ -166,6 +175,18 @@ class MicroBatcher(RunnerCounters):
         )
         self.skip_step = result.skipped
         return float(sum(result.outputs))
+
+    def _report_config(self, batch: Any, model: Any) -> None:
+        """At the first batch: report what the loop's objects say (the world size, the ranks
+        here; with ``model``, its shape and parameters; the batch's padded sequence). The loop
+        owns its batch size, so no micro-batch is reported and the sidecar plans nothing."""
+        try:
+            config = loop_config(model=unwrap(model) if model is not None else None, batch=batch)
+        except Exception as exc:  # reading the objects must never stop training
+            log.warning("memguard: the loop's config could not be read: %s", exc)
+            return
+        if config:
+            self.guard.report_config(config)
 
     def step(self, optimizer: Any, *, zero_grad: bool = True) -> bool:
         """``optimizer.step()`` (then ``zero_grad(set_to_none=True)``) unless the last batch's

@@ -11,6 +11,7 @@ value was missing.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Dict, Mapping, Optional
 
 #: The optimizers the sidecar knows, by ``memguard_api::signal::OPTIMIZER_CODES`` index.
@@ -85,6 +86,66 @@ def trainer_config(args: Any, model: Any = None, accelerator: Any = None) -> Dic
         out.update(model_config(model))
     out.update(sharding(accelerator))
     out.update(local_ranks(getattr(args, "world_size", None)))
+    return dict(out)
+
+
+def loop_config(model: Any = None, batch: Any = None, optimizer: Any = None) -> Dict[str, float]:
+    """What a custom loop's objects say, for a loop memguard cannot re-chunk from outside: the
+    world size of the initialised ``torch.distributed`` process group and the ranks in this
+    container; with ``model``, its shape and parameters; with ``batch``, its padded sequence;
+    with ``optimizer``, the parameters it steps and its kind. No micro-batch: only the loop
+    knows what a batch is, so the sidecar makes no plan on it."""
+    out = _Knobs()
+    world = process_group_size()
+    out.put("world-size", world)
+    out.update(local_ranks(world))
+    if optimizer is not None:
+        out.update(optimizer_config(optimizer))
+    if model is not None:
+        out.update(model_config(model))
+    if batch is not None:
+        out.update(first_batch(batch))
+    return dict(out)
+
+
+def process_group_size() -> Optional[int]:
+    """The world size of the initialised default process group; None when there is none
+    (``torch.distributed`` is not imported here: a process that never did has none)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_world_size())
+    except Exception:
+        return None
+    return None
+
+
+#: ``torch.optim`` classes → the estimator's optimizer (SGD is split on its momentum).
+_TORCH_OPTIMIZERS = {"AdamW": "adamw", "Adam": "adam", "Adafactor": "adafactor"}
+
+
+def optimizer_config(optimizer: Any) -> Dict[str, float]:
+    """The parameters ``optimizer`` steps (each once), and its kind when it is one of
+    ``torch.optim``'s the estimator knows."""
+    out = _Knobs()
+    try:
+        groups = list(optimizer.param_groups)
+        seen = {id(p): p for g in groups for p in g["params"]}
+        out.put("trainable-params", int(sum(p.numel() for p in seen.values())))
+    except Exception:  # not a torch optimizer: nothing to say of its parameters
+        return dict(out)
+    cls = type(optimizer)
+    if not cls.__module__.startswith("torch.optim"):
+        return dict(out)
+    name = _TORCH_OPTIMIZERS.get(cls.__name__)
+    if cls.__name__ == "SGD":
+        momentum = {g.get("momentum", 0) for g in groups}
+        if momentum == {0}:
+            name = "sgd"
+        elif 0 not in momentum:
+            name = "sgd-momentum"
+    if name is not None:
+        out.put("optimizer", OPTIMIZER_CODES.index(name))
     return dict(out)
 
 
