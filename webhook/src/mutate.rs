@@ -27,7 +27,7 @@ pub use memguard_decide::warnings::{MAX_WARNING_CHARS, cannot_fit_warning, trunc
 pub use crate::outcome::{
     ClientPlan, CommandLine, Guarded, Mutation, Outcome, SidecarPlan, skipped,
 };
-use crate::render::{admitted_config, client_plan, render, sidecar_base_env, train_start_env};
+use crate::render::{client_plan, render, sidecar_base_env, train_start_env};
 pub use crate::watch::view::{ClusterView, ProfileSource};
 
 pub use memguard_decide::budget::{Budget, BudgetSource};
@@ -123,16 +123,9 @@ fn on_launch_report(
                 return guard(pod, policy, python, why);
             }
             match decide_on(&on.training, policy, found.clone()) {
+                // The sidecar's admitted config is the launch as configured (every knob is the
+                // report's: [`memguard_decide::reported::as_configured`]), not the env plan.
                 Ok(mut mutation) if mutation.client.is_some() => {
-                    // The trainer stays configured as it reported (the client re-chunks each
-                    // batch to the planned micro-batch): that is what it will report again,
-                    // so the sidecar compares its report with that, not with the env plan.
-                    let launch = admitted_config(&on.training, &on.training.config);
-                    for (name, value) in &mut mutation.sidecar.env {
-                        if name == env::SIDECAR_ADMITTED_CONFIG {
-                            value.clone_from(&launch);
-                        }
-                    }
                     mutation.warnings.insert(
                         0,
                         truncate(&format!(
