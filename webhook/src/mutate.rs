@@ -10,6 +10,7 @@
 //! the patch, computed as a difference against the pod, comes out empty.
 
 use k8s_openapi::api::core::v1::Pod;
+use memguard_api::annotations::PlanOptions;
 use memguard_api::estimate::ArgsChange;
 use memguard_api::pod::{Dialect, HostKnobs, ResolveError, TrainingPod};
 use memguard_api::{Knob, Policy, env, wellknown};
@@ -166,6 +167,17 @@ fn guard(pod: &Pod, policy: &Policy, python: bool, why: String) -> Outcome {
         "not planned at admission, guarded at run time (the sidecar and the client): {why}"
     );
     warnings.insert(0, truncate(&format!("memguard: {reason}")));
+    // The pod's own options apply at train start as they would at admission; one that does
+    // not parse is said, and the policy's stands in for it.
+    let given = pod.metadata.annotations.clone().unwrap_or_default();
+    let options = PlanOptions::parse(&given).unwrap_or_else(|errors| {
+        for e in errors {
+            warnings.push(truncate(&format!(
+                "memguard: memguard.io/{e}; the policy's value is used at train start"
+            )));
+        }
+        PlanOptions::default()
+    });
     Outcome::Guarded(Box::new(Guarded {
         trainer_index,
         trainer_env: vec![
@@ -183,7 +195,12 @@ fn guard(pod: &Pod, policy: &Policy, python: bool, why: String) -> Outcome {
             // trainer is planned against its cgroup limit; a GPU one says it has no budget.
             env: sidecar_base_env(policy, &trainer.name)
                 .into_iter()
-                .chain([train_start_env(policy, policy.safety_ratio, None, None)])
+                .chain([train_start_env(
+                    policy,
+                    decision::pod_safety_ratio(options.safety_ratio, policy),
+                    options.allow_quality,
+                    None,
+                )])
                 .collect(),
         },
         client: Some(client),
