@@ -247,6 +247,61 @@ pub struct TrainingAnnotations {
     pub knobs_given: std::collections::BTreeSet<Knob>,
 }
 
+/// The pod's own planning options, which admission honours whether or not the pod names a
+/// model (a Guarded pod's sidecar plans at train start with them too).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PlanOptions {
+    /// `safety-ratio`, when given.
+    pub safety_ratio: Option<f64>,
+    /// `allow-quality`, when given.
+    pub allow_quality: Option<bool>,
+}
+
+impl PlanOptions {
+    /// The options among a pod's annotations (other keys are not looked at); every error of
+    /// a given option, named by its key.
+    pub fn parse(annotations: &BTreeMap<String, String>) -> Result<Self, Vec<AnnotationError>> {
+        let keys: BTreeMap<String, String> = PLAN_OPTION_KEYS
+            .iter()
+            .filter_map(|k| {
+                Some((
+                    k.strip_prefix(PREFIX)?.to_string(),
+                    annotations.get(*k)?.clone(),
+                ))
+            })
+            .collect();
+        let mut p = Parser {
+            keys: &keys,
+            errors: Vec::new(),
+        };
+        let options = Self::read(&mut p);
+        if p.errors.is_empty() {
+            Ok(options)
+        } else {
+            Err(p.errors)
+        }
+    }
+
+    fn read(p: &mut Parser) -> Self {
+        let safety_ratio = p.parse_with(SAFETY_RATIO, |s| {
+            let r: f64 = s
+                .trim()
+                .parse()
+                .map_err(|_| format!("`{s}` is not a number"))?;
+            if r > 0.0 && r <= 1.0 {
+                Ok(r)
+            } else {
+                Err(format!("{r} is not in (0, 1]"))
+            }
+        });
+        let allow_quality = p.boolean(ALLOW_QUALITY);
+        PlanOptions {
+            safety_ratio,
+            allow_quality,
+        }
+    }
+}
+
 /// Whether a pod's annotations name the model: by name, or by its shape.
 pub fn names_model(annotations: &BTreeMap<String, String>) -> bool {
     annotations.contains_key(MODEL)
@@ -255,10 +310,17 @@ pub fn names_model(annotations: &BTreeMap<String, String>) -> bool {
             .any(|k| annotations.contains_key(*k))
 }
 
-/// Whether a pod's annotations carry any memguard input at all.
+/// Whether a pod's annotations say anything of its training: any memguard input but the
+/// [`PlanOptions`], which say how to plan it, so that a pod that gives only those and whose
+/// launch cannot be read is guarded (with them) rather than refused for lack of a model.
 pub fn has_training_input(annotations: &BTreeMap<String, String>) -> bool {
-    annotations.keys().any(|k| INPUT_KEYS.contains(&k.as_str()))
+    annotations
+        .keys()
+        .any(|k| INPUT_KEYS.contains(&k.as_str()) && !PLAN_OPTION_KEYS.contains(&k.as_str()))
 }
+
+/// The keys of [`PlanOptions`].
+const PLAN_OPTION_KEYS: &[&str] = &[SAFETY_RATIO, ALLOW_QUALITY];
 
 impl TrainingAnnotations {
     /// Parses pod annotations, `model` resolved in `models` (the policy's, then the built-in
@@ -418,18 +480,10 @@ impl TrainingAnnotations {
         let gpu_memory = p.parse_with(GPU_MEMORY, |s| {
             Size::parse(s).map(|s| s.bytes()).map_err(|e| e.to_string())
         });
-        let safety_ratio = p.parse_with(SAFETY_RATIO, |s| {
-            let r: f64 = s
-                .trim()
-                .parse()
-                .map_err(|_| format!("`{s}` is not a number"))?;
-            if r > 0.0 && r <= 1.0 {
-                Ok(r)
-            } else {
-                Err(format!("{r} is not in (0, 1]"))
-            }
-        });
-        let allow_quality = p.boolean(ALLOW_QUALITY);
+        let PlanOptions {
+            safety_ratio,
+            allow_quality,
+        } = PlanOptions::read(&mut p);
         let container = p.get(CONTAINER).map(|s| s.trim().to_string());
         let env_map = p.env_map().unwrap_or_default();
 

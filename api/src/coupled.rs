@@ -19,7 +19,7 @@
 
 mod host_settings;
 
-pub use host_settings::{HostSettings, INERT_AT_LOAD, Setting, StateDict};
+pub use host_settings::{HostSettings, INERT_AT_LOAD, Setting, StateDict, ram_efficient_loading};
 
 use crate::cluster::ConfigMaps;
 use crate::launch::{Flags, Launch, Launcher};

@@ -23,8 +23,9 @@ pub struct HostArgs {
     /// 5: the checkpoint's own dtype).
     #[arg(long, value_name = "DTYPE", help_heading = "Host memory (per pod)")]
     load_dtype: Option<String>,
-    /// Only rank 0 materialises the weights (FSDP `cpu_ram_efficient_loading`): true|false.
-    /// Default false.
+    /// FSDP's `cpu_ram_efficient_loading`: true|false. Counted as admission counts it: under
+    /// transformers 5.23 every rank still loads the weights whatever it says (measured), so
+    /// `true` changes nothing and is said inert (`inert:transformers-5`). Default false.
     #[arg(long, value_name = "BOOL", help_heading = "Host memory (per pod)")]
     ram_efficient_loading: Option<bool>,
     /// DataLoader workers per rank (`num_workers`). Default 0.
@@ -147,7 +148,18 @@ pub fn host_config(
     host.world_size = world.max(ranks);
     host.checkpoint_bytes_per_param = checkpoint;
     host.load_bytes_per_param = load;
-    host.ram_efficient_loading = args.ram_efficient_loading.unwrap_or(false);
+    let ram_efficient = memguard_api::coupled::ram_efficient_loading(
+        args.ram_efficient_loading.unwrap_or(false),
+        "--ram-efficient-loading",
+    );
+    if ram_efficient.source == memguard_api::coupled::INERT_AT_LOAD {
+        notes.push(format!(
+            "--ram-efficient-loading true: every rank loads all the same under transformers \
+             5.23 ({})",
+            ram_efficient.source
+        ));
+    }
+    host.ram_efficient_loading = ram_efficient.value;
     host.dataloader_workers = workers;
     host.prefetch_factor = prefetch;
     host.pin_memory = args.pin_memory.unwrap_or(false);

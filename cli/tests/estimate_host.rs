@@ -190,3 +190,38 @@ fn bad_host_flags_are_refused_with_a_clear_message() {
         assert!(stderr.contains(expected), "{stderr}");
     }
 }
+
+/// `--ram-efficient-loading true` is counted as admission counts FSDP's
+/// `cpu_ram_efficient_loading: true` under transformers 5.23: every rank still loads (measured,
+/// `bench/host/ram_efficient_load.py`), so the load is the same as without it, and the output
+/// says why (source `inert:transformers-5`).
+#[test]
+fn ram_efficient_loading_is_counted_as_admission_counts_it() {
+    let loading = |flag: &[&str]| {
+        let args = [
+            &FSDP_8[..],
+            &["--gpus-per-pod", "8", "--load-dtype", "fp32"],
+            flag,
+        ]
+        .concat();
+        json(&args)
+    };
+    let off = loading(&["--ram-efficient-loading", "false"]);
+    let on = loading(&["--ram-efficient-loading", "true"]);
+    assert_eq!(component(&on, "load"), component(&off, "load"), "{on}");
+    let said = on["host_defaults"].to_string();
+    assert!(said.contains("inert:transformers-5"), "{said}");
+    let table = memguard(
+        &[
+            &["estimate"],
+            &FSDP_8[..],
+            &["--gpus-per-pod", "8", "--ram-efficient-loading", "true"],
+        ]
+        .concat(),
+    );
+    let stdout = String::from_utf8_lossy(&table.stdout);
+    assert!(stdout.contains("inert:transformers-5"), "{stdout}");
+    let help = memguard(&["estimate", "--help"]);
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("every rank"), "{help}");
+}

@@ -88,10 +88,12 @@ fn dra_warnings(training: &TrainingPod) -> Vec<String> {
 
 /// The pod's safety ratio (`memguard.io/safety-ratio`), else the policy's.
 pub fn safety_ratio(training: &TrainingPod, policy: &Policy) -> f64 {
-    training
-        .annotations
-        .safety_ratio
-        .unwrap_or(policy.safety_ratio)
+    pod_safety_ratio(training.annotations.safety_ratio, policy)
+}
+
+/// The pod's `memguard.io/safety-ratio` where given (`pod_ratio`), else the policy's.
+pub fn pod_safety_ratio(pod_ratio: Option<f64>, policy: &Policy) -> f64 {
+    pod_ratio.unwrap_or(policy.safety_ratio)
 }
 
 /// The policy's floors, with quality knobs allowed where the pod allows them

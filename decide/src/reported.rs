@@ -67,21 +67,33 @@ impl OnReport<'_> {
                 m.knob.set(&mut target, &m.read);
             }
         }
-        let batch_pair = [Knob::BatchSize, Knob::GradAccumulation];
-        let mut untouched: Vec<Knob> = self.filled.iter().map(|(k, _)| *k).collect();
-        if untouched.iter().any(|k| batch_pair.contains(k)) {
-            untouched.extend(batch_pair);
-        }
-        for knob in untouched {
-            knob.set(&mut target, &knob.value(&self.admitted.config));
-        }
-        target
+        as_configured(&self.admitted, &target)
     }
 
     /// Whether the report changed anything of the pod.
     pub fn changes_anything(&self) -> bool {
         !self.filled.is_empty() || !self.mismatches.is_empty()
     }
+}
+
+/// What the trainer of `training` will report as configured at train start when `planned` is
+/// admitted: `planned`, except each knob planned on a trainer's report
+/// ([`TrainingPod::reported`]), which nothing writes into the launch, stays as the trainer
+/// reported it, and when it is the batch or the accumulation both stay, so the launch keeps its
+/// effective batch (the plan reaches the trainer as `MEMGUARD_*` env and the client re-chunks).
+/// Both the rewrite and the sidecar's admitted config are this, so that a planned run is not
+/// flagged as a mismatch.
+pub fn as_configured(training: &TrainingPod, planned: &TrainingConfig) -> TrainingConfig {
+    let mut configured = planned.clone();
+    let batch_pair = [Knob::BatchSize, Knob::GradAccumulation];
+    let mut untouched: Vec<Knob> = training.reported.keys().copied().collect();
+    if untouched.iter().any(|k| batch_pair.contains(k)) {
+        untouched.extend(batch_pair);
+    }
+    for knob in untouched {
+        knob.set(&mut configured, &knob.value(&training.config));
+    }
+    configured
 }
 
 /// `value` as `knob`'s, as [`Knob::value`] writes it: a count is a whole number of at least 1,

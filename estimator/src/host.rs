@@ -147,8 +147,8 @@ pub struct HostConfig {
     pub load_bytes_per_param: Option<f64>,
     /// Only rank 0 materialises the weights and broadcasts them; the other ranks load on the
     /// meta device. A transformers 4 loader under FSDP `cpu_ram_efficient_loading`: under
-    /// transformers 5.23 every rank still reads the files, so admission never sets it
-    /// (docs/host-memory.md, "RAM-efficient loading").
+    /// transformers 5.23 every rank still reads the files, so neither admission nor the CLI
+    /// sets it (docs/host-memory.md, "RAM-efficient loading").
     pub ram_efficient_loading: bool,
     /// DataLoader workers per rank (`num_workers`).
     pub dataloader_workers: u32,

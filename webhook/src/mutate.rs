@@ -10,6 +10,7 @@
 //! the patch, computed as a difference against the pod, comes out empty.
 
 use k8s_openapi::api::core::v1::Pod;
+use memguard_api::annotations::PlanOptions;
 use memguard_api::estimate::ArgsChange;
 use memguard_api::pod::{Dialect, HostKnobs, ResolveError, TrainingPod};
 use memguard_api::{Knob, Policy, env, wellknown};
@@ -27,7 +28,7 @@ pub use memguard_decide::warnings::{MAX_WARNING_CHARS, cannot_fit_warning, trunc
 pub use crate::outcome::{
     ClientPlan, CommandLine, Guarded, Mutation, Outcome, SidecarPlan, skipped,
 };
-use crate::render::{admitted_config, client_plan, render, sidecar_base_env, train_start_env};
+use crate::render::{client_plan, render, sidecar_base_env, train_start_env};
 pub use crate::watch::view::{ClusterView, ProfileSource};
 
 pub use memguard_decide::budget::{Budget, BudgetSource};
@@ -123,16 +124,9 @@ fn on_launch_report(
                 return guard(pod, policy, python, why);
             }
             match decide_on(&on.training, policy, found.clone()) {
+                // The sidecar's admitted config is the launch as configured (every knob is the
+                // report's: [`memguard_decide::reported::as_configured`]), not the env plan.
                 Ok(mut mutation) if mutation.client.is_some() => {
-                    // The trainer stays configured as it reported (the client re-chunks each
-                    // batch to the planned micro-batch): that is what it will report again,
-                    // so the sidecar compares its report with that, not with the env plan.
-                    let launch = admitted_config(&on.training, &on.training.config);
-                    for (name, value) in &mut mutation.sidecar.env {
-                        if name == env::SIDECAR_ADMITTED_CONFIG {
-                            value.clone_from(&launch);
-                        }
-                    }
                     mutation.warnings.insert(
                         0,
                         truncate(&format!(
@@ -173,6 +167,17 @@ fn guard(pod: &Pod, policy: &Policy, python: bool, why: String) -> Outcome {
         "not planned at admission, guarded at run time (the sidecar and the client): {why}"
     );
     warnings.insert(0, truncate(&format!("memguard: {reason}")));
+    // The pod's own options apply at train start as they would at admission; one that does
+    // not parse is said, and the policy's stands in for it.
+    let given = pod.metadata.annotations.clone().unwrap_or_default();
+    let options = PlanOptions::parse(&given).unwrap_or_else(|errors| {
+        for e in errors {
+            warnings.push(truncate(&format!(
+                "memguard: memguard.io/{e}; the policy's value is used at train start"
+            )));
+        }
+        PlanOptions::default()
+    });
     Outcome::Guarded(Box::new(Guarded {
         trainer_index,
         trainer_env: vec![
@@ -190,7 +195,12 @@ fn guard(pod: &Pod, policy: &Policy, python: bool, why: String) -> Outcome {
             // trainer is planned against its cgroup limit; a GPU one says it has no budget.
             env: sidecar_base_env(policy, &trainer.name)
                 .into_iter()
-                .chain([train_start_env(policy, policy.safety_ratio, None, None)])
+                .chain([train_start_env(
+                    policy,
+                    decision::pod_safety_ratio(options.safety_ratio, policy),
+                    options.allow_quality,
+                    None,
+                )])
                 .collect(),
         },
         client: Some(client),

@@ -192,7 +192,10 @@ pub(crate) fn sidecar_plan(
     if !guessed {
         env.push((
             env::SIDECAR_ADMITTED_CONFIG.into(),
-            admitted_config(training, cfg),
+            admitted_config(
+                training,
+                &memguard_decide::reported::as_configured(training, cfg),
+            ),
         ));
     }
     // A GPU trainer's per-device budget; a CPU trainer's is its cgroup limit, which the

@@ -430,3 +430,47 @@ fn a_guarded_gpu_job_is_planned_on_its_report_against_the_per_device_budget() {
         at_start.reason
     );
 }
+
+/// A Guarded pod's own `safety-ratio` and `allow-quality`, honoured at admission for a pod it
+/// plans, reach its sidecar's train-start settings too; one that does not parse is said.
+#[test]
+fn a_guarded_pods_own_options_reach_its_train_start_settings() {
+    let policy = Policy::default();
+    assert!(
+        !policy.floors.allow_quality,
+        "the default policy keeps quality"
+    );
+    let settings = |annotations: Value| {
+        let mut pod = json_script_pod("tiny-opts", 1 << 30);
+        pod["metadata"]["annotations"] = annotations;
+        let (outcome, _) = admit(&pod, &ClusterView::default());
+        let Outcome::Guarded(g) = outcome else {
+            panic!("guarded: {outcome:?}")
+        };
+        let ts = sidecar_env(&g.sidecar.env, env::SIDECAR_TRAIN_START);
+        (
+            TrainStartPolicy::parse(&ts).expect("settings"),
+            g.warnings.clone(),
+        )
+    };
+
+    let (own, _) = settings(json!({
+        "memguard.io/safety-ratio": "0.6",
+        "memguard.io/allow-quality": "true"
+    }));
+    assert_eq!(own.safety_ratio, Some(0.6));
+    assert!(own.floors.expect("floors").allow_quality);
+
+    let (none, _) = settings(json!({}));
+    assert_eq!(none.safety_ratio, Some(policy.safety_ratio));
+    assert!(!none.floors.expect("floors").allow_quality);
+
+    let (bad, warnings) = settings(json!({"memguard.io/safety-ratio": "2"}));
+    assert_eq!(bad.safety_ratio, Some(policy.safety_ratio));
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("memguard.io/safety-ratio: 2 is not in (0, 1]")),
+        "{warnings:?}"
+    );
+}

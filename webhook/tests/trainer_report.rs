@@ -198,6 +198,13 @@ fn a_batch_filled_from_the_report_is_planned_as_env_and_never_written_into_the_l
             .any(|w| w == ["--gradient_accumulation_steps", "4"]),
         "{said:?}"
     );
+    // The trainer stays configured at 64 × 4 (the client re-chunks to the env plan), and
+    // reports that at train start: the sidecar compares it with that, not with the plan, or
+    // a planned run would be flagged as a mismatch and never calibrate.
+    let admitted = sidecar_env(&m, env::SIDECAR_ADMITTED_CONFIG).expect("admitted config");
+    let knobs = memguard_api::signal::parse_admitted_config(admitted).0;
+    assert_eq!(knobs.get("batch-size"), Some(&64.0), "{admitted}");
+    assert_eq!(knobs.get("grad-accumulation"), Some(&4.0), "{admitted}");
 }
 
 /// A TRL launch on 4 GPUs with room in `limits.memory`: its host plan fits as estimated.

@@ -64,6 +64,21 @@ const FSDP_DEFAULTS: &str = "default:transformers";
 /// 2 ranks loading a bf16 checkpoint as fp32 peak the same with the key on or off, under
 /// `accelerate launch --use_fsdp` and under `torchrun`. So every rank is counted as loading.
 pub const INERT_AT_LOAD: &str = "inert:transformers-5";
+/// FSDP's `cpu_ram_efficient_loading` as memguard counts it when a launch (read at `source`)
+/// or `memguard estimate --ram-efficient-loading` says `key`: never in effect, for under
+/// transformers 5.23 every rank loads whatever the key says; a `true` is said so, with the
+/// source [`INERT_AT_LOAD`]. The one rule admission and the CLI share.
+pub fn ram_efficient_loading(key: bool, source: &str) -> Setting<bool> {
+    Setting {
+        value: false,
+        source: if key {
+            INERT_AT_LOAD.into()
+        } else {
+            source.into()
+        },
+    }
+}
+
 /// DeepSpeed's default for a key its config leaves out.
 const DEEPSPEED_DEFAULTS: &str = "default:deepspeed";
 
@@ -123,14 +138,7 @@ impl HostSettings {
                 value: false,
                 source: FSDP_DEFAULTS.into(),
             }),
-            Some(v) => boolean(v).map(|b| Setting {
-                value: false,
-                source: if b {
-                    INERT_AT_LOAD.into()
-                } else {
-                    source.clone()
-                },
-            }),
+            Some(v) => boolean(v).map(|b| ram_efficient_loading(b, &source)),
         };
         let word = fsdp_words.is_some_and(|w| {
             w.to_ascii_lowercase()

@@ -133,12 +133,13 @@ class Sidecar:
         return json.loads(self.termination.read_text())
 
 
-def stock(tmp: Path, log: Path, weights: Path, extra: Optional[List[str]] = None) -> List[str]:
+def stock(tmp: Path, log: Path, weights: Path, extra: Optional[List[str]] = None,
+          samples: int = SAMPLES) -> List[str]:
     return [
         str(STOCK), "--output_dir", str(tmp / "out"), "--per_device_train_batch_size", str(BATCH),
         "--num_train_epochs", "1", "--learning_rate", "1e-3", "--train_sampling_strategy", "sequential",
         "--use_cpu", "--report_to", "none", "--save_strategy", "no", "--logging_strategy", "no",
-        "--disable_tqdm", "true", "--samples", str(SAMPLES), "--min_len", str(SEQ),
+        "--disable_tqdm", "true", "--samples", str(samples), "--min_len", str(SEQ),
         "--max_len", str(SEQ), "--vocab_size", str(VOCAB), "--seed", "7",
         "--log_file", str(log), "--weights_file", str(weights), *(extra or []),
     ]
@@ -149,14 +150,15 @@ def in_cgroup(cgroup: Path, cmd: List[str]) -> List[str]:
     return ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cgroup), *cmd]
 
 
-def unguarded(tmp: Path, extra: Optional[List[str]] = None, world: int = 1) -> Path:
+def unguarded(tmp: Path, extra: Optional[List[str]] = None, world: int = 1,
+              samples: int = SAMPLES) -> Path:
     """The same run without memguard (no client, no limit): its final parameters."""
     ref = tmp / "reference"
     ref.mkdir()
     weights = ref / "weights.npz"
     launch = [sys.executable] if world == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
-    out = subprocess.run([*launch, *stock(ref, ref / "log.jsonl", weights, extra)],
+    out = subprocess.run([*launch, *stock(ref, ref / "log.jsonl", weights, extra, samples)],
                          env=clean_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return weights
@@ -232,33 +234,43 @@ def test_a_value_the_estimate_needs_and_the_trainer_did_not_report_means_no_plan
     assert "memguard_sidecar_train_start_plan{" not in text
 
 
+#: Optimizer steps each of the two ranks runs: several, so that a rank falling out of step with
+#: the other (a plan applied at different steps, a micro-batch agreed late) shows.
+TWO_RANK_STEPS = 4
+
+
 def test_two_ranks_apply_the_same_plan_from_their_first_step(tmp_path: Path, limit_4g: Path) -> None:
     """Two gloo ranks in one cgroup, one sidecar: each reports its config, both get the one
-    plan and run it from step 1. The two share the 4 GiB limit: each is planned against half
-    the budget (1843 MiB: 4 rows fit, 8 do not)."""
+    plan and run it from step 1, and at every one of their steps after. The two share the
+    4 GiB limit: each is planned against half the budget (1843 MiB: 4 rows fit, 8 do not)."""
+    samples = 2 * BATCH * TWO_RANK_STEPS
     sidecar = Sidecar(tmp_path, limit_4g)
     try:
         client = install(tmp_path / "client")
         log, weights = tmp_path / "log.jsonl", tmp_path / "weights.npz"
         env = clean_env(PYTHONPATH=str(client), MEMGUARD_SIDECAR_URL=sidecar.url)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               *stock(tmp_path, log, weights, ["--ddp_backend", "gloo"])]
+               *stock(tmp_path, log, weights, ["--ddp_backend", "gloo"], samples)]
         out = subprocess.run(in_cgroup(limit_4g, cmd), env=env, capture_output=True, text=True,
                              timeout=600)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         text = sidecar.metrics()
     finally:
         summary = sidecar.stop()
-    by_rank = {r: [e["micro"] for e in steps(log) if e["rank"] == r] for r in (0, 1)}
-    per_rank_steps = SAMPLES // (2 * BATCH)
+    by_rank = {r: {e["step"]: e["micro"] for e in steps(log) if e["rank"] == r} for r in (0, 1)}
+    assert sorted(by_rank[0]) == list(range(TWO_RANK_STEPS)), by_rank
     assert by_rank[0] == by_rank[1], "every rank runs the same micro-batch at every step"
-    assert len(by_rank[0]) == per_rank_steps and by_rank[0][0] == [4, 4, 4, 4], by_rank
-    assert all(sum(m) == BATCH and max(m) <= 4 for m in by_rank[0]), by_rank
+    assert by_rank[0][0] == [4, 4, 4, 4], by_rank
+    assert all(sum(m) == BATCH and max(m) <= 4 for m in by_rank[0].values()), by_rank
+    assert [d["steps"] for d in done(log)] == [TWO_RANK_STEPS] * 2, done(log)
     assert 'memguard_sidecar_trainer_config{knob="world-size"} 2' in text, text
     assert 'memguard_sidecar_trainer_config{knob="local-ranks"} 2' in text
     assert summary["train_start"]["batch_size"] == 4, summary
     assert abs(summary["train_start"]["budget_bytes"] - 4096 * MIB * 0.9 / 2) < 1
     assert summary["oom_events"] == 0, summary
-    # gloo sums the two ranks' gradients in its own order: Adam turns the last-bit differences
-    # of near-zero gradients into ~1e-6 (seen: 1 element of 2M at 2e-6).
-    assert_same_parameters(weights, unguarded(tmp_path, ["--ddp_backend", "gloo"], world=2), atol=1e-5)
+    # The effective batch kept at every step: the parameters of an unguarded 2-rank run at
+    # 16 × 1. gloo sums the two ranks' gradients in its own order: Adam turns the last-bit
+    # differences of near-zero gradients into ~1e-6 (seen: 1 element of 2M at 2e-6 after one
+    # step).
+    reference = unguarded(tmp_path, ["--ddp_backend", "gloo"], world=2, samples=samples)
+    assert_same_parameters(weights, reference, atol=1e-5)
