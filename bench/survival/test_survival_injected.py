@@ -81,11 +81,17 @@ def test_with_the_injected_client_it_finishes_every_step_with_every_sample(resul
     assert mg["peak_bytes"] <= results["limit_bytes"]
     assert mg["steps"] == ref["steps"] == SAMPLES // BATCH
     assert mg["samples"] == ref["samples"] == SAMPLES
-    # The webhook's starting size (below BATCH), then at least one run-time downgrade.
-    assert mg["batches"][0] < BATCH and len(mg["batches"]) >= 2, mg["batches"]
+    # Below BATCH from the first step: the webhook's starting size, lowered further at train
+    # start when the run's longest sequence needs it (the data grows to --max-len); any later
+    # change is a run-time downgrade.
+    assert mg["batches"][0] < BATCH, mg["batches"]
     assert mg["weights_match_reference"] is True, mg["max_weight_diff"]
     summary = mg["sidecar_summary"]
-    assert summary is not None and summary["downgrades"] >= 1 and summary["oom_events"] == 0
+    assert summary is not None and summary["oom_events"] == 0
+    plan = summary.get("train_start") or {}
+    # The plan at train start was made on the longest sequence, not the first 32-token rows.
+    assert summary["trainer_config"]["seq-length"] >= MAX_LEN, summary["trainer_config"]
+    assert summary["downgrades"] >= 1 or (plan.get("planned") and plan["batch_size"] < BATCH), summary
     log = (Path(results["out"]) / "memguard.jsonl").read_text().splitlines()
     assert json.loads(log[-1])["attached"] is True
     print("\nstock trainer survival:", json.dumps({

@@ -95,7 +95,7 @@ from typing import Any, Callable, Dict, Optional
 
 from .guard import Guard
 from .phase import PRESSURE_LEVELS, SaveDeferral
-from .train_config import first_batch, trainer_config
+from .train_config import run_sequence, trainer_config
 from .recovery import (
     DEFAULT_MAX_OOM_RETRIES,
     RunnerCounters,
@@ -235,7 +235,10 @@ class MemguardCallback(RunnerCounters, _callback_base()):  # type: ignore[misc]
                 inner if inner is not None else unwrap(model),
                 getattr(trainer, "accelerator", None),
             )
-            config.update(first_batch(inputs))
+            # The longest sequence of the run, not of this first batch (run_sequence): a
+            # trainer whose data grows longer must not be planned on its first rows.
+            config.pop("seq-length", None)
+            config.update(run_sequence(trainer, inputs))
         except Exception as exc:  # reading the objects must never stop training
             log.warning("memguard: the trainer's config could not be read: %s", exc)
             return

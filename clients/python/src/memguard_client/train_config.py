@@ -67,8 +67,8 @@ def trainer_config(args: Any, model: Any = None, accelerator: Any = None) -> Dic
     out.put("grad-accumulation", getattr(args, "gradient_accumulation_steps", None))
     out.put("grad-checkpointing", getattr(args, "gradient_checkpointing", None))
     out.put("world-size", getattr(args, "world_size", None))
-    # TRL's configs cut at `max_length` (`max_seq_length` before TRL 0.20); the first batch's
-    # padded length replaces it once seen (`first_batch`).
+    # TRL's configs cut at `max_length` (`max_seq_length` before TRL 0.20); at the first step
+    # the run's own bound replaces it (`run_sequence`).
     for name in ("max_length", "max_seq_length"):
         value = getattr(args, name, None)
         if isinstance(value, int) and not isinstance(value, bool):
@@ -247,14 +247,85 @@ def sharding(accelerator: Any) -> Dict[str, float]:
 
 
 def first_batch(inputs: Any) -> Dict[str, float]:
-    """The sequence the trainer really runs: the padded length of its first micro-batch's
-    ``input_ids`` (whatever the collator, padding or packing made of the data)."""
+    """The padded length of one micro-batch's ``input_ids`` as ``seq-length``: the sequence of
+    that batch only. A collator that pads to the longest row of each batch makes later batches
+    longer, so a Trainer's run is read with :func:`run_sequence` instead."""
     out = _Knobs()
+    out.put("seq-length", _batch_length(inputs))
+    return dict(out)
+
+
+#: Rows of a training set whose lengths are read at train start (a column of Arrow data or a
+#: list in memory: milliseconds); a larger or lazier set leaves the sequence unknown.
+MAX_ROWS_READ = 200_000
+
+
+def run_sequence(trainer: Any, inputs: Any) -> Dict[str, float]:
+    """The longest sequence a Trainer's run will see, as ``seq-length``, or nothing.
+
+    The first micro-batch alone is not it: a collator that pads each batch to its longest row
+    (transformers' default) makes later batches longer whenever the data's lengths vary. What
+    bounds the run, in this order:
+
+    - the training set's longest ``input_ids`` (a ``datasets.Dataset`` column, or a list of
+      rows in memory, up to :data:`MAX_ROWS_READ` rows), rounded up to the collator's
+      ``pad_to_multiple_of``, or its ``max_length`` when it pads every batch to that;
+    - a collator that pads every batch to its ``max_length``;
+    - TRL's ``max_length`` (``max_seq_length`` before TRL 0.20), which its data is cut at.
+
+    Never shorter than the first micro-batch. Without any of these the sequence is unknown and
+    the sidecar makes no plan (it says ``seq-length`` was not reported)."""
+    out = _Knobs()
+    first = _batch_length(inputs)
+    collator = getattr(trainer, "data_collator", None)
+    fixed = _int(collator, "max_length") if getattr(collator, "padding", None) == "max_length" else None
+    longest = _dataset_longest(getattr(trainer, "train_dataset", None))
+    if longest is not None:
+        multiple = _int(collator, "pad_to_multiple_of")
+        if multiple and multiple > 0:
+            longest = -(-longest // multiple) * multiple
+        bound: Optional[int] = max(longest, fixed) if fixed is not None else longest
+    elif fixed is not None:
+        bound = fixed
+    else:
+        args = getattr(trainer, "args", None)
+        bound = next((v for v in (_int(args, "max_length"), _int(args, "max_seq_length")) if v), None)
+    if bound is not None:
+        out.put("seq-length", max(bound, first or 0))
+    return dict(out)
+
+
+def _batch_length(inputs: Any) -> Optional[int]:
     ids = inputs.get("input_ids") if isinstance(inputs, dict) or hasattr(inputs, "get") else None
     shape = getattr(ids, "shape", None)
     if shape is not None and len(shape) >= 2:
-        out.put("seq-length", int(shape[-1]))
-    return dict(out)
+        return int(shape[-1])
+    return None
+
+
+def _dataset_longest(dataset: Any) -> Optional[int]:
+    """The longest ``input_ids`` of a training set whose lengths can be read at once; None for
+    any other (an iterable or lazily computed set, one without ``input_ids``, too many rows)."""
+    try:
+        rows = len(dataset)
+    except Exception:
+        return None
+    if not 0 < rows <= MAX_ROWS_READ:
+        return None
+    try:
+        names = getattr(dataset, "column_names", None)
+        if isinstance(names, list):  # datasets.Dataset: one Arrow column
+            if "input_ids" not in names:
+                return None
+            column = dataset["input_ids"]
+        elif isinstance(dataset, (list, tuple)):
+            column = [row["input_ids"] for row in dataset]
+        else:  # a torch Dataset's __getitem__ may tokenize or read files: not at train start
+            return None
+        lengths = [len(ids) for ids in column]
+    except Exception:
+        return None
+    return max(lengths) if lengths else None
 
 
 def _int(obj: Any, name: str) -> Optional[int]:
