@@ -141,37 +141,7 @@ pub(crate) mod tests {
 
     /// A tiny Llama as the client reports it at train start (full fine-tuning on the CPU).
     pub(crate) fn tiny_llama() -> BTreeMap<String, f64> {
-        [
-            ("batch-size", 16.0),
-            ("grad-accumulation", 1.0),
-            ("seq-length", 512.0),
-            ("grad-checkpointing", 0.0),
-            ("world-size", 1.0),
-            ("params", 4_300_000.0),
-            ("trainable-params", 4_300_000.0),
-            ("hidden-size", 64.0),
-            ("num-layers", 2.0),
-            ("num-heads", 4.0),
-            ("num-kv-heads", 4.0),
-            ("head-dim", 16.0),
-            ("intermediate-size", 256.0),
-            ("vocab-size", 32_000.0),
-            ("num-experts", 1.0),
-            ("tie-embeddings", 0.0),
-            ("gated-ffn", 1.0),
-            ("param-bits", 32.0),
-            ("quant-bits", 0.0),
-            ("optimizer", 0.0),
-            ("fused-loss", 0.0),
-            ("bf16", 0.0),
-            ("fp16", 0.0),
-            ("flash-attention", 1.0),
-            ("gpu", 0.0),
-            ("local-ranks", 1.0),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect()
+        memguard_decide::testutil::tiny_llama_report()
     }
 
     pub(crate) fn policy() -> TrainStartPolicy {
