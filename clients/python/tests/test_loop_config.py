@@ -49,16 +49,18 @@ def test_a_plain_loop_reports_its_world_its_ranks_and_its_optimizer(tmp_path: Pa
     }, "only what the loop's objects say: no model shape, no micro-batch, no sequence"
 
 
-def test_a_loop_through_the_micro_batcher_reports_its_model_and_its_sequence(
+def test_a_loop_through_the_micro_batcher_reports_its_model_but_not_one_batch_as_its_sequence(
     tmp_path: Path, cgroup: Path
 ) -> None:
     pytest.importorskip("transformers")
     config = reported(tmp_path, cgroup, "batcher")
     for knob, value in {
         "world-size": 2, "local-ranks": 2, "hidden-size": 64, "num-layers": 2, "num-heads": 4,
-        "num-kv-heads": 2, "intermediate-size": 128, "vocab-size": 512, "seq-length": 48,
+        "num-kv-heads": 2, "intermediate-size": 128, "vocab-size": 512,
     }.items():
         assert config.get(knob) == value, (knob, config)
+    # Its first batch (48 tokens) says nothing of the batches after it.
+    assert "seq-length" not in config, config
     assert config["params"] == config["trainable-params"] > 0
     # The optimizer step hook knows less, and must not replace the batcher's report.
     assert "optimizer" not in config

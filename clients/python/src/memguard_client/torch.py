@@ -149,7 +149,7 @@ class MicroBatcher(RunnerCounters):
         """
         if not self._config_reported:
             self._config_reported = True
-            self._report_config(batch, model)
+            self._report_config(model)
         if not self._fresh_step:
             self.refresh(model)
         self._fresh_step = False
@@ -176,12 +176,13 @@ class MicroBatcher(RunnerCounters):
         self.skip_step = result.skipped
         return float(sum(result.outputs))
 
-    def _report_config(self, batch: Any, model: Any) -> None:
+    def _report_config(self, model: Any) -> None:
         """At the first batch: report what the loop's objects say (the world size, the ranks
-        here; with ``model``, its shape and parameters; the batch's padded sequence). The loop
-        owns its batch size, so no micro-batch is reported and the sidecar plans nothing."""
+        here; with ``model``, its shape and parameters; not the batch's length, which says
+        nothing of later batches). The loop owns its batch size, so no micro-batch is reported
+        and the sidecar plans nothing."""
         try:
-            config = loop_config(model=unwrap(model) if model is not None else None, batch=batch)
+            config = loop_config(model=unwrap(model) if model is not None else None)
         except Exception as exc:  # reading the objects must never stop training
             log.warning("memguard: the loop's config could not be read: %s", exc)
             return

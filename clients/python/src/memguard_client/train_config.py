@@ -89,12 +89,13 @@ def trainer_config(args: Any, model: Any = None, accelerator: Any = None) -> Dic
     return dict(out)
 
 
-def loop_config(model: Any = None, batch: Any = None, optimizer: Any = None) -> Dict[str, float]:
+def loop_config(model: Any = None, optimizer: Any = None) -> Dict[str, float]:
     """What a custom loop's objects say, for a loop memguard cannot re-chunk from outside: the
     world size of the initialised ``torch.distributed`` process group and the ranks in this
-    container; with ``model``, its shape and parameters; with ``batch``, its padded sequence;
-    with ``optimizer``, the parameters it steps and its kind. No micro-batch: only the loop
-    knows what a batch is, so the sidecar makes no plan on it."""
+    container; with ``model``, its shape and parameters; with ``optimizer``, the parameters it
+    steps and its kind. No micro-batch: only the loop knows what a batch is, so the sidecar
+    makes no plan on it. No sequence either: a loop's first batch says nothing of its later,
+    perhaps longer ones (and a profile would fill an unread sequence with it)."""
     out = _Knobs()
     world = process_group_size()
     out.put("world-size", world)
@@ -103,8 +104,6 @@ def loop_config(model: Any = None, batch: Any = None, optimizer: Any = None) -> 
         out.update(optimizer_config(optimizer))
     if model is not None:
         out.update(model_config(model))
-    if batch is not None:
-        out.update(first_batch(batch))
     return dict(out)
 
 
