@@ -6,13 +6,15 @@
 //! is planned on it, the plan delivered as `MEMGUARD_*` env, every source
 //! `profile:trainer-report`, and it agrees with the sidecar's plan at train start.
 
+mod twice;
+
 use k8s_openapi::api::core::v1::Pod;
 use memguard_api::crd::{MemoryProfile, MemoryProfileStatus};
 use memguard_api::train_start::TrainStartPolicy;
 use memguard_api::{Policy, Signal, env};
 use memguard_decide::reported::PROVENANCE;
 use memguard_estimator::Bound;
-use memguard_webhook::{ClusterView, Outcome, mutate, patch};
+use memguard_webhook::{ClusterView, Outcome, mutate};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 
@@ -56,17 +58,7 @@ fn json_script_pod(name: &str, limit: u64) -> Value {
     })
 }
 
-/// Admits `pod`, applies the patch, admits the result again: no second patch.
-fn admit(pod: &Value, view: &ClusterView) -> (Outcome, Value) {
-    let typed: Pod = serde_json::from_value(pod.clone()).expect("a Pod");
-    let outcome = mutate(&typed, &Policy::default(), view);
-    let mut applied = pod.clone();
-    json_patch::patch(&mut applied, &patch::build(&typed, &outcome)).expect("applies");
-    let again: Pod = serde_json::from_value(applied.clone()).expect("still a Pod");
-    let second = patch::build(&again, &mutate(&again, &Policy::default(), view));
-    assert!(second.0.is_empty(), "not idempotent: {second:?}");
-    (outcome, applied)
-}
+use twice::admit_twice as admit;
 
 fn sidecar_env(sidecar: &[(String, String)], name: &str) -> String {
     sidecar

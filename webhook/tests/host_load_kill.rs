@@ -4,11 +4,13 @@
 //! bench/host/ram_efficient_load.py), so the launch is kept, the host verdict withdrawn, and
 //! the warning says to raise the limit and names the dtype as the user's choice.
 
+mod twice;
+
 use k8s_openapi::api::core::v1::Pod;
 use memguard_api::crd::{MemoryProfile, MemoryProfileStatus};
 use memguard_api::phase::TrainerPhase;
 use memguard_api::{Cluster, Policy};
-use memguard_webhook::{ClusterView, Outcome, mutate, patch};
+use memguard_webhook::ClusterView;
 use serde_json::{Value, json};
 
 /// A TRL launch on 4 GPUs under FSDP, loading in fp32, its inline FSDP config asking for
@@ -57,21 +59,7 @@ fn view_with_load_kill(pod: &Value) -> ClusterView {
     view
 }
 
-/// `pod` admitted through `mutate` and its patch applied; admitting the result again must
-/// change nothing.
-fn admit(pod: &Value, view: &ClusterView) -> (memguard_webhook::Mutation, Value) {
-    let typed: Pod = serde_json::from_value(pod.clone()).expect("a Pod");
-    let outcome = mutate(&typed, &Policy::default(), view);
-    let mut applied = pod.clone();
-    json_patch::patch(&mut applied, &patch::build(&typed, &outcome)).expect("applies");
-    let again: Pod = serde_json::from_value(applied.clone()).expect("still a Pod");
-    let second = patch::build(&again, &mutate(&again, &Policy::default(), view));
-    assert!(second.0.is_empty(), "not idempotent: {second:?}");
-    let Outcome::Mutated(m) = outcome else {
-        panic!("mutated: {outcome:?}")
-    };
-    (*m, applied)
-}
+use twice::admit_mutated as admit;
 
 #[test]
 fn a_kill_at_load_keeps_the_launch_and_its_dtype_and_says_what_to_raise() {

@@ -3,10 +3,12 @@
 //! the trainer's report and never written into its launch; a knob the trainer ran otherwise
 //! than its launch says is planned on the report, the launch kept, and the admission says so.
 
+mod twice;
+
 use k8s_openapi::api::core::v1::Pod;
 use memguard_api::crd::{MemoryProfile, MemoryProfileStatus, TrainerReport};
 use memguard_api::{Cluster, Policy, env};
-use memguard_webhook::{ClusterView, Outcome, mutate, patch};
+use memguard_webhook::ClusterView;
 use serde_json::{Value, json};
 
 /// A bespoke `train.py` with `TrainingArguments`' flags on one 80 GB GPU; what it does not
@@ -60,20 +62,7 @@ fn view_with_report(pod: &Value, config: &[(&str, f64)], mismatch: &[&str]) -> C
     view
 }
 
-/// Admits `pod`, applies the patch, admits the result again: no second patch.
-fn admit(pod: &Value, view: &ClusterView) -> (memguard_webhook::Mutation, Value) {
-    let typed: Pod = serde_json::from_value(pod.clone()).expect("a Pod");
-    let outcome = mutate(&typed, &Policy::default(), view);
-    let mut applied = pod.clone();
-    json_patch::patch(&mut applied, &patch::build(&typed, &outcome)).expect("applies");
-    let again: Pod = serde_json::from_value(applied.clone()).expect("still a Pod");
-    let second = patch::build(&again, &mutate(&again, &Policy::default(), view));
-    assert!(second.0.is_empty(), "not idempotent: {second:?}");
-    let Outcome::Mutated(m) = outcome else {
-        panic!("mutated: {outcome:?}")
-    };
-    (*m, applied)
-}
+use twice::admit_mutated as admit;
 
 fn sidecar_env<'a>(m: &'a memguard_webhook::Mutation, name: &str) -> Option<&'a str> {
     m.sidecar
