@@ -59,6 +59,10 @@ pub struct ContainerMemory {
     /// `oom_kill` of `memory.events` (v2) / `memory.oom_control` (v1, kernel ≥ 4.13).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub oom_kill: Option<u64>,
+    /// `oom_kill` when the client started: the kills after it are this trainer's, counted even
+    /// when the first report the sidecar got came after one (never above `oom_kill`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oom_kill_at_start: Option<u64>,
 }
 
 impl ContainerMemory {
@@ -76,6 +80,13 @@ impl ContainerMemory {
         {
             return Err(format!(
                 "container_memory: inactive_file_bytes {inactive} exceeds usage_bytes {usage}"
+            ));
+        }
+        if let (Some(at_start), Some(now)) = (self.oom_kill_at_start, self.oom_kill)
+            && at_start > now
+        {
+            return Err(format!(
+                "container_memory: oom_kill_at_start {at_start} exceeds oom_kill {now}"
             ));
         }
         if let Some(CgroupLimit::Bytes(0)) = self.max {
@@ -143,5 +154,20 @@ mod tests {
             ..ok
         };
         assert!(zero.check().is_err());
+        let kills = ContainerMemory {
+            oom_kill: Some(1),
+            oom_kill_at_start: Some(2),
+            ..Default::default()
+        };
+        let kills = ContainerMemory {
+            cgroup_version: 1,
+            ..kills
+        };
+        assert!(
+            kills
+                .check()
+                .expect_err("2 > 1")
+                .contains("oom_kill_at_start")
+        );
     }
 }

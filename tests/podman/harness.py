@@ -255,14 +255,17 @@ def kernel_oom_kills(container_id: str) -> int:
     return sum(1 for line in out.splitlines() if "oom-kill:" in line and container_id in line)
 
 
-def wait_for(what: str, cond, timeout: float, every: float = 0.2):
+def wait_for(what: str, cond, timeout: float, every: float = 0.2, seen=None):
+    """`cond()` once it is truthy; else fails after `timeout`, with `seen()` (what the test can
+    tell of the state it waited on) in the message, so a failure in CI says why."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         got = cond()
         if got:
             return got
         time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    state = f"; seen: {seen()}" if seen is not None else ""
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{state}")
 
 
 def read_jsonl(path: Path) -> List[Dict[str, Any]]:

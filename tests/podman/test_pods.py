@@ -272,13 +272,16 @@ def test_under_restart_policy_never_the_sidecar_leaves_with_the_killed_trainer(r
     assert left_after < 20, left_after
 
 
-def test_a_trainer_whose_group_differs_from_the_sidecars_has_its_limit_and_kill_from_its_client(runtime):
+@pytest.mark.parametrize("report_at_start", ["1", "0"])
+def test_a_trainer_whose_group_differs_from_the_sidecars_has_its_limit_and_kill_from_its_client(runtime, report_at_start):
     """Issue 37, item 6: the trainer's image maps uid 65532 to group 65532 and the pod sets no
     `runAsGroup`, so the trainer runs as 65532:65532 and the sidecar (65532:0: the webhook cannot
     see the image) cannot open `/proc/<pid>/root`. The trainer's client reports its own cgroup:
     the sidecar's limit is the cgroup's (the downward-API limit is taken away here, so it can
     come from nowhere else), and the OOM kill of a worker process, seen by the trainer that
-    survived it, is counted, as the kernel logged it."""
+    survived it, is counted, as the kernel logged it. Also when the first report the sidecar
+    gets is the one after the kill (`report_at_start` 0): the report carries the counter at the
+    client's start, and the kill is counted from it, not taken as the baseline."""
     ensure_trainer_own_group()
     with tempfile.TemporaryDirectory(prefix="mg-pod-own-group-") as t:
         tmp = Path(t)
@@ -286,7 +289,7 @@ def test_a_trainer_whose_group_differs_from_the_sidecars_has_its_limit_and_kill_
         logdir = tmp / "log"
         logdir.mkdir(mode=0o777)
         logdir.chmod(0o777)
-        env = {"SHAPE": "worker", "STEPS": "4", "STEP_SECONDS": "0.3"}
+        env = {"SHAPE": "worker", "STEPS": "4", "STEP_SECONDS": "0.3", "REPORT_AT_START": report_at_start}
         pod = trainer_pod("mgtest-own-group", {"runAsUser": 65532, "runAsNonRoot": True}, env, logdir)
         pod["spec"]["containers"][0]["image"] = TRAINER_OWN_GROUP
         # The client under test is this checkout's (hostPath), not the copy the image embeds.
@@ -306,6 +309,13 @@ def test_a_trainer_whose_group_differs_from_the_sidecars_has_its_limit_and_kill_
                     and (metric(m, "memguard_sidecar_oom_kills_total") or 0) >= 1
                     and m,
                     timeout=90,
+                    seen=lambda: {
+                        "metrics": [line for line in (p.metrics() or "").splitlines()
+                                    if line.startswith(("memguard_sidecar_source_info", "memguard_sidecar_oom", "memguard_sidecar_limit"))],
+                        "trainer": read_jsonl(trainer_log),
+                        "trainer_state": p.state("train"),
+                        "sidecar_log": p.logs("memguard-sidecar")[-30:],
+                    },
                 )
                 wait_for("the trainer to finish", lambda: any(e["event"] in ("done", "failed") for e in read_jsonl(trainer_log)), timeout=90)
                 wait_for("the sidecar to exit", lambda: p.state("memguard-sidecar").get("Status") == "exited", timeout=30)

@@ -92,8 +92,10 @@ def workers(guard: Guard) -> int:
     steps = int(os.environ.get("STEPS", "6"))
     pause = float(os.environ.get("STEP_SECONDS", "0.3"))
     # At train start, as the client's train-start hooks do: the sidecar sees the cgroup's
-    # counter before the first step.
-    guard.report(step=0, batch_size=guard.batch_size)
+    # counter before the first step. `REPORT_AT_START=0`: no report before the first kill (one
+    # that reached no sidecar), so the first the sidecar gets is the one after it.
+    if os.environ.get("REPORT_AT_START", "1") == "1":
+        guard.report(step=0, batch_size=guard.batch_size)
     time.sleep(float(os.environ.get("STARTUP_SECONDS", "1")))
     log("start", batch=guard.batch_size, accumulation=guard.grad_accumulation, seq=guard.seq, shape="worker")
     step = 0

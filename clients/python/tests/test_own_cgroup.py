@@ -112,6 +112,7 @@ TRAINER = textwrap.dedent(
     import json, os, signal, sys, time
     from memguard_client.own_cgroup import OwnCgroup
     own = OwnCgroup(every=3600)
+    own.start()
     before = own.due()
     assert own.due() is None, "within the interval and no kill: nothing to send"
     worker = os.fork()
@@ -143,6 +144,9 @@ def test_a_surviving_process_reads_its_real_v1_cgroup_and_the_kill_of_its_worker
         assert fig["max"] == 96 * MIB, fig
         assert 0 < fig["usage_bytes"] <= 96 * MIB, fig
     assert before["oom_kill"] == 0 and after["oom_kill"] == 1, (before, after)
+    # The counter at the client's start rides along: a sidecar that gets only `after` still
+    # counts its kill.
+    assert before["oom_kill_at_start"] == after["oom_kill_at_start"] == 0, (before, after)
     # The kernel's own figures agree: its counter, and a peak at the limit.
     assert "oom_kill 1" in (v1_cgroup / "memory.oom_control").read_text()
     assert after["peak_bytes"] >= 90 * MIB, after

@@ -129,6 +129,8 @@ impl MemorySource for WithClientReport {
             self.in_use = None;
             return Ok(None);
         }
+        let taking_up =
+            self.in_use.as_ref().map(|m| m.cgroup_inode) != Some(report.memory.cgroup_inode);
         if self.in_use.is_none() {
             tracing::info!(
                 cgroup_version = report.memory.cgroup_version,
@@ -138,7 +140,15 @@ impl MemorySource for WithClientReport {
             );
         }
         self.in_use = Some(report.memory.clone());
-        Ok(Some(overlay(own, &report, now)))
+        let mut sample = overlay(own, &report, now);
+        // The first sample of a cgroup carries the counter at the client's start, which the
+        // engine takes as its baseline: a kill between that start and this sample (a report
+        // sent before the sidecar listened, the seconds it looks for the cgroup itself) is
+        // counted on the next sample, not taken for one from before the run.
+        if taking_up && let Some(at_start) = report.memory.oom_kill_at_start {
+            sample.events.oom_kill = Some(at_start);
+        }
+        Ok(Some(sample))
     }
 
     fn describe(&self) -> String {
@@ -246,6 +256,7 @@ mod tests {
             high: None,
             peak_bytes: Some(usage + 500),
             oom_kill: Some(oom_kill),
+            oom_kill_at_start: None,
         }
     }
 
@@ -291,6 +302,31 @@ mod tests {
         );
         assert_eq!(src.cgroup_identity(), Some(77));
         assert!(src.describe().contains("client reports it (inode 77)"));
+    }
+
+    #[test]
+    fn a_kill_before_the_view_is_taken_up_is_counted_from_the_clients_start() {
+        // The first report the sidecar got came after a worker's kill (the one before was sent
+        // before it listened): the counter at the client's start is the baseline.
+        let sh = shared();
+        let mut src = over_rss(&sh);
+        let after_kill = |kills, inode| ContainerMemory {
+            oom_kill_at_start: Some(0),
+            ..v1(10_100, kills, inode)
+        };
+        report(&sh, after_kill(1, 77));
+        let mut counters = || -> Vec<Option<u64>> {
+            (0..3)
+                .map(|_| src.sample().expect("ok").expect("s").events.oom_kill)
+                .collect()
+        };
+        assert_eq!(counters(), [Some(0), Some(1), Some(1)], "0 -> 1: one kill");
+        // A restarted trainer's new cgroup: counted from its own client's start.
+        report(&sh, after_kill(2, 78));
+        assert_eq!(counters(), [Some(0), Some(2), Some(2)]);
+        // No counter at start sent (an older client): the first counter is the baseline.
+        report(&sh, v1(10_100, 3, 79));
+        assert_eq!(counters(), [Some(3), Some(3), Some(3)]);
     }
 
     #[test]

@@ -107,6 +107,8 @@ class Guard:
         self._train_start_wait = _env.env_seconds(environ, _env.TRAIN_START_WAIT, TRAIN_START_WAIT)
         # The container's own cgroup, for a sidecar that cannot read it (own_cgroup.py).
         self._own_cgroup = OwnCgroup()
+        if self._url is not None:
+            self._own_cgroup.start()
 
         start_batch = _env.env_int(environ, _env.BATCH_SIZE, batch_size if batch_size else 1)
         start_accum = _env.env_int(

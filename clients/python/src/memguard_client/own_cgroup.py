@@ -202,6 +202,7 @@ class OwnCgroup:
         self._where: Optional[Tuple[str, int]] = None
         self._last_read: Optional[float] = None
         self._last_kills: Optional[int] = None
+        self._kills_at_start: Optional[int] = None
 
     def stop(self) -> None:
         """Never read again (a sidecar that refuses the figures)."""
@@ -218,6 +219,15 @@ class OwnCgroup:
                 self._where = locate(cg, mi)
         return self._where
 
+    def start(self) -> None:
+        """Reads the OOM-kill counter as it is when the client starts: each report carries it
+        (``oom_kill_at_start``), so a kill before the first report the sidecar got (one sent
+        before it listened, or while it still looked for the cgroup itself) is counted, and
+        one before this start is not. One small file; the first read does it otherwise."""
+        where = self.where()
+        if where is not None and self._kills_at_start is None:
+            self._kills_at_start = _oom_kill(*where)
+
     def read(self) -> Optional[Dict[str, Any]]:
         """The figures now, whatever the rate."""
         where = self.where()
@@ -226,6 +236,10 @@ class OwnCgroup:
         fig = read_figures(*where)
         self._last_read = self._clock()
         self._last_kills = fig.get("oom_kill", self._last_kills)
+        if self._kills_at_start is None:
+            self._kills_at_start = self._last_kills
+        if self._kills_at_start is not None and "oom_kill" in fig:
+            fig["oom_kill_at_start"] = min(self._kills_at_start, fig["oom_kill"])
         return fig
 
     def due(self) -> Optional[Dict[str, Any]]:
