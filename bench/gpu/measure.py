@@ -94,6 +94,9 @@ class Case:
     expandable: bool = False
     steps: int = 6
     lora_rank: int = 16
+    # "uniform": within `spread`, the longest last; "ms-swift": ms-swift's benchmark data
+    # (lengths 3,234 ± 2,547 tokens, cut at 91 and `seq`), in the order drawn.
+    lengths: str = "uniform"
 
     def alloc_conf(self) -> str:
         # Expandable segments off is stated, not left unset, so the estimate and the run agree.
@@ -124,25 +127,67 @@ def gpu_cases() -> List[Case]:
     ]
 
 
+def reserve_cases() -> List[Case]:
+    """Issue 38's open question (docs/accuracy.md, "What is left on set 2"): does the caching
+    allocator's reserve over a variable-length run follow the length and the vocabulary, as
+    ms-swift's Qwen rows suggest? Qwen2.5 1.5B's widths (its 151,936-token vocabulary), LoRA,
+    one row a step, lengths drawn as ms-swift's benchmark draws them, at three caps; the 4,096
+    cap again with expandable segments (the control: no fragmentation). Each step's reserved
+    and allocated memory is kept (`per_step`). About 3 minutes on one H100."""
+    qwen = "qwen2.5-1.5b-shape"
+    return [
+        Case("qwen-lora-b1-s1024-msswift", qwen, "lora", 1, 1024, steps=40, lengths="ms-swift"),
+        Case("qwen-lora-b1-s2048-msswift", qwen, "lora", 1, 2048, steps=40, lengths="ms-swift"),
+        Case("qwen-lora-b1-s4096-msswift", qwen, "lora", 1, 4096, steps=40, lengths="ms-swift"),
+        Case("qwen-lora-b1-s4096-msswift-exp", qwen, "lora", 1, 4096, steps=40,
+             lengths="ms-swift", expandable=True),
+        Case("qwen-lora-b1-s4096-even", qwen, "lora", 1, 4096, steps=40),
+    ]
+
+
+#: ms-swift's benchmark lengths (`scripts/benchmark/test_memory_time`, docs/accuracy.md).
+MS_SWIFT_LENGTH_MEAN, MS_SWIFT_LENGTH_SD, MS_SWIFT_LENGTH_MIN = 3234.0, 2547.0, 91
+
+
 def tiny_cases() -> List[Case]:
     """The CPU rehearsal: the same code path, seconds in all."""
     return [
         Case("tiny-full", "tiny", "full", 2, 32, steps=2),
         Case("tiny-lora", "tiny", "lora", 2, 32, steps=2, lora_rank=4),
         Case("tiny-lora-spread", "tiny", "lora", 2, 32, spread=0.5, steps=3, lora_rank=4),
+        Case("tiny-lora-msswift", "tiny", "lora", 1, 32, steps=3, lora_rank=4, lengths="ms-swift"),
     ]
 
 
 def batch_lengths(case: Case, seed: int = 0) -> List[int]:
     """The padded length of each step's batch: the sequence length when packed or even; else
     uniform between (1 - spread) * seq and seq, with the longest batch last so the peak sees
-    every shorter shape first (what fragments the allocator)."""
+    every shorter shape first (what fragments the allocator). `lengths="ms-swift"`: drawn as
+    ms-swift's benchmark draws them, cut at `seq`, in the order drawn."""
+    if case.lengths == "ms-swift":
+        rng = random.Random(seed)
+        low = min(MS_SWIFT_LENGTH_MIN, case.seq)
+        return [
+            min(case.seq, max(low, round(rng.gauss(MS_SWIFT_LENGTH_MEAN, MS_SWIFT_LENGTH_SD))))
+            for _ in range(case.steps)
+        ]
+    if case.lengths != "uniform":
+        raise ValueError(f"{case.name}: lengths {case.lengths!r} is neither uniform nor ms-swift")
     if case.packing or case.spread == 0.0:
         return [case.seq] * case.steps
     rng = random.Random(seed)
     shortest = max(1, int(case.seq * (1.0 - case.spread)))
     lengths = [rng.randint(shortest, case.seq) for _ in range(case.steps - 1)]
     return lengths + [case.seq]
+
+
+def spread_of(case: Case) -> float:
+    """(longest - shortest) / longest of the run's batch lengths, as the estimate takes it: the
+    case's own `spread` for uniform lengths, that of the lengths drawn otherwise."""
+    if case.lengths == "uniform":
+        return case.spread
+    lengths = batch_lengths(case)
+    return round((max(lengths) - min(lengths)) / max(lengths), 3)
 
 
 def model_config_json(shape: Shape) -> Dict[str, object]:
@@ -180,7 +225,7 @@ def estimate_args(case: Case, config_path: Path, device: str) -> List[str]:
         "--grad-checkpointing", "true" if case.checkpointing else "false",
         "--flash-attention", "true" if device == "cuda" else "false",
         "--device", device,
-        "--seq-length-spread", "0" if case.packing else str(case.spread),
+        "--seq-length-spread", "0" if case.packing else str(spread_of(case)),
         "--packing", "true" if case.packing else "false",
         "--output", "json",
     ]
@@ -325,6 +370,7 @@ def run_case(case: Case, device: str, config_path: Path) -> Dict[str, object]:
         torch.cuda.reset_peak_memory_stats()
     started = time.monotonic()
     lengths = batch_lengths(case)
+    per_step: List[Dict[str, int]] = []
     for length in lengths:
         ids = torch.randint(0, cfg.vocab_size, (case.batch, length), device=device)
         out = model(input_ids=ids, labels=ids)
@@ -332,6 +378,17 @@ def run_case(case: Case, device: str, config_path: Path) -> Dict[str, object]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         del out
+        if device == "cuda":
+            # What the reserve does step by step: held after each step, and its peak so far.
+            stats = torch.cuda.memory_stats()
+            per_step.append({
+                "length": length,
+                "reserved": int(torch.cuda.memory_reserved()),
+                "max_reserved": int(torch.cuda.max_memory_reserved()),
+                "max_allocated": int(torch.cuda.max_memory_allocated()),
+                "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+                "segments": int(stats.get("segment.all.current", 0)),
+            })
     if device == "cuda":
         torch.cuda.synchronize()
     figures: Dict[str, object] = {
@@ -342,6 +399,8 @@ def run_case(case: Case, device: str, config_path: Path) -> Dict[str, object]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+    if per_step:
+        figures["per_step"] = per_step
     try:
         import peft as _peft
 
@@ -372,6 +431,8 @@ def rows_for(result: Dict[str, object], shape: Shape, device: str, stamp: str) -
     tags = []
     if case["spread"] and not case["packing"]:
         tags.append(f"[spread={case['spread']}]")
+    if case.get("lengths", "uniform") != "uniform":
+        tags.append(f"[lengths={case['lengths']}]")
     if case["packing"]:
         tags.append("[packing]")
     if device == "cuda" and case["expandable"]:
@@ -442,7 +503,7 @@ def rows_for(result: Dict[str, object], shape: Shape, device: str, stamp: str) -
 def run_all(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cases = tiny_cases() if args.tiny else gpu_cases()
+    cases = tiny_cases() if args.tiny else (reserve_cases() if args.group == "reserve" else gpu_cases())
     if args.only:
         cases = [c for c in cases if c.name in set(args.only.split(","))]
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -511,6 +572,8 @@ def main() -> int:
     a.add_argument("--out", required=True)
     a.add_argument("--memguard", default="target/release/memguard")
     a.add_argument("--only", help="comma-separated case names")
+    a.add_argument("--group", choices=["main", "reserve"], default="main",
+                   help="main: the estimate's cases; reserve: the variable-length reserve (issue 38)")
     a.add_argument("--budget-s", type=float, default=480.0,
                    help="start no case after this many seconds")
     a.add_argument("--case-timeout-s", type=float, default=240.0)

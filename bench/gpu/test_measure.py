@@ -58,6 +58,37 @@ def test_every_case_has_an_estimate_and_fits_an_h100(memguard: str, tmp_path: Pa
     assert len({c.name for c in measure.gpu_cases()}) == len(measure.gpu_cases())
 
 
+def test_the_reserve_cases_have_estimates_that_state_the_spread_they_run(memguard: str, tmp_path: Path) -> None:
+    cases = {c.name: c for c in measure.reserve_cases()}
+    assert len(cases) == len(measure.reserve_cases())
+    totals = {}
+    for name, case in cases.items():
+        config = write_config(tmp_path, measure.SHAPES[case.shape])
+        e = measure.memguard_estimate(memguard, case, config, "cuda")
+        assert 0 < e["total_bytes"] < 75e9, (name, e["total_bytes"])
+        totals[name] = e["total_bytes"]
+        flags = measure.estimate_args(case, config, "cuda")
+        spread = float(flags[flags.index("--seq-length-spread") + 1])
+        lengths = measure.batch_lengths(case)
+        assert spread == round((max(lengths) - min(lengths)) / max(lengths), 3), (name, spread)
+    # The drawn lengths fragment the allocator in the estimate; expandable segments do not.
+    assert totals["qwen-lora-b1-s4096-msswift"] > totals["qwen-lora-b1-s4096-even"]
+    assert totals["qwen-lora-b1-s4096-msswift-exp"] == totals["qwen-lora-b1-s4096-even"]
+
+
+def test_ms_swift_lengths_are_its_benchmarks_cut_at_the_cap_and_seeded() -> None:
+    case = measure.Case("x", "tiny", "lora", 1, 2048, steps=400, lengths="ms-swift")
+    lengths = measure.batch_lengths(case)
+    assert lengths == measure.batch_lengths(case), "the same draw every run"
+    assert len(lengths) == 400 and min(lengths) >= 91 and max(lengths) == 2048
+    # N(3234, 2547) is above 2,048 about 68 % of the time: most rows are cut at the cap.
+    at_cap = sum(n == 2048 for n in lengths) / len(lengths)
+    assert 0.6 < at_cap < 0.76, at_cap
+    assert lengths != sorted(lengths), "in the order drawn, not the longest last"
+    with pytest.raises(ValueError, match="neither uniform nor ms-swift"):
+        measure.batch_lengths(measure.Case("y", "tiny", "lora", 1, 64, lengths="zipf"))
+
+
 def test_batch_lengths_vary_within_the_spread_and_end_at_the_longest() -> None:
     case = measure.Case("x", "tiny", "lora", 2, 1000, spread=0.75, steps=20)
     lengths = measure.batch_lengths(case)
