@@ -27,7 +27,7 @@ python3 -m pip install -q --disable-pip-version-check ./clients/python
 # In CI (root, cgroup v1) the survival proof must run, not skip; it uses the sidecar built above.
 if [[ ${CI:-} == true ]]; then export MEMGUARD_REQUIRE_SURVIVAL=1; fi
 # tests/launch: the webhook's rewrite of stock HF launches, re-read by transformers' own parser.
-MEMGUARD_BIN=$PWD/target/debug/memguard MEMGUARD_SIDECAR_BIN=$PWD/target/debug/memguard-sidecar python3 -m pytest -q -rs clients/python/tests bench/survival bench/gpu bench/host tests/launch
+MEMGUARD_BIN=$PWD/target/debug/memguard MEMGUARD_SIDECAR_BIN=$PWD/target/debug/memguard-sidecar python3 -m pytest -q -rs --durations=15 clients/python/tests bench/survival bench/gpu bench/host tests/launch
 
 step "image: scripts/build-image.sh (once; the pod tests reuse it)"
 export CONTAINERS_CONF=${CONTAINERS_CONF:-$PWD/scripts/containers.conf}
@@ -45,7 +45,7 @@ echo "image step: $((SECONDS - image_start)) s"
 
 step "image and pods under podman (tests/podman)"
 pods_start=$SECONDS
-MEMGUARD_BIN=$PWD/target/debug/memguard python3 -m pytest -q -rs tests/podman --ignore tests/podman/test_prometheus.py
+MEMGUARD_BIN=$PWD/target/debug/memguard python3 -m pytest -q -rs --durations=5 tests/podman --ignore tests/podman/test_prometheus.py
 echo "podman step: $((SECONDS - pods_start)) s"
 
 step "a real Prometheus scrapes the pod and the webhook container (tests/podman/test_prometheus.py)"
