@@ -134,7 +134,7 @@ impl Launch {
                 Edit::Replace { index, text } => match self.args.get(*index).map(|a| &a.place) {
                     Some(Place::Item(i)) => {
                         if let Some(item) = out.get_mut(*i) {
-                            *item = text.clone();
+                            *item = kubelet_literal(text);
                         }
                     }
                     Some(Place::Shell { item, span }) => {
@@ -150,7 +150,7 @@ impl Launch {
             Place::Item(last) => {
                 let at = (*last + 1).min(out.len());
                 for (k, text) in appended.into_iter().enumerate() {
-                    out.insert(at + k, text);
+                    out.insert(at + k, kubelet_literal(&text));
                 }
             }
             Place::Shell { item, span } => {
@@ -457,6 +457,13 @@ impl Search {
             why_none: why,
         }
     }
+}
+
+/// `text` as an argv item the kubelet passes as `text`: every `$` written `$$`. A word is read
+/// after the kubelet's expansion (`$$` is one `$`), so a rewritten word written as read would
+/// lose one `$` of each pair.
+fn kubelet_literal(text: &str) -> String {
+    text.replace('$', "$$")
 }
 
 /// An argv item as the kubelet passes it: `$(NAME)` replaced by the container's variable
@@ -837,6 +844,39 @@ mod tests {
 
     fn items(s: &[&str]) -> Vec<String> {
         s.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn a_rewritten_item_keeps_the_kubelets_dollar_escapes() {
+        // `$$` is a literal `$` to the kubelet: read as one, written back as two.
+        let env = std::collections::BTreeMap::new();
+        let cmd = items(&["python", "train.py", "--grad$$_steps=2", "--tag", "$$x"]);
+        let found = find_in_env(&cmd, &env).expect("a launch");
+        let flags = Flags::parse(&found.texts(), &HfRules);
+        assert_eq!(flags.value("grad$_steps"), Some("2"));
+        let edit = flags.set("grad$_steps", "7", &HfRules).expect("set");
+        let appended = crate::launch::flags::Edit::Append("--note=a$b".into());
+        let out = found.apply(&cmd, &[edit, appended]);
+        assert_eq!(
+            out,
+            items(&[
+                "python",
+                "train.py",
+                "--grad$$_steps=7",
+                "--tag",
+                "$$x",
+                "--note=a$$b"
+            ])
+        );
+        let again = find_in_env(&out, &env).expect("found again");
+        let reread = Flags::parse(&again.texts(), &HfRules);
+        assert_eq!(reread.value("grad$_steps"), Some("7"));
+        assert_eq!(reread.value("note"), Some("a$b"));
+        assert_eq!(
+            reread.value("tag"),
+            Some("$x"),
+            "untouched items stay as written"
+        );
     }
 
     #[test]
