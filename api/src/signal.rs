@@ -195,13 +195,16 @@ pub struct Report {
 /// (issue 37, item 2): the model's shape from its config, the parameters' dtype and
 /// quantization, the optimizer ([`OPTIMIZER_CODES`]), the loss, mixed precision, attention,
 /// sharding and the device. A bool is 0 or 1; a knob not reported is unknown.
-pub const TRAINER_CONFIG_KNOBS: [&str; 29] = [
+pub const TRAINER_CONFIG_KNOBS: [&str; 31] = [
     "batch-size",
     "grad-accumulation",
     "seq-length",
     "grad-checkpointing",
     "world-size",
     "lora-rank",
+    // The projections LoRA wraps ([`LORA_TARGET_BITS`]) and whether its dropout is on.
+    "lora-targets",
+    "lora-dropout",
     "params",
     "trainable-params",
     // The model's shape (`model.config`).
@@ -241,6 +244,11 @@ pub const OPTIMIZER_CODES: [&str; 7] = [
     "adamw-8bit",
     "adamw-8bit-torchao",
 ];
+
+/// The projections a trainer reports as `lora-targets`: bit `i` (value `1 << i`) set when
+/// LoRA wraps the projection named here in every block, by the estimator's names
+/// (`memguard_estimator::LoraTargets`; `q_proj` … `down_proj` in transformers' Llama family).
+pub const LORA_TARGET_BITS: [&str; 7] = ["q", "k", "v", "o", "gate", "up", "down"];
 
 /// `knob=value,…` ([`crate::env::SIDECAR_ADMITTED_CONFIG`]): the known knobs, the rest named
 /// as refused (an unknown knob, a value that is not a non-negative number).

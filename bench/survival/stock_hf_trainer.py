@@ -44,6 +44,8 @@ class DataArguments:
     vocab_size: int = field(default=512, metadata={"help": "vocabulary size"})
     log_file: str = field(default="", metadata={"help": "JSON lines of steps (optional)"})
     weights_file: str = field(default="", metadata={"help": "final parameters as .npz (optional)"})
+    lora_rank: int = field(default=0, metadata={"help": "LoRA (PEFT) of this rank on q_proj and v_proj; 0: full fine-tuning"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout"})
 
 
 def dataset(d: DataArguments, seed: int) -> List[Dict[str, torch.Tensor]]:
@@ -112,6 +114,12 @@ def main() -> int:
     )
     config._attn_implementation = "eager"
     model = LlamaForCausalLM(config)
+    if data_args.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(
+            r=data_args.lora_rank, lora_alpha=2 * data_args.lora_rank, lora_dropout=data_args.lora_dropout,
+            target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     steps = StepLog(data_args.log_file, args.per_device_train_batch_size, args.process_index)
     model.register_forward_pre_hook(steps.forward_hook, with_kwargs=True)
     steps.log("start", pid=os.getpid(), batch=args.per_device_train_batch_size, accumulation=1,

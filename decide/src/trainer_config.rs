@@ -6,9 +6,11 @@
 //! A value the estimate depends on that the trainer did not report is unknown: no config, and
 //! the error names each missing or impossible value.
 
-use memguard_api::signal::OPTIMIZER_CODES;
+use memguard_api::signal::{LORA_TARGET_BITS, OPTIMIZER_CODES};
+use memguard_estimator::estimate::trainable_params;
 use memguard_estimator::{
-    Device, Loss, Method, ModelShape, Optimizer, Parallelism, Precision, TrainingConfig,
+    Device, LoraTargets, Loss, Method, ModelShape, Optimizer, Parallelism, Precision,
+    TrainingConfig,
 };
 use std::collections::BTreeMap;
 use std::str::FromStr;
@@ -75,17 +77,20 @@ pub fn training_config(knobs: &BTreeMap<String, f64>) -> Result<TrainingConfig, 
     let params = whole("params")?;
     let trainable = whole("trainable-params")?;
     let quant_bits = whole("quant-bits")?;
-    if trainable < params {
-        // LoRA's targets and layers, or which part a script froze, are not reported.
+    let lora = trainable < params;
+    if lora && !(knobs.contains_key("lora-rank") && knobs.contains_key("lora-targets")) {
+        // Which part a script froze, or an adapter the client could not read, is not reported.
         return Err(format!(
-            "{trainable} of {params} parameters trainable: adapters and partly frozen models \
-             are not planned at train start"
+            "{trainable} of {params} parameters trainable and no LoRA rank and targets \
+             reported: adapters and partly frozen models are not planned at train start"
         ));
     }
     if quant_bits != 0 {
-        return Err(format!(
-            "a {quant_bits}-bit base trained in full is not planned at train start"
-        ));
+        return Err(if lora {
+            format!("LoRA on a {quant_bits}-bit base is not planned at train start")
+        } else {
+            format!("a {quant_bits}-bit base trained in full is not planned at train start")
+        });
     }
     let model = ModelShape {
         params: Some(params),
@@ -120,6 +125,28 @@ pub fn training_config(knobs: &BTreeMap<String, f64>) -> Result<TrainingConfig, 
         (bits, _, _) => return Err(format!("param-bits is {bits}, not 16 or 32")),
     };
     cfg.method = Method::Full;
+    if lora {
+        cfg.method = Method::Lora;
+        cfg.lora_rank = whole("lora-rank")?;
+        cfg.lora_targets = lora_targets(whole("lora-targets")?)?;
+        cfg.lora_dropout = if knobs.contains_key("lora-dropout") {
+            flag("lora-dropout")?
+        } else {
+            return Err("not reported: lora-dropout".into());
+        };
+        // The adapter the estimate sizes must be the one that trains: a rank that varies by
+        // layer, a subset of layers, biases or whole modules trained beside it are not reported.
+        let sized = trainable_params(&cfg, params as f64);
+        if (sized - trainable as f64).abs() > 0.01 * trainable as f64 {
+            return Err(format!(
+                "{trainable} parameters trainable, not the {sized:.0} of a rank-{} LoRA on {}: \
+                 other trainable modules, per-layer ranks or a subset of layers are not planned \
+                 at train start",
+                cfg.lora_rank,
+                cfg.lora_targets.to_list()
+            ));
+        }
+    }
     cfg.loss = if flag("fused-loss")? {
         Loss::Fused
     } else {
@@ -159,10 +186,98 @@ pub fn training_config(knobs: &BTreeMap<String, f64>) -> Result<TrainingConfig, 
     Ok(cfg)
 }
 
+/// `lora-targets` ([`LORA_TARGET_BITS`]) as the estimator's targets.
+fn lora_targets(bits: u64) -> Result<LoraTargets, String> {
+    let all = (1u64 << LORA_TARGET_BITS.len()) - 1;
+    if bits == 0 || bits & !all != 0 {
+        return Err(format!(
+            "lora-targets is {bits}: not a set of {LORA_TARGET_BITS:?} (bit i for the i-th)"
+        ));
+    }
+    let on = |name: &str| {
+        LORA_TARGET_BITS
+            .iter()
+            .position(|n| *n == name)
+            .is_some_and(|i| bits & (1 << i) != 0)
+    };
+    Ok(LoraTargets {
+        q: on("q"),
+        k: on("k"),
+        v: on("v"),
+        o: on("o"),
+        gate: on("gate"),
+        up: on("up"),
+        down: on("down"),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::testutil::tiny_llama_report as tiny_llama;
+
+    /// The tiny Llama with a rank-8 LoRA on q and v: 2 layers × 8·(64 + 64) × 2 trainable.
+    fn tiny_lora() -> BTreeMap<String, f64> {
+        let mut knobs = tiny_llama();
+        for (k, v) in [
+            ("trainable-params", 4096.0),
+            ("lora-rank", 8.0),
+            ("lora-targets", 1.0 + 4.0),
+            ("lora-dropout", 1.0),
+        ] {
+            knobs.insert(k.into(), v);
+        }
+        knobs
+    }
+
+    #[test]
+    fn a_reported_lora_is_planned_as_the_lora_that_trains() {
+        let cfg = training_config(&tiny_lora()).expect("a LoRA config");
+        assert_eq!(cfg.method, Method::Lora);
+        assert_eq!(cfg.lora_rank, 8);
+        assert_eq!(cfg.lora_targets, LoraTargets::QV);
+        assert!(cfg.lora_dropout);
+        assert_eq!(trainable_params(&cfg, 4_300_000.0), 4096.0);
+        let all = lora_targets(127).expect("all seven");
+        assert_eq!(all, LoraTargets::ALL_LINEAR);
+    }
+
+    #[test]
+    fn a_lora_that_is_not_what_trains_or_not_read_whole_is_not_planned() {
+        let says = |knobs: &BTreeMap<String, f64>| training_config(knobs).expect_err("no plan");
+        // More trainable than the LoRA: modules_to_save, biases, per-layer ranks.
+        let mut more = tiny_lora();
+        more.insert("trainable-params".into(), 4096.0 + 64.0 * 32_000.0);
+        assert!(
+            says(&more).contains("not the 4096 of a rank-8 LoRA on q,v"),
+            "{}",
+            says(&more)
+        );
+        // Targets the client could not name (not reported), or impossible ones.
+        let mut unnamed = tiny_lora();
+        unnamed.remove("lora-targets");
+        assert!(says(&unnamed).contains("no LoRA rank and targets reported"));
+        for bad in [0.0, 128.0, 2.5] {
+            let mut knobs = tiny_lora();
+            knobs.insert("lora-targets".into(), bad);
+            assert!(
+                says(&knobs).contains("lora-targets"),
+                "{bad}: {}",
+                says(&knobs)
+            );
+        }
+        let mut no_dropout = tiny_lora();
+        no_dropout.remove("lora-dropout");
+        assert_eq!(says(&no_dropout), "not reported: lora-dropout");
+        // A quantized base under LoRA (QLoRA) is not planned at train start yet.
+        let mut qlora = tiny_lora();
+        qlora.insert("quant-bits".into(), 4.0);
+        assert!(
+            says(&qlora).contains("LoRA on a 4-bit base"),
+            "{}",
+            says(&qlora)
+        );
+    }
 
     #[test]
     fn the_reported_knobs_map_onto_the_estimators_config() {

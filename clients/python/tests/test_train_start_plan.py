@@ -210,6 +210,37 @@ def test_a_trainer_configured_above_its_budget_is_planned_down_before_its_first_
     assert_same_parameters(weights, unguarded(tmp_path))
 
 
+def test_a_lora_trainer_is_planned_as_the_lora_it_trains(tmp_path: Path, limit_2g: Path) -> None:
+    """The same script with PEFT's LoRA (rank 8 on q_proj and v_proj): the client reports the
+    adapter it wrapped, the sidecar sizes that LoRA (its trainable count checked against the
+    reported one) and plans it down before the first step; the effective batch is kept."""
+    lora = ["--lora_rank", "8"]
+    sidecar = Sidecar(tmp_path, limit_2g)
+    try:
+        client = install(tmp_path / "client")
+        log, weights = tmp_path / "log.jsonl", tmp_path / "weights.npz"
+        env = clean_env(PYTHONPATH=str(client), MEMGUARD_SIDECAR_URL=sidecar.url)
+        out = subprocess.run(in_cgroup(limit_2g, [sys.executable, *stock(tmp_path, log, weights, lora)]),
+                             env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        text = sidecar.metrics()
+    finally:
+        summary = sidecar.stop()
+    plan = summary["train_start"]
+    print(f"LoRA planned at train start: {json.dumps(plan)}")
+    assert plan["planned"] and plan["fits"] and 1 <= plan["batch_size"] < BATCH, plan
+    assert plan["batch_size"] * plan["grad_accumulation"] == BATCH, plan
+    ran = [e["micro"] for e in steps(log)]
+    assert ran[0] == [plan["batch_size"]] * plan["grad_accumulation"], ran
+    assert all(sum(m) == BATCH for m in ran), ran
+    # q (bit 1) and v (bit 4), rank 8, no dropout: 2 layers × 8·((64 + 64) + (64 + 32)) trainable.
+    for knob, value in {"lora-rank": 8, "lora-targets": 5, "lora-dropout": 0,
+                        "trainable-params": 2 * 8 * ((64 + 64) + (64 + 32))}.items():
+        assert f'memguard_sidecar_trainer_config{{knob="{knob}"}} {value}\n' in text, (knob, text)
+    assert summary["oom_events"] == 0, summary
+    assert_same_parameters(weights, unguarded(tmp_path, lora))
+
+
 def test_a_value_the_estimate_needs_and_the_trainer_did_not_report_means_no_plan(
     tmp_path: Path, limit_4g: Path
 ) -> None:

@@ -41,6 +41,11 @@ _HF_OPTIMIZERS = {
     "sgd": "sgd",
 }
 
+#: The projections a LoRA may wrap, by ``memguard_api::signal::LORA_TARGET_BITS`` bit (1 << i),
+#: under transformers' Llama-family module names.
+LORA_TARGET_BITS = ("q", "k", "v", "o", "gate", "up", "down")
+_LORA_MODULES = {f"{name}_proj": 1 << i for i, name in enumerate(LORA_TARGET_BITS)}
+
 #: Attention implementations that keep no ``S²`` score matrix.
 _MEMORY_EFFICIENT_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 _EAGER_ATTENTION = ("eager",)
@@ -180,6 +185,8 @@ def model_config(model: Any) -> Dict[str, float]:
     peft = getattr(model, "peft_config", None)
     if isinstance(peft, dict) and peft:
         out.put("lora-rank", getattr(next(iter(peft.values())), "r", None))
+        if len(peft) == 1:
+            out.update(lora_modules(model, next(iter(peft.values()))))
     config = getattr(model, "config", None)
     text = config
     get_text = getattr(config, "get_text_config", None)
@@ -227,6 +234,45 @@ def model_config(model: Any) -> Dict[str, float]:
         names = []
     if names:
         out.put("gated-ffn", any(n.rsplit(".", 1)[-1] in _GATE_NAMES for n in names))
+    return dict(out)
+
+
+def lora_modules(model: Any, peft_config: Any) -> Dict[str, float]:
+    """``lora-targets`` and ``lora-dropout`` from the modules PEFT really wrapped (not from
+    ``target_modules``, which may be a pattern). Nothing when one of them is not a Llama-family
+    projection, when DoRA is on, or when the layers differ in what they wrap: the sidecar then
+    plans nothing. Whether the rank and the layers are what trains, the sidecar checks against
+    the trainable parameters."""
+    out = _Knobs()
+    if getattr(peft_config, "use_dora", False):
+        return dict(out)
+    targets = 0
+    dropout = False
+    per_layer: Dict[str, int] = {}
+    try:
+        modules = list(model.named_modules())
+    except Exception:
+        return dict(out)
+    for name, module in modules:
+        if not hasattr(module, "lora_A"):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        bit = _LORA_MODULES.get(leaf)
+        if bit is None:
+            return dict(out)
+        targets |= bit
+        per_layer[parent] = per_layer.get(parent, 0) | bit
+        for d in getattr(module, "lora_dropout", {}).values():
+            dropout = dropout or (type(d).__name__ == "Dropout" and getattr(d, "p", 0) > 0)
+    by_block: Dict[str, int] = {}
+    for parent, bits in per_layer.items():
+        # `model.layers.3.self_attn` and `model.layers.3.mlp`: one block, two parents.
+        block = parent.rsplit(".", 1)[0] if parent.endswith(("self_attn", "mlp")) else parent
+        by_block[block] = by_block.get(block, 0) | bits
+    if not targets or len(set(by_block.values())) != 1:
+        return dict(out)
+    out.put("lora-targets", targets)
+    out.put("lora-dropout", dropout)
     return dict(out)
 
 
