@@ -51,8 +51,7 @@ def test_a_job_killed_at_load_is_admitted_with_a_memory_figure_at_which_it_loads
     proof.require_root()
     # A bf16 checkpoint loaded in fp32 on 2 ranks: each rank converts it into its own fp32
     # copy (anonymous memory), which is what kills the pod at load. LoRA on the frozen base:
-    # the training step itself adds little. A limit far under the load's need: the kernel
-    # kills quickly instead of thrashing the page cache of the libraries.
+    # the training step itself adds little. A limit far under the load's need.
     checkpoint_bf16 = proof.build_checkpoint("m400", "bfloat16")
     command = ["torchrun", "--standalone", "--nproc_per_node", "2", str(SCRIPT)]
     args = ["--model_name_or_path", str(checkpoint_bf16), "--dtype", "float32", "--lora", "true",
@@ -62,7 +61,9 @@ def test_a_job_killed_at_load_is_admitted_with_a_memory_figure_at_which_it_loads
             "--report_to", "none", "--use_cpu", "true"]
     limit = "2Gi"
 
-    killed = proof.run_in_cgroup("load-killed", proof.quantity_bytes(limit), command + args, cwd=tmp_path)
+    # Warm: killed by the kernel in seconds, not left reclaiming at the limit (proof.py).
+    killed = proof.run_in_cgroup("load-killed", proof.quantity_bytes(limit), command + args, cwd=tmp_path,
+                                 warm=[checkpoint_bf16])
     why = proof.describe(killed)
     assert killed.returncode != 0 and killed.oom_kills >= 1, why
     assert sigkilled_rank(killed), why
